@@ -1,0 +1,36 @@
+"""mpar: model-parallel and sharding runtime for PyTorch.
+
+See ``docs/`` and the README; the public names below are stable.
+"""
+
+from mpar._ranks import (
+    barrier,
+    config,
+    dp_rank,
+    dp_size,
+    local_rank,
+    local_size,
+    pp_rank,
+    pp_size,
+    rank,
+    size,
+)
+from mpar.comm import init, is_initialized, shutdown
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "barrier",
+    "config",
+    "dp_rank",
+    "dp_size",
+    "init",
+    "is_initialized",
+    "local_rank",
+    "local_size",
+    "pp_rank",
+    "pp_size",
+    "rank",
+    "shutdown",
+    "size",
+]

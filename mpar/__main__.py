@@ -1,0 +1,5 @@
+import sys
+
+from mpar.cli import main
+
+sys.exit(main())

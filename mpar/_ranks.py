@@ -1,0 +1,65 @@
+"""Rank helpers of the public API (``mpar.rank()``, ``mpar.pp_rank()``, ...)."""
+
+from __future__ import annotations
+
+from mpar.comm import state
+from mpar.comm._collectives import barrier
+from mpar.config import Config
+
+__all__ = [
+    "barrier",
+    "config",
+    "dp_rank",
+    "dp_size",
+    "local_rank",
+    "local_size",
+    "pp_rank",
+    "pp_size",
+    "rank",
+    "size",
+]
+
+
+def config() -> Config:
+    """The resolved, typed configuration of the current ``mpar.init``."""
+    return state().config
+
+
+def rank() -> int:
+    """Global rank of this process."""
+    return state().layout.rank
+
+
+def size() -> int:
+    """Number of processes in the job."""
+    return state().layout.world_size
+
+
+def local_rank() -> int:
+    """Rank of this process on its host."""
+    return state().layout.local_rank
+
+
+def local_size() -> int:
+    """Number of processes on this host."""
+    return state().layout.local_size
+
+
+def pp_rank() -> int:
+    """Pipeline stage index of this rank (0 .. pp_size() - 1)."""
+    return state().pp_rank
+
+
+def pp_size() -> int:
+    """Pipeline parallel degree."""
+    return state().grid.pp_size
+
+
+def dp_rank() -> int:
+    """Index of this rank's model replica (0 .. dp_size() - 1)."""
+    return state().dp_rank
+
+
+def dp_size() -> int:
+    """Number of data-parallel replicas."""
+    return state().grid.dp_size

@@ -1,0 +1,19 @@
+"""Process bootstrap, process groups and communication.
+
+The only mpar package that imports ``torch.distributed``.
+"""
+
+from mpar.comm._bootstrap import State, init, is_initialized, shutdown, state
+from mpar.comm._layout import Layout, detect_layout, expand_slurm_nodelist, free_port
+
+__all__ = [
+    "Layout",
+    "State",
+    "detect_layout",
+    "expand_slurm_nodelist",
+    "free_port",
+    "init",
+    "is_initialized",
+    "shutdown",
+    "state",
+]

@@ -1,0 +1,197 @@
+"""``mpar.init`` / ``mpar.shutdown``: process groups, device, threads.
+
+The single mutable global of mpar is the :class:`State` held here; every other
+package asks :func:`state` for it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mpar.comm._layout import Layout, detect_layout
+from mpar.config import Config, load_config
+from mpar.errors import AlreadyInitializedError, ConfigError, NotInitializedError
+from mpar.topology import Grid
+
+__all__ = ["State", "init", "is_initialized", "shutdown", "state"]
+
+
+@dataclass
+class State:
+    """Everything ``mpar.init`` decided, for this process."""
+
+    config: Config
+    layout: Layout
+    grid: Grid
+    device: torch.device
+    backend: str
+    pp_rank: int
+    dp_rank: int
+    pp_ranks: list[int]
+    """Global ranks of this rank's pipeline, in stage order."""
+    dp_ranks: list[int]
+    """Global ranks of this rank's data-parallel group."""
+    pp_group: Any = None
+    dp_group: Any = None
+    owns_process_group: bool = True
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+_STATE: State | None = None
+
+
+def state() -> State:
+    """The state of the current ``mpar.init``; a clear error before it."""
+    if _STATE is None:
+        raise NotInitializedError("mpar is not initialised: call mpar.init(config) first")
+    return _STATE
+
+
+def is_initialized() -> bool:
+    return _STATE is not None
+
+
+def _pick_device(config: Config, layout: Layout) -> torch.device:
+    kind = config.device
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("config key 'device' is 'cuda' but CUDA is not available here")
+        index = layout.local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    if kind == "xla":
+        try:
+            import torch_xla.core.xla_model as xm
+        except ImportError:
+            raise ConfigError(
+                "config key 'device' is 'xla' but torch_xla is not installed"
+            ) from None
+        return torch.device(xm.xla_device())
+    return torch.device("cpu")
+
+
+def _pick_backend(config: Config, device: torch.device) -> str:
+    if config.backend != "auto":
+        return config.backend
+    return {"cuda": "nccl", "xla": "xla"}.get(device.type, "gloo")
+
+
+def _set_threads(layout: Layout) -> None:
+    """Give each rank its share of the host's cores unless the user chose."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (cores or 1) // max(1, layout.local_size)))
+
+
+def _init_process_group(layout: Layout, backend: str, timeout: datetime.timedelta) -> bool:
+    if dist.is_initialized():
+        if dist.get_world_size() != layout.world_size:
+            raise ConfigError(
+                f"a torch.distributed process group of size {dist.get_world_size()} exists, "
+                f"but the launcher reports {layout.world_size} processes"
+            )
+        return False
+    if layout.source == "torchrun":  # env:// also finds torchrun's agent-hosted store
+        dist.init_process_group(
+            backend,
+            init_method="env://",
+            rank=layout.rank,
+            world_size=layout.world_size,
+            timeout=timeout,
+        )
+        return True
+    if layout.source == "single":
+        store: dist.Store = dist.HashStore()
+    else:
+        store = dist.TCPStore(
+            layout.master_addr,
+            layout.master_port,
+            layout.world_size,
+            is_master=layout.rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+    dist.init_process_group(
+        backend, store=store, rank=layout.rank, world_size=layout.world_size, timeout=timeout
+    )
+    return True
+
+
+def _make_groups(
+    grid: Grid, rank: int, backend: str, timeout: datetime.timedelta
+) -> tuple[Any, Any]:
+    """Create every pipeline group and every data-parallel group; return this rank's."""
+    mine_pp = mine_dp = None
+    # Every rank must create every group, in the same order.
+    for ranks in grid.pp_groups:
+        group = dist.new_group(ranks, timeout=timeout, backend=backend)
+        if rank in ranks:
+            mine_pp = group
+    for ranks in grid.dp_groups:
+        group = dist.new_group(ranks, timeout=timeout, backend=backend)
+        if rank in ranks:
+            mine_dp = group
+    return mine_pp, mine_dp
+
+
+def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None) -> Config:
+    """Start mpar in this process; returns the resolved configuration.
+
+    ``config`` is a dict, a JSON/YAML path or None (then ``MPAR_CONFIG``, then
+    defaults). The process layout comes from torchrun's variables, MPI
+    (mpi4py) or SLURM; with none of them mpar runs as a single process. The
+    whole configuration is checked before any process group is created.
+    """
+    global _STATE
+    if _STATE is not None:
+        raise AlreadyInitializedError(
+            "mpar.init() was already called in this process; call mpar.shutdown() before "
+            "initialising again"
+        )
+    resolved = load_config(config)
+    layout = detect_layout()
+    resolved.check_world_size(layout.world_size)
+    grid = Grid(layout.world_size, resolved.pipeline_parallel_degree, resolved.placement_strategy)
+    device = _pick_device(resolved, layout)
+    backend = _pick_backend(resolved, device)
+    _set_threads(layout)
+    timeout = datetime.timedelta(seconds=resolved.timeout_s)
+    owns = _init_process_group(layout, backend, timeout)
+    pp_group, dp_group = _make_groups(grid, layout.rank, backend, timeout)
+    pp_rank, dp_rank = grid.coords(layout.rank)
+    torch.manual_seed(resolved.seed)
+    _STATE = State(
+        config=resolved,
+        layout=layout,
+        grid=grid,
+        device=device,
+        backend=backend,
+        pp_rank=pp_rank,
+        dp_rank=dp_rank,
+        pp_ranks=grid.pp_group(dp_rank),
+        dp_ranks=grid.dp_group(pp_rank),
+        pp_group=pp_group,
+        dp_group=dp_group,
+        owns_process_group=owns,
+    )
+    return resolved
+
+
+def shutdown() -> None:
+    """Tear down what ``init`` created; ``init`` may then be called again."""
+    global _STATE
+    if _STATE is None:
+        return
+    current, _STATE = _STATE, None
+    if current.owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()

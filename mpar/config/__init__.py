@@ -1,0 +1,14 @@
+"""mpar configuration: typed dataclasses inside, dicts/JSON/YAML at the boundary."""
+
+from mpar.config._load import ACCEPTED_KEYS, ENV_VAR, config_from_dict, load_config
+from mpar.config._schema import MEMORY_WEIGHT_FOR, Config, ZeroConfig
+
+__all__ = [
+    "ACCEPTED_KEYS",
+    "ENV_VAR",
+    "MEMORY_WEIGHT_FOR",
+    "Config",
+    "ZeroConfig",
+    "config_from_dict",
+    "load_config",
+]

@@ -1,0 +1,211 @@
+"""The dict boundary: JSON/YAML files, ``MPAR_CONFIG``, aliases and key checks.
+
+Everything a user may write is translated here into the canonical keys of
+:class:`~mpar.config.Config`:
+
+* ``partitions`` -> ``pipeline_parallel_degree`` (smp's name);
+* ``shard_optimizer_state: true`` -> ``zero.stage = 1`` (smp);
+* a DeepSpeed-style ``zero_optimization`` section (``stage``,
+  ``offload_optimizer.device``, ``offload_param.device``,
+  ``reduce_bucket_size``) -> ``zero``.
+
+Unknown keys are rejected by name with the closest valid key suggested.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from mpar.config._schema import Config, ZeroConfig
+from mpar.errors import ConfigError, ConfigTypeError
+
+__all__ = ["ACCEPTED_KEYS", "ENV_VAR", "config_from_dict", "load_config"]
+
+ENV_VAR = "MPAR_CONFIG"
+
+_CANONICAL = tuple(f.name for f in Config.__dataclass_fields__.values())
+_ALIASES = {"partitions": "pipeline_parallel_degree"}
+_TRANSLATED = ("shard_optimizer_state", "zero_optimization")
+#: Every top-level key ``mpar.init`` accepts (frozen by a test).
+ACCEPTED_KEYS = frozenset(_CANONICAL + tuple(_ALIASES) + _TRANSLATED)
+
+_ZERO_KEYS = tuple(f.name for f in ZeroConfig.__dataclass_fields__.values())
+# DeepSpeed knobs that mpar always applies (overlap, contiguous buffers) and so
+# accepts and ignores, letting users paste their DeepSpeed section unchanged.
+_DEEPSPEED_IGNORED = frozenset(
+    {
+        "overlap_comm",
+        "contiguous_gradients",
+        "allgather_partitions",
+        "reduce_scatter",
+        "round_robin_gradients",
+        "allgather_bucket_size",
+    }
+)
+_DEEPSPEED_ZERO_KEYS = frozenset(
+    {"stage", "offload_optimizer", "offload_param", "reduce_bucket_size"} | _DEEPSPEED_IGNORED
+)
+
+
+def _unknown_key(key: str, where: str, valid: tuple[str, ...] | frozenset[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, sorted(valid), n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    options = ", ".join(sorted(valid))
+    return ConfigError(f"unknown config key {key!r}{where}{hint} (valid keys: {options})")
+
+
+def _require_mapping(value: object, key: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigTypeError(
+            f"config key {key!r} must be a mapping (dict), got {type(value).__name__} {value!r}"
+        )
+    return value
+
+
+def _offload_device(section: object, key: str) -> str:
+    if section is None:
+        return "none"
+    section = _require_mapping(section, key)
+    for name in section:
+        if name not in ("device", "pin_memory"):
+            raise _unknown_key(name, f" in {key!r}", ("device", "pin_memory"))
+    device = section.get("device", "none")
+    if device not in ("none", "cpu"):
+        raise ConfigError(
+            f"config key '{key}.device' has value {device!r}; allowed: 'none', 'cpu' "
+            "(NVMe offload is not supported)"
+        )
+    return str(device)
+
+
+def _translate_deepspeed_zero(section: object) -> dict[str, Any]:
+    section = _require_mapping(section, "zero_optimization")
+    for key in section:
+        if key not in _DEEPSPEED_ZERO_KEYS:
+            raise _unknown_key(key, " in 'zero_optimization'", _DEEPSPEED_ZERO_KEYS)
+    zero: dict[str, Any] = {"stage": section.get("stage", 0)}
+    zero["offload_optimizer"] = _offload_device(
+        section.get("offload_optimizer"), "zero_optimization.offload_optimizer"
+    )
+    zero["offload_params"] = _offload_device(
+        section.get("offload_param"), "zero_optimization.offload_param"
+    )
+    if "reduce_bucket_size" in section:
+        size = section["reduce_bucket_size"]
+        if isinstance(size, bool) or not isinstance(size, int | float) or size <= 0:
+            raise ConfigError(
+                "config key 'zero_optimization.reduce_bucket_size' must be a positive number of "
+                f"elements, got {size!r}"
+            )
+        zero["bucket_mb"] = float(size) * 4 / 2**20  # DeepSpeed counts fp32 elements
+    return zero
+
+
+def _zero_from(raw: Mapping[str, Any]) -> ZeroConfig:
+    sources: list[tuple[str, dict[str, Any]]] = []
+    if "zero" in raw:
+        zero = dict(_require_mapping(raw["zero"], "zero"))
+        for key in zero:
+            if key not in _ZERO_KEYS:
+                raise _unknown_key(key, " in 'zero'", _ZERO_KEYS)
+        sources.append(("zero", zero))
+    if "zero_optimization" in raw:
+        sources.append(("zero_optimization", _translate_deepspeed_zero(raw["zero_optimization"])))
+    if "shard_optimizer_state" in raw:
+        flag = raw["shard_optimizer_state"]
+        if not isinstance(flag, bool):
+            raise ConfigTypeError(
+                f"config key 'shard_optimizer_state' must be true or false, got {flag!r}"
+            )
+        if flag:
+            sources.append(("shard_optimizer_state", {"stage": 1}))
+    if len(sources) > 1:
+        stages = {name: s.get("stage", 0) for name, s in sources}
+        if len(set(stages.values())) > 1:
+            raise ConfigError(
+                f"conflicting ZeRO settings {stages}; give the ZeRO stage in one place "
+                "('zero', 'zero_optimization' or 'shard_optimizer_state')"
+            )
+    merged: dict[str, Any] = {}
+    for _, values in sources:
+        merged.update(values)
+    return ZeroConfig(**merged)
+
+
+def config_from_dict(raw: Mapping[str, Any] | None) -> Config:
+    """Build a :class:`Config` from user keys (canonical, aliases, smp, DeepSpeed)."""
+    if raw is None:
+        return Config()
+    raw = _require_mapping(raw, "config")
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if not isinstance(key, str):
+            raise ConfigTypeError(f"config keys must be strings, got {key!r}")
+        if key not in ACCEPTED_KEYS:
+            raise _unknown_key(key, "", ACCEPTED_KEYS)
+        if key in _TRANSLATED or key == "zero":
+            continue
+        canonical = _ALIASES.get(key, key)
+        if canonical in values:
+            aliases = [a for a, c in _ALIASES.items() if c == canonical]
+            raise ConfigError(
+                f"config keys {canonical!r} and its alias {aliases[0]!r} are both given; keep one"
+            )
+        values[canonical] = value
+    values["zero"] = _zero_from(raw)
+    return Config(**values)
+
+
+def _read_file(path: Path) -> Any:
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    text = path.read_text()
+    if path.suffix.lower() in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid JSON: {exc}") from None
+
+
+def _from_env() -> Any:
+    text = os.environ.get(ENV_VAR, "").strip()
+    if not text:
+        return None
+    if text.startswith("{"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{ENV_VAR} holds invalid JSON: {exc}") from None
+    return _read_file(Path(text))
+
+
+def load_config(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None) -> Config:
+    """Resolve what ``mpar.init`` was given into a :class:`Config`.
+
+    ``config`` is a :class:`Config`, a dict, a path to a JSON or YAML file, or
+    None — then the ``MPAR_CONFIG`` variable (a path, or inline JSON), then the
+    defaults.
+    """
+    if isinstance(config, Config):
+        return config
+    if config is None:
+        return config_from_dict(_from_env())
+    if isinstance(config, str | os.PathLike):
+        return config_from_dict(_read_file(Path(config)))
+    if isinstance(config, Mapping):
+        return config_from_dict(config)
+    raise ConfigTypeError(
+        "mpar.init(config) takes a dict, a path to a JSON/YAML file, or None; "
+        f"got {type(config).__name__}"
+    )

@@ -1,0 +1,259 @@
+"""Typed configuration: the dataclasses that every other mpar package reads.
+
+Dicts exist only at the boundary (``mpar.config._load``); inside mpar the
+configuration is a frozen :class:`Config`. Every field carries a docstring and
+its own range check; checks that involve several fields live in
+:meth:`Config.__post_init__`, and checks that need the world size in
+:meth:`Config.check_world_size`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from mpar.errors import ConfigError, ConfigTypeError
+
+__all__ = ["Config", "ZeroConfig"]
+
+PipelineKind = Literal["simple", "interleaved"]
+OptimizeKind = Literal["speed", "memory"]
+PlacementKind = Literal["cluster", "spread"]
+OffloadKind = Literal["none", "cpu"]
+DeviceKind = Literal["auto", "cpu", "cuda", "xla"]
+BackendKind = Literal["auto", "gloo", "nccl", "xla", "mpi"]
+CheckpointingKind = Literal["none", "each", "all"]
+
+#: Default ``memory_weight`` for each ``optimize`` objective.
+MEMORY_WEIGHT_FOR = {"speed": 0.2, "memory": 0.8}
+
+
+def _fail_choice(key: str, value: object, allowed: tuple[Any, ...]) -> None:
+    if value not in allowed:
+        options = ", ".join(repr(a) for a in allowed)
+        raise ConfigError(f"config key {key!r} has value {value!r}; allowed: {options}")
+
+
+def _check_int(key: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigTypeError(
+            f"config key {key!r} must be an integer, got {type(value).__name__} {value!r}"
+        )
+    if value < minimum or (maximum is not None and value > maximum):
+        upper = f" and <= {maximum}" if maximum is not None else ""
+        raise ConfigError(f"config key {key!r} has value {value}; it must be >= {minimum}{upper}")
+
+
+def _check_bool(key: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ConfigTypeError(
+            f"config key {key!r} must be true or false, got {type(value).__name__} {value!r}"
+        )
+
+
+def _check_number(key: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigTypeError(
+            f"config key {key!r} must be a number, got {type(value).__name__} {value!r}"
+        )
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """ZeRO sharding across each pipeline stage's data-parallel group."""
+
+    stage: int = 0
+    """0: no sharding; 1: optimizer state; 2: + gradients; 3: + parameters."""
+
+    offload_optimizer: OffloadKind = "none"
+    """``"cpu"`` keeps optimizer state (and master weights) on the CPU and steps there."""
+
+    offload_params: OffloadKind = "none"
+    """``"cpu"`` keeps parameter shards on the CPU between uses (ZeRO stage 3 only)."""
+
+    bucket_mb: float = 25.0
+    """Size in MiB of the flat buckets used to reduce gradients and gather parameters."""
+
+    def __post_init__(self) -> None:
+        _check_int("zero.stage", self.stage, minimum=0, maximum=3)
+        _fail_choice("zero.offload_optimizer", self.offload_optimizer, ("none", "cpu"))
+        _fail_choice("zero.offload_params", self.offload_params, ("none", "cpu"))
+        _check_number("zero.bucket_mb", self.bucket_mb)
+        if self.bucket_mb <= 0:
+            raise ConfigError(f"config key 'zero.bucket_mb' is {self.bucket_mb}; it must be > 0")
+        if self.offload_params == "cpu" and self.stage != 3:
+            raise ConfigError(
+                f"config key 'zero.offload_params' is 'cpu' but 'zero.stage' is {self.stage}; "
+                "parameter offload needs ZeRO stage 3: set zero.stage to 3 or offload_params to 'none'"
+            )
+        if self.offload_optimizer == "cpu" and self.stage == 0:
+            raise ConfigError(
+                "config key 'zero.offload_optimizer' is 'cpu' but 'zero.stage' is 0; "
+                "optimizer offload needs ZeRO stage 1, 2 or 3"
+            )
+
+
+@dataclass(frozen=True)
+class Config:
+    """The resolved mpar configuration (``mpar.config()`` returns one)."""
+
+    pipeline_parallel_degree: int = 1
+    """Pipeline stages, i.e. ranks per pipeline (alias ``partitions``)."""
+
+    microbatches: int = 1
+    """Microbatches each step's batch is split into."""
+
+    pipeline: PipelineKind = "interleaved"
+    """``"interleaved"``: backward-first 1F1B; ``"simple"``: all forwards, then all backwards (GPipe)."""
+
+    virtual_stages: int = 1
+    """Model chunks per rank (looped stages, as in Megatron-LM's interleaved schedule)."""
+
+    active_microbatches: int | None = None
+    """Cap on microbatches in flight per rank (bounds activation memory); None: no cap."""
+
+    optimize: OptimizeKind = "speed"
+    """Partition objective; sets the default ``memory_weight`` (speed 0.2, memory 0.8)."""
+
+    memory_weight: float | None = None
+    """Weight in [0, 1] of memory versus compute in the partition cost; None: from ``optimize``."""
+
+    auto_partition: bool = True
+    """Partition from a profile; when false, modules go where ``mpar.partition(i)`` put them."""
+
+    default_partition: int = 0
+    """Stage of modules created outside any ``mpar.partition(i)`` when ``auto_partition`` is false."""
+
+    placement_strategy: PlacementKind = "cluster"
+    """``"cluster"``: a pipeline's stages on consecutive ranks; ``"spread"``: a data-parallel group's ranks consecutive."""
+
+    ddp: bool = True
+    """Data parallelism over the remaining ranks (dp = world size / pipeline degree)."""
+
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    """ZeRO sharding settings (see :class:`ZeroConfig`)."""
+
+    activation_checkpointing: bool | CheckpointingKind = False
+    """Recompute activations in backward: false, true (= ``"each"`` stage chunk), ``"all"``."""
+
+    offload_activations: bool = False
+    """Keep checkpointed activations on the CPU (needs ``activation_checkpointing``)."""
+
+    bf16: bool = False
+    """bfloat16 mixed precision."""
+
+    fp16: bool = False
+    """float16 mixed precision with dynamic loss scaling."""
+
+    device: DeviceKind = "auto"
+    """``auto`` picks cuda when available, else cpu."""
+
+    backend: BackendKind = "auto"
+    """``auto`` picks nccl on cuda, xla on xla and gloo on cpu."""
+
+    seed: int = 0
+    """One seed for every rank's initialisation."""
+
+    timeout_s: float = 300.0
+    """Timeout in seconds of collectives and point-to-point transfers (a hang becomes an error)."""
+
+    def __post_init__(self) -> None:
+        self._check_fields()
+        self._check_combinations()
+
+    def _check_fields(self) -> None:
+        _check_int("pipeline_parallel_degree", self.pipeline_parallel_degree, minimum=1)
+        _check_int("microbatches", self.microbatches, minimum=1)
+        _fail_choice("pipeline", self.pipeline, ("interleaved", "simple"))
+        _check_int("virtual_stages", self.virtual_stages, minimum=1)
+        if self.active_microbatches is not None:
+            _check_int("active_microbatches", self.active_microbatches, minimum=1)
+        _fail_choice("optimize", self.optimize, ("speed", "memory"))
+        if self.memory_weight is not None:
+            _check_number("memory_weight", self.memory_weight)
+            if not 0.0 <= self.memory_weight <= 1.0:
+                raise ConfigError(
+                    f"config key 'memory_weight' has value {self.memory_weight}; "
+                    "it must be in [0, 1] (or null to follow 'optimize')"
+                )
+        for key in ("auto_partition", "ddp", "offload_activations", "bf16", "fp16"):
+            _check_bool(key, getattr(self, key))
+        _check_int("default_partition", self.default_partition, minimum=0)
+        _fail_choice("placement_strategy", self.placement_strategy, ("cluster", "spread"))
+        if not isinstance(self.activation_checkpointing, bool):
+            _fail_choice(
+                "activation_checkpointing",
+                self.activation_checkpointing,
+                (True, False, "none", "each", "all"),
+            )
+        _fail_choice("device", self.device, ("auto", "cpu", "cuda", "xla"))
+        _fail_choice("backend", self.backend, ("auto", "gloo", "nccl", "xla", "mpi"))
+        _check_int("seed", self.seed, minimum=0)
+        _check_number("timeout_s", self.timeout_s)
+        if self.timeout_s <= 0:
+            raise ConfigError(f"config key 'timeout_s' is {self.timeout_s}; it must be > 0")
+
+    def _check_combinations(self) -> None:
+        if self.bf16 and self.fp16:
+            raise ConfigError(
+                "config keys 'bf16' and 'fp16' are both true; choose one mixed-precision mode"
+            )
+        if self.default_partition >= self.num_stages:
+            raise ConfigError(
+                f"config key 'default_partition' is {self.default_partition} but there are only "
+                f"{self.num_stages} stages (pipeline_parallel_degree x virtual_stages); "
+                f"use a value below {self.num_stages}"
+            )
+        if self.offload_activations and self.activation_checkpointing in (False, "none"):
+            raise ConfigError(
+                "config key 'offload_activations' is true but 'activation_checkpointing' is off; "
+                "offloading keeps checkpointed activations, so turn checkpointing on"
+            )
+        if self.active_microbatches is not None and self.active_microbatches > self.microbatches:
+            raise ConfigError(
+                f"config key 'active_microbatches' is {self.active_microbatches} but there are only "
+                f"{self.microbatches} microbatches; use a value <= {self.microbatches}"
+            )
+        if self.device == "cpu" and self.backend == "nccl":
+            raise ConfigError(
+                "config key 'backend' is 'nccl' but 'device' is 'cpu'; NCCL needs CUDA: "
+                "use backend 'gloo' (or 'auto') on the CPU"
+            )
+
+    @property
+    def num_stages(self) -> int:
+        """Total pipeline stages: pipeline degree x virtual stages."""
+        return self.pipeline_parallel_degree * self.virtual_stages
+
+    @property
+    def resolved_memory_weight(self) -> float:
+        """``memory_weight``, or the default of the ``optimize`` objective."""
+        if self.memory_weight is not None:
+            return float(self.memory_weight)
+        return MEMORY_WEIGHT_FOR[self.optimize]
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise ConfigError if this layout cannot run on ``world_size`` processes."""
+        pp = self.pipeline_parallel_degree
+        if world_size % pp != 0:
+            raise ConfigError(
+                f"config key 'pipeline_parallel_degree' is {pp} but the world size is {world_size}; "
+                f"the pipeline degree must divide the world size (try one of "
+                f"{_divisors(world_size)})"
+            )
+        dp = world_size // pp
+        if dp > 1 and not self.ddp:
+            raise ConfigError(
+                f"world size {world_size} with pipeline_parallel_degree {pp} leaves {dp} "
+                "data-parallel replicas but 'ddp' is false; set 'ddp' to true or "
+                f"pipeline_parallel_degree to {world_size}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The configuration as canonical keys (JSON-able)."""
+        return dataclasses.asdict(self)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,108 @@
+"""mpar.init over N gloo ranks through the shared harness."""
+
+from __future__ import annotations
+
+import pytest
+
+from mpar.testing import DistributedTestError, run_distributed
+
+
+def _grid_and_all_reduce(config):
+    import torch
+
+    import mpar
+    from mpar.comm._collectives import all_reduce_dp
+
+    mpar.init(config)
+    value = torch.tensor([float(mpar.rank())])
+    all_reduce_dp(value)
+    st = mpar.comm.state()
+    return {
+        "rank": mpar.rank(),
+        "size": mpar.size(),
+        "pp": (mpar.pp_rank(), mpar.pp_size()),
+        "dp": (mpar.dp_rank(), mpar.dp_size()),
+        "pp_groups": st.grid.pp_groups,
+        "dp_sum": value.item(),
+        "dp_ranks": st.dp_ranks,
+    }
+
+
+@pytest.mark.parametrize("placement", ["cluster", "spread"])
+def test_pp2_dp2_grid_and_dp_all_reduce(placement):
+    config = {"pipeline_parallel_degree": 2, "placement_strategy": placement}
+    results = run_distributed(_grid_and_all_reduce, 4, args=(config,), timeout=90)
+    assert len({str(r["pp_groups"]) for r in results}) == 1  # same grid everywhere
+    for r in results:
+        assert r["size"] == 4 and r["pp"][1] == 2 and r["dp"][1] == 2
+        assert r["dp_sum"] == float(sum(r["dp_ranks"]))
+    assert sorted((r["pp"][0], r["dp"][0]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+@pytest.mark.parametrize("world", [1, 3, 8])
+def test_harness_scales_from_one_to_eight_ranks(world):
+    results = run_distributed(_grid_and_all_reduce, world, args=({},), timeout=120)
+    assert [r["rank"] for r in results] == list(range(world))
+    assert all(r["dp_sum"] == world * (world - 1) / 2 for r in results)
+
+
+def _init_twice():
+    import mpar
+
+    mpar.init()
+    try:
+        mpar.init()
+    except RuntimeError as exc:
+        message = str(exc)
+    mpar.shutdown()
+    mpar.init()  # allowed again after shutdown
+    return message
+
+
+def test_second_init_is_a_clear_error():
+    (message,) = run_distributed(_init_twice, 1, timeout=60)
+    assert "already called" in message and "mpar.shutdown()" in message
+
+
+def _fail_on_rank_one():
+    import mpar
+
+    mpar.init({"timeout_s": 60})
+    if mpar.rank() == 1:
+        raise ValueError("deliberate failure on rank one")
+    mpar.barrier()
+
+
+def test_failing_rank_traceback_is_shown_and_nothing_hangs():
+    with pytest.raises(DistributedTestError, match="rank 1 of 3 failed") as info:
+        run_distributed(_fail_on_rank_one, 3, timeout=60)
+    assert "deliberate failure on rank one" in str(info.value)
+    assert "_fail_on_rank_one" in str(info.value)  # the traceback, not just the message
+
+
+def _hang_on_rank_zero():
+    import time
+
+    import mpar
+
+    mpar.init({"timeout_s": 60})
+    if mpar.rank() == 0:
+        time.sleep(60)
+    mpar.barrier()
+
+
+def test_timeout_reports_stacks_of_hung_ranks():
+    with pytest.raises(DistributedTestError, match="did not finish within 5 s") as info:
+        run_distributed(_hang_on_rank_zero, 2, timeout=5)
+    assert "_hang_on_rank_zero" in str(info.value)
+
+
+def _bad_world_for_config():
+    import mpar
+
+    mpar.init({"pipeline_parallel_degree": 3})
+
+
+def test_pipeline_degree_must_divide_world_size():
+    with pytest.raises(DistributedTestError, match="must divide the world size"):
+        run_distributed(_bad_world_for_config, 2, timeout=60)

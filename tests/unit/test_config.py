@@ -1,0 +1,146 @@
+"""Configuration boundary: keys, aliases, types, ranges, combinations."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import mpar
+from mpar.config import ACCEPTED_KEYS, Config, ZeroConfig, config_from_dict, load_config
+from mpar.errors import ConfigError, ConfigTypeError
+
+
+def test_accepted_keys_are_frozen():
+    # Changing this set changes the public contract (DESIGN.md): update docs too.
+    assert ACCEPTED_KEYS == {
+        "pipeline_parallel_degree",
+        "partitions",
+        "microbatches",
+        "pipeline",
+        "virtual_stages",
+        "active_microbatches",
+        "optimize",
+        "memory_weight",
+        "auto_partition",
+        "default_partition",
+        "placement_strategy",
+        "ddp",
+        "zero",
+        "activation_checkpointing",
+        "offload_activations",
+        "bf16",
+        "fp16",
+        "device",
+        "backend",
+        "seed",
+        "timeout_s",
+        "shard_optimizer_state",
+        "zero_optimization",
+    }
+
+
+def test_defaults():
+    cfg = config_from_dict({})
+    assert cfg == Config()
+    assert cfg.pipeline == "interleaved" and cfg.microbatches == 1
+    assert cfg.resolved_memory_weight == 0.2
+    assert config_from_dict({"optimize": "memory"}).resolved_memory_weight == 0.8
+
+
+def test_init_typo_suggests_key():
+    with pytest.raises(ValueError, match="microbatchez") as info:
+        mpar.init({"pipeline_parallel_degree": 2, "microbatchez": 4})
+    assert "did you mean 'microbatches'" in str(info.value)
+    assert not mpar.is_initialized()
+
+
+def test_unknown_nested_key():
+    with pytest.raises(ConfigError, match="'stge'.*did you mean 'stage'"):
+        config_from_dict({"zero": {"stge": 1}})
+
+
+@pytest.mark.parametrize(
+    ("raw", "error", "fragment"),
+    [
+        ({"microbatches": "4"}, ConfigTypeError, "'microbatches' must be an integer"),
+        ({"microbatches": True}, ConfigTypeError, "'microbatches' must be an integer"),
+        ({"microbatches": 0}, ConfigError, "'microbatches' has value 0"),
+        ({"pipeline": "gpipe"}, ConfigError, "'pipeline' has value 'gpipe'; allowed"),
+        ({"memory_weight": 1.5}, ConfigError, "in \\[0, 1\\]"),
+        ({"ddp": "yes"}, ConfigTypeError, "'ddp' must be true or false"),
+        ({"zero": {"stage": 4}}, ConfigError, "'zero.stage' has value 4"),
+        ({"zero": 3}, ConfigTypeError, "'zero' must be a mapping"),
+        ({"bf16": True, "fp16": True}, ConfigError, "'bf16' and 'fp16' are both true"),
+        ({"zero": {"offload_params": "cpu"}}, ConfigError, "needs ZeRO stage 3"),
+        ({"zero": {"offload_optimizer": "cpu"}}, ConfigError, "needs ZeRO stage 1, 2 or 3"),
+        ({"offload_activations": True}, ConfigError, "turn checkpointing on"),
+        ({"microbatches": 2, "active_microbatches": 3}, ConfigError, "only 2 microbatches"),
+        ({"default_partition": 2, "partitions": 2}, ConfigError, "only 2 stages"),
+        ({"device": "cpu", "backend": "nccl"}, ConfigError, "NCCL needs CUDA"),
+        ({"partitions": 2, "pipeline_parallel_degree": 2}, ConfigError, "alias 'partitions'"),
+    ],
+)
+def test_bad_values_name_key_and_fix(raw, error, fragment):
+    with pytest.raises(error, match=fragment):
+        config_from_dict(raw)
+
+
+def test_world_size_checks():
+    cfg = config_from_dict({"pipeline_parallel_degree": 3})
+    with pytest.raises(
+        ConfigError, match="is 3 but the world size is 4.*must divide.*\\[1, 2, 4\\]"
+    ):
+        cfg.check_world_size(4)
+    cfg.check_world_size(6)
+    with pytest.raises(ConfigError, match="'ddp' is false"):
+        config_from_dict({"ddp": False, "partitions": 2}).check_world_size(4)
+
+
+def test_smp_and_deepspeed_translations():
+    assert config_from_dict({"partitions": 4}).pipeline_parallel_degree == 4
+    assert config_from_dict({"shard_optimizer_state": True}).zero == ZeroConfig(stage=1)
+    assert config_from_dict({"shard_optimizer_state": False}).zero == ZeroConfig()
+    ds = {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu"},
+        "overlap_comm": True,
+        "reduce_bucket_size": 2**20,
+    }
+    zero = config_from_dict({"zero_optimization": ds}).zero
+    assert zero == ZeroConfig(stage=3, offload_optimizer="cpu", offload_params="cpu", bucket_mb=4.0)
+    with pytest.raises(ConfigError, match="'stgae' in 'zero_optimization'; did you mean 'stage'"):
+        config_from_dict({"zero_optimization": {"stgae": 2}})
+    with pytest.raises(ConfigError, match="conflicting ZeRO settings"):
+        config_from_dict({"zero": {"stage": 2}, "shard_optimizer_state": True})
+    with pytest.raises(ConfigError, match="NVMe offload is not supported"):
+        config_from_dict({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})
+
+
+def test_files_and_environment(tmp_path, monkeypatch):
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps({"partitions": 2, "microbatches": 8}))
+    assert load_config(str(path)).microbatches == 8
+    yaml_path = tmp_path / "cfg.yaml"
+    yaml_path.write_text("pipeline: simple\nzero:\n  stage: 2\n")
+    cfg = load_config(yaml_path)
+    assert cfg.pipeline == "simple" and cfg.zero.stage == 2
+    monkeypatch.setenv("MPAR_CONFIG", str(yaml_path))
+    assert load_config(None).zero.stage == 2
+    monkeypatch.setenv("MPAR_CONFIG", '{"microbatches": 3}')
+    assert load_config(None).microbatches == 3
+    monkeypatch.delenv("MPAR_CONFIG")
+    assert load_config(None) == Config()
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{nope")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config(tmp_path / "bad.json")
+    with pytest.raises(ConfigTypeError, match="takes a dict"):
+        load_config(42)  # type: ignore[arg-type]
+
+
+def test_to_dict_round_trip():
+    cfg = config_from_dict({"partitions": 2, "zero": {"stage": 2}, "microbatches": 4})
+    assert config_from_dict(cfg.to_dict()) == cfg

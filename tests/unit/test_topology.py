@@ -1,0 +1,46 @@
+"""The rank grid is a pure function; checked for every world size 1..64."""
+
+from __future__ import annotations
+
+import pytest
+
+from mpar.errors import ConfigError
+from mpar.topology import make_grid
+
+
+@pytest.mark.parametrize("placement", ["cluster", "spread"])
+def test_grid_is_a_bijection_for_all_world_sizes(placement):
+    for world in range(1, 65):
+        for pp in (d for d in range(1, world + 1) if world % d == 0):
+            grid = make_grid(world, pp, placement)
+            assert grid.dp_size * pp == world
+            seen = set()
+            for rank in range(world):
+                p, d = grid.coords(rank)
+                assert grid.rank_of(p, d) == rank
+                seen.add((p, d))
+            assert len(seen) == world
+            # pipelines partition the world; so do data-parallel groups
+            assert sorted(r for g in grid.pp_groups for r in g) == list(range(world))
+            assert sorted(r for g in grid.dp_groups for r in g) == list(range(world))
+            for d, group in enumerate(grid.pp_groups):
+                assert [grid.coords(r) for r in group] == [(p, d) for p in range(pp)]
+
+
+def test_cluster_and_spread_layouts():
+    cluster = make_grid(8, 2, "cluster")
+    assert cluster.pp_groups == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert cluster.dp_groups == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    spread = make_grid(8, 2, "spread")
+    assert spread.pp_groups == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert spread.dp_groups == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert "pp_rank 1: 1 3 5 7" in str(cluster)
+
+
+def test_bad_grids():
+    with pytest.raises(ConfigError, match="must divide the world size 6"):
+        make_grid(6, 4)
+    with pytest.raises(ValueError, match="outside"):
+        make_grid(4, 2).coords(4)
+    with pytest.raises(ValueError, match="outside"):
+        make_grid(4, 2).rank_of(2, 0)
