@@ -1,0 +1,229 @@
+"""``mpar schedule``: print, simulate and plot a pipeline schedule.
+
+Example::
+
+    mpar schedule --pipeline interleaved --stages 4 --microbatches 8 --virtual-stages 2 \\
+        --png schedule.png --trace schedule.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from mpar.errors import ScheduleError
+from mpar.schedule import (
+    PIPELINES,
+    Schedule,
+    SimulationResult,
+    StageCosts,
+    build_schedule,
+    render_png,
+    render_text,
+    simulate,
+    to_chrome_trace,
+)
+
+__all__ = ["add_parser", "main", "run"]
+
+_DESCRIPTION = (
+    "Build a pipeline schedule, print it as a rank x time grid and simulate it: "
+    "makespan, bubble fraction (1 - busy / (ranks * makespan)) and peak in-flight "
+    "(stage, microbatch) pairs per rank."
+)
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``mpar schedule`` on an ``add_subparsers()`` object."""
+    parser = subparsers.add_parser(
+        "schedule", help="print, simulate and plot a pipeline schedule", description=_DESCRIPTION
+    )
+    _add_arguments(parser)
+    parser.set_defaults(run=run)
+    return parser
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_schedule_arguments(parser)
+    _add_cost_arguments(parser)
+    _add_output_arguments(parser)
+
+
+def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--pipeline",
+        choices=PIPELINES,
+        default="interleaved",
+        help="simple = GPipe, interleaved = 1F1B (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--stages",
+        type=_positive_int,
+        required=True,
+        metavar="P",
+        help="pipeline degree: number of ranks (total stages = P * V)",
+    )
+    parser.add_argument("--microbatches", type=_positive_int, required=True, metavar="M")
+    parser.add_argument(
+        "--virtual-stages",
+        type=_positive_int,
+        default=1,
+        metavar="V",
+        help="stages (chunks) per rank (default: 1)",
+    )
+    parser.add_argument(
+        "--active-microbatches",
+        type=_positive_int,
+        default=None,
+        metavar="K",
+        help="cap on (stage, microbatch) pairs in flight per rank",
+    )
+    parser.add_argument("--forward-only", action="store_true", help="forwards only (inference)")
+
+
+def _add_cost_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--forward-cost",
+        type=_cost,
+        default=1.0,
+        metavar="T",
+        help="time of one forward per stage (default: 1)",
+    )
+    parser.add_argument(
+        "--backward-cost",
+        type=_cost,
+        default=2.0,
+        metavar="T",
+        help="time of one backward per stage (default: 2)",
+    )
+    parser.add_argument(
+        "--comm-cost",
+        type=_cost,
+        default=0.0,
+        metavar="T",
+        help="latency of one transfer between ranks (default: 0)",
+    )
+
+
+def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--png", type=Path, metavar="PATH", help="write a PNG timeline")
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        metavar="PATH",
+        help="write a Chrome trace JSON (open in https://ui.perfetto.dev)",
+    )
+    parser.add_argument("--json", action="store_true", help="print a JSON report instead")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _cost(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute ``mpar schedule`` for parsed ``args``; returns the exit status."""
+    try:
+        schedule, result = _build_and_simulate(args)
+        if args.png is not None:
+            render_png(result, args.png)
+        if args.trace is not None:
+            args.trace.write_text(json.dumps(to_chrome_trace(result)) + "\n")
+    except (ScheduleError, ImportError, OSError) as error:
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        print(f"mpar schedule: error: {first_line}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(_json_report(args, schedule, result), indent=2))
+    else:
+        print(_text_report(args, schedule, result))
+    return 0
+
+
+def _build_and_simulate(args: argparse.Namespace) -> tuple[Schedule, SimulationResult]:
+    schedule = build_schedule(
+        args.pipeline,
+        args.stages,
+        args.microbatches,
+        virtual_stages=args.virtual_stages,
+        active_microbatches=args.active_microbatches,
+        forward_only=args.forward_only,
+    )
+    costs = StageCosts.uniform(
+        schedule.num_stages,
+        forward=args.forward_cost,
+        backward=args.backward_cost,
+        input_backward=args.backward_cost / 2,
+        weight_backward=args.backward_cost / 2,
+        comm=args.comm_cost,
+    )
+    return schedule, simulate(schedule, costs)
+
+
+def _text_report(args: argparse.Namespace, schedule: Schedule, result: SimulationResult) -> str:
+    p, v, m = schedule.num_ranks, schedule.virtual_stages, schedule.num_microbatches
+    kind = "GPipe" if args.pipeline == "simple" else "1F1B"
+    mode = ", forward only" if schedule.is_forward_only else ""
+    peaks = " ".join(str(peak) for peak in result.peak_in_flight)
+    lines = [
+        f"{args.pipeline} ({kind}{mode}): {p} ranks x {v} virtual stage{'s' if v > 1 else ''} = "
+        f"{schedule.num_stages} stages, {m} microbatches",
+        render_text(result),
+        f"makespan {result.makespan:g} (F={args.forward_cost:g}, B={args.backward_cost:g}, "
+        f"comm={args.comm_cost:g} per stage)",
+        f"bubble fraction {result.bubble_fraction:.4f} ({100 * result.bubble_fraction:.2f}%)",
+        f"peak in-flight (stage, microbatch) pairs per rank: {peaks} "
+        f"(max {max(result.peak_in_flight)})",
+    ]
+    for label, path in (("png", args.png), ("trace", args.trace)):
+        if path is not None:
+            lines.append(f"wrote {label}: {path}")
+    return "\n".join(lines)
+
+
+def _json_report(
+    args: argparse.Namespace, schedule: Schedule, result: SimulationResult
+) -> dict[str, Any]:
+    report: dict[str, Any] = {
+        "pipeline": args.pipeline,
+        "num_ranks": schedule.num_ranks,
+        "virtual_stages": schedule.virtual_stages,
+        "num_stages": schedule.num_stages,
+        "num_microbatches": schedule.num_microbatches,
+        "active_microbatches": args.active_microbatches,
+        "forward_only": schedule.is_forward_only,
+        "actions": schedule.to_dict()["actions"],
+    }
+    report.update(result.to_dict())
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``mpar schedule`` on its own (``argv`` without the word ``schedule``)."""
+    parser = argparse.ArgumentParser(prog="mpar schedule", description=_DESCRIPTION)
+    _add_arguments(parser)
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

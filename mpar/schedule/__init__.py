@@ -1,0 +1,48 @@
+"""Pipeline schedules as data: IR, generators, validation, simulation, rendering.
+
+Pure Python: nothing here imports torch. A schedule is, for every rank, an
+ordered list of ``Action``s such as ``1F3`` (stage 1, forward, microbatch 3)::
+
+    from mpar.schedule import build_schedule, simulate, render_text
+
+    schedule = build_schedule("interleaved", 4, 8, virtual_stages=2)
+    result = simulate(schedule)
+    print(render_text(result), result.bubble_fraction)
+"""
+
+from __future__ import annotations
+
+from mpar.schedule._generators import PIPELINES, build_schedule, interleaved, simple
+from mpar.schedule._ir import COMMUNICATION_KINDS, COMPUTE_KINDS, Action, Kind, Schedule
+from mpar.schedule._lower import lower_communication
+from mpar.schedule._render import render_png, render_text, to_chrome_trace
+from mpar.schedule._simulate import (
+    SimulationResult,
+    StageCosts,
+    TimedAction,
+    peak_in_flight,
+    simulate,
+)
+from mpar.schedule._validate import validate
+
+__all__ = [
+    "COMMUNICATION_KINDS",
+    "COMPUTE_KINDS",
+    "PIPELINES",
+    "Action",
+    "Kind",
+    "Schedule",
+    "SimulationResult",
+    "StageCosts",
+    "TimedAction",
+    "build_schedule",
+    "interleaved",
+    "lower_communication",
+    "peak_in_flight",
+    "render_png",
+    "render_text",
+    "simple",
+    "simulate",
+    "to_chrome_trace",
+    "validate",
+]

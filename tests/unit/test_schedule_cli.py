@@ -1,0 +1,95 @@
+"""``mpar schedule`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from mpar.cli import _schedule
+
+
+def test_prints_grid_bubble_and_peak(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [
+        "--pipeline",
+        "interleaved",
+        "--stages",
+        "4",
+        "--microbatches",
+        "8",
+        "--virtual-stages",
+        "2",
+    ]
+    assert _schedule.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(
+        "interleaved (1F1B): 4 ranks x 2 virtual stages = 8 stages, 8 microbatches"
+    )
+    assert "rank 3 .   .   .   3F0" in out
+    assert "makespan 57 " in out
+    assert "bubble fraction 0.1579 (15.79%)" in out
+    assert "peak in-flight (stage, microbatch) pairs per rank: 11 9 7 5 (max 11)" in out
+
+
+def test_json_report(capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        _schedule.main(["--pipeline", "simple", "--stages", "2", "--microbatches", "4", "--json"])
+        == 0
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert report["makespan"] == 15
+    assert report["bubble_fraction"] == pytest.approx(0.2)
+    assert report["peak_in_flight"] == [4, 4]
+    assert report["actions"]["1"][:2] == ["1F0", "1F1"]
+
+
+def test_active_microbatches_and_forward_only(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--stages", "4", "--microbatches", "8"]
+    assert _schedule.main([*base, "--active-microbatches", "2", "--json"]) == 0
+    assert max(json.loads(capsys.readouterr().out)["peak_in_flight"]) == 2
+    assert _schedule.main([*base, "--forward-only"]) == 0
+    assert "(1F1B, forward only)" in capsys.readouterr().out
+
+
+def test_writes_png_and_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    png, trace = tmp_path / "s.png", tmp_path / "s.json"
+    argv = ["--stages", "2", "--microbatches", "2", "--png", str(png), "--trace", str(trace)]
+    assert _schedule.main(argv) == 0
+    assert png.stat().st_size > 0
+    assert json.loads(trace.read_text())["traceEvents"]
+    assert f"wrote trace: {trace}" in capsys.readouterr().out
+
+
+def test_impossible_combination_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--stages", "4", "--microbatches", "6", "--virtual-stages", "2"]
+    assert _schedule.main(argv) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        "mpar schedule: error: interleaved with 2 virtual stages needs microbatches to be "
+        "a multiple of the pipeline degree 4 (got 6); use 4 or 8\n"
+    )
+
+
+def test_bad_argument_exits_non_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        _schedule.main(["--stages", "0", "--microbatches", "2"])
+    assert info.value.code == 2
+    assert "argument --stages: must be a positive integer, got '0'" in capsys.readouterr().err
+
+
+def test_unwritable_output_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "missing" / "t.json"
+    assert _schedule.main(["--stages", "2", "--microbatches", "2", "--trace", str(target)]) == 1
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_registers_subcommand() -> None:
+    parser = argparse.ArgumentParser(prog="mpar")
+    _schedule.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["schedule", "--stages", "2", "--microbatches", "3"])
+    assert args.run is _schedule.run
+    assert (args.stages, args.microbatches, args.virtual_stages) == (2, 3, 1)
