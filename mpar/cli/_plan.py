@@ -1,0 +1,132 @@
+"""``mpar plan``: print the partition and memory plan of a model without running it.
+
+    mpar plan --model pkg.module:factory --config cfg.json --world-size 8 \\
+        [--device-memory 16GiB] [--meta] [--json]
+
+The factory returns a module or a ``(module, example_inputs)`` pair, where
+``example_inputs`` is one microbatch: a tensor, a tuple of positional
+arguments, or a dict of keyword arguments. With ``--meta`` the factory is
+called under ``torch.device("meta")`` and the model is profiled from FLOPs
+and shapes (nothing is allocated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from typing import Any
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``mpar plan``."""
+    parser = subparsers.add_parser(
+        "plan",
+        help="partition and memory plan of a model, without starting processes",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", required=True, help="pkg.module:factory")
+    parser.add_argument("--config", help="mpar config JSON file")
+    parser.add_argument("--world-size", type=int, required=True, help="total number of ranks")
+    parser.add_argument("--device-memory", help="memory per device, e.g. 16GiB or 40GB")
+    parser.add_argument("--meta", action="store_true", help="build and profile on the meta device")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.set_defaults(run=run)
+    return parser
+
+
+def _load_factory(spec: str) -> Any:
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--model must look like pkg.module:factory, got {spec!r}")
+    module = importlib.import_module(module_name)
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ValueError(f"{module_name} has no callable {attr!r}")
+    return factory
+
+
+def _split_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    import torch
+
+    if isinstance(inputs, torch.Tensor):
+        return (inputs,), {}
+    if isinstance(inputs, dict):
+        return (), dict(inputs)
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    raise ValueError(
+        f"example inputs must be a tensor, a tuple of arguments or a dict of keyword "
+        f"arguments, got {type(inputs).__name__}"
+    )
+
+
+def _build(spec: str, meta: bool) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    import torch
+
+    factory = _load_factory(spec)
+    if meta:
+        with torch.device("meta"):
+            made = factory()
+    else:
+        made = factory()
+    if isinstance(made, torch.nn.Module):
+        raise ValueError(
+            f"{spec} returned a module without example inputs; return (module, example_inputs) "
+            "with one microbatch of inputs so the model can be profiled"
+        )
+    if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
+        raise ValueError(f"{spec} must return a module or a (module, example_inputs) pair")
+    args, kwargs = _split_inputs(made[1])
+    return made[0], args, kwargs
+
+
+def _read_config(path: str | None) -> dict[str, Any]:
+    # TODO(config): switch to mpar.config.load_config once the typed config lands.
+    if path is None:
+        return {}
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the config must be a JSON object")
+    return data
+
+
+def _plan_options(config: dict[str, Any], world_size: int) -> dict[str, Any]:
+    pp = int(config.get("pipeline_parallel_degree", config.get("partitions", world_size)))
+    if pp < 1 or world_size % pp:
+        raise ValueError(
+            f"--world-size {world_size} is not a multiple of pipeline_parallel_degree {pp}"
+        )
+    zero = config.get("zero", {})
+    return {
+        "num_ranks": pp,
+        "virtual_stages": int(config.get("virtual_stages", 1)),
+        "microbatches": int(config.get("microbatches", 1)),
+        "pipeline": config.get("pipeline", "interleaved"),
+        "optimize": config.get("optimize", "speed"),
+        "memory_weight": config.get("memory_weight"),
+        "data_parallel_degree": world_size // pp,
+        "zero_stage": int(zero.get("stage", 0)) if isinstance(zero, dict) else 0,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``mpar plan``; returns the exit status."""
+    try:
+        from mpar.partition import make_plan
+        from mpar.profile import profile_model
+
+        options = _plan_options(_read_config(args.config), args.world_size)
+        module, ex_args, ex_kwargs = _build(args.model, args.meta)
+        profile = profile_model(module, ex_args, ex_kwargs, mode="meta" if args.meta else "measure")
+        plan = make_plan(profile, device_memory=args.device_memory, **options)
+    except (ValueError, TypeError, ImportError, OSError) as exc:
+        print(f"mpar plan: error: {exc}".splitlines()[0], file=sys.stderr)
+        return 2
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan)
+    return 0

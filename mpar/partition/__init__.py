@@ -1,0 +1,57 @@
+"""Partitioning: units, the optimal solver, module splitting, manual placement, plans.
+
+``mpar.partition`` is both this package and a public context manager: the
+package module is callable, so ``with mpar.partition(1): ...`` places modules
+on stage 1 (see ``_manual``) while ``mpar.partition.solve(...)`` reaches the
+solver.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from contextlib import AbstractContextManager
+
+from mpar.partition._manual import assigned_stage, manual_boundaries, partition
+from mpar.partition._methods import parameter_boundaries, uniform_boundaries
+from mpar.partition._plan import Plan, StagePlan, make_plan, parse_bytes
+from mpar.partition._solver import (
+    memory_weight_for,
+    min_memory_for,
+    min_stages_for,
+    solve,
+    stage_costs,
+)
+from mpar.partition._split import SplitModel, split_module
+from mpar.partition._units import find_units, unit_modules
+
+__all__ = [
+    "Plan",
+    "SplitModel",
+    "StagePlan",
+    "assigned_stage",
+    "find_units",
+    "make_plan",
+    "manual_boundaries",
+    "memory_weight_for",
+    "min_memory_for",
+    "min_stages_for",
+    "parameter_boundaries",
+    "parse_bytes",
+    "partition",
+    "solve",
+    "split_module",
+    "stage_costs",
+    "uniform_boundaries",
+    "unit_modules",
+]
+
+
+class _CallablePackage(types.ModuleType):
+    """Module type whose instances can be called: ``mpar.partition(i)`` → ``partition(i)``."""
+
+    def __call__(self, index: int) -> AbstractContextManager[None]:
+        return partition(index)
+
+
+sys.modules[__name__].__class__ = _CallablePackage

@@ -1,0 +1,388 @@
+"""``make_plan``: a partition and memory plan from a profile, before anything runs.
+
+Stages are laid out looped, as in Megatron-LM: with ``p`` ranks and ``v``
+virtual stages there are ``p * v`` stages and stage ``s`` runs on rank
+``s % p`` as its chunk ``s // p``.
+
+Memory per stage = parameter + gradient + optimizer state of its units (tied
+replicas included; divided by the data-parallel degree for what ZeRO shards)
+plus saved activations of one microbatch times the microbatches in flight on
+its rank (from ``mpar.schedule``'s simulator, spread evenly over the rank's
+chunks). ``device_memory`` caps a rank; the solver caps each of its ``v`` stages
+at ``device_memory / v``.
+
+Predicted step time and bubble come from simulating the schedule with the
+profiled stage times (forward = 1/3, backward = 2/3 of the measured
+forward+backward time). Without ``mpar.schedule`` the plan falls back to
+``step = m * W + (p - 1) * T`` and ``bubble = (p - 1) / (v * m + p - 1)`` for
+uniform chunks, where ``W`` is the busiest rank's time per microbatch and ``T``
+the slowest stage's.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from mpar.errors import PartitionError
+from mpar.partition._methods import parameter_boundaries, uniform_boundaries
+from mpar.partition._solver import _fmt, memory_weight_for, solve, stage_costs
+
+if TYPE_CHECKING:
+    from mpar.profile import ModelProfile, UnitProfile
+
+__all__ = ["Plan", "StagePlan", "make_plan", "parse_bytes"]
+
+_METHODS = ("profile", "uniform", "parameters")
+_PIPELINES = ("interleaved", "simple")
+
+
+@dataclass
+class StagePlan:
+    """One pipeline stage of a plan."""
+
+    stage: int
+    rank: int
+    chunk: int
+    """Which of the rank's virtual stages this is."""
+    units: list[str]
+    time_s: float
+    """Profiled forward+backward time of one microbatch."""
+    compute_share: float
+    """Fraction of the model's total time."""
+    param_count: int
+    state_bytes: int
+    """Parameters + gradients + optimizer state held by this stage."""
+    activation_bytes: int
+    """Saved activations of one microbatch times ``in_flight``."""
+    in_flight: int
+    memory_bytes: int
+    binding: str
+    """What limits this stage: "compute", "single unit", "memory cap", "over memory cap" or ""."""
+
+
+@dataclass
+class Plan:
+    """A partition with its predicted cost; ``str(plan)`` is a table, ``to_dict()`` is JSON-able."""
+
+    stages: list[StagePlan]
+    boundaries: list[int]
+    num_ranks: int
+    virtual_stages: int
+    microbatches: int
+    pipeline: str
+    method: str
+    memory_weight: float
+    device_memory: int | None
+    step_time_s: float
+    bubble: float
+    binding: str
+    """What limits the plan as a whole: "compute", "single unit" or "memory cap"."""
+    rank_memory_bytes: list[int] = field(default_factory=list)
+    simulated: bool = False
+    """True when step time and bubble come from ``mpar.schedule.simulate``."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return _render(self)
+
+
+# ---------------------------------------------------------------------------
+
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgtp]?i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """``"16GiB"`` → 17179869184; ``"16GB"`` → 16e9; a bare number is bytes."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"cannot read a memory size from {text!r}; write e.g. 16GiB, 40GB, 512MiB")
+    value, unit = float(match.group(1)), match.group(2).lower().rstrip("b")
+    if not unit:
+        return int(value)
+    base = 1024 if unit.endswith("i") else 1000
+    power = "kmgtp".index(unit[0]) + 1
+    return int(value * base**power)
+
+
+def _in_flight(p: int, v: int, m: int, pipeline: str) -> tuple[list[int], Any]:
+    """Per rank: microbatches in flight per chunk; and the schedule module or None."""
+    sched: Any
+    try:
+        from mpar import schedule as sched
+    except ImportError:  # pragma: no cover - the schedule package is part of mpar
+        sched = None
+    if sched is not None:
+        peaks = sched.peak_in_flight(sched.build_schedule(pipeline, p, m, virtual_stages=v))
+        return [max(1, math.ceil(peak / v)) for peak in peaks], sched
+    if pipeline == "simple":
+        return [m] * p, None
+    if v == 1:
+        return [min(m, p - r) for r in range(p)], None
+    warm = [(p - r - 1) * 2 + (v - 1) * p + 1 for r in range(p)]
+    return [min(m, math.ceil(w / v)) for w in warm], None
+
+
+def _predict(
+    times: Sequence[float], p: int, v: int, m: int, pipeline: str, sched: Any
+) -> tuple[float, float, bool]:
+    """(step time, bubble fraction, simulated?) for per-stage fwd+bwd times."""
+    if sched is not None:
+        costs = sched.StageCosts([t / 3 for t in times], [2 * t / 3 for t in times])
+        result = sched.simulate(sched.build_schedule(pipeline, p, m, virtual_stages=v), costs)
+        return float(result.makespan), float(result.bubble_fraction), True
+    work = max(sum(times[r::p]) for r in range(p))
+    step = m * work + (p - 1) * max(times)
+    return step, (p - 1) / (v * m + p - 1), False
+
+
+def _state(unit: UnitProfile, dp: int, zero: int) -> float:
+    """Parameter+grad+optimizer bytes of a unit on one data-parallel rank under ZeRO."""
+    params = unit.param_bytes / (dp if zero >= 3 else 1)
+    grads = unit.grad_bytes / (dp if zero >= 2 else 1)
+    optim = unit.optimizer_bytes / (dp if zero >= 1 else 1)
+    return params + grads + optim
+
+
+def _tied_replicas(units: Sequence[UnitProfile], names: set[str]) -> int:
+    """State bytes of tied parameters a stage holds whose owner is on another stage."""
+    extra: dict[str, int] = {}
+    for unit in units:
+        for owner, nbytes in unit.tied_state_bytes.items():
+            if owner not in names:
+                extra[owner] = max(extra.get(owner, 0), nbytes)
+    return sum(extra.values())
+
+
+def _boundaries(
+    profile: ModelProfile,
+    method: str,
+    num_stages: int,
+    memory: Sequence[float],
+    weight: float,
+    cap: float | None,
+) -> list[int]:
+    if method == "uniform":
+        return uniform_boundaries(len(profile.units), num_stages)
+    if method == "parameters":
+        return parameter_boundaries([u.param_count for u in profile.units], num_stages)
+    compute = [u.time_s for u in profile.units]
+    return solve(
+        compute,
+        num_stages,
+        memory=memory,
+        memory_weight=weight,
+        memory_cap=cap,
+        names=profile.names,
+    )
+
+
+def _check(
+    profile: ModelProfile, num_ranks: int, v: int, m: int, pipeline: str, method: str
+) -> None:
+    for name, value in (("num_ranks", num_ranks), ("virtual_stages", v), ("microbatches", m)):
+        if not isinstance(value, int) or value < 1:
+            raise PartitionError(f"{name} must be a positive integer, got {value!r}")
+    if pipeline not in _PIPELINES:
+        raise PartitionError(f"pipeline must be 'interleaved' or 'simple', got {pipeline!r}")
+    if method not in _METHODS:
+        raise PartitionError(f"method must be one of {', '.join(_METHODS)}; got {method!r}")
+    if len(profile.units) < num_ranks * v:
+        raise PartitionError(
+            f"{num_ranks} ranks x {v} virtual stages = {num_ranks * v} stages but the model "
+            f"has only {len(profile.units)} units; lower pipeline_parallel_degree or "
+            "virtual_stages"
+        )
+
+
+def make_plan(
+    profile: ModelProfile,
+    *,
+    num_ranks: int,
+    virtual_stages: int = 1,
+    microbatches: int = 1,
+    pipeline: str = "interleaved",
+    memory_weight: float | None = None,
+    optimize: str = "speed",
+    device_memory: int | str | None = None,
+    method: str = "profile",
+    data_parallel_degree: int = 1,
+    zero_stage: int = 0,
+) -> Plan:
+    """Partition a profiled model over ``num_ranks`` pipeline ranks and predict its cost.
+
+    Args:
+        profile: from ``mpar.profile.profile_model`` (one microbatch).
+        num_ranks: pipeline-parallel degree ``p``.
+        virtual_stages: chunks per rank ``v`` (``p * v`` stages).
+        microbatches: microbatches per step ``m``.
+        pipeline: "interleaved" (1F1B) or "simple" (GPipe).
+        memory_weight: weight of memory against compute; default from ``optimize``
+            ("speed" → 0.2, "memory" → 0.8).
+        device_memory: bytes (or "16GiB") available per rank; enforced by "profile".
+        method: "profile" (optimal on profiled time and memory), "uniform" (equal
+            units) or "parameters" (equal parameter counts).
+        data_parallel_degree, zero_stage: shard optimizer state (>=1), gradients
+            (>=2) and parameters (3) over the data-parallel group in the memory figures.
+    """
+    p, v, m = num_ranks, virtual_stages, microbatches
+    _check(profile, p, v, m, pipeline, method)
+    weight = memory_weight_for(optimize, memory_weight)
+    cap_rank = None if device_memory is None else parse_bytes(device_memory)
+    in_flight, sched = _in_flight(p, v, m, pipeline)
+    units = profile.units
+    dp, zero = data_parallel_degree, zero_stage
+    worst = max(in_flight)
+    memory = [_state(u, dp, zero) + u.activation_bytes * worst for u in units]
+    cap = None if cap_rank is None else cap_rank / v
+    starts = _boundaries(profile, method, p * v, memory, weight, cap)
+    stages = _stage_plans(units, starts, p, in_flight, dp, zero)
+    step, bubble, simulated = _predict([s.time_s for s in stages], p, v, m, pipeline, sched)
+    rank_memory = [sum(s.memory_bytes for s in stages if s.rank == r) for r in range(p)]
+    binding = _bind(profile, stages, starts, memory, weight, cap)
+    return Plan(
+        stages,
+        starts,
+        p,
+        v,
+        m,
+        pipeline,
+        method,
+        weight,
+        cap_rank,
+        step,
+        bubble,
+        binding,
+        rank_memory,
+        simulated,
+    )
+
+
+def _stage_plans(
+    units: Sequence[UnitProfile],
+    starts: Sequence[int],
+    p: int,
+    in_flight: Sequence[int],
+    dp: int,
+    zero: int,
+) -> list[StagePlan]:
+    total = math.fsum(u.time_s for u in units) or 1.0
+    plans = []
+    for s, (a, b) in enumerate(zip(starts, [*starts[1:], len(units)])):
+        group = units[a:b]
+        rank, flight = s % p, in_flight[s % p]
+        state = int(sum(_state(u, dp, zero) for u in group))
+        state += _tied_replicas(group, {u.name for u in group})
+        act = sum(u.activation_bytes for u in group) * flight
+        seconds = math.fsum(u.time_s for u in group)
+        plans.append(
+            StagePlan(
+                s,
+                rank,
+                s // p,
+                [u.name for u in group],
+                seconds,
+                seconds / total,
+                sum(u.param_count for u in group),
+                state,
+                act,
+                flight,
+                state + act,
+                "",
+            )
+        )
+    return plans
+
+
+def _bind(
+    profile: ModelProfile,
+    stages: list[StagePlan],
+    starts: list[int],
+    memory: Sequence[float],
+    weight: float,
+    cap: float | None,
+) -> str:
+    """Label what binds each stage and the plan; returns the plan-level label."""
+    compute = [u.time_s for u in profile.units]
+    costs = stage_costs(compute, starts, memory=memory, memory_weight=weight)
+    top = max(costs)
+    plan_binding = "compute"
+    if cap is not None:
+        free = solve(compute, len(starts), memory=memory, memory_weight=weight)
+        free_top = max(stage_costs(compute, free, memory=memory, memory_weight=weight))
+        if top > free_top * (1 + 1e-9):
+            plan_binding = "memory cap"
+    for stage, cost in zip(stages, costs):
+        if cap is not None and stage.memory_bytes > cap:
+            stage.binding = "over memory cap"
+        elif cost >= top * (1 - 1e-9):
+            stage.binding = "single unit" if len(stage.units) == 1 else plan_binding
+        elif cap is not None and stage.memory_bytes >= 0.9 * cap:
+            stage.binding = "memory cap"
+    bottleneck = next(s for s, c in zip(stages, costs) if c >= top * (1 - 1e-9))
+    if plan_binding == "compute" and len(bottleneck.units) == 1:
+        plan_binding = "single unit"
+    return plan_binding
+
+
+def _units_label(names: Sequence[str]) -> str:
+    if len(names) <= 2:
+        return ", ".join(names)
+    return f"{names[0]} .. {names[-1]} ({len(names)})"
+
+
+def _render(plan: Plan) -> str:
+    head = (
+        f"pipeline plan: {plan.num_ranks} ranks x {plan.virtual_stages} virtual stages, "
+        f"{plan.microbatches} microbatches, {plan.pipeline}, method={plan.method}, "
+        f"memory_weight={plan.memory_weight:g}"
+    )
+    rows = [
+        (
+            "stage",
+            "rank",
+            "units",
+            "time ms",
+            "share",
+            "params",
+            "state",
+            "activ.",
+            "memory",
+            "binds",
+        )
+    ]
+    for s in plan.stages:
+        rows.append(
+            (
+                str(s.stage),
+                str(s.rank),
+                _units_label(s.units),
+                f"{s.time_s * 1e3:.4g}",
+                f"{s.compute_share:.1%}",
+                f"{s.param_count:,}",
+                _fmt(s.state_bytes),
+                f"{_fmt(s.activation_bytes // max(s.in_flight, 1))} x{s.in_flight}",
+                _fmt(s.memory_bytes),
+                s.binding,
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [head, ""]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    cap = "none" if plan.device_memory is None else _fmt(plan.device_memory)
+    peak = max(plan.rank_memory_bytes) if plan.rank_memory_bytes else 0
+    source = "simulated" if plan.simulated else "formula"
+    lines += [
+        "",
+        f"predicted step time {plan.step_time_s * 1e3:.4g} ms, bubble {plan.bubble:.1%} ({source}); "
+        f"busiest rank memory {_fmt(peak)} (cap {cap}); bound by {plan.binding}",
+    ]
+    return "\n".join(lines)

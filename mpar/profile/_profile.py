@@ -1,0 +1,339 @@
+"""Per-unit compute and memory profile of a model.
+
+``profile_model`` runs the model once (no autograd) with forward pre-hooks that
+record each unit's inputs, then runs every unit *on its own* on those inputs,
+forward and backward, as torchgpipe's ``balance_by_time`` does:
+
+* FLOPs from ``torch.utils.flop_counter.FlopCounterMode`` (forward + backward);
+* activation bytes: tensors autograd saves for backward
+  (``torch.autograd.graph.saved_tensors_hooks``), counted once per storage,
+  parameters and buffers excluded;
+* output bytes: the tensors the unit returns (what goes to the next unit);
+* time: ``mode="measure"``: ``warmup`` runs, then the median of ``repeats``
+  forward+backward runs; ``mode="meta"``: ``flops / flops_per_second``.
+
+In ``mode="meta"`` the model must live on the meta device (build it under
+``with torch.device("meta"):``); inputs are moved to meta; nothing is allocated.
+Code outside the units (masks, position ids, the loss) is not timed.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from mpar.errors import PartitionError
+from mpar.partition._units import find_units
+
+__all__ = ["OPTIMIZER_BYTES_PER_PARAM", "ModelProfile", "UnitProfile", "profile_model"]
+
+#: Bytes of fp32 optimizer state per parameter: Adam keeps two moments, SGD with
+#: momentum one buffer.
+OPTIMIZER_BYTES_PER_PARAM = {"adam": 8, "sgd": 4, "none": 0}
+
+
+@dataclass
+class UnitProfile:
+    """Cost of one unit for one microbatch (all calls of the unit summed)."""
+
+    name: str
+    param_count: int
+    """Parameters owned by this unit (a tied parameter counts for its first unit only)."""
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    flops: int
+    """Forward + backward FLOPs."""
+    time_s: float
+    """Forward + backward seconds (measured median, or estimated from FLOPs)."""
+    activation_bytes: int
+    """Bytes saved for backward."""
+    output_bytes: int
+    """Bytes of the tensors the unit returns."""
+    tied_state_bytes: dict[str, int] = field(default_factory=dict)
+    """Parameters this unit uses that an earlier unit owns: owner → parameter+grad+optimizer bytes."""
+    calls: int = 1
+
+    @property
+    def state_bytes(self) -> int:
+        """Parameter + gradient + optimizer-state bytes."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+@dataclass
+class ModelProfile:
+    """Profile of every unit of a model, in execution order."""
+
+    units: list[UnitProfile]
+    mode: str
+    optimizer: str
+    param_count: int
+    """Distinct parameters in the whole model."""
+    unassigned_param_count: int = 0
+    """Parameters outside every unit (e.g. on the root module)."""
+
+    @property
+    def names(self) -> list[str]:
+        return [u.name for u in self.units]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------
+
+
+def _is_float(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
+def _tensor_bytes(tree: Any) -> int:
+    leaves = pytree.tree_leaves(tree)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+def _capture_calls(
+    module: nn.Module, units: Sequence[str], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, list[tuple[tuple[Any, ...], dict[str, Any], Any]]]:
+    """Run the model once without autograd; record (args, kwargs, output) of each unit call."""
+    calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any], Any]]] = {u: [] for u in units}
+    handles = []
+    for name in units:
+
+        def hook(_m: nn.Module, a: Any, kw: Any, out: Any, name: str = name) -> None:
+            calls[name].append((a, kw, out))
+
+        sub = module.get_submodule(name)
+        handles.append(sub.register_forward_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            module(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return calls
+
+
+def _leafify(tree: Any) -> tuple[Any, list[torch.Tensor]]:
+    """Detached copy of the input tree; floating tensors become grad-requiring leaves."""
+    leaves: list[torch.Tensor] = []
+
+    def convert(x: Any) -> Any:
+        if _is_float(x):
+            y = x.detach().requires_grad_(True)
+            leaves.append(y)
+            return y
+        return x
+
+    return pytree.tree_map(convert, tree), leaves
+
+
+def _fwd_bwd(unit: nn.Module, a: Any, kw: Any, params: list[nn.Parameter]) -> Any:
+    (a, kw), inputs = _leafify((a, kw))
+    out = unit(*a, **kw)
+    outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    wrt = inputs + params
+    if outs and wrt:  # .backward, not autograd.grad: FlopCounterMode's hooks need it
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs], inputs=wrt)
+    return out
+
+
+class _SavedCounter:
+    """Counts bytes autograd saves, once per storage, ignoring parameters and buffers."""
+
+    def __init__(self, exclude: set[int]) -> None:
+        self.exclude = exclude
+        self.seen: set[int] = set()
+        self.bytes = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # e.g. tensor subclasses without storage
+            self.bytes += t.numel() * t.element_size()
+            return t
+        key = storage._cdata
+        if key not in self.exclude and key not in self.seen:
+            self.seen.add(key)
+            self.bytes += storage.nbytes()
+        return t
+
+
+def _storage_keys(module: nn.Module) -> set[int]:
+    tensors = [*module.parameters(), *module.buffers()]
+    return {t.untyped_storage()._cdata for t in tensors}
+
+
+def _synchronizer(module: nn.Module) -> Callable[[], None]:
+    devices = {p.device.type for p in module.parameters()}
+    if "cuda" in devices and torch.cuda.is_available():
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def _time_calls(
+    unit: nn.Module, calls: Sequence[Any], params: list[nn.Parameter], repeats: int, warmup: int
+) -> float:
+    sync = _synchronizer(unit)
+    for _ in range(warmup):
+        for a, kw, _out in calls:
+            _fwd_bwd(unit, a, kw, params)
+    samples = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        for a, kw, _out in calls:
+            _fwd_bwd(unit, a, kw, params)
+        sync()
+        samples.append(time.perf_counter() - start)
+    return float(statistics.median(samples))
+
+
+@dataclass
+class _Options:
+    optimizer: str
+    mode: str
+    repeats: int
+    warmup: int
+    flops_per_second: float
+
+
+def _profile_unit(
+    module: nn.Module,
+    name: str,
+    calls: Sequence[Any],
+    owner_of: dict[int, str],
+    exclude: set[int],
+    opts: _Options,
+) -> UnitProfile:
+    """Profile one unit, leaving its parameters' ``.grad`` as they were."""
+    unit = module.get_submodule(name)
+    saved = [(p, p.grad) for p in unit.parameters()]
+    try:
+        return _profile_unit_inner(module, name, calls, owner_of, exclude, opts)
+    finally:
+        for p, grad in saved:
+            p.grad = grad
+
+
+def _profile_unit_inner(
+    module: nn.Module,
+    name: str,
+    calls: Sequence[Any],
+    owner_of: dict[int, str],
+    exclude: set[int],
+    opts: _Options,
+) -> UnitProfile:
+    unit = module.get_submodule(name)
+    params = [p for p in unit.parameters() if p.requires_grad]
+    owned = [p for p in unit.parameters() if owner_of[id(p)] == name]
+    per_param_opt = OPTIMIZER_BYTES_PER_PARAM[opts.optimizer]
+    trainable = [p for p in owned if p.requires_grad]
+    tied: dict[str, int] = {}
+    for p in unit.parameters():
+        if owner_of[id(p)] != name:
+            state = p.numel() * p.element_size() * (2 if p.requires_grad else 1)
+            state += p.numel() * per_param_opt if p.requires_grad else 0
+            tied[owner_of[id(p)]] = tied.get(owner_of[id(p)], 0) + state
+    counter = _SavedCounter(exclude)
+    saved_hooks = torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t)
+    with FlopCounterMode(display=False) as flop_mode, saved_hooks:
+        for a, kw, _out in calls:
+            _fwd_bwd(unit, a, kw, params)
+    flops = int(flop_mode.get_total_flops())
+    if opts.mode == "meta" or not calls:
+        seconds = flops / opts.flops_per_second
+    else:
+        seconds = _time_calls(unit, calls, params, opts.repeats, opts.warmup)
+    return UnitProfile(
+        name=name,
+        param_count=sum(p.numel() for p in owned),
+        param_bytes=sum(p.numel() * p.element_size() for p in owned),
+        grad_bytes=sum(p.numel() * p.element_size() for p in trainable),
+        optimizer_bytes=sum(p.numel() for p in trainable) * per_param_opt,
+        flops=flops,
+        time_s=seconds,
+        activation_bytes=counter.bytes,
+        output_bytes=sum(_tensor_bytes(out) for _a, _kw, out in calls),
+        tied_state_bytes=tied,
+        calls=len(calls),
+    )
+
+
+def _owners(module: nn.Module, units: Sequence[str]) -> dict[int, str]:
+    """id(param) → the first unit (in execution order) that holds it."""
+    owner: dict[int, str] = {}
+    for name in units:
+        for p in module.get_submodule(name).parameters():
+            owner.setdefault(id(p), name)
+    return owner
+
+
+def _to_meta(tree: Any) -> Any:
+    return pytree.tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, tree)
+
+
+def _check_options(module: nn.Module, optimizer: str, mode: str, repeats: int) -> None:
+    if optimizer not in OPTIMIZER_BYTES_PER_PARAM:
+        raise ValueError(f"optimizer must be one of adam, sgd, none; got {optimizer!r}")
+    if mode not in ("measure", "meta"):
+        raise ValueError(f"mode must be 'measure' or 'meta', got {mode!r}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    real = [n for n, p in module.named_parameters() if p.device.type != "meta"]
+    if mode == "meta" and real:
+        raise PartitionError(
+            f"mode='meta' needs a model on the meta device, but parameter {real[0]!r} is on "
+            f"a real device; build the model inside `with torch.device('meta'):`"
+        )
+    if mode == "measure" and len(real) < len(list(module.parameters())):
+        raise PartitionError(
+            "the model has parameters on the meta device; profile it with mode='meta'"
+        )
+
+
+def profile_model(
+    module: nn.Module,
+    example_args: Sequence[Any],
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    units: Sequence[str] | None = None,
+    optimizer: Literal["adam", "sgd", "none"] = "adam",
+    mode: Literal["measure", "meta"] = "measure",
+    repeats: int = 3,
+    warmup: int = 1,
+    flops_per_second: float = 1e14,
+) -> ModelProfile:
+    """Profile every unit of ``module`` on one microbatch of example inputs.
+
+    Args:
+        module: the model (on the meta device for ``mode="meta"``).
+        example_args, example_kwargs: one microbatch of inputs.
+        units: unit names in execution order; default ``find_units(module, ...)``.
+        optimizer: optimizer-state bytes per trainable parameter: adam 8, sgd (momentum) 4, none 0.
+        mode: ``"measure"`` times real runs; ``"meta"`` estimates time from FLOPs.
+        repeats, warmup: timed and untimed runs per unit (measure mode).
+        flops_per_second: the assumed device speed in meta mode (only ratios matter
+            for partitioning; absolute predicted times scale with it).
+    """
+    _check_options(module, optimizer, mode, repeats)
+    args, kwargs = tuple(example_args), dict(example_kwargs or {})
+    if mode == "meta":
+        args, kwargs = _to_meta((args, kwargs))
+    names = list(units) if units is not None else find_units(module, args, kwargs)
+    calls = _capture_calls(module, names, args, kwargs)
+    owner_of = _owners(module, names)
+    exclude = _storage_keys(module)
+    opts = _Options(optimizer, mode, repeats, warmup, flops_per_second)
+    profiles = [_profile_unit(module, n, calls[n], owner_of, exclude, opts) for n in names]
+    distinct = {id(p): p.numel() for p in module.parameters()}
+    unassigned = sum(n for key, n in distinct.items() if key not in owner_of)
+    return ModelProfile(profiles, mode, optimizer, sum(distinct.values()), unassigned)

@@ -1,0 +1,88 @@
+"""Small, dependency-free models used by tests, benchmarks and examples.
+
+``TinyGPT`` is the GPT pattern the partitioner recognises: a token embedding, a
+position embedding, an ``nn.ModuleList`` of pre-norm transformer blocks, a final
+norm and an LM head, optionally tied to the token embedding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["Block", "GPTConfig", "TinyGPT", "gpt_param_count"]
+
+
+@dataclass
+class GPTConfig:
+    """Sizes of a ``TinyGPT``."""
+
+    vocab_size: int = 128
+    d_model: int = 32
+    num_layers: int = 4
+    num_heads: int = 4
+    d_ffn: int = 128
+    max_seq_len: int = 64
+    tie_embeddings: bool = True
+    bias: bool = True
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention and a GELU MLP."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.ln_1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.ln_2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.d_model, cfg.d_ffn, bias=cfg.bias),
+            nn.GELU(),
+            nn.Linear(cfg.d_ffn, cfg.d_model, bias=cfg.bias),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).split(d, dim=-1)
+        shape = (b, t, self.num_heads, d // self.num_heads)
+        q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
+        att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln_2(x))
+
+
+class TinyGPT(nn.Module):
+    """GPT-style language model: ``forward(idx) -> logits`` of shape (batch, seq, vocab)."""
+
+    def __init__(self, cfg: GPTConfig | None = None) -> None:
+        super().__init__()
+        cfg = cfg or GPTConfig()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def gpt_param_count(cfg: GPTConfig) -> int:
+    """The number of distinct parameters of ``TinyGPT(cfg)``, computed from the sizes."""
+    d, f, bias = cfg.d_model, cfg.d_ffn, int(cfg.bias)
+    norm = d * (1 + bias)
+    block = 2 * norm + (3 * d * d + 3 * d * bias) + (d * d + d * bias)
+    block += (d * f + f * bias) + (f * d + d * bias)
+    head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
+    return cfg.vocab_size * d + cfg.max_seq_len * d + cfg.num_layers * block + norm + head

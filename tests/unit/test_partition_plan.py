@@ -1,0 +1,178 @@
+"""make_plan, manual placement with mpar.partition(i), find_units and `mpar plan`."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import pytest
+from torch import nn
+
+import mpar.partition
+from mpar.errors import PartitionError
+from mpar.partition import Plan, find_units, make_plan, manual_boundaries, parse_bytes
+from mpar.profile import ModelProfile, UnitProfile
+
+
+def _profile(times, state=100, act=10):
+    units = [
+        UnitProfile(
+            name=f"u{i}",
+            param_count=state // 16,
+            param_bytes=state // 4,
+            grad_bytes=state // 4,
+            optimizer_bytes=state // 2,
+            flops=0,
+            time_s=t,
+            activation_bytes=act,
+            output_bytes=1,
+        )
+        for i, t in enumerate(times)
+    ]
+    return ModelProfile(units, "measure", "adam", sum(u.param_count for u in units))
+
+
+def test_plan_balances_time_and_reports_stages():
+    prof = _profile([1, 1, 1, 1, 2, 2])
+    plan = make_plan(prof, num_ranks=2, microbatches=4, memory_weight=0.0)
+    assert isinstance(plan, Plan)
+    assert plan.boundaries == [0, 4]
+    first, second = plan.stages
+    assert first.units == ["u0", "u1", "u2", "u3"] and first.rank == 0
+    assert first.time_s == 4 and first.compute_share == pytest.approx(0.5)
+    assert first.state_bytes == 400 and first.in_flight == 2 and first.activation_bytes == 80
+    assert second.in_flight == 1
+    assert plan.binding == "compute"
+    # 1F1B, p=2, m=4, equal stages: (m + p - 1) * t = 5 * 4
+    assert plan.step_time_s == pytest.approx(20) and plan.bubble == pytest.approx(0.2)
+    text = str(plan)
+    assert "u0 .. u3 (4)" in text and "bubble" in text
+    json.dumps(plan.to_dict())
+
+
+def test_plan_methods_and_virtual_stages():
+    prof = _profile([1, 2, 3, 4, 5, 6, 7, 8])
+    uniform = make_plan(prof, num_ranks=2, virtual_stages=2, microbatches=4, method="uniform")
+    assert uniform.boundaries == [0, 2, 4, 6]
+    assert [s.rank for s in uniform.stages] == [0, 1, 0, 1]
+    assert [s.chunk for s in uniform.stages] == [0, 0, 1, 1]
+    by_params = make_plan(prof, num_ranks=2, method="parameters")
+    assert by_params.boundaries == [0, 4]
+    with pytest.raises(PartitionError, match="only 8 units"):
+        make_plan(prof, num_ranks=4, virtual_stages=3)
+
+
+def test_plan_memory_cap_binds_and_no_fit():
+    prof = _profile([1, 1, 1, 10], state=100, act=0)
+    free = make_plan(prof, num_ranks=2, memory_weight=0.0)
+    assert free.boundaries == [0, 3]
+    capped = make_plan(prof, num_ranks=2, memory_weight=0.0, device_memory=250)
+    assert capped.boundaries == [0, 2] and capped.binding == "memory cap"
+    with pytest.raises(PartitionError, match="smallest pipeline degree that fits is 4"):
+        make_plan(prof, num_ranks=2, device_memory=150)
+
+
+def test_parse_bytes():
+    assert parse_bytes("16GiB") == 16 * 2**30
+    assert parse_bytes("40GB") == 40 * 10**9
+    assert parse_bytes("512 MiB") == 512 * 2**20
+    assert parse_bytes("1000") == 1000
+    with pytest.raises(ValueError):
+        parse_bytes("lots")
+
+
+def test_find_units_patterns():
+    seq = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    assert find_units(seq) == ["0", "1"]
+    from mpar.testing_models import TinyGPT
+
+    assert find_units(TinyGPT()) == [
+        "wte",
+        "wpe",
+        "blocks.0",
+        "blocks.1",
+        "blocks.2",
+        "blocks.3",
+        "ln_f",
+        "head",
+    ]
+    assert find_units(nn.Linear(2, 2)) == [""]
+
+
+class _Manual(nn.Module):
+    def __init__(self, swap: bool = False) -> None:
+        super().__init__()
+        with mpar.partition(0):
+            self.a = nn.Linear(4, 4)
+        with mpar.partition(1):
+            self.b = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+        self.act = nn.ReLU()  # not placed: follows the unit before it
+        with mpar.partition(0 if swap else 2):
+            self.c = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.c(self.act(self.b(self.a(x))))
+
+
+def test_manual_partition_context():
+    assert callable(mpar.partition)
+    model = _Manual()
+    units = find_units(model)
+    assert units == ["a", "b", "act", "c"]
+    assert manual_boundaries(model, units) == [0, 1, 3]
+    assert mpar.partition.assigned_stage(model.b[0]) == 1
+    with pytest.raises(PartitionError, match="not contiguous"):
+        manual_boundaries(_Manual(swap=True), units)
+    with pytest.raises(PartitionError):
+        mpar.partition(-1).__enter__()
+
+
+def _write_factory(tmp_path, monkeypatch):
+    (tmp_path / "plan_factory_mod.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from mpar.testing_models import GPTConfig, TinyGPT
+
+            def make():
+                return TinyGPT(GPTConfig(num_layers=2)), torch.zeros(2, 8, dtype=torch.long)
+
+            def bare():
+                return TinyGPT(GPTConfig(num_layers=2))
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"pipeline_parallel_degree": 2, "microbatches": 4}))
+    return cfg
+
+
+def _run_cli(argv):
+    import argparse
+
+    from mpar.cli import _plan
+
+    parser = argparse.ArgumentParser()
+    _plan.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["plan", *argv])
+    return args.run(args)
+
+
+def test_cli_plan_json_and_errors(tmp_path, monkeypatch, capsys):
+    cfg = _write_factory(tmp_path, monkeypatch)
+    common = ["--config", str(cfg), "--world-size", "4"]
+    assert _run_cli(["--model", "plan_factory_mod:make", *common, "--meta", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["stages"]) == 2 and data["microbatches"] == 4
+    assert _run_cli(["--model", "plan_factory_mod:make", *common, "--meta"]) == 0
+    assert "predicted step time" in capsys.readouterr().out
+    assert _run_cli(["--model", "plan_factory_mod:bare", *common]) == 2
+    assert "example_inputs" in capsys.readouterr().err
+    bad = ["--model", "plan_factory_mod:make", *common, "--meta", "--device-memory", "1KiB"]
+    assert _run_cli(bad) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no split into 2 stages" in err
+    assert _run_cli(["--model", "nope_mod:make", *common]) == 2
+    monkeypatch.delitem(sys.modules, "plan_factory_mod", raising=False)

@@ -1,0 +1,95 @@
+"""Profiles: parameter/optimizer bytes, FLOPs, saved activations, meta mode."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from mpar.errors import PartitionError
+from mpar.profile import profile_model
+from mpar.testing_models import GPTConfig, TinyGPT, gpt_param_count
+
+
+def test_linear_stack_counts():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4, bias=False))
+    x = torch.randn(5, 8)
+    prof = profile_model(model, (x,), optimizer="adam", repeats=2, warmup=1)
+    first, relu, last = prof.units
+    assert [u.name for u in prof.units] == ["0", "1", "2"]
+    assert first.param_count == 8 * 16 + 16
+    assert first.param_bytes == first.grad_bytes == 4 * first.param_count
+    assert first.optimizer_bytes == 8 * first.param_count
+    # forward 2*m*n*k, backward twice that (weight grad; no input grad: x needs none? it does here)
+    assert first.flops >= 2 * 5 * 8 * 16 * 2
+    assert last.flops == 3 * 2 * 5 * 16 * 4
+    assert first.output_bytes == 5 * 16 * 4
+    assert relu.activation_bytes == 5 * 16 * 4  # relu saves its output
+    assert last.activation_bytes == 5 * 16 * 4  # the input, not the weight
+    assert all(u.time_s > 0 for u in prof.units)
+    assert prof.param_count == sum(u.param_count for u in prof.units)
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize(("optimizer", "per_param"), [("sgd", 4), ("none", 0)])
+def test_optimizer_bytes(optimizer, per_param):
+    model = nn.Sequential(nn.Linear(4, 4))
+    prof = profile_model(model, (torch.randn(2, 4),), optimizer=optimizer, repeats=1, warmup=0)
+    assert prof.units[0].optimizer_bytes == per_param * 20
+
+
+def test_tied_parameters_count_once():
+    cfg = GPTConfig(num_layers=2, tie_embeddings=True)
+    prof = profile_model(TinyGPT(cfg), (torch.randint(0, 128, (2, 8)),), repeats=1, warmup=0)
+    by_name = {u.name: u for u in prof.units}
+    assert by_name["head"].param_count == 0
+    assert by_name["head"].tied_state_bytes == {"wte": 128 * 32 * 16}
+    assert prof.param_count == gpt_param_count(cfg)
+
+
+def test_meta_mode_matches_measure_mode_except_time():
+    cfg = GPTConfig(num_layers=2)
+    idx = torch.randint(0, 128, (2, 8))
+    real = profile_model(TinyGPT(cfg), (idx,), repeats=1, warmup=0)
+    with torch.device("meta"):
+        meta_model = TinyGPT(cfg)
+    meta = profile_model(meta_model, (idx,), mode="meta", flops_per_second=1e9)
+    for a, b in zip(real.units, meta.units):
+        assert (a.name, a.param_bytes, a.output_bytes) == (b.name, b.param_bytes, b.output_bytes)
+        # attention picks a different kernel (and FLOP formula) on CPU than on meta
+        assert b.flops == pytest.approx(a.flops, rel=0.1)
+        assert b.activation_bytes == pytest.approx(a.activation_bytes, rel=0.5)
+        assert b.time_s == pytest.approx(b.flops / 1e9)
+
+
+def test_meta_mode_needs_meta_model():
+    with pytest.raises(PartitionError, match="meta"):
+        profile_model(nn.Sequential(nn.Linear(2, 2)), (torch.randn(1, 2),), mode="meta")
+
+
+def test_7b_gpt_on_meta_device():
+    # d_model 4096, 32 layers, vocab 32000, GELU MLP with ffn 16384 (4 x d_model),
+    # untied head, no biases: 6.71e9 parameters, nothing allocated.
+    cfg = GPTConfig(
+        vocab_size=32000,
+        d_model=4096,
+        num_layers=32,
+        num_heads=32,
+        d_ffn=16384,
+        max_seq_len=2048,
+        tie_embeddings=False,
+        bias=False,
+    )
+    start = time.perf_counter()
+    with torch.device("meta"):
+        model = TinyGPT(cfg)
+    prof = profile_model(model, (torch.zeros(1, 2048, dtype=torch.long),), mode="meta")
+    elapsed = time.perf_counter() - start
+    assert prof.param_count == gpt_param_count(cfg) == 6_713_249_792
+    assert len(prof.units) == 36
+    block = prof.units[2]
+    assert block.param_count == 12 * 4096 * 4096 + 2 * 4096
+    assert block.flops > 6 * 2048 * block.param_count  # 6 * tokens * params, plus attention
+    assert elapsed < 60

@@ -1,0 +1,216 @@
+"""Stages run in a chain equal the original module: outputs and gradients (transparency)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from mpar.errors import PartitionError
+from mpar.partition import find_units, split_module
+from mpar.testing_models import GPTConfig, TinyGPT
+
+
+def _check_transparent(model, args, kwargs, boundaries, pick=lambda o: o):
+    reference = copy.deepcopy(model)
+    split = split_module(model, args, kwargs, boundaries)
+    out = split(*args, **kwargs)
+    expected = reference(*args, **kwargs)
+    assert type(out) is type(expected)
+    torch.testing.assert_close(pick(out), pick(expected), rtol=1e-5, atol=1e-6)
+    pick(out).float().square().sum().backward()
+    pick(expected).float().square().sum().backward()
+    params = dict(model.named_parameters())
+    for name, ref in reference.named_parameters():
+        torch.testing.assert_close(params[name].grad, ref.grad, rtol=1e-5, atol=1e-6)
+    _check_ownership(model, split)
+    return split
+
+
+def _check_ownership(model, split):
+    """Stages share the original tensors, and qualnames map onto the original names."""
+    original = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    for stage, names in zip(split.stages, split.qualnames):
+        local = {**dict(stage.named_parameters()), **dict(stage.named_buffers())}
+        for local_name, orig_name in names.items():
+            assert local[local_name] is original[orig_name]
+        assert set(names) == {n for n, _ in stage.named_parameters()} | set(names)
+    covered = {n for names in split.qualnames for n in names.values()}
+    assert {n for n, _ in model.named_parameters()} <= covered
+
+
+def test_sequential():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)
+    )
+    x = torch.randn(5, 8)
+    split = _check_transparent(model, (x,), {}, [0, 2, 4])
+    assert split.method == "sequential"
+    assert split.units == [["0", "1"], ["2", "3"], ["4"]]
+    assert isinstance(split.stages[0](x), tuple)
+    assert split.qualnames[1] == {"2.weight": "2.weight", "2.bias": "2.bias"}
+    assert split.tied == []
+
+
+def test_sequential_any_batch_size():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    split = split_module(model, (torch.randn(3, 4),), None, [0, 1])
+    assert split(torch.randn(7, 4)).shape == (7, 2)
+
+
+def test_gpt_with_tied_embedding_and_head():
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(num_layers=4, tie_embeddings=True))
+    idx = torch.randint(0, 128, (2, 16))
+    split = _check_transparent(model, (idx,), {}, [0, 3, 5])
+    assert split.method == "graph"
+    assert split.units[0] == ["wte", "wpe", "blocks.0"]
+    assert split.units[-1] == ["blocks.3", "ln_f", "head"]
+    (group,) = split.tied
+    assert sorted(stage for stage, _ in group) == [0, 2]
+    stage0, local0 = group[0]
+    stage2, local2 = group[1]
+    assert split.qualnames[stage0][local0] == split.qualnames[stage2][local2] == "wte.weight"
+    # each stage returns a tuple except the last; stage k takes stage k-1's outputs
+    out0 = split.stages[0](idx)
+    assert isinstance(out0, tuple)
+    assert isinstance(split.stages[1](*out0), tuple)
+
+
+def test_state_dict_through_qualnames_loads_into_original():
+    model = TinyGPT(GPTConfig(num_layers=2))
+    idx = torch.randint(0, 128, (2, 8))
+    split = split_module(model, (idx,), None, [0, 3])
+    gathered = {}
+    for stage, names in zip(split.stages, split.qualnames):
+        for local, value in stage.state_dict().items():
+            gathered[names[local]] = value
+    fresh = TinyGPT(GPTConfig(num_layers=2))
+    missing, unexpected = fresh.load_state_dict(gathered, strict=False)
+    assert unexpected == []
+    assert set(missing) <= {"head.weight"}  # the tied alias of wte.weight
+    torch.testing.assert_close(fresh(idx), model(idx))
+
+
+def test_traced_stage_rejects_other_shapes():
+    model = TinyGPT(GPTConfig(num_layers=2))
+    split = split_module(model, (torch.randint(0, 128, (2, 8)),), None, [0, 3])
+    with pytest.raises(ValueError, match="microbatch"):
+        split(torch.randint(0, 128, (3, 8)))
+
+
+class _DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.a(x)
+        if y.sum() > 0:  # data-dependent control flow: cannot be one graph
+            return self.b(y)
+        return y
+
+
+def test_uncapturable_model_is_a_partition_error():
+    with pytest.raises(PartitionError, match="_DataDependent"):
+        split_module(_DataDependent(), (torch.randn(2, 4),), None, [0, 1], units=["a", "b"])
+
+
+class _Skip(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.c = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.c(self.b(self.a(x)))
+
+
+def test_out_of_order_units_are_rejected():
+    with pytest.raises(PartitionError, match="contiguously"):
+        split_module(_Skip(), (torch.randn(2, 4),), None, [0, 1], units=["b", "a", "c"])
+
+
+def test_bad_boundaries():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(PartitionError, match="boundaries"):
+        split_module(model, (torch.randn(1, 2),), None, [1])
+    with pytest.raises(PartitionError, match="boundaries"):
+        split_module(model, (torch.randn(1, 2),), None, [0, 2])
+
+
+def _transformers():
+    return pytest.importorskip("transformers")
+
+
+def test_hf_gpt2_from_config():
+    tf = _transformers()
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(
+        n_layer=3,
+        n_embd=32,
+        n_head=4,
+        vocab_size=64,
+        n_positions=16,
+        use_cache=False,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = tf.GPT2LMHeadModel(cfg)
+    idx = torch.randint(0, 64, (2, 8))
+    units = find_units(model, (idx,))
+    assert units[:2] == ["transformer.wte", "transformer.wpe"]
+    assert units[-5:] == [
+        "transformer.h.0",
+        "transformer.h.1",
+        "transformer.h.2",
+        "transformer.ln_f",
+        "lm_head",
+    ]
+    split = _check_transparent(model, (idx,), {}, [0, 4, 6], pick=lambda o: o.logits)
+    assert len(split.tied) == 1
+
+
+def test_hf_bert_from_config():
+    tf = _transformers()
+    torch.manual_seed(0)
+    cfg = tf.BertConfig(
+        num_hidden_layers=3,
+        hidden_size=32,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=64,
+        max_position_embeddings=16,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    model = tf.BertForMaskedLM(cfg)
+    idx = torch.randint(0, 64, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 5:] = 0
+    kwargs = {"input_ids": idx, "attention_mask": mask}
+    assert find_units(model, (), kwargs) == [
+        "bert.embeddings",
+        "bert.encoder.layer.0",
+        "bert.encoder.layer.1",
+        "bert.encoder.layer.2",
+        "cls",
+    ]
+    _check_transparent(model, (), kwargs, [0, 2, 3], pick=lambda o: o.logits)
+
+
+def test_torchvision_resnet18():
+    tv = pytest.importorskip("torchvision")
+    model = tv.models.resnet18(num_classes=10).eval()
+    x = torch.randn(1, 3, 32, 32)
+    units = find_units(model, (x,))
+    split = split_module(model, (x,), None, [0, len(units) // 2], units=units)
+    torch.testing.assert_close(split(x), model(x))
