@@ -3,6 +3,7 @@
 See ``docs/`` and the README; the public names below are stable.
 """
 
+from mpar import partition
 from mpar._ranks import (
     barrier,
     config,
@@ -16,10 +17,14 @@ from mpar._ranks import (
     size,
 )
 from mpar.comm import init, is_initialized, shutdown
+from mpar.runtime import DistributedModel, DistributedOptimizer, StepOutput, step
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "DistributedModel",
+    "DistributedOptimizer",
+    "StepOutput",
     "barrier",
     "config",
     "dp_rank",
@@ -28,9 +33,11 @@ __all__ = [
     "is_initialized",
     "local_rank",
     "local_size",
+    "partition",
     "pp_rank",
     "pp_size",
     "rank",
     "shutdown",
     "size",
+    "step",
 ]

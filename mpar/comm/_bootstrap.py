@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mpar.comm import _abort
 from mpar.comm._layout import Layout, detect_layout
 from mpar.config import Config, load_config
 from mpar.errors import AlreadyInitializedError, ConfigError, NotInitializedError
@@ -170,6 +171,10 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
     pp_group, dp_group = _make_groups(grid, layout.rank, backend, timeout)
     pp_rank, dp_rank = grid.coords(layout.rank)
     torch.manual_seed(resolved.seed)
+    if layout.world_size > 1:
+        _abort.start_watcher(
+            layout.master_addr, layout.master_port, layout.rank, resolved.timeout_s
+        )
     _STATE = State(
         config=resolved,
         layout=layout,
@@ -193,5 +198,6 @@ def shutdown() -> None:
     if _STATE is None:
         return
     current, _STATE = _STATE, None
+    _abort.stop_watcher()
     if current.owns_process_group and dist.is_initialized():
         dist.destroy_process_group()

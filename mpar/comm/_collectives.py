@@ -9,7 +9,20 @@ import torch.distributed as dist
 
 from mpar.comm._bootstrap import state
 
-__all__ = ["all_reduce_dp", "barrier", "broadcast_object_pp", "world_all_reduce"]
+__all__ = [
+    "all_gather_object_pp",
+    "all_gather_object_world",
+    "all_reduce_dp",
+    "all_reduce_dp_async",
+    "all_reduce_group",
+    "all_reduce_pp",
+    "barrier",
+    "broadcast_object_pp",
+    "broadcast_object_world",
+    "group_size",
+    "new_group",
+    "world_all_reduce",
+]
 
 
 def barrier() -> None:
@@ -48,3 +61,66 @@ def _op(name: str) -> Any:
     if name not in ops:
         raise ValueError(f"reduction {name!r} is not one of {sorted(ops)}")
     return ops[name]
+
+
+def broadcast_object_world(obj: Any, src: int = 0) -> Any:
+    """Send a picklable object from global rank ``src`` to every rank."""
+    if state().layout.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather_object_world(obj: Any) -> list[Any]:
+    """Every rank's picklable ``obj``, in global rank order."""
+    if state().layout.world_size == 1:
+        return [obj]
+    out: list[Any] = [None] * state().layout.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_gather_object_pp(obj: Any) -> list[Any]:
+    """Every pipeline stage's ``obj`` (this rank's pipeline), in stage order."""
+    st = state()
+    if len(st.pp_ranks) == 1:
+        return [obj]
+    out: list[Any] = [None] * len(st.pp_ranks)
+    dist.all_gather_object(out, obj, group=st.pp_group)
+    return out
+
+
+def all_reduce_pp(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """All-reduce ``tensor`` in place over this rank's pipeline."""
+    st = state()
+    if len(st.pp_ranks) > 1:
+        dist.all_reduce(tensor, op=_op(op), group=st.pp_group)
+    return tensor
+
+
+def all_reduce_dp_async(tensor: torch.Tensor) -> Any:
+    """Start a sum all-reduce over the data-parallel group; returns a waitable (or None)."""
+    st = state()
+    if len(st.dp_ranks) == 1:
+        return None
+    return dist.all_reduce(tensor, group=st.dp_group, async_op=True)
+
+
+def new_group(ranks: list[int]) -> Any:
+    """A process group over ``ranks`` (every rank must call this, in the same order)."""
+    import datetime
+
+    timeout = datetime.timedelta(seconds=state().config.timeout_s)
+    return dist.new_group(sorted(ranks), timeout=timeout)
+
+
+def all_reduce_group(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """Sum all-reduce ``tensor`` in place over ``group``."""
+    dist.all_reduce(tensor, group=group)
+    return tensor
+
+
+def group_size(group: Any) -> int:
+    """Number of ranks in ``group``."""
+    return int(dist.get_world_size(group))

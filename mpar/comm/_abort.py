@@ -1,0 +1,90 @@
+"""Fail fast: a rank that fails tells the others, which stop instead of hanging.
+
+A failing rank writes its traceback under one key of a TCP store. Every rank
+runs a watcher thread with its own store client; when the key appears and
+names another rank, the watcher prints that traceback and ends the process
+(exit status 1), so the whole job stops within about a second instead of
+waiting for the collective timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import sys
+import threading
+import time
+
+import torch.distributed as dist
+
+__all__ = ["publish_failure", "start_watcher", "stop_watcher"]
+
+_KEY = "mpar/failure"
+_stop = threading.Event()
+_client: dist.TCPStore | None = None
+
+
+def _connect(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore(
+        host,
+        port,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def _watch(host: str, port: int, rank: int) -> None:
+    try:
+        store = _connect(host, port, 30.0)
+    except Exception:
+        return
+    quick_failures = 0
+    while not _stop.is_set():
+        started = time.monotonic()
+        try:
+            store.wait([_KEY], datetime.timedelta(seconds=1))
+        except Exception:
+            # a timeout takes the full second; a quick failure means the store is gone
+            quick_failures = quick_failures + 1 if time.monotonic() - started < 0.5 else 0
+            if _stop.is_set() or quick_failures >= 3:
+                return
+            continue
+        try:
+            text = store.get(_KEY).decode(errors="replace")
+        except Exception:
+            return
+        source, _, body = text.partition("\n")
+        if source == f"rank {rank}" or _stop.is_set():
+            return
+        sys.stderr.write(f"mpar: {source} failed; stopping rank {rank}. Its traceback:\n{body}\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def start_watcher(host: str, port: int, rank: int, timeout_s: float) -> None:
+    """Start this rank's watcher thread (multi-process jobs only)."""
+    global _client
+    _stop.clear()
+    try:
+        _client = _connect(host, port, timeout_s)
+    except Exception:
+        _client = None
+        return
+    thread = threading.Thread(target=_watch, args=(host, port, rank), daemon=True)
+    thread.start()
+
+
+def publish_failure(rank: int, traceback_text: str) -> None:
+    """Tell every rank that this one failed (best effort; never raises)."""
+    if _client is None:
+        return
+    with contextlib.suppress(Exception):
+        _client.set(_KEY, f"rank {rank}\n{traceback_text}")
+
+
+def stop_watcher() -> None:
+    global _client
+    _stop.set()
+    _client = None

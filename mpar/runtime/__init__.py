@@ -1,0 +1,8 @@
+"""The pipeline runtime: DistributedModel, DistributedOptimizer, @step, StepOutput."""
+
+from mpar.runtime._model import DistributedModel
+from mpar.runtime._optimizer import DistributedOptimizer
+from mpar.runtime._output import StepOutput
+from mpar.runtime._step import step
+
+__all__ = ["DistributedModel", "DistributedOptimizer", "StepOutput", "step"]

@@ -1,0 +1,270 @@
+"""Executing one rank's share of a pipeline schedule for one step.
+
+A :class:`StepRun` walks this rank's action list (``mpar.schedule``) in order:
+
+* ``F(s, j)``: take stage ``s``'s input for microbatch ``j`` (the captured model
+  inputs for stage 0, otherwise the activations received from stage ``s - 1``),
+  run the stage, and send its outputs on to stage ``s + 1``. The last stage
+  runs inside the user's step function: ``model(...)`` there returns the
+  model's output and ``model.backward(loss)`` records the loss.
+* ``B(s, j)``: backpropagate the recorded loss (last stage, scaled by the
+  microbatch's share of the batch) or the output gradients received from stage
+  ``s + 1``, then send the input gradients back to stage ``s - 1``. A
+  microbatch whose step never called ``model.backward`` sends "no gradient"
+  markers instead, so forward-only steps need no special schedule.
+
+Sends never block; receives do, in list order — the semantics that
+``mpar.schedule.simulate`` checks for deadlock. When stage ``s`` finishes its
+last backward, its gradients start their data-parallel all-reduce while the
+rest of the schedule runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mpar.comm import State
+from mpar.comm._collectives import all_gather_object_world
+from mpar.comm._p2p import PendingSends, recv_payload, send_payload
+from mpar.errors import StepError
+from mpar.runtime._grads import GradReducer
+from mpar.runtime._microbatch import Microbatches
+from mpar.runtime._output import StepOutput, check_gatherable, detach_to_cpu
+
+if TYPE_CHECKING:
+    from mpar.runtime._model import DistributedModel
+
+__all__ = ["Captured", "StepRun"]
+
+_FORWARD, _BACKWARD = 0, 1
+
+
+class Captured(BaseException):
+    """Raised by ``model(...)`` while only the model's inputs are being captured."""
+
+
+def _leaves(value: Any) -> Iterator[Any]:
+    if isinstance(value, tuple | list):
+        for item in value:
+            yield from _leaves(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _leaves(item)
+    else:
+        yield value
+
+
+def _as_inputs(value: Any) -> Any:
+    """Fresh graph leaves for a stage's inputs, keeping ``requires_grad``."""
+    if isinstance(value, torch.Tensor):
+        leaf = value.detach()
+        return leaf.requires_grad_(value.requires_grad)
+    if isinstance(value, tuple | list):
+        return type(value)(_as_inputs(v) for v in value)
+    if isinstance(value, dict):
+        return type(value)((k, _as_inputs(v)) for k, v in value.items())
+    return value
+
+
+def _input_grads(inputs: Any) -> Any:
+    if isinstance(inputs, torch.Tensor):
+        return inputs.grad if inputs.requires_grad else None
+    if isinstance(inputs, tuple | list):
+        return type(inputs)(_input_grads(v) for v in inputs)
+    if isinstance(inputs, dict):
+        return type(inputs)((k, _input_grads(v)) for k, v in inputs.items())
+    return None
+
+
+class StepRun:
+    """One step of one rank: its schedule actions, transfers and results."""
+
+    def __init__(
+        self,
+        model: DistributedModel,
+        fn: Callable[..., Any],
+        batches: Microbatches,
+        schedule: Any,
+        st: State,
+    ) -> None:
+        self.model, self.fn, self.batches, self.st = model, fn, batches, st
+        if model.stages is None:
+            raise StepError("internal: the model must be partitioned before a step runs")
+        self.stages = model.stages
+        self.schedule = schedule
+        self.training = not schedule.is_forward_only
+        self.num_stages = schedule.num_stages
+        self.inputs: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+        self.local: dict[tuple[int, int, int], Any] = {}
+        self.saved: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+        self.results: dict[int, Any] = {}
+        self.backward_done: dict[int, int] = {}
+        self.pending = PendingSends()
+        self.microbatch: int | None = None
+        self.model_called = False
+        self.reducer = GradReducer(self.stages, st) if self.training else None
+
+    # -- the user's step function ------------------------------------------------
+
+    def capture_inputs(self) -> None:
+        """Run the step function up to ``model(...)`` to learn stage 0's inputs."""
+        for j in range(len(self.batches)):
+            self.inputs[j] = self.model.capture(self.fn, self.batches, j)
+
+    def model_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``model(...)`` inside the step function, on the rank of the last stage."""
+        if self.model_called:
+            raise StepError(
+                "the model was called twice for one microbatch; mpar pipelines one forward "
+                "pass per microbatch: call model(...) once in the step function"
+            )
+        self.model_called = True
+        s, j = self.num_stages - 1, self.microbatch
+        assert j is not None
+        if s == 0:
+            stage_args, stage_kwargs = args, kwargs
+        else:
+            stage_args, stage_kwargs = self._stage_input(s, j), {}
+        output = self.stages.modules[s](*stage_args, **stage_kwargs)
+        if self.training:
+            self.saved[(s, j)] = (stage_args, None)
+        return output
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        """``model.backward(loss)`` inside the step function."""
+        if not self.training:
+            raise StepError(
+                "model.backward(loss) was called in a step run without gradients "
+                "(under torch.no_grad()); remove the no_grad context to train"
+            )
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            raise StepError(
+                "model.backward(loss) needs a scalar tensor that requires grad "
+                f"(got {type(loss).__name__}"
+                + (f" of shape {tuple(loss.shape)})" if isinstance(loss, torch.Tensor) else ")")
+            )
+        assert self.microbatch is not None
+        if self.microbatch in self.losses:
+            raise StepError("model.backward(loss) was called twice for one microbatch")
+        self.losses[self.microbatch] = loss
+
+    # -- transfers ---------------------------------------------------------------
+
+    def _rank_of(self, stage: int) -> int:
+        pp = self.st.grid.pp_size
+        return self.st.pp_ranks[stage % pp]
+
+    def _receive(self, stage: int, j: int, direction: int, from_stage: int) -> Any:
+        key = (stage, j, direction)
+        if key in self.local:
+            return self.local.pop(key)
+        src = self._rank_of(from_stage)
+        tag = 2 * stage + direction
+        return recv_payload(src, tag, (stage, j, direction), self.st.device)
+
+    def _deliver(self, stage: int, j: int, direction: int, payload: Any) -> None:
+        dst = self._rank_of(stage)
+        if dst == self.st.layout.rank:
+            self.local[(stage, j, direction)] = payload
+        else:
+            send_payload(payload, dst, 2 * stage + direction, (stage, j, direction), self.pending)
+
+    def _stage_input(self, s: int, j: int) -> tuple[Any, ...]:
+        payload = self._receive(s, j, _FORWARD, s - 1)
+        return tuple(_as_inputs(payload)) if self.training else tuple(payload)
+
+    # -- actions -----------------------------------------------------------------
+
+    def forward(self, s: int, j: int) -> None:
+        if s == self.num_stages - 1:
+            self._last_stage_forward(j)
+            return
+        if s == 0:
+            args, kwargs = self.inputs.pop(j)
+        else:
+            args, kwargs = self._stage_input(s, j), {}
+        output = self.stages.modules[s](*args, **kwargs)
+        if not isinstance(output, tuple):
+            output = (output,)
+        if self.training:
+            self.saved[(s, j)] = (args, output)
+        self._deliver(s + 1, j, _FORWARD, output)
+
+    def _last_stage_forward(self, j: int) -> None:
+        self.microbatch, self.model_called = j, False
+        self.model.active_run = self
+        try:
+            result = self.fn(self.model, *self.batches.args[j], **self.batches.kwargs[j])
+        finally:
+            self.model.active_run = None
+            self.microbatch = None
+        if not self.model_called:
+            raise StepError(
+                f"step function {getattr(self.fn, '__name__', self.fn)!r} never called the model"
+            )
+        check_gatherable(result)
+        self.results[j] = detach_to_cpu(result)
+
+    def backward(self, s: int, j: int) -> None:
+        inputs, outputs = self.saved.pop((s, j))
+        if s == self.num_stages - 1:
+            loss = self.losses.pop(j, None)
+            if loss is not None:
+                (loss * self.batches.weights[j] / self.st.grid.dp_size).backward()
+            grads = None if loss is None else _input_grads(inputs)
+        else:
+            out_grads = self._receive(s, j, _BACKWARD, s + 1)
+            grads = None
+            if out_grads is not None:
+                self._backprop(outputs, out_grads)
+                grads = _input_grads(inputs)
+        if s > 0:
+            self._deliver(s - 1, j, _BACKWARD, grads)
+        self.backward_done[s] = self.backward_done.get(s, 0) + 1
+        if self.backward_done[s] == len(self.batches) and self.reducer is not None:
+            self.reducer.start(s)
+
+    @staticmethod
+    def _backprop(outputs: Any, out_grads: Any) -> None:
+        pairs = [
+            (o, g)
+            for o, g in zip(_leaves(outputs), _leaves(out_grads))
+            if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
+        ]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+    # -- the whole step ------------------------------------------------------------
+
+    def run(self) -> StepOutput:
+        stages_here = set(self.stages.modules)
+        if 0 in stages_here and self.num_stages > 1:
+            self.capture_inputs()
+        for action in self.schedule.actions[self.st.pp_rank]:
+            kind = action.kind.value
+            if kind == "F":
+                self.forward(action.stage, action.microbatch)
+            elif kind == "B":
+                self.backward(action.stage, action.microbatch)
+            else:
+                raise StepError(f"the pipeline runtime cannot execute action {action}")
+        self.pending.wait()
+        if self.reducer is not None:
+            self.reducer.finish()
+        return self._gather_outputs()
+
+    def _gather_outputs(self) -> StepOutput:
+        st = self.st
+        last_rank = self._rank_of(self.num_stages - 1) == st.layout.rank
+        mine = (
+            (st.dp_rank, [self.results[j] for j in range(len(self.batches))]) if last_rank else None
+        )
+        everyone = [x for x in all_gather_object_world((mine, self.batches.sizes)) if x[0]]
+        everyone.sort(key=lambda item: item[0][0])
+        outputs = [out for (_, outs), _ in everyone for out in outs]
+        sizes = [size for _, sizes in everyone for size in sizes]
+        return StepOutput(outputs, sizes)

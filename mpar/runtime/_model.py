@@ -1,0 +1,249 @@
+"""DistributedModel: an ordinary nn.Module, partitioned across pipeline ranks.
+
+The module is split lazily, at the first call inside a ``@mpar.step`` function
+(or at construction when ``example_inputs`` is given): rank 0 profiles it on one
+microbatch and solves the partition, every rank splits it identically, keeps
+its own stages and frees the parameters of the others.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from mpar.comm import state
+from mpar.comm._collectives import all_gather_object_pp
+from mpar.errors import StepError
+from mpar.runtime._executor import Captured, StepRun
+from mpar.runtime._microbatch import Microbatches
+from mpar.runtime._stages import LocalStages, build_local_stages
+
+__all__ = ["DistributedModel", "live_models"]
+
+_MODELS: weakref.WeakSet[DistributedModel] = weakref.WeakSet()
+
+
+def live_models() -> list[DistributedModel]:
+    """Every DistributedModel of this process (DistributedOptimizer looks here)."""
+    return list(_MODELS)
+
+
+class DistributedModel:
+    """Wraps ``module`` for pipeline and data-parallel execution.
+
+    Inside a step, ``model(...)`` runs the model and ``model.backward(loss)``
+    replaces ``loss.backward()``. ``state_dict()`` gathers the full model with
+    the original module's keys; ``local_state_dict()`` is this rank's share.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        example_inputs: Any = None,
+        example_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                f"mpar.DistributedModel wraps a torch.nn.Module, got {type(module).__name__}"
+            )
+        self._st = state()
+        self.module = module
+        self.stages: LocalStages | None = None
+        self.active_run: StepRun | None = None
+        self._capturing = False
+        self._captured: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        self._key_order = list(module.state_dict().keys())
+        self._aliases = _tensor_aliases(module)
+        self._schedules: dict[bool, Any] = {}
+        _MODELS.add(self)
+        if example_inputs is not None or example_kwargs is not None:
+            args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+            self._partition(tuple(a for a in args if a is not None), dict(example_kwargs or {}))
+
+    # -- partitioning --------------------------------------------------------------
+
+    @property
+    def partitioned(self) -> bool:
+        return self.stages is not None
+
+    def _partition(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.stages = build_local_stages(self.module, args, kwargs, self._st)
+        for stage in self.stages.modules.values():
+            stage.train(self.module.training)
+
+    def ensure_partitioned(self, fn: Callable[..., Any], batches: Microbatches) -> None:
+        if self.stages is None:
+            args, kwargs = self.capture(fn, batches, 0)
+            self._partition(args, kwargs)
+
+    @property
+    def plan(self) -> Any:
+        """The partition plan (stages, units, profiled cost and memory, bubble)."""
+        if self.stages is None:
+            return None
+        return self.stages.plan if self.stages.plan is not None else _ManualPlan(self.stages)
+
+    def schedule(self, forward_only: bool) -> Any:
+        """This model's pipeline schedule (training, or forward-only)."""
+        if forward_only not in self._schedules:
+            from mpar.schedule import build_schedule
+
+            cfg = self._st.config
+            self._schedules[forward_only] = build_schedule(
+                cfg.pipeline,
+                cfg.pipeline_parallel_degree,
+                cfg.microbatches,
+                virtual_stages=cfg.virtual_stages,
+                active_microbatches=cfg.active_microbatches,
+                forward_only=forward_only,
+            )
+        return self._schedules[forward_only]
+
+    # -- calls inside a step ---------------------------------------------------------
+
+    def capture(
+        self, fn: Callable[..., Any], batches: Microbatches, j: int
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Run the step function for microbatch ``j`` until it calls the model."""
+        self._capturing, self._captured = True, None
+        try:
+            fn(self, *batches.args[j], **batches.kwargs[j])
+        except Captured:
+            assert self._captured is not None
+            return self._captured
+        finally:
+            self._capturing = False
+        raise StepError(
+            f"step function {getattr(fn, '__name__', fn)!r} returned without calling the model"
+        )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._capturing:
+            self._captured = (args, kwargs)
+            raise Captured
+        if self.active_run is None:
+            raise StepError(
+                "mpar.DistributedModel can only be called inside a function decorated with "
+                "@mpar.step (it runs once per microbatch there)"
+            )
+        return self.active_run.model_forward(args, kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss`` through the pipeline (use instead of ``loss.backward()``)."""
+        if self.active_run is None:
+            raise StepError(
+                "model.backward(loss) can only be called inside a function decorated with "
+                "@mpar.step"
+            )
+        self.active_run.record_loss(loss)
+
+    # -- nn.Module-like surface ------------------------------------------------------
+
+    @property
+    def training(self) -> bool:
+        return self.module.training
+
+    def train(self, mode: bool = True) -> DistributedModel:
+        self.module.train(mode)
+        if self.stages is not None:
+            for stage in self.stages.modules.values():
+                stage.train(mode)
+        return self
+
+    def eval(self) -> DistributedModel:
+        return self.train(False)
+
+    def local_parameters(self) -> list[nn.Parameter]:
+        """Parameters this rank holds (all of them before partitioning)."""
+        if self.stages is None:
+            return list(self.module.parameters())
+        seen: dict[int, nn.Parameter] = {}
+        for s in sorted(self.stages.modules):
+            for p in self.stages.modules[s].parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """This rank's parameters (the whole module's before partitioning)."""
+        return iter(self.local_parameters())
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """``(original name, parameter)`` for this rank's parameters."""
+        local = {id(p) for p in self.local_parameters()}
+        for name, p in self.module.named_parameters():
+            if id(p) in local:
+                yield name, p
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers, under the original module's keys."""
+        if self.stages is None:
+            return self.module.state_dict()
+        wanted = set(self._key_order)
+        out: dict[str, torch.Tensor] = {}
+        for s, stage in self.stages.modules.items():
+            tensors = dict(stage.named_parameters()) | dict(stage.named_buffers())
+            for local, original in self.stages.qualnames[s].items():
+                if original in wanted and local in tensors:
+                    out[original] = tensors[local].detach()
+        for key in list(out):
+            for alias in self._aliases.get(key, ()):
+                out.setdefault(alias, out[key])
+        return out
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state, gathered from every stage, with the original keys.
+
+        Every rank of a pipeline gets the same dict (tensors on the CPU); it
+        loads into the unwrapped module with ``module.load_state_dict``.
+        """
+        if self.stages is None:
+            return self.module.state_dict()
+        local = {k: v.to("cpu", copy=True) for k, v in self.local_state_dict().items()}
+        merged: dict[str, torch.Tensor] = {}
+        for part in all_gather_object_pp(local):
+            merged.update(part)
+        missing = [k for k in self._key_order if k not in merged]
+        if missing:
+            raise StepError(f"state_dict could not gather {missing[:5]} from any stage")
+        return {k: merged[k] for k in self._key_order}
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Load a full state dict (original keys); each rank copies its own part."""
+        if self.stages is None:
+            self.module.load_state_dict(state_dict, strict=strict)
+            return
+        if strict:
+            missing = [k for k in self._key_order if k not in state_dict]
+            unexpected = [k for k in state_dict if k not in set(self._key_order)]
+            if missing or unexpected:
+                raise KeyError(
+                    f"load_state_dict: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}"
+                )
+        with torch.no_grad():
+            for key, tensor in self.local_state_dict().items():
+                if key in state_dict:
+                    tensor.copy_(state_dict[key])
+
+
+def _tensor_aliases(module: nn.Module) -> dict[str, list[str]]:
+    """For each state-dict key, the other keys naming the same tensor (tied weights)."""
+    by_tensor: dict[int, list[str]] = {}
+    for key, tensor in module.state_dict(keep_vars=True).items():
+        by_tensor.setdefault(id(tensor), []).append(key)
+    return {k: [a for a in keys if a != k] for keys in by_tensor.values() for k in keys}
+
+
+class _ManualPlan:
+    """Description of a partition that was placed by hand (``auto_partition: false``)."""
+
+    def __init__(self, stages: LocalStages) -> None:
+        self.units = stages.unit_names
+
+    def __str__(self) -> str:
+        rows = [f"stage {s}: {', '.join(names)}" for s, names in enumerate(self.units)]
+        return "manual partition\n" + "\n".join(rows)

@@ -1,0 +1,136 @@
+"""DistributedOptimizer: any torch optimizer, over a partitioned model.
+
+The wrapped optimizer was built on the whole module's parameters (before the
+first step partitioned it). Parameters of stages held by other ranks never get
+a gradient here, so torch's optimizers skip them; this wrapper adds what needs
+communication: the global gradient norm for clipping, and a gathered (full)
+optimizer ``state_dict`` that loads into the same optimizer on the unwrapped
+model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mpar.comm import state
+from mpar.comm._collectives import all_gather_object_pp, all_reduce_pp, group_size
+from mpar.runtime._model import live_models
+
+__all__ = ["DistributedOptimizer"]
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value
+
+
+class DistributedOptimizer:
+    """Wraps ``optimizer`` for a model trained with :class:`mpar.DistributedModel`."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                "mpar.DistributedOptimizer wraps a torch.optim.Optimizer, got "
+                f"{type(optimizer).__name__}"
+            )
+        self._st = state()
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def _all_params(self) -> list[torch.nn.Parameter]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _local_ids(self) -> set[int] | None:
+        """ids of parameters held on this rank; None when nothing is partitioned."""
+        models = [m for m in live_models() if m.partitioned]
+        if not models:
+            return None
+        return {id(p) for m in models for p in m.local_parameters()}
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Update this rank's parameters (those of other stages have no gradient here)."""
+        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def _tied_shares(self) -> dict[int, int]:
+        shares: dict[int, int] = {}
+        for model in live_models():
+            if model.stages is not None:
+                for group, param in model.stages.tied_groups:
+                    shares[id(param)] = group_size(group)
+        return shares
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip gradients by the global norm over every stage and shard; returns that norm.
+
+        The norm is the one ``torch.nn.utils.clip_grad_norm_`` would compute on
+        the unwrapped model's whole-batch gradients.
+        """
+        local = self._local_ids()
+        grads = [
+            (p, p.grad)
+            for p in self._all_params()
+            if p.grad is not None and (local is None or id(p) in local)
+        ]
+        shares = self._tied_shares()
+        device = grads[0][1].device if grads else torch.device("cpu")
+        if math.isinf(norm_type):
+            local_value = max((g.detach().abs().max().double() for _, g in grads), default=None)
+            total = torch.zeros(1, dtype=torch.float64, device=device)
+            if local_value is not None:
+                total[0] = local_value
+            all_reduce_pp(total, op="max")
+        else:
+            total = torch.zeros(1, dtype=torch.float64, device=device)
+            for p, g in grads:
+                total += g.detach().double().norm(norm_type) ** norm_type / shares.get(id(p), 1)
+            all_reduce_pp(total)
+            total = total ** (1.0 / norm_type)
+        norm = total[0].float()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for _, g in grads:
+            g.detach().mul_(coef.to(g.dtype))
+        return norm
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state (only its parameters have any)."""
+        return self.optimizer.state_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full optimizer state gathered from every stage, in the unwrapped
+        optimizer's format (parameter indices over all of the model's parameters)."""
+        local = self.optimizer.state_dict()
+        merged: dict[int, Any] = {}
+        for part in all_gather_object_pp(_to_cpu(local["state"])):
+            merged.update(part)
+        return {"state": dict(sorted(merged.items())), "param_groups": local["param_groups"]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full (or this rank's) optimizer state; each rank keeps its parameters' part."""
+        local = self._local_ids()
+        index_of = {id(p): i for i, p in enumerate(self._all_params())}
+        keep = None if local is None else {index_of[i] for i in local if i in index_of}
+        states = {k: v for k, v in state_dict["state"].items() if keep is None or int(k) in keep}
+        self.optimizer.load_state_dict(
+            {"state": states, "param_groups": state_dict["param_groups"]}
+        )
+
+    def add_param_group(self, group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(group)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "optimizer":
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)

@@ -1,0 +1,135 @@
+"""StepOutput: what a ``@mpar.step`` function returned, for every microbatch.
+
+The outputs of every microbatch of every data-parallel replica are gathered,
+in global batch order (replica 0's microbatches, then replica 1's, ...), so a
+StepOutput is the same on every rank and ``concat()`` equals what one process
+would compute on the whole global batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from mpar.errors import StepError
+
+__all__ = ["StepOutput"]
+
+
+def _map(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple | list):
+        items = [_map(v, fn) for v in value]
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            return type(value)(*items)
+        return type(value)(items)
+    if isinstance(value, dict):
+        return type(value)((k, _map(v, fn)) for k, v in value.items())
+    return value
+
+
+_SCALARS = (int, float, bool, str, bytes, type(None))
+
+
+def check_gatherable(value: Any, where: str = "the step function's return value") -> None:
+    """Raise StepError unless ``value`` is tensors/numbers/strings in lists, tuples, dicts."""
+    if isinstance(value, (torch.Tensor, *_SCALARS)):
+        return
+    if isinstance(value, tuple | list):
+        for i, item in enumerate(value):
+            check_gatherable(item, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            check_gatherable(item, f"{where}[{key!r}]")
+        return
+    raise StepError(
+        f"{where} is a {type(value).__name__}, which mpar cannot gather to every rank; "
+        "return tensors, numbers, strings or None (or lists, tuples and dicts of them)"
+    )
+
+
+def detach_to_cpu(value: Any) -> Any:
+    """A copy of ``value`` with every tensor detached and on the CPU."""
+    return _map(value, lambda t: t.detach().to("cpu", copy=True))
+
+
+def _zip_apply(values: Sequence[Any], fn: Callable[[list[torch.Tensor]], torch.Tensor]) -> Any:
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        return fn([torch.as_tensor(v) for v in values])
+    if isinstance(first, int | float) and not isinstance(first, bool):
+        return fn([torch.as_tensor(v, dtype=torch.float64) for v in values]).item()
+    if isinstance(first, tuple | list):
+        items = [_zip_apply([v[i] for v in values], fn) for i in range(len(first))]
+        return type(first)(items)
+    if isinstance(first, dict):
+        return type(first)((k, _zip_apply([v[k] for v in values], fn)) for k in first)
+    raise TypeError(
+        f"StepOutput cannot reduce values of type {type(first).__name__}; return tensors or "
+        "numbers (or tuples/dicts of them) from the step function"
+    )
+
+
+class StepOutput:
+    """Per-microbatch results of a step, identical on every rank.
+
+    ``outputs[i]`` is the value the step function returned for global
+    microbatch ``i``; ``sizes[i]`` is its number of samples.
+    """
+
+    def __init__(self, outputs: list[Any], sizes: list[int]) -> None:
+        self.outputs = outputs
+        self.sizes = sizes
+
+    def __len__(self) -> int:
+        return len(self.outputs)
+
+    def __iter__(self) -> Any:
+        return iter(self.outputs)
+
+    def __getitem__(self, index: int | str) -> Any:
+        """``out[i]``: microbatch ``i``'s output; ``out["loss"]``: a StepOutput of that
+        field of dict outputs (``out["loss"].reduce_mean()``)."""
+        if isinstance(index, str):
+            return StepOutput([o[index] for o in self.outputs], self.sizes)
+        return self.outputs[index]
+
+    def __repr__(self) -> str:
+        return f"StepOutput({len(self.outputs)} microbatches)"
+
+    def reduce_mean(self) -> Any:
+        """Mean over microbatches, weighted by microbatch size: the whole-batch mean
+        of a mean-reduced loss (equal to the plain mean when microbatches are even)."""
+        total = float(sum(self.sizes))
+        weights = [size / total for size in self.sizes]
+        return _zip_apply(
+            self.outputs,
+            lambda ts: (
+                sum(
+                    (w * t.to(torch.float64) for w, t in zip(weights, ts)),
+                    torch.zeros((), dtype=torch.float64),
+                ).to(ts[0].dtype)
+                if ts[0].is_floating_point()
+                else torch.stack(ts).double().mean()
+            ),
+        )
+
+    def reduce_sum(self) -> Any:
+        """Sum over microbatches."""
+        return _zip_apply(self.outputs, lambda ts: torch.stack(ts).sum(0))
+
+    def concat(self, dim: int = 0) -> Any:
+        """Microbatch outputs concatenated along ``dim`` (the whole batch's outputs);
+        scalars are stacked."""
+        return _zip_apply(
+            self.outputs,
+            lambda ts: torch.stack(ts) if ts[0].dim() == 0 else torch.cat(ts, dim),
+        )
+
+    def stack(self, dim: int = 0) -> Any:
+        """Microbatch outputs stacked along a new ``dim``."""
+        return _zip_apply(self.outputs, lambda ts: torch.stack(ts, dim))

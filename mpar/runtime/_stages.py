@@ -1,0 +1,134 @@
+"""Deciding and building this rank's pipeline stages.
+
+Rank 0 of the job profiles the model on one microbatch and solves the
+partition (or reads the manual placement); the boundaries are broadcast so
+every rank splits the model identically, keeps the stages it owns, and frees
+the parameters of the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from mpar.comm import State
+from mpar.comm._collectives import broadcast_object_world, new_group
+from mpar.errors import PartitionError
+
+__all__ = ["LocalStages", "build_local_stages"]
+
+
+@dataclass
+class LocalStages:
+    """The stages of the whole model, and which of them this rank runs."""
+
+    num_stages: int
+    modules: dict[int, nn.Module]
+    """Stage index -> stage module, only for stages on this rank."""
+    qualnames: dict[int, dict[str, str]]
+    """Stage index -> (local name -> original name), only for stages on this rank."""
+    tied: list[list[tuple[int, str]]] = field(default_factory=list)
+    plan: Any = None
+    unit_names: list[list[str]] = field(default_factory=list)
+    tied_groups: list[tuple[Any, nn.Parameter]] = field(default_factory=list)
+    """(process group, local parameter) for tied parameters whose copies live on other ranks."""
+
+
+def _decide_boundaries(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], units: list[str], st: State
+) -> tuple[list[int], Any]:
+    from mpar.partition import make_plan, manual_boundaries
+    from mpar.profile import profile_model
+
+    cfg = st.config
+    num_stages = cfg.num_stages
+    if len(units) < num_stages:
+        raise PartitionError(
+            f"the model has {len(units)} partitionable units ({units}) but the configuration "
+            f"asks for {num_stages} stages (pipeline_parallel_degree {cfg.pipeline_parallel_degree}"
+            f" x virtual_stages {cfg.virtual_stages}); lower one of them"
+        )
+    if not cfg.auto_partition:
+        return manual_boundaries(module, units, default=cfg.default_partition), None
+    profile = profile_model(module, args, kwargs, units=units, repeats=3, warmup=1)
+    module.zero_grad(set_to_none=True)
+    plan = make_plan(
+        profile,
+        num_ranks=cfg.pipeline_parallel_degree,
+        virtual_stages=cfg.virtual_stages,
+        microbatches=cfg.microbatches,
+        pipeline=cfg.pipeline,
+        memory_weight=cfg.memory_weight,
+        optimize=cfg.optimize,
+        data_parallel_degree=st.grid.dp_size,
+        zero_stage=cfg.zero.stage,
+    )
+    return list(plan.boundaries), plan
+
+
+def _free_unowned(module: nn.Module, kept: list[nn.Module]) -> None:
+    """Release the storage of every parameter and buffer no kept stage uses."""
+    keep = {id(t) for m in kept for t in list(m.parameters()) + list(m.buffers())}
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        if id(tensor) not in keep:
+            tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+
+
+def build_local_stages(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], st: State
+) -> LocalStages:
+    """Partition ``module`` (identically on every rank) and keep this rank's stages."""
+    num_stages = st.config.num_stages
+    if num_stages == 1:
+        module.to(st.device)
+        names = {n: n for n, _ in list(module.named_parameters()) + list(module.named_buffers())}
+        return LocalStages(1, {0: module}, {0: names}, unit_names=[["<whole model>"]])
+    from mpar.partition import find_units, split_module
+
+    with torch.no_grad():
+        units = find_units(module, args, kwargs)
+    decision: Any = None
+    if st.layout.rank == 0:
+        try:
+            decision = ("ok", *_decide_boundaries(module, args, kwargs, units, st))
+        except Exception as exc:  # every rank must learn of the failure, not hang
+            decision = ("error", exc, None)
+    decision = broadcast_object_world(decision, src=0)
+    if decision[0] == "error":
+        raise decision[1]
+    _, boundaries, plan = decision
+    split = split_module(module, args, kwargs, boundaries, units=units)
+    pp, me = st.grid.pp_size, st.pp_rank
+    mine = {s: split.stages[s] for s in range(num_stages) if s % pp == me}
+    _free_unowned(module, list(mine.values()))
+    for stage in mine.values():
+        stage.to(st.device)
+    return LocalStages(
+        num_stages=num_stages,
+        modules=mine,
+        qualnames={s: split.qualnames[s] for s in mine},
+        tied=split.tied,
+        plan=plan,
+        unit_names=split.units,
+        tied_groups=_tied_groups(split.tied, mine, st),
+    )
+
+
+def _tied_groups(
+    tied: list[list[tuple[int, str]]], mine: dict[int, nn.Module], st: State
+) -> list[tuple[Any, nn.Parameter]]:
+    """Process groups summing the gradients of parameters tied across ranks."""
+    grid, out = st.grid, []
+    for group in tied:
+        pp_ranks = sorted({s % grid.pp_size for s, _ in group})
+        if len(pp_ranks) < 2:
+            continue  # every copy is the same Parameter object on one rank
+        for d in range(grid.dp_size):  # every rank creates every group, in order
+            handle = new_group([grid.rank_of(p, d) for p in pp_ranks])
+            if d == st.dp_rank and st.pp_rank in pp_ranks:
+                s, name = next((s, n) for s, n in group if s in mine)
+                out.append((handle, mine[s].get_parameter(name)))
+    return out

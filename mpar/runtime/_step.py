@@ -1,0 +1,127 @@
+"""The ``@mpar.step`` decorator."""
+
+from __future__ import annotations
+
+import functools
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar, overload
+
+import torch
+
+from mpar.comm import state
+from mpar.comm._abort import publish_failure
+from mpar.errors import StepError
+from mpar.runtime._executor import StepRun
+from mpar.runtime._microbatch import Microbatches, split_microbatches
+from mpar.runtime._model import DistributedModel
+from mpar.runtime._output import StepOutput
+
+__all__ = ["step"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, tuple | list):
+        items = [_to_device(v, device) for v in value]
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            return type(value)(*items)
+        return type(value)(items)
+    if isinstance(value, dict):
+        return type(value)((k, _to_device(v, device)) for k, v in value.items())
+    return value
+
+
+def _prepare(
+    fn: Callable[..., Any],
+    model: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    non_split_inputs: Sequence[str],
+    input_split_axes: Mapping[str, int] | None,
+) -> Microbatches:
+    """Check the call and split it into microbatches (the same on every rank)."""
+    st = state()
+    if not isinstance(model, DistributedModel):
+        raise TypeError(
+            f"the first argument of @mpar.step function {fn.__name__!r} must be the "
+            f"mpar.DistributedModel, got {type(model).__name__}"
+        )
+    if model.active_run is not None:
+        raise StepError("a @mpar.step function cannot be called from inside another step")
+    batches = split_microbatches(
+        fn,
+        (model, *args),
+        kwargs,
+        st.config.microbatches,
+        non_split_inputs=non_split_inputs,
+        input_split_axes=input_split_axes,
+    )
+    if st.device.type != "cpu":
+        batches = Microbatches(
+            _to_device(batches.args, st.device),
+            _to_device(batches.kwargs, st.device),
+            batches.sizes,
+        )
+    return batches
+
+
+def _execute(fn: Callable[..., Any], model: DistributedModel, batches: Microbatches) -> StepOutput:
+    """Partition if needed and run this rank's schedule; a failure stops every rank."""
+    st = state()
+    try:
+        model.ensure_partitioned(fn, batches)
+        schedule = model.schedule(forward_only=not torch.is_grad_enabled())
+        return StepRun(model, fn, batches, schedule, st).run()
+    except BaseException:
+        publish_failure(st.layout.rank, traceback.format_exc())
+        raise
+
+
+@overload
+def step(fn: F) -> Callable[..., StepOutput]: ...
+
+
+@overload
+def step(
+    fn: None = None,
+    *,
+    non_split_inputs: Sequence[str] = (),
+    input_split_axes: Mapping[str, int] | None = None,
+) -> Callable[[F], Callable[..., StepOutput]]: ...
+
+
+def step(
+    fn: Callable[..., Any] | None = None,
+    *,
+    non_split_inputs: Sequence[str] = (),
+    input_split_axes: Mapping[str, int] | None = None,
+) -> Any:
+    """Decorate a training or evaluation step that runs once per microbatch.
+
+    The function's first argument is the :class:`DistributedModel`; every
+    tensor in the other arguments (also nested in lists, tuples and dicts) is
+    split into ``microbatches`` pieces along axis 0, or the axis given in
+    ``input_split_axes={"name": axis}``; arguments named in
+    ``non_split_inputs`` go whole to every microbatch. Inside, call
+    ``model(...)`` once and ``model.backward(loss)`` (with a loss averaged over
+    the microbatch) to train; without ``model.backward`` the step is
+    forward-only. Gradients accumulated over the microbatches equal those of
+    the whole batch. Returns a :class:`StepOutput`, the same on every rank.
+    """
+    if fn is None:
+        return functools.partial(
+            step, non_split_inputs=tuple(non_split_inputs), input_split_axes=input_split_axes
+        )
+    if not callable(fn):
+        raise TypeError(f"@mpar.step decorates a function, got {type(fn).__name__}")
+
+    @functools.wraps(fn)
+    def wrapper(model: Any, *args: Any, **kwargs: Any) -> StepOutput:
+        batches = _prepare(fn, model, args, kwargs, non_split_inputs, input_split_axes)
+        return _execute(fn, model, batches)
+
+    return wrapper

@@ -1,0 +1,124 @@
+"""Models, data and rank bodies shared by the pipeline runtime tests.
+
+The oracle: the same model trained in one process on the whole (global) batch
+with plain torch. Every rank body returns what it saw so the test process can
+compare losses, outputs, gradients and parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+BATCH = 12  # global batch per step (split over data-parallel replicas, then microbatches)
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 16),
+        nn.Tanh(),
+        nn.Linear(16, 16),
+        nn.ReLU(),
+        nn.Linear(16, 16),
+        nn.Tanh(),
+        nn.Linear(16, 16),
+        nn.Linear(16, 4),
+    )
+
+
+def tiny_gpt() -> nn.Module:
+    from mpar.testing_models import GPTConfig, TinyGPT
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=32, d_model=16, num_layers=4, num_heads=2, d_ffn=32, max_seq_len=8)
+    return TinyGPT(cfg)
+
+
+MODELS = {"mlp": mlp, "gpt": tiny_gpt}
+
+
+def batch(model: str, step: int, size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    if model == "gpt":
+        tokens = torch.randint(0, 32, (size, 9), generator=g)
+        return tokens[:, :-1], tokens[:, 1:]
+    return torch.randn(size, 8, generator=g), torch.randint(0, 4, (size,), generator=g)
+
+
+def loss_fn(out: Any, y: torch.Tensor) -> torch.Tensor:
+    logits = out if isinstance(out, torch.Tensor) else out[0]
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    # A larger eps keeps Adam from turning float noise on near-zero gradients
+    # into lr-sized steps (see DESIGN.md, correctness oracle).
+    return torch.optim.AdamW(params, lr=0.01, eps=1e-4, weight_decay=0.01)
+
+
+def reference(model: str, optimizer: str, steps: int, clip: float | None = None) -> dict[str, Any]:
+    net = MODELS[model]()
+    opt = make_optimizer(optimizer, net.parameters())
+    losses, grads, outputs = [], [], []
+    for s in range(steps):
+        x, y = batch(model, s)
+        out = net(x)
+        loss = loss_fn(out, y)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+        grads.append({n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None})
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        outputs.append(out.detach() if isinstance(out, torch.Tensor) else out[0].detach())
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    return {"losses": losses, "state": state, "grads": grads, "outputs": outputs}
+
+
+def train_ranks(
+    config: dict[str, Any], model: str, optimizer: str, steps: int, clip: float | None = None
+) -> dict[str, Any]:
+    """Rank body: train with mpar on this replica's shard of each global batch."""
+    import mpar
+
+    mpar.init(config)
+    dmodel = mpar.DistributedModel(MODELS[model]())
+    opt = mpar.DistributedOptimizer(make_optimizer(optimizer, dmodel.parameters()))
+
+    @mpar.step
+    def train_step(m: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
+        out = m(x)
+        loss = loss_fn(out, y)
+        m.backward(loss)
+        logits = out if isinstance(out, torch.Tensor) else out[0]
+        return {"loss": loss, "logits": logits}
+
+    dp, dp_rank = mpar.dp_size(), mpar.dp_rank()
+    losses, grads, outputs = [], [], []
+    for s in range(steps):
+        x, y = batch(model, s)
+        shard = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
+        result = train_step(dmodel, x[shard], y[shard])
+        if clip is not None:
+            opt.clip_grad_norm_(clip)
+        grads.append(
+            {n: p.grad.clone() for n, p in dmodel.named_parameters() if p.grad is not None}
+        )
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(result["loss"].reduce_mean()))
+        outputs.append(result["logits"].concat())
+    return {
+        "losses": losses,
+        "state": dmodel.state_dict(),
+        "grads": grads,
+        "outputs": outputs,
+        "pp": (mpar.pp_rank(), mpar.pp_size()),
+        "dp": (dp_rank, dp),
+    }

@@ -1,0 +1,173 @@
+"""Runtime behaviour beyond transparency: errors, eval steps, state dicts, failures."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from mpar.testing import DistributedTestError, run_distributed
+from tests.multiproc._pipeline_cases import batch, loss_fn, make_optimizer, mlp
+
+
+def _errors_single_rank():
+    import mpar
+    from mpar.errors import NotInitializedError, StepError
+
+    found = {}
+    try:
+        mpar.DistributedModel(mlp())
+    except NotInitializedError as exc:
+        found["before_init"] = str(exc)
+    mpar.init({"microbatches": 4})
+    model = mpar.DistributedModel(mlp())
+    x, y = batch("mlp", 0)
+    for name, call in [
+        ("call_outside", lambda: model(x)),
+        ("backward_outside", lambda: model.backward(torch.zeros(()))),
+    ]:
+        try:
+            call()
+        except StepError as exc:
+            found[name] = str(exc)
+
+    @mpar.step
+    def train(m, x, y):
+        loss = loss_fn(m(x), y)
+        m.backward(loss)
+        return loss
+
+    try:
+        train(model, x[:3], y[:3])
+    except StepError as exc:
+        found["small_batch"] = str(exc)
+    try:
+        train(model, x, y[:5])
+    except StepError as exc:
+        found["mismatched"] = str(exc)
+
+    @mpar.step
+    def returns_object(m, x):
+        m(x)
+        return object()
+
+    try:
+        returns_object(model, x)
+    except StepError as exc:  # cannot be gathered to every rank
+        found["ungatherable"] = str(exc)
+
+    @mpar.step
+    def never_calls(m, x):
+        return x.sum()
+
+    try:
+        never_calls(model, x)
+    except StepError as exc:
+        found["never_calls"] = str(exc)
+    try:
+        train(mlp(), x, y)
+    except TypeError as exc:
+        found["not_distributed"] = str(exc)
+    return found
+
+
+def test_clear_errors():
+    (found,) = run_distributed(_errors_single_rank, 1, timeout=60)
+    assert "call mpar.init" in found["before_init"]
+    assert "@mpar.step" in found["call_outside"]
+    assert "@mpar.step" in found["backward_outside"]
+    assert "smaller than microbatches=4" in found["small_batch"]
+    assert "different batch sizes" in found["mismatched"]
+    assert (
+        "never called the model" in found["never_calls"]
+        or "without calling" in found["never_calls"]
+    )
+    assert "mpar.DistributedModel" in found["not_distributed"]
+    assert "is a object, which mpar cannot gather" in found["ungatherable"]
+
+
+def _eval_and_state(config):
+    import mpar
+
+    mpar.init(config)
+    net = mlp()
+    reference = mlp()
+    model = mpar.DistributedModel(net)
+    opt = mpar.DistributedOptimizer(make_optimizer("adamw", model.parameters()))
+
+    @mpar.step
+    def train(m, x, y):
+        loss = loss_fn(m(x), y)
+        m.backward(loss)
+        return loss
+
+    @mpar.step
+    def evaluate(m, x, y):
+        out = m(x)
+        return {"loss": loss_fn(out, y), "out": out}
+
+    x, y = batch("mlp", 0)
+    train(model, x, y)
+    opt.step()
+    opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        ev = evaluate(model, x, y)
+    no_grad_params = all(p.grad is None for p in model.parameters())
+    forward_only = evaluate(model, x, y)  # grad enabled but no backward: nothing accumulates
+    model.train()
+    full = model.state_dict()
+    reference.load_state_dict(full)  # loads into the unwrapped model
+    opt_state = opt.state_dict()
+    plain = make_optimizer("adamw", reference.parameters())
+    plain.load_state_dict(opt_state)  # and the gathered optimizer state into a plain one
+    opt.load_state_dict(opt_state)
+    return {
+        "eval_out": ev["out"].concat(),
+        "eval_loss": float(ev["loss"].reduce_mean()),
+        "fwd_only_loss": float(forward_only["loss"].reduce_mean()),
+        "no_grads": no_grad_params and all(p.grad is None for p in model.parameters()),
+        "ref_out": reference(x).detach(),
+        "opt_state_keys": sorted(opt_state["state"]),
+        "n_params": len(list(reference.parameters())),
+    }
+
+
+@pytest.mark.parametrize("config", [{"pipeline_parallel_degree": 2, "microbatches": 4}])
+def test_eval_steps_and_full_state_dicts(config):
+    results = run_distributed(_eval_and_state, 2, args=(config,), timeout=90)
+    for r in results:
+        torch.testing.assert_close(r["eval_out"], r["ref_out"], rtol=1e-5, atol=1e-6)
+        assert r["no_grads"]
+        assert r["eval_loss"] == pytest.approx(r["fwd_only_loss"], rel=1e-6)
+        assert r["opt_state_keys"] == list(range(r["n_params"]))
+    torch.testing.assert_close(results[0]["eval_out"], results[1]["eval_out"])
+
+
+def _fail_inside_step(bad_rank):
+    import mpar
+
+    mpar.init({"pipeline_parallel_degree": 2, "microbatches": 2, "timeout_s": 120})
+    model = mpar.DistributedModel(mlp())
+
+    @mpar.step
+    def train(m, x, y):
+        out = m(x)
+        if mpar.rank() == bad_rank:
+            raise RuntimeError(f"deliberate failure inside the step on rank {bad_rank}")
+        loss = loss_fn(out, y)
+        m.backward(loss)
+        return loss
+
+    x, y = batch("mlp", 0)
+    train(model, x, y)
+
+
+def test_exception_on_one_rank_stops_every_rank_quickly():
+    started = time.monotonic()
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_fail_inside_step, 4, args=(3,), timeout=60)
+    elapsed = time.monotonic() - started
+    assert "deliberate failure inside the step on rank 3" in str(info.value)
+    assert elapsed < 30, f"took {elapsed:.1f} s: ranks waited for the collective timeout"
