@@ -14,7 +14,6 @@ import datetime
 import os
 import sys
 import threading
-import time
 
 import torch.distributed as dist
 
@@ -23,6 +22,8 @@ __all__ = ["publish_failure", "start_watcher", "stop_watcher"]
 _KEY = "mpar/failure"
 _stop = threading.Event()
 _client: dist.TCPStore | None = None
+_thread: threading.Thread | None = None
+_POLL_S = 0.25
 
 
 def _connect(host: str, port: int, timeout_s: float) -> dist.TCPStore:
@@ -35,26 +36,19 @@ def _connect(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     )
 
 
-def _watch(host: str, port: int, rank: int) -> None:
-    try:
-        store = _connect(host, port, 30.0)
-    except Exception:
-        return
-    quick_failures = 0
-    while not _stop.is_set():
-        started = time.monotonic()
+def _watch(store: dist.TCPStore, rank: int) -> None:
+    failures = 0
+    while not _stop.wait(_POLL_S):
         try:
-            store.wait([_KEY], datetime.timedelta(seconds=1))
-        except Exception:
-            # a timeout takes the full second; a quick failure means the store is gone
-            quick_failures = quick_failures + 1 if time.monotonic() - started < 0.5 else 0
-            if _stop.is_set() or quick_failures >= 3:
-                return
-            continue
-        try:
+            if not store.check([_KEY]):
+                failures = 0
+                continue
             text = store.get(_KEY).decode(errors="replace")
         except Exception:
-            return
+            failures += 1  # the store went away: the job is ending
+            if failures >= 3:
+                return
+            continue
         source, _, body = text.partition("\n")
         if source == f"rank {rank}" or _stop.is_set():
             return
@@ -65,15 +59,16 @@ def _watch(host: str, port: int, rank: int) -> None:
 
 def start_watcher(host: str, port: int, rank: int, timeout_s: float) -> None:
     """Start this rank's watcher thread (multi-process jobs only)."""
-    global _client
+    global _client, _thread
     _stop.clear()
     try:
         _client = _connect(host, port, timeout_s)
+        watcher_store = _connect(host, port, timeout_s)
     except Exception:
         _client = None
         return
-    thread = threading.Thread(target=_watch, args=(host, port, rank), daemon=True)
-    thread.start()
+    _thread = threading.Thread(target=_watch, args=(watcher_store, rank), daemon=True)
+    _thread.start()
 
 
 def publish_failure(rank: int, traceback_text: str) -> None:
@@ -85,6 +80,8 @@ def publish_failure(rank: int, traceback_text: str) -> None:
 
 
 def stop_watcher() -> None:
-    global _client
+    global _client, _thread
     _stop.set()
-    _client = None
+    if _thread is not None:
+        _thread.join(timeout=2 * _POLL_S + 1)
+    _client, _thread = None, None
