@@ -45,8 +45,15 @@ def main(argv: list[str] | None = None) -> float:
     args = parser.parse_args(argv)
 
     mpar.init()  # configuration from --config / MPAR_CONFIG, or defaults
-    cfg = GPTConfig(vocab_size=64, d_model=64, num_layers=4, num_heads=4, d_ffn=256, max_seq_len=32,
-                    tie_embeddings=False)
+    cfg = GPTConfig(
+        vocab_size=64,
+        d_model=64,
+        num_layers=4,
+        num_heads=4,
+        d_ffn=256,
+        max_seq_len=32,
+        tie_embeddings=False,
+    )
     torch.manual_seed(0)  # every rank builds the same initial model
     model = mpar.DistributedModel(TinyGPT(cfg))
     optimizer = mpar.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=args.lr))

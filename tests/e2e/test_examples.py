@@ -18,9 +18,16 @@ def test_gpt_example_trains_under_mpar_launch():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("OMP_NUM_THREADS", None)
     cmd = [
-        sys.executable, "-m", "mpar.launch", "--nproc-per-node", "4",
-        "--config", str(ROOT / "examples/configs/gpt_pp2_dp2.json"),
-        str(ROOT / "examples/train_gpt.py"), "--steps", "20",
+        sys.executable,
+        "-m",
+        "mpar.launch",
+        "--nproc-per-node",
+        "4",
+        "--config",
+        str(ROOT / "examples/configs/gpt_pp2_dp2.json"),
+        str(ROOT / "examples/train_gpt.py"),
+        "--steps",
+        "20",
     ]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -1,0 +1,36 @@
+"""StepOutput reductions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mpar.errors import StepError
+from mpar.runtime._output import StepOutput, check_gatherable
+
+
+def test_reductions_weighted_by_microbatch_size():
+    out = StepOutput([torch.tensor(1.0), torch.tensor(4.0)], sizes=[3, 1])
+    assert out.reduce_mean().item() == pytest.approx(1.75)
+    assert out.reduce_sum().item() == 5.0
+    assert out.concat().tolist() == [1.0, 4.0]  # scalars are stacked
+    assert out.stack().shape == (2,)
+
+
+def test_dict_fields_and_concat_of_batches():
+    outputs = [
+        {"loss": torch.tensor(2.0), "logits": torch.ones(3, 2)},
+        {"loss": torch.tensor(4.0), "logits": torch.zeros(2, 2)},
+    ]
+    out = StepOutput(outputs, sizes=[3, 2])
+    assert out["loss"].reduce_mean().item() == pytest.approx(2.8)
+    assert out["logits"].concat().shape == (5, 2)
+    assert out[1]["loss"].item() == 4.0
+    assert len(out) == 2
+    assert StepOutput([1.0, 3.0], [1, 1]).reduce_mean() == 2.0
+
+
+def test_ungatherable_values_are_named():
+    check_gatherable({"a": [torch.zeros(1), 1, "s", None]})
+    with pytest.raises(StepError, match=r"\['a'\]\[1\] is a set"):
+        check_gatherable({"a": [1, {2}]})
