@@ -122,3 +122,60 @@ def train_ranks(
         "pp": (mpar.pp_rank(), mpar.pp_size()),
         "dp": (dp_rank, dp),
     }
+
+
+def hf_gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        vocab_size=64,
+        n_positions=16,
+        n_embd=32,
+        n_layer=4,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+def hf_reference(steps: int) -> dict[str, Any]:
+    net = hf_gpt2()
+    opt = make_optimizer("adamw", net.parameters())
+    losses = []
+    for s in range(steps):
+        x, y = batch("gpt", s)
+        logits = net(input_ids=x).logits
+        loss = loss_fn(logits, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "state": {k: v.clone() for k, v in net.state_dict().items()}}
+
+
+def hf_train_ranks(config: dict[str, Any], steps: int) -> dict[str, Any]:
+    import mpar
+
+    mpar.init(config)
+    model = mpar.DistributedModel(hf_gpt2())
+    opt = mpar.DistributedOptimizer(make_optimizer("adamw", model.parameters()))
+
+    @mpar.step
+    def train_step(m: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(m(input_ids=x).logits, y)
+        m.backward(loss)
+        return loss
+
+    losses = []
+    dp, dp_rank = mpar.dp_size(), mpar.dp_rank()
+    for s in range(steps):
+        x, y = batch("gpt", s)
+        shard = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
+        losses.append(float(train_step(model, x[shard], y[shard]).reduce_mean()))
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "state": model.state_dict(), "plan": str(model.plan)}
