@@ -16,6 +16,7 @@ from mpar.schedule._generators import PIPELINES, build_schedule, interleaved, si
 from mpar.schedule._ir import COMMUNICATION_KINDS, COMPUTE_KINDS, Action, Kind, Schedule
 from mpar.schedule._lower import lower_communication
 from mpar.schedule._render import render_png, render_text, to_chrome_trace
+from mpar.schedule._shard_lower import lower_sharding
 from mpar.schedule._simulate import (
     SimulationResult,
     StageCosts,
@@ -38,6 +39,7 @@ __all__ = [
     "build_schedule",
     "interleaved",
     "lower_communication",
+    "lower_sharding",
     "peak_in_flight",
     "render_png",
     "render_text",

@@ -11,6 +11,8 @@ from mpar.schedule._ir import COMMUNICATION_KINDS, Action, Kind, Schedule
 __all__ = ["validate"]
 
 _Key = tuple[Kind, int, int | None]
+# A stage may be gathered and freed more than once per step (mpar.schedule.lower_sharding).
+_REPEATABLE = frozenset({Kind.UNSHARD, Kind.RESHARD})
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ def _order_problems(schedule: Schedule, seen: dict[_Key, tuple[int, int]]) -> It
     for rank in sorted(schedule.actions):
         for step, action in enumerate(schedule.actions[rank]):
             key = (action.kind, action.stage, action.microbatch)
-            if key in seen:
+            if key in seen and action.kind not in _REPEATABLE:
                 first = seen[key]
                 text = f"{action} appears twice (first at rank {first[0]} step {first[1]})"
                 yield _Problem(text, rank, step)

@@ -1,0 +1,90 @@
+"""Collectives over one explicit group, for ZeRO sharding (``mpar.shard``).
+
+Every function takes the process group and its size, so a group of one
+process (no data parallelism) never touches ``torch.distributed``: gathers
+and reduce-scatters become copies and reductions are no-ops. Asynchronous
+variants return a work handle with ``wait()`` (or None when nothing was
+started); flat tensors only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "all_gather_flat",
+    "all_gather_objects",
+    "all_reduce_flat",
+    "broadcast_flat",
+    "reduce_scatter_flat",
+]
+
+
+def all_gather_flat(
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    *,
+    group: Any,
+    size: int,
+    async_op: bool = False,
+) -> Any:
+    """Concatenate every rank's ``shard`` (equal sizes) into ``output``.
+
+    ``shard`` may be this rank's own slice of ``output`` (in place).
+    """
+    if output.numel() != shard.numel() * size:
+        raise ValueError(
+            f"all_gather_flat: output has {output.numel()} elements but {size} shards of "
+            f"{shard.numel()} make {shard.numel() * size}"
+        )
+    if size == 1:
+        if output.data_ptr() != shard.data_ptr():
+            output.copy_(shard)
+        return None
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, shard, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(
+    output: torch.Tensor,
+    flat: torch.Tensor,
+    *,
+    group: Any,
+    size: int,
+    async_op: bool = False,
+) -> Any:
+    """Sum ``flat`` over the group and leave this rank's equal slice in ``output``."""
+    if flat.numel() != output.numel() * size:
+        raise ValueError(
+            f"reduce_scatter_flat: input has {flat.numel()} elements, not {size} x {output.numel()}"
+        )
+    if size == 1:
+        output.copy_(flat)
+        return None
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(output, flat, group=group, async_op=async_op)
+
+
+def all_reduce_flat(tensor: torch.Tensor, *, group: Any, size: int, async_op: bool = False) -> Any:
+    """Sum ``tensor`` in place over the group."""
+    if size == 1:
+        return None
+    return dist.all_reduce(tensor, group=group, async_op=async_op)
+
+
+def broadcast_flat(tensor: torch.Tensor, *, src: int, group: Any, size: int) -> None:
+    """Overwrite ``tensor`` with global rank ``src``'s copy (``src`` is in the group)."""
+    if size > 1:
+        dist.broadcast(tensor, src=src, group=group)
+
+
+def all_gather_objects(obj: Any, *, group: Any, size: int) -> list[Any]:
+    """Every group member's picklable ``obj``, in group order."""
+    if size == 1:
+        return [obj]
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, obj, group=group)
+    return out

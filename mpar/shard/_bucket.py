@@ -1,0 +1,348 @@
+"""One flat bucket of parameters on one rank: its storage in every ZeRO stage.
+
+Tensors a bucket may hold (``P`` padded elements, ``n`` group size, ``S = P/n``):
+
+=============  ======================================  =====================
+name           what                                     stages
+=============  ======================================  =====================
+``full``       all ``P`` parameters; the module's       0-2 always, 3 while
+               parameters are views into it             gathered
+``shard``      this rank's ``S`` parameters (CPU with   3
+               ``offload_params``)
+``grad_full``  reduced gradients of all ``P``; the      0, 1
+               parameters' ``.grad`` are views into it
+``grad_shard`` this rank's ``S`` reduced gradients      2, 3
+``master``     the fp32 elements the optimizer          all (a view unless
+               updates (``P`` at stage 0, else ``S``)   offloaded to CPU)
+``cpu_grad``   the gradient of an offloaded ``master``  offload_optimizer
+=============  ======================================  =====================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from mpar.comm._shard_comm import (
+    all_gather_flat,
+    all_reduce_flat,
+    broadcast_flat,
+    reduce_scatter_flat,
+)
+from mpar.shard._layout import BucketSpec
+
+__all__ = ["FlatBucket", "GroupInfo"]
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """The data-parallel group a stage is sharded over."""
+
+    group: Any
+    ranks: tuple[int, ...]
+    """Global ranks of the group, in group order."""
+    rank: int
+    """This process's position in ``ranks``."""
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+def _host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pin)
+
+
+class FlatBucket:
+    """Storage, gathers and gradient reductions of one bucket."""
+
+    def __init__(
+        self,
+        spec: BucketSpec,
+        params: list[nn.Parameter],
+        *,
+        zero_stage: int,
+        offload_optimizer: bool,
+        offload_params: bool,
+        comm: GroupInfo,
+        device: torch.device,
+    ) -> None:
+        self.spec = spec
+        self.params = params
+        self.shapes = [p.shape for p in params]
+        self.zero_stage = zero_stage
+        self.comm = comm
+        self.device = device
+        self.dtype = params[0].dtype
+        self.lo, self.hi = spec.shard_range(comm.rank)
+        self.offload_optimizer = offload_optimizer or offload_params
+        self.offload_params = offload_params
+        self.pin = device.type == "cuda"
+        self.full: torch.Tensor | None = None
+        self.shard: torch.Tensor | None = None
+        self.grad_full: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
+        self.cpu_grad: torch.Tensor | None = None
+        self.has_grad = False
+        """True once a reduction has landed since the last ``zero_grad``."""
+        self.pending: tuple[Any, torch.Tensor, torch.Tensor] | None = None
+        self.users: set[int] = set()
+        self.hooks: list[Any] = []
+        self.arrived: set[int] = set()
+        self.started_in_backward = False
+        """Local stages that currently hold this (ZeRO-3) bucket gathered."""
+        self._init_storage()
+        self.master = self._make_master()
+
+    # ---------------------------------------------------------------- storage
+    @property
+    def opt_range(self) -> tuple[int, int]:
+        """Elements of the padded buffer this rank's optimizer updates."""
+        if self.zero_stage == 0:
+            return 0, self.spec.padded
+        return self.lo, self.hi
+
+    def _init_storage(self) -> None:
+        flat = torch.zeros(self.spec.padded, dtype=self.dtype, device=self.device)
+        for slot, p in zip(self.spec.slots, self.params):
+            flat[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+        # Like DDP: every replica starts from the group's first rank's values.
+        broadcast_flat(flat, src=self.comm.ranks[0], group=self.comm.group, size=self.comm.size)
+        if self.zero_stage < 3:
+            self.full = flat
+            self._bind_params()
+            return
+        local = flat[self.lo : self.hi]
+        if self.offload_params:
+            self.shard = _host_buffer(local.numel(), self.dtype, self.pin)
+            self.shard.copy_(local)
+        else:
+            self.shard = local.clone()
+        del flat, local
+        self._release_params()
+
+    def _make_master(self) -> torch.Tensor:
+        lo, hi = self.opt_range
+        local = self.shard if self.full is None else self.full[lo:hi]
+        assert local is not None
+        if not self.offload_optimizer or (self.offload_params and self.zero_stage == 3):
+            return local  # the optimizer updates the parameters' own storage
+        master = _host_buffer(local.numel(), self.dtype, self.pin)
+        master.copy_(local)
+        return master
+
+    def _bind_params(self) -> None:
+        assert self.full is not None
+        for slot, p, shape in zip(self.spec.slots, self.params, self.shapes):
+            p.data = self.full[slot.offset : slot.offset + slot.numel].view(shape)
+
+    def _release_params(self) -> None:
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        for p in self.params:
+            p.data = empty
+
+    def _device_shard(self) -> torch.Tensor:
+        assert self.shard is not None
+        return self.shard.to(self.device, non_blocking=True)
+
+    # ------------------------------------------------------- ZeRO-3 gathering
+    def acquire(self, stage: int) -> None:
+        """Gather the full parameters for ``stage`` (ZeRO-3; no-op if gathered)."""
+        self.users.add(stage)
+        if self.zero_stage < 3 or self.full is not None:
+            return
+        full = torch.empty(self.spec.padded, dtype=self.dtype, device=self.device)
+        all_gather_flat(full, self._device_shard(), group=self.comm.group, size=self.comm.size)
+        self.full = full
+        self._bind_params()
+
+    def release(self, stage: int) -> None:
+        """Drop ``stage``'s use; free the gathered copy when no local stage uses it."""
+        self.users.discard(stage)
+        if self.zero_stage < 3 or self.users or self.full is None:
+            return
+        self.full = None
+        self._release_params()
+
+    # ------------------------------------------------------------ gradients
+    def arm(self) -> None:
+        """Start the reduction from the backward, once every parameter's gradient is final.
+
+        Post-accumulate-grad hooks count the parameters whose gradient the
+        next backward accumulates; the last one starts :meth:`start_reduce`.
+        """
+        self.disarm()
+        self.hooks = [p.register_post_accumulate_grad_hook(self._arrive) for p in self.params]
+
+    def disarm(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks, self.arrived = [], set()
+
+    def _arrive(self, param: torch.Tensor) -> None:
+        self.arrived.add(id(param))
+        if len(self.arrived) == len(self.params):
+            self.disarm()
+            self.start_reduce()
+            self.started_in_backward = True
+
+    def reduce(self) -> None:
+        """``reduce_grads``: start the reduction unless the backward already did."""
+        self.disarm()
+        if not self.started_in_backward:
+            self.start_reduce()
+        self.started_in_backward = False
+
+    def start_reduce(self) -> None:
+        """Flatten the parameters' gradients and start their (async) reduction."""
+        if self.pending is not None:
+            raise RuntimeError(
+                f"reduce_grads for stage {self.spec.stage} was called twice before finish_grads"
+            )
+        if self.zero_stage <= 1 and self.has_grad:
+            raise RuntimeError(
+                f"stage {self.spec.stage} already holds reduced gradients: at ZeRO stage "
+                f"{self.zero_stage} call zero_grad() after each optimizer step (gradient "
+                "accumulation across reductions needs ZeRO stage 2 or 3)"
+            )
+        flat = self.grad_full if self.grad_full is not None else self._new_flat_grad()
+        for slot, p in zip(self.spec.slots, self.params):
+            target = flat[slot.offset : slot.offset + slot.numel]
+            if p.grad is not None and p.grad.data_ptr() != target.data_ptr():
+                target.copy_(p.grad.reshape(-1))
+            p.grad = None  # stages 0-1 point it into the reduced buffer when done
+        group, size = self.comm.group, self.comm.size
+        if self.zero_stage <= 1:
+            work = all_reduce_flat(flat, group=group, size=size, async_op=True)
+            self.pending = (work, flat, flat)
+        else:
+            out = torch.empty(self.spec.shard_numel, dtype=self.dtype, device=self.device)
+            work = reduce_scatter_flat(out, flat, group=group, size=size, async_op=True)
+            self.pending = (work, out, flat)
+
+    def _new_flat_grad(self) -> torch.Tensor:
+        return torch.zeros(self.spec.padded, dtype=self.dtype, device=self.device)
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduction and store its result (and its CPU copy if offloaded)."""
+        if self.pending is None:
+            return
+        work, out, _ = self.pending
+        self.pending = None
+        if work is not None:
+            work.wait()
+        if self.zero_stage <= 1:
+            self.grad_full = out
+            for slot, p, shape in zip(self.spec.slots, self.params, self.shapes):
+                p.grad = out[slot.offset : slot.offset + slot.numel].view(shape)
+            reduced = out if self.zero_stage == 0 else out[self.lo : self.hi]
+        else:
+            if self.grad_shard is not None:
+                out = self.grad_shard.add_(out)
+            self.grad_shard = out
+            reduced = out
+        if self.offload_optimizer:
+            self._to_cpu_grad(reduced)
+        self.has_grad = True
+
+    def _to_cpu_grad(self, reduced: torch.Tensor) -> None:
+        if self.cpu_grad is None:
+            self.cpu_grad = _host_buffer(reduced.numel(), self.dtype, self.pin)
+        if self.has_grad and self.zero_stage >= 2:
+            self.cpu_grad.add_(reduced.to("cpu"))
+        else:
+            self.cpu_grad.copy_(reduced, non_blocking=True)
+        if self.zero_stage >= 2:
+            self.grad_shard = None  # the device copy is no longer needed
+
+    def opt_grad(self) -> torch.Tensor | None:
+        """The gradient of ``master`` (None before any reduction)."""
+        if not self.has_grad:
+            return None
+        if self.offload_optimizer:
+            return self.cpu_grad
+        if self.zero_stage == 0:
+            return self.grad_full
+        if self.zero_stage == 1:
+            assert self.grad_full is not None
+            return self.grad_full[self.lo : self.hi]
+        return self.grad_shard
+
+    def grad_sq_sum(self) -> torch.Tensor:
+        """Sum of squares of this rank's slice of the reduced gradient (float32)."""
+        if not self.has_grad:
+            return torch.zeros((), dtype=torch.float32, device=self.device)
+        grad = self.opt_grad()
+        assert grad is not None
+        if self.zero_stage == 0:
+            grad = grad[self.lo : self.hi]
+        return grad.float().pow(2).sum().to(self.device)
+
+    def scale_grads(self, factor: float) -> None:
+        """Multiply every reduced gradient this bucket holds by ``factor``."""
+        if not self.has_grad:
+            return
+        for grad in (self.grad_full, self.grad_shard, self.cpu_grad):
+            if grad is not None:
+                grad.mul_(factor)
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        self.has_grad = False
+        if set_to_none:
+            self.grad_full = self.grad_shard = None
+            for p in self.params:
+                p.grad = None
+            return
+        for grad in (self.grad_full, self.grad_shard):
+            if grad is not None:
+                grad.zero_()
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.zero_()
+
+    # --------------------------------------------------------- after a step
+    def start_publish(self) -> Any:
+        """Put the updated ``master`` back into the parameters; returns a work handle.
+
+        Stages 1-2 all-gather the updated slices into ``full``; stage 3 writes
+        its shard and re-gathers a bucket that is currently gathered.
+        """
+        lo, hi = self.opt_range
+        if self.zero_stage < 3:
+            assert self.full is not None
+            local = self.full[lo:hi]
+            if local.data_ptr() != self.master.data_ptr():
+                local.copy_(self.master, non_blocking=True)
+            if self.zero_stage == 0:
+                return None
+            return all_gather_flat(
+                self.full, local, group=self.comm.group, size=self.comm.size, async_op=True
+            )
+        assert self.shard is not None
+        if self.shard.data_ptr() != self.master.data_ptr():
+            self.shard.copy_(self.master, non_blocking=True)
+        if self.full is None:
+            return None
+        return all_gather_flat(
+            self.full,
+            self._device_shard(),
+            group=self.comm.group,
+            size=self.comm.size,
+            async_op=True,
+        )
+
+    # ---------------------------------------------------------------- report
+    def tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this bucket holds, by memory category."""
+        grads = [self.grad_full, self.grad_shard, self.cpu_grad]
+        grads += [p.grad for p in self.params]
+        if self.pending is not None:
+            grads += [self.pending[1], self.pending[2]]
+        return {
+            "parameters": [t for t in (self.full, self.shard) if t is not None],
+            "gradients": [t for t in grads if t is not None],
+            "optimizer": [self.master],
+        }

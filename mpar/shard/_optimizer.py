@@ -1,0 +1,175 @@
+"""``ShardedOptimizer``: the user's optimizer rebuilt over this rank's flat shards."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from mpar.shard._bucket import FlatBucket
+from mpar.shard._layout import Segment, segments_of
+from mpar.shard._state_dict import SHARDED_FORMAT, gather_full_state, split_full_state
+
+if TYPE_CHECKING:
+    from mpar.shard._stages import ShardedStages
+
+__all__ = ["ShardedOptimizer"]
+
+
+@dataclass(frozen=True)
+class SegmentParam:
+    """One flat optimizer parameter: a segment of a bucket's ``master``."""
+
+    bucket: FlatBucket
+    bucket_index: int
+    segment: Segment
+    param: nn.Parameter
+
+    def slice(self, tensor: torch.Tensor) -> torch.Tensor:
+        lo = self.bucket.opt_range[0]
+        return tensor[self.segment.lo - lo : self.segment.hi - lo]
+
+
+def _rebuild(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> Any:
+    """``type(optimizer)`` over ``groups``, with the constructor arguments it accepts."""
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    kwargs = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
+    return cls(groups, **kwargs)
+
+
+class ShardedOptimizer:
+    """The user's optimizer class over flat fp32 shard parameters (see :mod:`mpar.shard`).
+
+    ``param_groups`` are the rebuilt optimizer's groups, one for each of the
+    original optimizer's groups in the same order, so learning-rate
+    schedulers work on this object as on the original.
+    """
+
+    def __init__(self, sharded: ShardedStages, optimizer: torch.optim.Optimizer) -> None:
+        self.sharded = sharded
+        local = {id(p): i for i, p in enumerate(sharded.params)}
+        self.group_sizes = [len(g["params"]) for g in optimizer.param_groups]
+        self.original_index: dict[int, int] = {}
+        """Local parameter index -> index in the original optimizer's state_dict."""
+        group_of: dict[int, int] = {}
+        position = 0
+        for g, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if id(p) in local:
+                    self.original_index[local[id(p)]] = position
+                    group_of[local[id(p)]] = g
+                position += 1
+        self.segments = self._make_segments(group_of.get)
+        groups: list[dict[str, Any]] = []
+        for g, group in enumerate(optimizer.param_groups):
+            options = {k: v for k, v in group.items() if k != "params"}
+            params = [sp.param for sp in self.segments if sp.segment.group == g]
+            groups.append({**options, "params": params})
+        self.inner = _rebuild(optimizer, groups)
+
+    def _make_segments(self, group_of: Callable[[int], int | None]) -> list[SegmentParam]:
+        out = []
+        for b, bucket in enumerate(self.sharded.buckets):
+            lo, hi = bucket.opt_range
+            for seg in segments_of(bucket.spec, lo, hi, group_of):
+                view = bucket.master[seg.lo - lo : seg.hi - lo]
+                out.append(SegmentParam(bucket, b, seg, nn.Parameter(view)))
+        return out
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.inner.state
+
+    # ------------------------------------------------------------------ step
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        """Update this rank's shard, then publish it to the parameters."""
+        if closure is not None:
+            raise ValueError("ShardedOptimizer.step() does not take a closure")
+        self.sharded.synchronize()
+        for sp in self.segments:
+            grad = sp.bucket.opt_grad()
+            sp.param.grad = None if grad is None else sp.slice(grad)
+        self.inner.step()
+        works = [bucket.start_publish() for bucket in self.sharded.buckets]
+        for work in works:
+            if work is not None:
+                work.wait()
+        self.sharded.synchronize()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.sharded.zero_grad(set_to_none)
+        for sp in self.segments:
+            sp.param.grad = None
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        """This rank's share of the squared global gradient norm (sum-all-reduce it)."""
+        total = torch.zeros((), dtype=torch.float32, device=self.sharded.device)
+        for bucket in self.sharded.buckets:
+            total += bucket.grad_sq_sum()
+        return total
+
+    def scale_grads(self, factor: float | torch.Tensor) -> None:
+        """Multiply the reduced gradients by ``factor`` (gradient clipping)."""
+        value = float(factor)
+        for bucket in self.sharded.buckets:
+            bucket.scale_grads(value)
+
+    # ----------------------------------------------------------- state dicts
+    def state_dict(self) -> dict[str, Any]:
+        """The full optimizer state (collective over the group), in torch's format.
+
+        Keyed like the original optimizer's ``state_dict`` over its original
+        parameter order; covers the parameters of this rank's stages (the
+        other pipeline ranks' entries are theirs to add). Tensors on the CPU.
+        """
+        return gather_full_state(self)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's shard of the optimizer state; loads only into the same layout."""
+        return {
+            "format": SHARDED_FORMAT,
+            "layout": self.layout(),
+            "optimizer": self.inner.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full (torch-format) or sharded state dict."""
+        if state_dict.get("format") == SHARDED_FORMAT:
+            if state_dict["layout"] != self.layout():
+                raise ValueError(
+                    "sharded optimizer state was saved with a different layout "
+                    f"({state_dict['layout']}) than this one ({self.layout()}); load the full "
+                    "state_dict() instead when the data-parallel size or buckets change"
+                )
+            self.inner.load_state_dict(state_dict["optimizer"])
+            return
+        self.inner.load_state_dict(split_full_state(self, state_dict))
+
+    def layout(self) -> dict[str, Any]:
+        """What a sharded state dict depends on (compared when loading one)."""
+        return {
+            "zero_stage": self.sharded.zero.stage,
+            "group_size": self.sharded.comm.size,
+            "rank": self.sharded.comm.rank,
+            "segments": [
+                [sp.bucket_index, sp.segment.group, sp.segment.lo, sp.segment.hi]
+                for sp in self.segments
+            ],
+        }
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of optimizer state (for memory reports)."""
+        tensors = [b.master for b in self.sharded.buckets]
+        for values in self.inner.state.values():
+            tensors += [v for v in values.values() if torch.is_tensor(v)]
+        return tensors
