@@ -17,7 +17,7 @@ from mpar._ranks import (
     size,
 )
 from mpar.comm import init, is_initialized, shutdown
-from mpar.runtime import DistributedModel, DistributedOptimizer, StepOutput, step
+from mpar.runtime import DistributedModel, DistributedOptimizer, StepOutput, memory_report, step
 
 __version__ = "0.1.0.dev0"
 
@@ -33,6 +33,7 @@ __all__ = [
     "is_initialized",
     "local_rank",
     "local_size",
+    "memory_report",
     "partition",
     "pp_rank",
     "pp_size",

@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 __all__ = ["Captured", "StepRun"]
 
 _FORWARD, _BACKWARD = 0, 1
+# lowered ZeRO actions -> ShardedStages method
+_SHARD_ACTIONS = {"UNSHARD": "unshard", "RESHARD": "reshard", "REDUCE_GRAD": "reduce_grads"}
 
 
 class Captured(BaseException):
@@ -104,9 +106,12 @@ class StepRun:
         self.results: dict[int, Any] = {}
         self.backward_done: dict[int, int] = {}
         self.pending = PendingSends()
+        self.peak_activation_bytes = 0
         self.microbatch: int | None = None
         self.model_called = False
-        self.reducer = GradReducer(self.stages, st) if self.training else None
+        self.sharded = model.sharded
+        use_reducer = self.training and self.sharded is None
+        self.reducer = GradReducer(self.stages, st) if use_reducer else None
 
     # -- the user's step function ------------------------------------------------
 
@@ -192,6 +197,7 @@ class StepRun:
             output = (output,)
         if self.training:
             self.saved[(s, j)] = (args, output)
+            self._track_activations()
         self._deliver(s + 1, j, _FORWARD, output)
 
     def _last_stage_forward(self, j: int) -> None:
@@ -210,6 +216,8 @@ class StepRun:
         self.results[j] = detach_to_cpu(result)
 
     def backward(self, s: int, j: int) -> None:
+        if self.sharded is not None and self.backward_done.get(s, 0) == len(self.batches) - 1:
+            self.sharded.reduce_grads_in_backward(s)  # overlap reduction with the last B
         inputs, outputs = self.saved.pop((s, j))
         if s == self.num_stages - 1:
             loss = self.losses.pop(j, None)
@@ -227,6 +235,15 @@ class StepRun:
         self.backward_done[s] = self.backward_done.get(s, 0) + 1
         if self.backward_done[s] == len(self.batches) and self.reducer is not None:
             self.reducer.start(s)
+
+    def _track_activations(self) -> None:
+        held = sum(
+            t.untyped_storage().nbytes()
+            for pair in self.saved.values()
+            for t in _leaves(pair)
+            if isinstance(t, torch.Tensor)
+        )
+        self.peak_activation_bytes = max(self.peak_activation_bytes, held)
 
     @staticmethod
     def _backprop(outputs: Any, out_grads: Any) -> None:
@@ -250,11 +267,16 @@ class StepRun:
                 self.forward(action.stage, action.microbatch)
             elif kind == "B":
                 self.backward(action.stage, action.microbatch)
+            elif kind in _SHARD_ACTIONS and self.sharded is not None:
+                getattr(self.sharded, _SHARD_ACTIONS[kind])(action.stage)
             else:
                 raise StepError(f"the pipeline runtime cannot execute action {action}")
         self.pending.wait()
         if self.reducer is not None:
             self.reducer.finish()
+        if self.sharded is not None and self.training:
+            self.sharded.finish_grads()
+        self.model.activation_peak_bytes = self.peak_activation_bytes
         return self._gather_outputs()
 
     def _gather_outputs(self) -> StepOutput:

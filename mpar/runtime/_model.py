@@ -20,7 +20,9 @@ from mpar.comm._collectives import all_gather_object_pp
 from mpar.errors import StepError
 from mpar.runtime._executor import Captured, StepRun
 from mpar.runtime._microbatch import Microbatches
+from mpar.runtime._sharding import gathered, make_sharded
 from mpar.runtime._stages import LocalStages, build_local_stages
+from mpar.shard import ShardedStages
 
 __all__ = ["DistributedModel", "live_models"]
 
@@ -54,6 +56,9 @@ class DistributedModel:
         self._st = state()
         self.module = module
         self.stages: LocalStages | None = None
+        self.sharded: ShardedStages | None = None
+        self.activation_peak_bytes = 0
+        """Peak bytes of stage inputs/outputs kept for backward during the last step."""
         self.active_run: StepRun | None = None
         self._capturing = False
         self._captured: tuple[tuple[Any, ...], dict[str, Any]] | None = None
@@ -75,6 +80,7 @@ class DistributedModel:
         self.stages = build_local_stages(self.module, args, kwargs, self._st)
         for stage in self.stages.modules.values():
             stage.train(self.module.training)
+        self.sharded = make_sharded(self.stages, self._st)
 
     def ensure_partitioned(self, fn: Callable[..., Any], batches: Microbatches) -> None:
         if self.stages is None:
@@ -94,7 +100,7 @@ class DistributedModel:
             from mpar.schedule import build_schedule
 
             cfg = self._st.config
-            self._schedules[forward_only] = build_schedule(
+            schedule = build_schedule(
                 cfg.pipeline,
                 cfg.pipeline_parallel_degree,
                 cfg.microbatches,
@@ -102,6 +108,11 @@ class DistributedModel:
                 active_microbatches=cfg.active_microbatches,
                 forward_only=forward_only,
             )
+            if self.sharded is not None:
+                from mpar.schedule import lower_sharding
+
+                schedule = lower_sharding(schedule, cfg.zero.stage)
+            self._schedules[forward_only] = schedule
         return self._schedules[forward_only]
 
     # -- calls inside a step ---------------------------------------------------------
@@ -203,7 +214,8 @@ class DistributedModel:
         """
         if self.stages is None:
             return self.module.state_dict()
-        local = {k: v.to("cpu", copy=True) for k, v in self.local_state_dict().items()}
+        with gathered(self.sharded, self.stages):
+            local = {k: v.to("cpu", copy=True) for k, v in self.local_state_dict().items()}
         merged: dict[str, torch.Tensor] = {}
         for part in all_gather_object_pp(local):
             merged.update(part)
@@ -224,7 +236,7 @@ class DistributedModel:
                 raise KeyError(
                     f"load_state_dict: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}"
                 )
-        with torch.no_grad():
+        with torch.no_grad(), gathered(self.sharded, self.stages, write_back=True):
             for key, tensor in self.local_state_dict().items():
                 if key in state_dict:
                     tensor.copy_(state_dict[key])

@@ -11,16 +11,29 @@ model.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from mpar.comm import state
-from mpar.comm._collectives import all_gather_object_pp, all_reduce_pp, group_size
+from mpar.comm._collectives import (
+    all_gather_object_pp,
+    all_reduce_pp,
+    group_size,
+    world_all_reduce,
+)
 from mpar.runtime._model import live_models
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "live_optimizers"]
+
+_OPTIMIZERS: weakref.WeakSet[DistributedOptimizer] = weakref.WeakSet()
+
+
+def live_optimizers() -> list[DistributedOptimizer]:
+    """Every DistributedOptimizer of this process (``memory_report`` looks here)."""
+    return list(_OPTIMIZERS)
 
 
 def _to_cpu(value: Any) -> Any:
@@ -42,6 +55,17 @@ class DistributedOptimizer:
             )
         self._st = state()
         self.optimizer = optimizer
+        self._sharded: Any = None
+        _OPTIMIZERS.add(self)
+
+    def sharded_optimizer(self) -> Any:
+        """The ZeRO optimizer over this rank's shards, once a sharded model is partitioned."""
+        if self._sharded is None:
+            for model in live_models():
+                if model.sharded is not None:
+                    self._sharded = model.sharded.wrap_optimizer(self.optimizer)
+                    break
+        return self._sharded
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -59,10 +83,19 @@ class DistributedOptimizer:
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Update this rank's parameters (those of other stages have no gradient here)."""
+        sharded = self.sharded_optimizer()
+        if sharded is not None:
+            if closure is not None:
+                raise ValueError("optimizer closures are not supported with ZeRO sharding")
+            return sharded.step()
         return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+        sharded = self.sharded_optimizer()
+        if sharded is not None:
+            sharded.zero_grad(set_to_none=set_to_none)
+        else:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def _tied_shares(self) -> dict[int, int]:
         shares: dict[int, int] = {}
@@ -78,6 +111,9 @@ class DistributedOptimizer:
         The norm is the one ``torch.nn.utils.clip_grad_norm_`` would compute on
         the unwrapped model's whole-batch gradients.
         """
+        sharded = self.sharded_optimizer()
+        if sharded is not None:
+            return self._clip_sharded(sharded, max_norm, norm_type)
         local = self._local_ids()
         grads = [
             (p, p.grad)
@@ -104,6 +140,19 @@ class DistributedOptimizer:
             g.detach().mul_(coef.to(g.dtype))
         return norm
 
+    def _clip_sharded(self, sharded: Any, max_norm: float, norm_type: float) -> torch.Tensor:
+        if norm_type != 2.0:
+            raise ValueError(
+                f"clip_grad_norm_ with ZeRO sharding supports norm_type 2, got {norm_type}"
+            )
+        total = sharded.grad_sq_norm().to(torch.float64).reshape(1)
+        world_all_reduce(total)  # every rank holds a distinct shard of its stages
+        norm = total[0].sqrt().float()
+        coef = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        if coef < 1.0:
+            sharded.scale_grads(coef)
+        return norm
+
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state (only its parameters have any)."""
         return self.optimizer.state_dict()
@@ -111,7 +160,11 @@ class DistributedOptimizer:
     def state_dict(self) -> dict[str, Any]:
         """The full optimizer state gathered from every stage, in the unwrapped
         optimizer's format (parameter indices over all of the model's parameters)."""
-        local = self.optimizer.state_dict()
+        sharded = self.sharded_optimizer()
+        if sharded is not None:
+            local = sharded.state_dict()  # gathered over the data-parallel group
+        else:
+            local = self.optimizer.state_dict()
         merged: dict[int, Any] = {}
         for part in all_gather_object_pp(_to_cpu(local["state"])):
             merged.update(part)
@@ -119,13 +172,16 @@ class DistributedOptimizer:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full (or this rank's) optimizer state; each rank keeps its parameters' part."""
+        sharded = self.sharded_optimizer()
         local = self._local_ids()
         index_of = {id(p): i for i, p in enumerate(self._all_params())}
         keep = None if local is None else {index_of[i] for i in local if i in index_of}
         states = {k: v for k, v in state_dict["state"].items() if keep is None or int(k) in keep}
-        self.optimizer.load_state_dict(
-            {"state": states, "param_groups": state_dict["param_groups"]}
-        )
+        trimmed = {"state": states, "param_groups": state_dict["param_groups"]}
+        if sharded is not None:
+            sharded.load_state_dict(trimmed)
+        else:
+            self.optimizer.load_state_dict(trimmed)
 
     def add_param_group(self, group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(group)

@@ -167,6 +167,19 @@ class FlatBucket:
         self.full = None
         self._release_params()
 
+    def sync_from_full(self) -> None:
+        """After the gathered parameters were overwritten in place (e.g. by
+        ``load_state_dict``): refresh this rank's shard and master copy from them."""
+        if self.full is None:
+            return
+        local = self.full[self.lo : self.hi]
+        if self.shard is not None and self.shard.data_ptr() != local.data_ptr():
+            self.shard.copy_(local)
+        lo, hi = self.opt_range
+        source = self.full[lo:hi]
+        if self.master.data_ptr() != source.data_ptr():
+            self.master.copy_(source)
+
     # ------------------------------------------------------------ gradients
     def arm(self) -> None:
         """Start the reduction from the backward, once every parameter's gradient is final.

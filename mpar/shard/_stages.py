@@ -123,6 +123,12 @@ class ShardedStages:
         for bucket in self._used[self._stage(s)]:
             bucket.release(s)
 
+    def sync_from_params(self, s: int) -> None:
+        """Stage ``s``'s (gathered) parameters were overwritten in place: update the
+        shards and master copies from them."""
+        for bucket in self._used[self._stage(s)]:
+            bucket.sync_from_full()
+
     def reduce_grads(self, s: int) -> None:
         """Start the sum reduction of stage ``s``'s gradients (after its last backward)."""
         for bucket in self._owned[self._stage(s)]:

@@ -1,0 +1,56 @@
+"""``mpar.memory_report()``: the bytes this rank holds, by device and category."""
+
+from __future__ import annotations
+
+import torch
+
+from mpar.comm import state
+from mpar.runtime._model import live_models
+from mpar.runtime._optimizer import live_optimizers
+from mpar.shard._memory import count_bytes
+
+__all__ = ["memory_report"]
+
+_CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
+
+
+def _plain_groups(local: list[torch.nn.Parameter]) -> dict[str, list[torch.Tensor]]:
+    ids = {id(p) for p in local}
+    optimizer: list[torch.Tensor] = []
+    for opt in live_optimizers():
+        if opt.sharded_optimizer() is None:
+            for param, values in opt.optimizer.state.items():
+                if id(param) in ids:
+                    optimizer += [v for v in values.values() if isinstance(v, torch.Tensor)]
+    return {
+        "parameters": [p.data for p in local],
+        "gradients": [p.grad for p in local if p.grad is not None],
+        "optimizer": optimizer,
+    }
+
+
+def memory_report() -> dict[str, dict[str, int]]:
+    """This rank's bytes of parameters, gradients, optimizer state and activations.
+
+    Returns ``{device: {"parameters", "gradients", "optimizer", "activations": bytes}}``.
+    Each storage is counted once (a parameter that is a view of a flat ZeRO
+    buffer counts with that buffer). Parameters of stages held by other
+    ranks are not counted (their storage was released). ``activations`` is
+    the peak of stage inputs and outputs kept for backward during the last
+    step (0 before the first step).
+    """
+    state()
+    report: dict[str, dict[str, int]] = {}
+    for model in live_models():
+        if model.sharded is not None:
+            part = model.sharded.memory_report()
+        else:
+            part = count_bytes(_plain_groups(model.local_parameters()))
+        for device, row in part.items():
+            mine = report.setdefault(device, dict.fromkeys(_CATEGORIES, 0))
+            for key, value in row.items():
+                mine[key] = mine.get(key, 0) + value
+        device = str(state().device)
+        report.setdefault(device, dict.fromkeys(_CATEGORIES, 0))
+        report[device]["activations"] += model.activation_peak_bytes
+    return report
