@@ -65,13 +65,19 @@ class _Costs:
         total_compute = math.fsum(compute)
         mem = [0.0] * n if memory is None else [float(x) for x in memory]
         total_memory = math.fsum(mem)
-        cw = (1.0 - memory_weight) / total_compute if total_compute > 0 else 0.0
-        mw = memory_weight / total_memory if total_memory > 0 else 0.0
-        unit = [cw * float(c) + mw * m for c, m in zip(compute, mem)]
+        cw, mw = 1.0 - memory_weight, memory_weight
+        # divide element by element: 1 / total overflows for tiny (subnormal) totals
+        c_share = [float(c) / total_compute if total_compute > 0 else 0.0 for c in compute]
+        m_share = [m / total_memory if total_memory > 0 else 0.0 for m in mem]
+        unit = [cw * c + mw * m for c, m in zip(c_share, m_share)]
         self.n = n
         self.prefix = [0.0, *itertools.accumulate(unit)]
         self.mem_prefix = [0.0, *itertools.accumulate(mem)]
-        self.comm = None if comm is None else [cw * float(c) for c in comm]
+        self.comm = (
+            None
+            if comm is None
+            else [cw * (float(c) / total_compute if total_compute > 0 else 0.0) for c in comm]
+        )
 
     def cost(self, start: int, end: int) -> float:
         """Cost of stage ``[start, end)``."""

@@ -148,3 +148,10 @@ def test_memory_weight_defaults():
         memory_weight_for("fast")
     with pytest.raises(PartitionError):
         memory_weight_for("speed", 1.5)
+
+
+def test_subnormal_costs_do_not_overflow_the_normalisation():
+    # found by hypothesis: 1 / 5e-324 overflows to inf and 0 * inf is nan
+    assert solve([0.0, 5e-324], 1) == [0]
+    assert solve([0.0, 5e-324], 2) == [0, 1]
+    assert solve([5e-324] * 5, 3) == [0, 2, 4]
