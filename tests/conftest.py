@@ -8,3 +8,12 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 # Keep torch in the test process itself to one thread: ranks share 2 cores.
 os.environ.setdefault("MPAR_TEST", "1")
+
+try:  # reproducible property tests in CI (CI=true): the same examples every run
+    from hypothesis import settings
+
+    settings.register_profile("ci", derandomize=True, deadline=None)
+    if os.environ.get("CI"):
+        settings.load_profile("ci")
+except ImportError:  # pragma: no cover - hypothesis is a dev dependency
+    pass
