@@ -27,6 +27,8 @@ class GPTConfig:
     max_seq_len: int = 64
     tie_embeddings: bool = True
     bias: bool = True
+    dropout: float = 0.0
+    """Dropout probability on each block's attention and MLP outputs (0: none)."""
 
 
 class Block(nn.Module):
@@ -44,6 +46,7 @@ class Block(nn.Module):
             nn.GELU(),
             nn.Linear(cfg.d_ffn, cfg.d_model, bias=cfg.bias),
         )
+        self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -51,8 +54,8 @@ class Block(nn.Module):
         shape = (b, t, self.num_heads, d // self.num_heads)
         q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
         att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp(self.ln_2(x))
+        x = x + self.drop(self.proj(att.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.mlp(self.ln_2(x)))
 
 
 class TinyGPT(nn.Module):

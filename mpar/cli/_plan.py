@@ -1,13 +1,19 @@
 """``mpar plan``: print the partition and memory plan of a model without running it.
 
     mpar plan --model pkg.module:factory --config cfg.json --world-size 8 \\
-        [--device-memory 16GiB] [--meta] [--json]
+        [--device-memory 16GiB] [--link-bandwidth 10GB] [--meta] [--json]
 
 The factory returns a module or a ``(module, example_inputs)`` pair, where
 ``example_inputs`` is one microbatch: a tensor, a tuple of positional
 arguments, or a dict of keyword arguments. With ``--meta`` the factory is
 called under ``torch.device("meta")`` and the model is profiled from FLOPs
 and shapes (nothing is allocated).
+
+The config (JSON or YAML, read by ``mpar.config.load_config``; without
+``--config`` the ``MPAR_CONFIG`` variable, else one pipeline over the whole
+world) gives ``pipeline_parallel_degree``, ``virtual_stages``,
+``microbatches``, ``pipeline``, ``optimize``, ``memory_weight`` and
+``zero.stage``; data parallelism is ``world-size / pipeline_parallel_degree``.
 """
 
 from __future__ import annotations
@@ -15,8 +21,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mpar.config import Config
 
 __all__ = ["add_parser", "run"]
 
@@ -30,9 +40,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", required=True, help="pkg.module:factory")
-    parser.add_argument("--config", help="mpar config JSON file")
+    parser.add_argument("--config", help="mpar config file (JSON or YAML)")
     parser.add_argument("--world-size", type=int, required=True, help="total number of ranks")
     parser.add_argument("--device-memory", help="memory per device, e.g. 16GiB or 40GB")
+    parser.add_argument(
+        "--link-bandwidth",
+        default="10GB",
+        help="bytes per second between neighbouring stages, e.g. 10GB (default) or 500MB; "
+        "'none' leaves communication out of the plan",
+    )
     parser.add_argument("--meta", action="store_true", help="build and profile on the meta device")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(run=run)
@@ -85,33 +101,28 @@ def _build(spec: str, meta: bool) -> tuple[Any, tuple[Any, ...], dict[str, Any]]
     return made[0], args, kwargs
 
 
-def _read_config(path: str | None) -> dict[str, Any]:
-    # TODO(config): switch to mpar.config.load_config once the typed config lands.
-    if path is None:
-        return {}
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: the config must be a JSON object")
-    return data
+def _read_config(path: str | None, world_size: int) -> Config:
+    from mpar.config import ENV_VAR, load_config
+
+    if path is None and not os.environ.get(ENV_VAR, "").strip():
+        config = load_config({"pipeline_parallel_degree": world_size})
+    else:
+        config = load_config(path)
+    config.check_world_size(world_size)
+    return config
 
 
-def _plan_options(config: dict[str, Any], world_size: int) -> dict[str, Any]:
-    pp = int(config.get("pipeline_parallel_degree", config.get("partitions", world_size)))
-    if pp < 1 or world_size % pp:
-        raise ValueError(
-            f"--world-size {world_size} is not a multiple of pipeline_parallel_degree {pp}"
-        )
-    zero = config.get("zero", {})
+def _plan_options(config: Config, world_size: int) -> dict[str, Any]:
+    pp = config.pipeline_parallel_degree
     return {
         "num_ranks": pp,
-        "virtual_stages": int(config.get("virtual_stages", 1)),
-        "microbatches": int(config.get("microbatches", 1)),
-        "pipeline": config.get("pipeline", "interleaved"),
-        "optimize": config.get("optimize", "speed"),
-        "memory_weight": config.get("memory_weight"),
+        "virtual_stages": config.virtual_stages,
+        "microbatches": config.microbatches,
+        "pipeline": config.pipeline,
+        "optimize": config.optimize,
+        "memory_weight": config.memory_weight,
         "data_parallel_degree": world_size // pp,
-        "zero_stage": int(zero.get("stage", 0)) if isinstance(zero, dict) else 0,
+        "zero_stage": config.zero.stage,
     }
 
 
@@ -121,10 +132,15 @@ def run(args: argparse.Namespace) -> int:
         from mpar.partition import make_plan
         from mpar.profile import profile_model
 
-        options = _plan_options(_read_config(args.config), args.world_size)
+        if args.world_size < 1:
+            raise ValueError(f"--world-size must be a positive integer, got {args.world_size}")
+        options = _plan_options(_read_config(args.config, args.world_size), args.world_size)
+        bandwidth = None if args.link_bandwidth.lower() == "none" else args.link_bandwidth
         module, ex_args, ex_kwargs = _build(args.model, args.meta)
         profile = profile_model(module, ex_args, ex_kwargs, mode="meta" if args.meta else "measure")
-        plan = make_plan(profile, device_memory=args.device_memory, **options)
+        plan = make_plan(
+            profile, device_memory=args.device_memory, link_bandwidth=bandwidth, **options
+        )
     except (ValueError, TypeError, ImportError, OSError) as exc:
         print(f"mpar plan: error: {exc}".splitlines()[0], file=sys.stderr)
         return 2

@@ -11,9 +11,17 @@ its rank (from ``mpar.schedule``'s simulator, spread evenly over the rank's
 chunks). ``device_memory`` caps a rank; the solver caps each of its ``v`` stages
 at ``device_memory / v``.
 
+Communication: a stage that is not the last sends its last unit's output on
+in the forward pass and receives the gradient of the same size back, so it
+costs ``comm = 2 * output_bytes / link_bandwidth`` seconds per microbatch
+(``link_bandwidth`` in bytes per second, default 10 GB/s; None leaves
+communication out). The solver adds it to the stage's compute (see
+``solve(comm=...)``), so cuts land where activations are small when the times
+allow.
+
 Predicted step time and bubble come from simulating the schedule with the
 profiled stage times (forward = 1/3, backward = 2/3 of the measured
-forward+backward time). Without ``mpar.schedule`` the plan falls back to
+forward+backward time, each plus half the stage's ``comm``). Without ``mpar.schedule`` the plan falls back to
 ``step = m * W + (p - 1) * T`` and ``bubble = (p - 1) / (v * m + p - 1)`` for
 uniform chunks, where ``W`` is the busiest rank's time per microbatch and ``T``
 the slowest stage's.
@@ -62,6 +70,8 @@ class StagePlan:
     memory_bytes: int
     binding: str
     """What limits this stage: "compute", "single unit", "memory cap", "over memory cap" or ""."""
+    comm_s: float = 0.0
+    """Seconds per microbatch to send the output on and receive its gradient (0 for the last)."""
 
 
 @dataclass
@@ -84,6 +94,8 @@ class Plan:
     rank_memory_bytes: list[int] = field(default_factory=list)
     simulated: bool = False
     """True when step time and bubble come from ``mpar.schedule.simulate``."""
+    link_bandwidth: float | None = None
+    """Bytes per second between neighbouring stages; None when communication is not modelled."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -132,11 +144,14 @@ def _in_flight(p: int, v: int, m: int, pipeline: str) -> tuple[list[int], Any]:
 
 
 def _predict(
-    times: Sequence[float], p: int, v: int, m: int, pipeline: str, sched: Any
+    stages: Sequence[StagePlan], p: int, v: int, m: int, pipeline: str, sched: Any
 ) -> tuple[float, float, bool]:
-    """(step time, bubble fraction, simulated?) for per-stage fwd+bwd times."""
+    """(step time, bubble fraction, simulated?) from per-stage fwd+bwd and comm times."""
+    fwd = [s.time_s / 3 + s.comm_s / 2 for s in stages]
+    bwd = [2 * s.time_s / 3 + s.comm_s / 2 for s in stages]
+    times = [f + b for f, b in zip(fwd, bwd)]
     if sched is not None:
-        costs = sched.StageCosts([t / 3 for t in times], [2 * t / 3 for t in times])
+        costs = sched.StageCosts(fwd, bwd)
         result = sched.simulate(sched.build_schedule(pipeline, p, m, virtual_stages=v), costs)
         return float(result.makespan), float(result.bubble_fraction), True
     work = max(sum(times[r::p]) for r in range(p))
@@ -162,6 +177,26 @@ def _tied_replicas(units: Sequence[UnitProfile], names: set[str]) -> int:
     return sum(extra.values())
 
 
+def _comm(units: Sequence[UnitProfile], bandwidth: float | None) -> list[float] | None:
+    """Per unit: seconds to send its output on and its gradient back, per microbatch."""
+    if bandwidth is None:
+        return None
+    return [2 * u.output_bytes / bandwidth for u in units]
+
+
+def _bandwidth(value: float | str | None) -> float | None:
+    if value is None:
+        return None
+    text = value.strip().removesuffix("/s") if isinstance(value, str) else value
+    bandwidth = float(parse_bytes(text))
+    if not bandwidth > 0:
+        raise PartitionError(
+            f"link_bandwidth must be a positive number of bytes per second (e.g. 10GB), "
+            f"got {value!r}; pass None to leave communication out"
+        )
+    return bandwidth
+
+
 def _boundaries(
     profile: ModelProfile,
     method: str,
@@ -169,6 +204,7 @@ def _boundaries(
     memory: Sequence[float],
     weight: float,
     cap: float | None,
+    comm: Sequence[float] | None,
 ) -> list[int]:
     if method == "uniform":
         return uniform_boundaries(len(profile.units), num_stages)
@@ -181,6 +217,7 @@ def _boundaries(
         memory=memory,
         memory_weight=weight,
         memory_cap=cap,
+        comm=comm,
         names=profile.names,
     )
 
@@ -216,6 +253,7 @@ def make_plan(
     method: str = "profile",
     data_parallel_degree: int = 1,
     zero_stage: int = 0,
+    link_bandwidth: float | str | None = "10GB",
 ) -> Plan:
     """Partition a profiled model over ``num_ranks`` pipeline ranks and predict its cost.
 
@@ -232,6 +270,9 @@ def make_plan(
             units) or "parameters" (equal parameter counts).
         data_parallel_degree, zero_stage: shard optimizer state (>=1), gradients
             (>=2) and parameters (3) over the data-parallel group in the memory figures.
+        link_bandwidth: bytes per second between neighbouring stages ("10GB", "100MB/s"
+            or a number); each cut costs ``2 * output_bytes / link_bandwidth`` per
+            microbatch. None leaves communication out.
     """
     p, v, m = num_ranks, virtual_stages, microbatches
     _check(profile, p, v, m, pipeline, method)
@@ -243,11 +284,13 @@ def make_plan(
     worst = max(in_flight)
     memory = [_state(u, dp, zero) + u.activation_bytes * worst for u in units]
     cap = None if cap_rank is None else cap_rank / v
-    starts = _boundaries(profile, method, p * v, memory, weight, cap)
-    stages = _stage_plans(units, starts, p, in_flight, dp, zero)
-    step, bubble, simulated = _predict([s.time_s for s in stages], p, v, m, pipeline, sched)
+    bandwidth = _bandwidth(link_bandwidth)
+    comm = _comm(units, bandwidth)
+    starts = _boundaries(profile, method, p * v, memory, weight, cap, comm)
+    stages = _stage_plans(units, starts, p, in_flight, dp, zero, comm)
+    step, bubble, simulated = _predict(stages, p, v, m, pipeline, sched)
     rank_memory = [sum(s.memory_bytes for s in stages if s.rank == r) for r in range(p)]
-    binding = _bind(profile, stages, starts, memory, weight, cap)
+    binding = _bind(profile, stages, starts, memory, weight, cap, comm)
     return Plan(
         stages,
         starts,
@@ -263,6 +306,7 @@ def make_plan(
         binding,
         rank_memory,
         simulated,
+        bandwidth,
     )
 
 
@@ -273,10 +317,12 @@ def _stage_plans(
     in_flight: Sequence[int],
     dp: int,
     zero: int,
+    comm: Sequence[float] | None,
 ) -> list[StagePlan]:
     total = math.fsum(u.time_s for u in units) or 1.0
     plans = []
-    for s, (a, b) in enumerate(zip(starts, [*starts[1:], len(units)])):
+    ends = [*starts[1:], len(units)]
+    for s, (a, b) in enumerate(zip(starts, ends)):
         group = units[a:b]
         rank, flight = s % p, in_flight[s % p]
         state = int(sum(_state(u, dp, zero) for u in group))
@@ -297,6 +343,7 @@ def _stage_plans(
                 flight,
                 state + act,
                 "",
+                comm[b - 1] if comm is not None and b < len(units) else 0.0,
             )
         )
     return plans
@@ -309,15 +356,16 @@ def _bind(
     memory: Sequence[float],
     weight: float,
     cap: float | None,
+    comm: Sequence[float] | None,
 ) -> str:
     """Label what binds each stage and the plan; returns the plan-level label."""
     compute = [u.time_s for u in profile.units]
-    costs = stage_costs(compute, starts, memory=memory, memory_weight=weight)
+    costs = stage_costs(compute, starts, memory=memory, memory_weight=weight, comm=comm)
     top = max(costs)
     plan_binding = "compute"
     if cap is not None:
-        free = solve(compute, len(starts), memory=memory, memory_weight=weight)
-        free_top = max(stage_costs(compute, free, memory=memory, memory_weight=weight))
+        free = solve(compute, len(starts), memory=memory, memory_weight=weight, comm=comm)
+        free_top = max(stage_costs(compute, free, memory=memory, memory_weight=weight, comm=comm))
         if top > free_top * (1 + 1e-9):
             plan_binding = "memory cap"
     for stage, cost in zip(stages, costs):
@@ -351,6 +399,7 @@ def _render(plan: Plan) -> str:
             "rank",
             "units",
             "time ms",
+            "comm ms",
             "share",
             "params",
             "state",
@@ -366,6 +415,7 @@ def _render(plan: Plan) -> str:
                 str(s.rank),
                 _units_label(s.units),
                 f"{s.time_s * 1e3:.4g}",
+                f"{s.comm_s * 1e3:.4g}",
                 f"{s.compute_share:.1%}",
                 f"{s.param_count:,}",
                 _fmt(s.state_bytes),
@@ -380,9 +430,11 @@ def _render(plan: Plan) -> str:
     cap = "none" if plan.device_memory is None else _fmt(plan.device_memory)
     peak = max(plan.rank_memory_bytes) if plan.rank_memory_bytes else 0
     source = "simulated" if plan.simulated else "formula"
+    link = "not modelled" if plan.link_bandwidth is None else f"{_fmt(plan.link_bandwidth)}/s"
     lines += [
         "",
         f"predicted step time {plan.step_time_s * 1e3:.4g} ms, bubble {plan.bubble:.1%} ({source}); "
-        f"busiest rank memory {_fmt(peak)} (cap {cap}); bound by {plan.binding}",
+        f"busiest rank memory {_fmt(peak)} (cap {cap}); bound by {plan.binding}; "
+        f"links {link}",
     ]
     return "\n".join(lines)

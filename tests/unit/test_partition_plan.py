@@ -15,7 +15,8 @@ from mpar.partition import Plan, find_units, make_plan, manual_boundaries, parse
 from mpar.profile import ModelProfile, UnitProfile
 
 
-def _profile(times, state=100, act=10):
+def _profile(times, state=100, act=10, out=None):
+    out = out or [1] * len(times)
     units = [
         UnitProfile(
             name=f"u{i}",
@@ -26,7 +27,7 @@ def _profile(times, state=100, act=10):
             flops=0,
             time_s=t,
             activation_bytes=act,
-            output_bytes=1,
+            output_bytes=out[i],
         )
         for i, t in enumerate(times)
     ]
@@ -71,6 +72,23 @@ def test_plan_memory_cap_binds_and_no_fit():
     assert capped.boundaries == [0, 2] and capped.binding == "memory cap"
     with pytest.raises(PartitionError, match="smallest pipeline degree that fits is 4"):
         make_plan(prof, num_ranks=2, device_memory=150)
+
+
+def test_plan_charges_communication_at_the_cut():
+    prof = _profile([1, 1, 1, 1], act=0, out=[1, 10**9, 1, 1])
+    free = make_plan(prof, num_ranks=2, memory_weight=0.0, link_bandwidth=None)
+    assert free.boundaries == [0, 2] and free.link_bandwidth is None
+    assert [s.comm_s for s in free.stages] == [0.0, 0.0]
+    # sending u1's 1 GB output on and its gradient back at 1 GB/s costs 2 s per microbatch
+    costly = make_plan(prof, num_ranks=2, memory_weight=0.0, link_bandwidth="1GB/s")
+    assert costly.boundaries in ([0, 1], [0, 3])
+    assert costly.stages[0].comm_s == pytest.approx(2e-9) and costly.stages[1].comm_s == 0.0
+    at_u1 = make_plan(prof, num_ranks=2, method="uniform", link_bandwidth=1e9)
+    assert at_u1.stages[0].comm_s == pytest.approx(2.0)
+    assert at_u1.step_time_s > free.step_time_s  # communication is in the simulated step
+    assert "comm ms" in str(at_u1) and "links 953.67 MiB/s" in str(at_u1)
+    with pytest.raises(PartitionError, match="link_bandwidth"):
+        make_plan(prof, num_ranks=2, link_bandwidth=0)
 
 
 def test_parse_bytes():
@@ -175,4 +193,31 @@ def test_cli_plan_json_and_errors(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no split into 2 stages" in err
     assert _run_cli(["--model", "nope_mod:make", *common]) == 2
+    monkeypatch.delitem(sys.modules, "plan_factory_mod", raising=False)
+
+
+def test_cli_plan_through_main_with_typed_config(tmp_path, monkeypatch, capsys):
+    from mpar.cli import main
+
+    cfg = _write_factory(tmp_path, monkeypatch)
+    model = ["plan", "--model", "plan_factory_mod:make", "--meta", "--json"]
+    assert (
+        main([*model, "--config", str(cfg), "--world-size", "4", "--link-bandwidth", "none"]) == 0
+    )
+    data = json.loads(capsys.readouterr().out)
+    assert data["num_ranks"] == 2 and data["microbatches"] == 4 and data["link_bandwidth"] is None
+    zero = tmp_path / "zero.json"
+    zero.write_text(json.dumps({"partitions": 2, "zero": {"stage": 3}, "optimize": "memory"}))
+    assert main([*model, "--config", str(zero), "--world-size", "4"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["memory_weight"] == 0.8 and data["link_bandwidth"] == 1e10
+    monkeypatch.delenv("MPAR_CONFIG", raising=False)
+    assert main([*model, "--world-size", "2"]) == 0  # no config: one pipeline over the world
+    assert json.loads(capsys.readouterr().out)["num_ranks"] == 2
+    assert main([*model, "--config", str(cfg), "--world-size", "3"]) == 2
+    assert "must divide the world size" in capsys.readouterr().err
+    typo = tmp_path / "typo.json"
+    typo.write_text(json.dumps({"microbatchs": 4}))
+    assert main([*model, "--config", str(typo), "--world-size", "1"]) == 2
+    assert "microbatches" in capsys.readouterr().err
     monkeypatch.delitem(sys.modules, "plan_factory_mod", raising=False)

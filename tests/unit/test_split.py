@@ -95,13 +95,6 @@ def test_state_dict_through_qualnames_loads_into_original():
     torch.testing.assert_close(fresh(idx), model(idx))
 
 
-def test_traced_stage_rejects_other_shapes():
-    model = TinyGPT(GPTConfig(num_layers=2))
-    split = split_module(model, (torch.randint(0, 128, (2, 8)),), None, [0, 3])
-    with pytest.raises(ValueError, match="microbatch"):
-        split(torch.randint(0, 128, (3, 8)))
-
-
 class _DataDependent(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -144,67 +137,7 @@ def test_bad_boundaries():
         split_module(model, (torch.randn(1, 2),), None, [0, 2])
 
 
-def _transformers():
-    return pytest.importorskip("transformers")
-
-
-def test_hf_gpt2_from_config():
-    tf = _transformers()
-    torch.manual_seed(0)
-    cfg = tf.GPT2Config(
-        n_layer=3,
-        n_embd=32,
-        n_head=4,
-        vocab_size=64,
-        n_positions=16,
-        use_cache=False,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    model = tf.GPT2LMHeadModel(cfg)
-    idx = torch.randint(0, 64, (2, 8))
-    units = find_units(model, (idx,))
-    assert units[:2] == ["transformer.wte", "transformer.wpe"]
-    assert units[-5:] == [
-        "transformer.h.0",
-        "transformer.h.1",
-        "transformer.h.2",
-        "transformer.ln_f",
-        "lm_head",
-    ]
-    split = _check_transparent(model, (idx,), {}, [0, 4, 6], pick=lambda o: o.logits)
-    assert len(split.tied) == 1
-
-
-def test_hf_bert_from_config():
-    tf = _transformers()
-    torch.manual_seed(0)
-    cfg = tf.BertConfig(
-        num_hidden_layers=3,
-        hidden_size=32,
-        num_attention_heads=4,
-        intermediate_size=64,
-        vocab_size=64,
-        max_position_embeddings=16,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    model = tf.BertForMaskedLM(cfg)
-    idx = torch.randint(0, 64, (2, 8))
-    mask = torch.ones(2, 8, dtype=torch.long)
-    mask[1, 5:] = 0
-    kwargs = {"input_ids": idx, "attention_mask": mask}
-    assert find_units(model, (), kwargs) == [
-        "bert.embeddings",
-        "bert.encoder.layer.0",
-        "bert.encoder.layer.1",
-        "bert.encoder.layer.2",
-        "cls",
-    ]
-    _check_transparent(model, (), kwargs, [0, 2, 3], pick=lambda o: o.logits)
+# Hugging Face GPT-2 and BERT: tests/unit/test_split_dynamic.py
 
 
 def test_torchvision_resnet18():

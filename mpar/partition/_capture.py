@@ -1,0 +1,100 @@
+"""Capture a model as one ATen graph with ``torch.export``, in a chosen train/eval mode.
+
+Dynamic shapes: every axis in ``dynamic_axes`` (default: axis 0, the batch) of
+every tensor input is exported as ``Dim.AUTO(min=1)``, so the graph accepts any
+size of that axis the model's code allows. ``Dim.AUTO`` never fails the export:
+an axis the model pins (``x.view(4, ...)``) silently becomes static, and one
+the model bounds (BERT's positions) gets a range; the stage input check then
+rejects other sizes with a message naming the input and the axis.
+
+``torch.export`` specialises sizes 0 and 1, so an example whose dynamic axis has
+size 1 (a microbatch of one) is enlarged to 2 by repeating it along that axis for
+the capture only; values do not matter to the graph (the non-strict export runs
+on fake tensors) unless the model branches on them, which export rejects anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.export import Dim, ExportedProgram, ShapesCollection
+
+from mpar.errors import PartitionError
+
+__all__ = ["capture"]
+
+
+@contextmanager
+def _mode(module: nn.Module, training: bool) -> Iterator[None]:
+    """Run with ``module`` in ``training`` mode unless it already is; restore every flag."""
+    flags = {m: m.training for m in module.modules()}
+    if module.training != training:
+        module.train(training)
+    try:
+        yield
+    finally:
+        for m, flag in flags.items():
+            m.training = flag
+
+
+def _enlarged(x: torch.Tensor, axes: Sequence[int]) -> torch.Tensor:
+    for axis in axes:
+        if axis < x.dim() and x.shape[axis] == 1:
+            x = x.repeat_interleave(2, dim=axis)
+    return x
+
+
+def _dynamic_inputs(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], axes: Sequence[int]
+) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+    """Example inputs safe to export dynamically, and their ``dynamic_shapes``."""
+
+    def enlarge(leaf: Any) -> Any:
+        return _enlarged(leaf, axes) if isinstance(leaf, torch.Tensor) else leaf
+
+    args, kwargs = pytree.tree_map(enlarge, (args, kwargs))
+    shapes = ShapesCollection()
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        dims = [a for a in axes if isinstance(leaf, torch.Tensor) and a < leaf.dim()]
+        if dims:
+            shapes[leaf] = {a: Dim.AUTO(min=1) for a in dims}
+    return args, kwargs, shapes.dynamic_shapes(module, args, kwargs)
+
+
+def capture(
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    training: bool,
+    dynamic_axes: Sequence[int],
+) -> ExportedProgram:
+    """``torch.export.export(strict=False)`` of ``module`` in ``training`` mode.
+
+    Raises:
+        PartitionError: the model cannot be captured as one graph.
+    """
+    try:
+        ex_args, ex_kwargs, dynamic = _dynamic_inputs(module, args, kwargs, dynamic_axes)
+        with _mode(module, training):
+            return torch.export.export(
+                module, ex_args, ex_kwargs, dynamic_shapes=dynamic, strict=False
+            )
+    except Exception as exc:  # torch.export raises many types; report them all the same way
+        text = str(exc).strip()
+        first = text.splitlines()[0] if text else type(exc).__name__
+        hint = ""
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False):
+            hint = " For Hugging Face models set config.use_cache = False."
+        mode = "train" if training else "eval"
+        raise PartitionError(
+            f"cannot split {type(module).__name__}: torch.export could not capture it as "
+            f"one graph in {mode} mode ({type(exc).__name__}: {first[:300]}). Remove "
+            f"data-dependent control flow or graph breaks, or give an nn.Sequential.{hint}"
+        ) from exc
