@@ -77,6 +77,7 @@ DEFAULT = [
     (4, 1, "interleaved", 2, 4, "mlp", "sgd"),
     (2, 1, "interleaved", 1, 4, "gpt", "adamw"),
     (2, 2, "interleaved", 2, 2, "gpt", "sgd"),
+    (2, 1, "interleaved", 1, 5, "gpt", "adamw"),  # uneven microbatches 3,3,2,2,2
 ]
 
 
