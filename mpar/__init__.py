@@ -16,6 +16,7 @@ from mpar._ranks import (
     rank,
     size,
 )
+from mpar.checkpoint import load_checkpoint, save_checkpoint
 from mpar.comm import init, is_initialized, shutdown
 from mpar.runtime import DistributedModel, DistributedOptimizer, StepOutput, memory_report, step
 
@@ -32,12 +33,14 @@ __all__ = [
     "init",
     "is_initialized",
     "local_rank",
+    "load_checkpoint",
     "local_size",
     "memory_report",
     "partition",
     "pp_rank",
     "pp_size",
     "rank",
+    "save_checkpoint",
     "shutdown",
     "size",
     "step",

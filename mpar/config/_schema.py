@@ -215,6 +215,14 @@ class Config:
                 f"config key 'active_microbatches' is {self.active_microbatches} but there are only "
                 f"{self.microbatches} microbatches; use a value <= {self.microbatches}"
             )
+        pp, v, m = self.pipeline_parallel_degree, self.virtual_stages, self.microbatches
+        if self.pipeline == "interleaved" and v > 1 and m % pp:
+            fits = sorted({pp * max(1, m // pp), pp * (m // pp + 1)})
+            raise ConfigError(
+                f"config key 'microbatches' is {m}: the interleaved schedule with "
+                f"{v} virtual stages needs a multiple of pipeline_parallel_degree {pp}; "
+                f"use {' or '.join(map(str, fits))} (or pipeline 'simple')"
+            )
         if self.device == "cpu" and self.backend == "nccl":
             raise ConfigError(
                 "config key 'backend' is 'nccl' but 'device' is 'cpu'; NCCL needs CUDA: "

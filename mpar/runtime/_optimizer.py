@@ -56,7 +56,14 @@ class DistributedOptimizer:
         self._st = state()
         self.optimizer = optimizer
         self._sharded: Any = None
+        self._pending: dict[str, Any] | None = None
+        """A state loaded before the model was partitioned, applied right after."""
         _OPTIMIZERS.add(self)
+
+    def _apply_pending(self) -> None:
+        if self._pending is not None and self._local_ids() is not None:
+            pending, self._pending = self._pending, None
+            self._load_now(pending)
 
     def sharded_optimizer(self) -> Any:
         """The ZeRO optimizer over this rank's shards, once a sharded model is partitioned."""
@@ -83,6 +90,7 @@ class DistributedOptimizer:
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Update this rank's parameters (those of other stages have no gradient here)."""
+        self._apply_pending()
         sharded = self.sharded_optimizer()
         if sharded is not None:
             if closure is not None:
@@ -160,6 +168,10 @@ class DistributedOptimizer:
     def state_dict(self) -> dict[str, Any]:
         """The full optimizer state gathered from every stage, in the unwrapped
         optimizer's format (parameter indices over all of the model's parameters)."""
+        if self._pending is not None:
+            self._apply_pending()
+            if self._pending is not None:  # still not partitioned: the loaded state
+                return self._pending
         sharded = self.sharded_optimizer()
         if sharded is not None:
             local = sharded.state_dict()  # gathered over the data-parallel group
@@ -171,7 +183,16 @@ class DistributedOptimizer:
         return {"state": dict(sorted(merged.items())), "param_groups": local["param_groups"]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a full (or this rank's) optimizer state; each rank keeps its parameters' part."""
+        """Load a full (or this rank's) optimizer state; each rank keeps its parameters' part.
+
+        Before the model's first step (not partitioned yet) the state is kept
+        and applied as soon as the partition is known."""
+        if self._local_ids() is None and self.sharded_optimizer() is None:
+            self._pending = state_dict
+            return
+        self._load_now(state_dict)
+
+    def _load_now(self, state_dict: dict[str, Any]) -> None:
         sharded = self.sharded_optimizer()
         local = self._local_ids()
         index_of = {id(p): i for i, p in enumerate(self._all_params())}

@@ -78,6 +78,11 @@ def test_unknown_nested_key():
         ({"microbatches": 2, "active_microbatches": 3}, ConfigError, "only 2 microbatches"),
         ({"default_partition": 2, "partitions": 2}, ConfigError, "only 2 stages"),
         ({"device": "cpu", "backend": "nccl"}, ConfigError, "NCCL needs CUDA"),
+        (
+            {"partitions": 4, "virtual_stages": 2, "microbatches": 6},
+            ConfigError,
+            "multiple of pipeline_parallel_degree 4; use 4 or 8",
+        ),
         ({"partitions": 2, "pipeline_parallel_degree": 2}, ConfigError, "alias 'partitions'"),
     ],
 )
