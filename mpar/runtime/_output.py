@@ -13,22 +13,10 @@ from typing import Any
 
 import torch
 
+from mpar._tree import tree_map
 from mpar.errors import StepError
 
 __all__ = ["StepOutput"]
-
-
-def _map(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, tuple | list):
-        items = [_map(v, fn) for v in value]
-        if isinstance(value, tuple) and hasattr(value, "_fields"):
-            return type(value)(*items)
-        return type(value)(items)
-    if isinstance(value, dict):
-        return type(value)((k, _map(v, fn)) for k, v in value.items())
-    return value
 
 
 _SCALARS = (int, float, bool, str, bytes, type(None))
@@ -54,7 +42,7 @@ def check_gatherable(value: Any, where: str = "the step function's return value"
 
 def detach_to_cpu(value: Any) -> Any:
     """A copy of ``value`` with every tensor detached and on the CPU."""
-    return _map(value, lambda t: t.detach().to("cpu", copy=True))
+    return tree_map(lambda t: t.detach().to("cpu", copy=True), value)
 
 
 def _zip_apply(values: Sequence[Any], fn: Callable[[list[torch.Tensor]], torch.Tensor]) -> Any:

@@ -22,19 +22,6 @@ __all__ = ["step"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _to_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
-    if isinstance(value, tuple | list):
-        items = [_to_device(v, device) for v in value]
-        if isinstance(value, tuple) and hasattr(value, "_fields"):
-            return type(value)(*items)
-        return type(value)(items)
-    if isinstance(value, dict):
-        return type(value)((k, _to_device(v, device)) for k, v in value.items())
-    return value
-
-
 def _prepare(
     fn: Callable[..., Any],
     model: Any,
@@ -62,8 +49,8 @@ def _prepare(
     )
     if st.device.type != "cpu":
         batches = Microbatches(
-            _to_device(batches.args, st.device),
-            _to_device(batches.kwargs, st.device),
+            tree_map(lambda t: t.to(st.device, non_blocking=True), batches.args),
+            tree_map(lambda t: t.to(st.device, non_blocking=True), batches.kwargs),
             batches.sizes,
         )
     return batches
