@@ -9,6 +9,7 @@ from typing import Any, TypeVar, overload
 
 import torch
 
+from mpar._tree import tree_map
 from mpar.comm import state
 from mpar.comm._abort import publish_failure
 from mpar.errors import StepError
