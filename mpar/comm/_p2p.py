@@ -1,14 +1,30 @@
 """Point-to-point transfer of nested values between pipeline ranks.
 
 A *payload* is any nesting of tuples, lists and dicts whose leaves are tensors
-or picklable values (ints, strings, None, ...). :func:`send_payload` sends a
-small header (the structure, each tensor's shape and dtype, the non-tensor
-leaves, and a label saying which stage and microbatch it belongs to) and then
-each tensor; :func:`recv_payload` rebuilds the same nesting. Sends are
+or picklable values (ints, strings, None, ...). :func:`send_payload` sends it
+and :func:`recv_payload` rebuilds the same nesting on the other rank. Sends are
 non-blocking: the returned :class:`PendingSends` keeps the buffers alive until
-:meth:`PendingSends.wait`. Each (stage, direction) stream has its own tag, so
-activations and gradients between the same two ranks never mix; the label is
-checked on receipt, so a schedule mismatch is an error, not silent corruption.
+:meth:`PendingSends.wait`. Each (peer, tag) *stream* carries one kind of
+transfer (a stage's activations, or its gradients), so activations and
+gradients between the same two ranks never mix.
+
+Wire format. Every transfer starts with a 64-byte control block: a kind
+(``SAME``/``NEW``), the header and data lengths, and the transfer's label (which
+stage and microbatch it belongs to), checked on receipt, so a schedule mismatch
+is an error, not silent corruption. The *header* (the nesting, each tensor's
+shape and dtype, the non-tensor leaves) is pickled; the *data* is every tensor's
+bytes, packed at 16-byte aligned offsets. Both ends of a stream remember the
+last header it carried (:class:`Links`, one per ``mpar.init``):
+
+* same header as last time (the steady state: microbatch after microbatch of
+  the same shapes): **one message**, control block + data, into a buffer whose
+  size the receiver already knows — so it can post the receive early
+  (:meth:`Links.post`) and the bytes arrive while it computes;
+* new header: the control block (padded to the size the receiver expects),
+  then one message with header + data.
+
+Sender and receiver update their memory of a stream with the same transfer,
+in the same order, so they always agree on the next message's size.
 """
 
 from __future__ import annotations
@@ -22,10 +38,16 @@ import torch.distributed as dist
 
 from mpar.errors import CommError
 
-__all__ = ["PendingSends", "recv_payload", "send_payload"]
+__all__ = ["Links", "PendingSends", "recv_payload", "send_payload"]
+
+_CONTROL_BYTES = 64
+_CONTROL_WORDS = _CONTROL_BYTES // 8
+_LABEL_WORDS = _CONTROL_WORDS - 4  # kind, header bytes, data bytes, label length
+_ALIGN = 16
+_SAME, _NEW = 1, 2
 
 
-@dataclass
+@dataclass(frozen=True)
 class _TensorSlot:
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -45,6 +67,53 @@ class PendingSends:
         self.works.clear()
         self.buffers.clear()
 
+    def add(self, buffer: torch.Tensor, dst: int, tag: int) -> None:
+        self.buffers.append(buffer)
+        self.works.append(dist.isend(buffer, dst, tag=tag))
+
+
+@dataclass
+class _Sent:
+    """What the sender knows of a stream: the receiver's next expected message size."""
+
+    header: bytes | None = None
+    expect: int = _CONTROL_BYTES
+
+
+@dataclass
+class _Received:
+    """What the receiver knows of a stream: the last header and a posted receive."""
+
+    structure: Any = None
+    slots: list[_TensorSlot] = field(default_factory=list)
+    expect: int = _CONTROL_BYTES
+    posted: tuple[Any, torch.Tensor] | None = None
+
+
+class Links:
+    """Per-stream memory of both directions, shared by every transfer of one ``mpar.init``."""
+
+    def __init__(self) -> None:
+        self._sent: dict[tuple[int, int], _Sent] = {}
+        self._received: dict[tuple[int, int], _Received] = {}
+
+    def sent(self, dst: int, tag: int) -> _Sent:
+        return self._sent.setdefault((dst, tag), _Sent())
+
+    def received(self, src: int, tag: int) -> _Received:
+        return self._received.setdefault((src, tag), _Received())
+
+    def post(self, src: int, tag: int, device: torch.device) -> None:
+        """Start receiving the next transfer on stream (``src``, ``tag``) now.
+
+        The bytes then arrive in the background; :func:`recv_payload` takes them.
+        Posting twice for the same stream before receiving is a no-op.
+        """
+        link = self.received(src, tag)
+        if link.posted is None:
+            buffer = torch.empty(link.expect, dtype=torch.uint8, device=device)
+            link.posted = (dist.irecv(buffer, src, tag=tag), buffer)
+
 
 def _flatten(value: Any, tensors: list[torch.Tensor]) -> Any:
     """Replace every tensor in ``value`` by a slot, appending it to ``tensors``."""
@@ -62,8 +131,9 @@ def _flatten(value: Any, tensors: list[torch.Tensor]) -> Any:
 
 
 def _unflatten(value: Any, tensors: list[torch.Tensor]) -> Any:
+    """Rebuild ``value``, taking tensors for its slots from the end of ``tensors`` reversed."""
     if isinstance(value, _TensorSlot):
-        return tensors.pop(0)
+        return tensors.pop()
     if isinstance(value, tuple | list):
         items = [_unflatten(v, tensors) for v in value]
         if isinstance(value, tuple) and hasattr(value, "_fields"):
@@ -91,37 +161,123 @@ def _slots(value: Any) -> list[_TensorSlot]:
     return found
 
 
-def send_payload(
-    payload: Any, dst: int, tag: int, label: tuple[Any, ...], pending: PendingSends
+def _nbytes(slot: _TensorSlot) -> int:
+    numel = 1
+    for size in slot.shape:
+        numel *= size
+    return numel * slot.dtype.itemsize
+
+
+def _offsets(slots: list[_TensorSlot]) -> tuple[list[int], int]:
+    """Each tensor's byte offset in the data section (16-byte aligned), and its size."""
+    offsets, end = [], 0
+    for slot in slots:
+        offsets.append(end)
+        end += -(-_nbytes(slot) // _ALIGN) * _ALIGN
+    return offsets, end
+
+
+def _control(kind: int, header: int, data: int, label: tuple[Any, ...]) -> torch.Tensor:
+    if len(label) > _LABEL_WORDS or not all(isinstance(x, int) for x in label):
+        raise CommError(f"internal: a transfer label must be up to {_LABEL_WORDS} ints: {label}")
+    words = [kind, header, data, len(label), *label]
+    return torch.tensor(words + [0] * (_CONTROL_WORDS - len(words)), dtype=torch.int64)
+
+
+def _pack(
+    buffer: torch.Tensor, start: int, tensors: list[torch.Tensor], offsets: list[int]
 ) -> None:
-    """Start sending ``payload`` to global rank ``dst`` on stream ``tag``."""
+    for tensor, offset in zip(tensors, offsets):
+        flat = tensor.detach().reshape(-1)
+        nbytes = flat.numel() * flat.element_size()
+        target = buffer[start + offset : start + offset + nbytes]
+        target.view(flat.dtype).copy_(flat)
+
+
+def send_payload(
+    payload: Any,
+    dst: int,
+    tag: int,
+    label: tuple[int, ...],
+    pending: PendingSends,
+    links: Links,
+    device: torch.device | None = None,
+) -> None:
+    """Start sending ``payload`` to global rank ``dst`` on stream ``tag``.
+
+    The message is built on ``device`` (default: the payload's first tensor's
+    device, else the CPU): the device the backend sends from.
+    """
     tensors: list[torch.Tensor] = []
     structure = _flatten(payload, tensors)
-    header = pickle.dumps((label, structure))
-    header_bytes = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-    length = torch.tensor([header_bytes.numel()], dtype=torch.int64)
-    for buffer in [length, header_bytes] + [t.detach().contiguous() for t in tensors]:
-        pending.buffers.append(buffer)
-        pending.works.append(dist.isend(buffer, dst, tag=tag))
+    header = pickle.dumps(structure)
+    offsets, data = _offsets(_slots(structure))
+    if device is None:
+        device = tensors[0].device if tensors else torch.device("cpu")
+    link = links.sent(dst, tag)
+    if header == link.header:  # one message: control + data
+        message = torch.empty(_CONTROL_BYTES + data, dtype=torch.uint8, device=device)
+        message[:_CONTROL_BYTES].view(torch.int64).copy_(_control(_SAME, 0, data, label))
+        _pack(message, _CONTROL_BYTES, tensors, offsets)
+        pending.add(message, dst, tag)
+        return
+    start = -(-len(header) // _ALIGN) * _ALIGN
+    control = torch.zeros(link.expect, dtype=torch.uint8, device=device)
+    control[:_CONTROL_BYTES].view(torch.int64).copy_(_control(_NEW, len(header), data, label))
+    body = torch.empty(start + data, dtype=torch.uint8, device=device)
+    body[: len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+    _pack(body, start, tensors, offsets)
+    pending.add(control, dst, tag)
+    pending.add(body, dst, tag)
+    link.header, link.expect = header, _CONTROL_BYTES + data
 
 
-def recv_payload(src: int, tag: int, label: tuple[Any, ...], device: torch.device) -> Any:
-    """Receive what :func:`send_payload` sent from ``src`` on stream ``tag``."""
-    length = torch.empty(1, dtype=torch.int64)
-    dist.recv(length, src, tag=tag)
-    header_bytes = torch.empty(int(length.item()), dtype=torch.uint8)
-    dist.recv(header_bytes, src, tag=tag)
-    got_label, structure = pickle.loads(header_bytes.numpy().tobytes())
-    if tuple(got_label) != tuple(label):
-        raise CommError(
-            f"pipeline transfer mismatch from rank {src}: expected {label}, received "
-            f"{tuple(got_label)}; the ranks are running different schedules"
-        )
+def _unpack(buffer: torch.Tensor, start: int, slots: list[_TensorSlot]) -> list[torch.Tensor]:
+    """The tensors of ``slots``, as views of ``buffer`` from byte ``start`` on."""
+    offsets, _ = _offsets(slots)
     tensors = []
-    for slot in _slots(structure):
-        buffer = torch.empty(slot.shape, dtype=slot.dtype, device=device)
-        dist.recv(buffer, src, tag=tag)
+    for slot, offset in zip(slots, offsets):
+        begin = start + offset
+        flat = buffer[begin : begin + _nbytes(slot)].view(slot.dtype)
+        tensor = flat.reshape(slot.shape)
         if slot.requires_grad:
-            buffer.requires_grad_(True)
-        tensors.append(buffer)
-    return _unflatten(structure, tensors)
+            tensor.requires_grad_(True)
+        tensors.append(tensor)
+    return tensors
+
+
+def recv_payload(
+    src: int, tag: int, label: tuple[int, ...], device: torch.device, links: Links
+) -> Any:
+    """Receive what :func:`send_payload` sent from ``src`` on stream ``tag``."""
+    link = links.received(src, tag)
+    if link.posted is not None:
+        work, message = link.posted
+        link.posted = None
+        work.wait()
+    else:
+        message = torch.empty(link.expect, dtype=torch.uint8, device=device)
+        dist.recv(message, src, tag=tag)
+    words = message[:_CONTROL_BYTES].view(torch.int64).tolist()
+    kind, header_bytes, data = words[0], words[1], words[2]
+    got_label = tuple(words[4 : 4 + words[3]])
+    if got_label != tuple(label):
+        raise CommError(
+            f"pipeline transfer mismatch from rank {src}: expected {tuple(label)}, received "
+            f"{got_label}; the ranks are running different schedules"
+        )
+    if kind == _SAME:
+        if _CONTROL_BYTES + data != message.numel():
+            raise CommError(
+                f"internal: transfer from rank {src} on stream {tag} has {data} data bytes, "
+                f"expected {message.numel() - _CONTROL_BYTES}"
+            )
+        tensors = _unpack(message, _CONTROL_BYTES, link.slots)
+        return _unflatten(link.structure, tensors[::-1])
+    start = -(-header_bytes // _ALIGN) * _ALIGN
+    body = torch.empty(start + data, dtype=torch.uint8, device=device)
+    dist.recv(body, src, tag=tag)
+    link.structure = pickle.loads(body[:header_bytes].cpu().numpy().tobytes())
+    link.slots = _slots(link.structure)
+    link.expect = _CONTROL_BYTES + data
+    return _unflatten(link.structure, _unpack(body, start, link.slots)[::-1])

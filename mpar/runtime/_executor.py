@@ -14,9 +14,15 @@ A :class:`StepRun` walks this rank's action list (``mpar.schedule``) in order:
   markers instead, so forward-only steps need no special schedule.
 
 Sends never block; receives do, in list order — the semantics that
-``mpar.schedule.simulate`` checks for deadlock. When stage ``s`` finishes its
-last backward, its gradients start their data-parallel all-reduce while the
-rest of the schedule runs.
+``mpar.schedule.simulate`` checks for deadlock. Receives are *posted* early,
+though: at the start of the step the first receive of every incoming stream,
+and after each receive the next one on its stream, so the bytes arrive while
+this rank computes and the blocking wait is short. When stage ``s`` finishes
+its last backward, its gradients start their data-parallel all-reduce while
+the rest of the schedule runs. The rank of a replica's last stage sends that
+replica's step outputs to every other rank as soon as its last forward is done
+(point to point, posted early like the rest), so the step ends without a
+collective of its own.
 """
 
 from __future__ import annotations
@@ -27,8 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mpar.comm import State
-from mpar.comm._collectives import all_gather_object_world
-from mpar.comm._p2p import PendingSends, recv_payload, send_payload
+from mpar.comm._p2p import Links, PendingSends, recv_payload, send_payload
 from mpar.errors import StepError
 from mpar.runtime._grads import GradReducer
 from mpar.runtime._microbatch import Microbatches
@@ -40,6 +45,8 @@ if TYPE_CHECKING:
 __all__ = ["Captured", "StepRun"]
 
 _FORWARD, _BACKWARD = 0, 1
+_OUTPUTS_TAG = 1 << 20
+"""The stream carrying step outputs (p2p tags of stage transfers are ``2 * stage + direction``)."""
 # lowered ZeRO actions -> ShardedStages method
 _SHARD_ACTIONS = {"UNSHARD": "unshard", "RESHARD": "reshard", "REDUCE_GRAD": "reduce_grads"}
 
@@ -106,6 +113,8 @@ class StepRun:
         self.results: dict[int, Any] = {}
         self.backward_done: dict[int, int] = {}
         self.pending = PendingSends()
+        self.links: Links = st.extras.setdefault("p2p_links", Links())
+        self.incoming = self._incoming_streams()
         self.peak_activation_bytes = 0
         self.microbatch: int | None = None
         self.model_called = False
@@ -163,20 +172,53 @@ class StepRun:
         pp = self.st.grid.pp_size
         return self.st.pp_ranks[stage % pp]
 
+    def _incoming_streams(self) -> dict[tuple[int, int], int]:
+        """How many transfers this rank receives this step on each (source, tag) stream."""
+        me, last = self.st.layout.rank, self.num_stages - 1
+        counts: dict[tuple[int, int], int] = {}
+        for action in self.schedule.actions.get(self.st.pp_rank, []):
+            s, kind = action.stage, action.kind.value
+            if kind == "F" and s > 0:
+                stream = (self._rank_of(s - 1), 2 * s + _FORWARD)
+            elif kind == "B" and s < last:
+                stream = (self._rank_of(s + 1), 2 * s + _BACKWARD)
+            else:
+                continue
+            if stream[0] != me:
+                counts[stream] = counts.get(stream, 0) + 1
+        for src in self._output_ranks():
+            if src != me:
+                counts[(src, _OUTPUTS_TAG)] = 1
+        return counts
+
+    def _output_ranks(self) -> list[int]:
+        """Global rank of each data-parallel replica's last stage (where its outputs are)."""
+        grid = self.st.grid
+        last = (self.num_stages - 1) % grid.pp_size
+        return [grid.rank_of(last, d) for d in range(grid.dp_size)]
+
+    def _post_receives(self) -> None:
+        for src, tag in self.incoming:
+            self.links.post(src, tag, self.st.device)
+
     def _receive(self, stage: int, j: int, direction: int, from_stage: int) -> Any:
         key = (stage, j, direction)
         if key in self.local:
             return self.local.pop(key)
-        src = self._rank_of(from_stage)
-        tag = 2 * stage + direction
-        return recv_payload(src, tag, (stage, j, direction), self.st.device)
+        stream = (self._rank_of(from_stage), 2 * stage + direction)
+        payload = recv_payload(*stream, (stage, j, direction), self.st.device, self.links)
+        self.incoming[stream] -= 1
+        if self.incoming[stream] > 0:
+            self.links.post(*stream, self.st.device)
+        return payload
 
     def _deliver(self, stage: int, j: int, direction: int, payload: Any) -> None:
         dst = self._rank_of(stage)
         if dst == self.st.layout.rank:
             self.local[(stage, j, direction)] = payload
         else:
-            send_payload(payload, dst, 2 * stage + direction, (stage, j, direction), self.pending)
+            tag, label = 2 * stage + direction, (stage, j, direction)
+            send_payload(payload, dst, tag, label, self.pending, self.links)
 
     def _stage_input(self, s: int, j: int) -> tuple[Any, ...]:
         payload = self._receive(s, j, _FORWARD, s - 1)
@@ -214,6 +256,8 @@ class StepRun:
             )
         check_gatherable(result)
         self.results[j] = detach_to_cpu(result)
+        if len(self.results) == len(self.batches):
+            self._send_outputs()
 
     def backward(self, s: int, j: int) -> None:
         if self.sharded is not None and self.backward_done.get(s, 0) == len(self.batches) - 1:
@@ -259,6 +303,7 @@ class StepRun:
 
     def run(self) -> StepOutput:
         stages_here = set(self.stages.modules)
+        self._post_receives()
         if 0 in stages_here and self.num_stages > 1:
             self.capture_inputs()
         for action in self.schedule.actions[self.st.pp_rank]:
@@ -271,22 +316,40 @@ class StepRun:
                 getattr(self.sharded, _SHARD_ACTIONS[kind])(action.stage)
             else:
                 raise StepError(f"the pipeline runtime cannot execute action {action}")
+        # Outputs first: their senders wait for this receive before any collective below.
+        outputs = self._gather_outputs()
         self.pending.wait()
         if self.reducer is not None:
             self.reducer.finish()
         if self.sharded is not None and self.training:
             self.sharded.finish_grads()
         self.model.activation_peak_bytes = self.peak_activation_bytes
-        return self._gather_outputs()
+        return outputs
+
+    def _send_outputs(self) -> None:
+        """Send this replica's outputs to every other rank as soon as the last one exists."""
+        st = self.st
+        mine = ([self.results[j] for j in range(len(self.batches))], list(self.batches.sizes))
+        self.own_outputs = mine
+        for dst in range(st.layout.world_size):
+            if dst != st.layout.rank:
+                send_payload(
+                    mine, dst, _OUTPUTS_TAG, (st.dp_rank,), self.pending, self.links, st.device
+                )
 
     def _gather_outputs(self) -> StepOutput:
+        """Every replica's outputs, in data-parallel order (the same StepOutput on every rank)."""
         st = self.st
-        last_rank = self._rank_of(self.num_stages - 1) == st.layout.rank
-        mine = (
-            (st.dp_rank, [self.results[j] for j in range(len(self.batches))]) if last_rank else None
-        )
-        everyone = [x for x in all_gather_object_world((mine, self.batches.sizes)) if x[0]]
-        everyone.sort(key=lambda item: item[0][0])
-        outputs = [out for (_, outs), _ in everyone for out in outs]
-        sizes = [size for _, sizes in everyone for size in sizes]
+        outputs: list[Any] = []
+        sizes: list[int] = []
+        for d, src in enumerate(self._output_ranks()):
+            if src == st.layout.rank:
+                outs, replica_sizes = self.own_outputs
+            else:
+                stream = (src, _OUTPUTS_TAG)
+                received = recv_payload(*stream, (d,), st.device, self.links)
+                self.incoming[stream] -= 1
+                outs, replica_sizes = detach_to_cpu(received)
+            outputs.extend(outs)
+            sizes.extend(replica_sizes)
         return StepOutput(outputs, sizes)

@@ -1,0 +1,448 @@
+"""Pipeline-parallel training throughput: mpar against its peers, on CPU/gloo.
+
+One GPT-style model written as a list of layers (embedding, ``--layers``
+transformer blocks, final norm + LM head; ``benchmarks/_common.py``) is trained
+with SGD on the same fixed batch, the same microbatches and one intra-op thread
+per rank by
+
+* mpar: ``pipeline`` ``simple`` (GPipe), ``interleaved`` (1F1B), and
+  ``interleaved`` with ``virtual_stages=2``; started with ``mpar launch``;
+* torch.distributed.pipelining: ``ScheduleGPipe``, ``Schedule1F1B``,
+  ``ScheduleInterleaved1F1B`` (2 stages per rank); started with ``torchrun``;
+* DeepSpeed: ``PipelineModule`` + ``engine.train_batch()`` (its 1F1B
+  ``TrainSchedule``) on the CPU accelerator; started with ``torchrun``.
+
+Every framework gets the same split of the layers: equal layer counts per stage
+(DeepSpeed's ``partition_method="uniform"``; mpar places it with
+``mpar.partition(i)``, torch gets ``PipelineStage``s of the same slices).
+``--auto`` adds mpar with its own profile-driven partition.
+
+Each case runs in its own processes, ``--warmup`` untimed steps then
+``--steps`` timed steps between barriers; the cases are run ``--repeats``
+times, round-robin, and the median samples/s is reported. The bound is the
+step time that ``mpar.schedule.simulate`` gives for the schedule with
+per-layer forward/backward costs measured in this process, summed over each
+stage of the split the run used (plus the slowest rank's optimizer step):
+efficiency = bound / measured step time (``_bound.py``).
+
+    python benchmarks/pipeline.py                      # pp=2, writes benchmarks/results/
+    python benchmarks/pipeline.py --layouts 2x1 4x1 2x2 --repeats 5
+    python benchmarks/pipeline.py --quick --out /tmp/b  # smoke run, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _common import Case, ModelSpec  # noqa: E402
+
+# (framework, schedule, virtual_stages, mpar schedule whose simulation is the bound)
+CASES = [
+    ("mpar", "simple", 1, "simple"),
+    ("mpar", "interleaved", 1, "interleaved"),
+    ("mpar", "interleaved", 2, "interleaved"),
+    ("torch", "ScheduleGPipe", 1, "simple"),
+    ("torch", "Schedule1F1B", 1, "interleaved"),
+    ("torch", "ScheduleInterleaved1F1B", 2, "interleaved"),
+    ("deepspeed", "TrainSchedule", 1, "interleaved"),
+]
+QUICK_CASES = {
+    ("mpar", "interleaved", 1),
+    ("torch", "Schedule1F1B", 1),
+    ("deepspeed", "TrainSchedule", 1),
+}
+"""``--quick`` runs one 1F1B case per framework."""
+PEER_MODULES = {"torch": "torch.distributed.pipelining", "deepspeed": "deepspeed"}
+
+
+# -- worker side ---------------------------------------------------------------------
+
+
+def _worker(case: Case, out: Path) -> None:
+    if case.framework == "mpar":
+        from peers import mpar_pipe as impl
+    elif case.framework == "torch":
+        from peers import torch_pipe as impl
+    else:
+        from peers import deepspeed_pipe as impl
+    result = impl.run(case)
+    if int(os.environ.get("RANK", "0")) == 0:
+        out.write_text(json.dumps(result))
+
+
+# -- launching -----------------------------------------------------------------------
+
+
+def _env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS=str(threads),
+        MKL_NUM_THREADS=str(threads),
+        DS_ACCELERATOR="cpu",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH", "")])),
+    )
+    return env
+
+
+def _launcher(framework: str, nproc: int) -> list[str]:
+    if framework == "mpar":
+        return [sys.executable, "-m", "mpar", "launch", "--nproc-per-node", str(nproc)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+    ]
+
+
+def _launch(
+    framework: str, nproc: int, worker_args: list[str], threads: int, timeout: float
+) -> dict[str, Any]:
+    """Start one job; its rank 0 writes the result to a file we read back."""
+    with tempfile.TemporaryDirectory(prefix="mpar-bench-") as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [*_launcher(framework, nproc), str(HERE / "pipeline.py"), *worker_args]
+        cmd += ["--result", str(out)]
+        try:
+            proc = subprocess.run(
+                cmd, env=_env(threads), capture_output=True, text=True, timeout=timeout
+            )
+        except subprocess.TimeoutExpired as exc:
+            return {"status": "failed", "reason": f"timed out after {timeout:.0f} s: {exc.cmd}"}
+        if proc.returncode != 0 or not out.exists():
+            tail = (proc.stderr or proc.stdout)[-3000:]
+            return {"status": "failed", "reason": f"exit {proc.returncode}\n{tail}"}
+        return {"status": "ok", **json.loads(out.read_text())}
+
+
+def _run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
+    """One job of ``case``, started again once if it fails (a port taken, say)."""
+    worker = ["--worker", case.to_json()]
+    load = os.getloadavg()[0]
+    got = _launch(case.framework, case.world, worker, args.threads, args.timeout)
+    if got["status"] != "ok":
+        print(f"  failed, once more: {_last_line(got['reason'])}", file=sys.stderr, flush=True)
+        first = got["reason"]
+        got = _launch(case.framework, case.world, worker, args.threads, args.timeout)
+        got["first_failure"] = first
+    got["load_before"] = load
+    got["load_after"] = os.getloadavg()[0]
+    return got
+
+
+def _skip_reason(framework: str) -> str | None:
+    module = PEER_MODULES.get(framework)
+    if module is None:
+        return None
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        found = False
+    return None if found else f"{module} is not installed"
+
+
+# -- orchestration -------------------------------------------------------------------
+
+
+def _cases(args: argparse.Namespace, spec: ModelSpec) -> list[tuple[Case, str]]:
+    rows = [(*row, "uniform") for row in CASES]
+    if args.auto:
+        rows.insert(3, ("mpar", "interleaved", 1, "interleaved", "auto"))
+    cases = []
+    for layout in args.layouts:
+        pp, dp = (int(v) for v in layout.split("x"))
+        for framework, schedule, v, sim, split in rows:
+            if args.quick and (framework, schedule, v) not in QUICK_CASES:
+                continue
+            if framework in args.frameworks:
+                case = Case(framework, schedule, pp, dp, v, spec, args.warmup, args.steps, split)
+                cases.append((case, sim))
+    return cases
+
+
+def _measure_costs(args: argparse.Namespace, spec: ModelSpec) -> dict[str, Any]:
+    """Per-layer costs for each data-parallel degree (its microbatch size), in this process."""
+    import torch
+    from _bound import measure
+
+    torch.set_num_threads(args.threads)
+    costs = {}
+    for dp in sorted({int(layout.split("x")[1]) for layout in args.layouts}):
+        costs[f"dp{dp}"] = measure(spec, dp, rounds=5 if args.quick else 20)
+    return costs
+
+
+def _summarise(case: Case, sim: str, runs: list[dict[str, Any]], costs: Any) -> dict[str, Any]:
+    from _bound import bound
+
+    row: dict[str, Any] = {
+        "layout": f"pp{case.pp} x dp{case.dp}",
+        "ranks": case.world,
+        "framework": case.framework,
+        "schedule": case.schedule,
+        "virtual_stages": case.virtual_stages,
+        "split": case.split,
+        "bound_schedule": sim,
+    }
+    ok = [r for r in runs if r["status"] == "ok"]
+    if not ok:
+        row["status"] = runs[0]["status"] if runs else "skipped"
+        row["reason"] = runs[0].get("reason", "") if runs else ""
+        return row
+    samples = [case.model.batch / r["step_s"] for r in ok]
+    step_s = statistics.median(r["step_s"] for r in ok)
+    stage_layers = ok[0]["stage_layers"]
+    sim_bound = bound(costs, sim, case.pp, case.model.microbatches, stage_layers)
+    row.update(
+        status="ok",
+        samples_per_s=statistics.median(samples),
+        samples_per_s_runs=samples,
+        step_ms=1000 * step_s,
+        bound_ms=1000 * sim_bound["bound_s"],
+        bound_bubble_fraction=sim_bound["bubble_fraction"],
+        efficiency=sim_bound["bound_s"] / step_s,
+        stage_layers=stage_layers,
+        failed_runs=len(runs) - len(ok),
+    )
+    return row
+
+
+def _ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """mpar / peer throughput, schedule by schedule, per layout (plus best vs best)."""
+    pairs = {
+        ("simple", 1): [("torch", "ScheduleGPipe")],
+        ("interleaved", 1): [("torch", "Schedule1F1B"), ("deepspeed", "TrainSchedule")],
+        ("interleaved", 2): [("torch", "ScheduleInterleaved1F1B")],
+    }
+    out = []
+    for layout in dict.fromkeys(r["layout"] for r in rows):
+        here = [r for r in rows if r["layout"] == layout and r["status"] == "ok"]
+        for mine in (r for r in here if r["framework"] == "mpar" and r["split"] == "uniform"):
+            for fw, sched in pairs.get((mine["schedule"], mine["virtual_stages"]), []):
+                for peer in (r for r in here if (r["framework"], r["schedule"]) == (fw, sched)):
+                    out.append(
+                        {
+                            "layout": layout,
+                            "mpar": f"{mine['schedule']} v{mine['virtual_stages']}",
+                            "peer": f"{fw} {sched}",
+                            "ratio": mine["samples_per_s"] / peer["samples_per_s"],
+                        }
+                    )
+        best = {}
+        for fw in ("mpar", "torch", "deepspeed"):
+            candidates = [r for r in here if r["framework"] == fw and r["split"] == "uniform"]
+            if candidates:
+                best[fw] = max(candidates, key=lambda r: r["samples_per_s"])
+        for fw in ("torch", "deepspeed"):
+            if "mpar" in best and fw in best:
+                out.append(
+                    {
+                        "layout": layout,
+                        "mpar": "best " + _label(best["mpar"]),
+                        "peer": f"best {fw} {_label(best[fw])}",
+                        "ratio": best["mpar"]["samples_per_s"] / best[fw]["samples_per_s"],
+                    }
+                )
+    return out
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].strip().replace("|", "/") if lines else ""
+
+
+def _label(row: dict[str, Any]) -> str:
+    v = row["virtual_stages"]
+    return row["schedule"] + (f" v{v}" if v > 1 else "")
+
+
+def _markdown(report: dict[str, Any]) -> str:
+    meta = report["meta"]
+    lines = [
+        "# Pipeline benchmark",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        f"{meta['machine']}; torch {meta['torch']}; deepspeed {meta['deepspeed']}; "
+        f"{meta['threads']} thread(s) per rank; gloo on loopback.",
+        f"Model: {meta['model']}; global batch {meta['model']['batch']}, "
+        f"{meta['model']['microbatches']} microbatches; SGD. {meta['warmup']} warm-up + "
+        f"{meta['steps']} timed steps, median of {meta['repeats']} runs.",
+        "",
+        "| layout | framework | schedule | split | samples/s (median) | runs | step ms "
+        "| bound ms | efficiency |",
+        "|---|---|---|---|---:|---|---:|---:|---:|",
+    ]
+    cores = os.cpu_count() or 1
+    for r in report["rows"]:
+        star = " *" if r["ranks"] > cores else ""
+        head = f"| {r['layout']}{star} | {r['framework']} | {_label(r)} | {r['split']} "
+        if r["status"] != "ok":
+            lines.append(head + f"| {r['status']}: {_last_line(r.get('reason', ''))} | | | | |")
+            continue
+        runs = ", ".join(f"{s:.1f}" for s in r["samples_per_s_runs"])
+        lines.append(
+            head + f"| {r['samples_per_s']:.1f} | {runs} | {r['step_ms']:.0f} "
+            f"| {r['bound_ms']:.0f} | {100 * r['efficiency']:.0f}% |"
+        )
+    loads = [
+        run["load_before"]
+        for runs in report["runs"].values()
+        for run in runs
+        if "load_before" in run
+    ]
+    if loads:
+        lines += [
+            "",
+            f"1-minute load average before each run: {min(loads):.1f} to {max(loads):.1f} "
+            f"(median {statistics.median(loads):.1f}) on {cores} cores; the machine is shared, "
+            "so the spread between runs is large.",
+        ]
+    lines += ["", "| layout | mpar | peer | mpar / peer |", "|---|---|---|---:|"]
+    for q in report["ratios"]:
+        lines.append(f"| {q['layout']} | {q['mpar']} | {q['peer']} | {q['ratio']:.2f} |")
+    lines += [
+        "",
+        "Bound: `mpar.schedule.simulate` of the row's schedule (GPipe rows: `simple`; 1F1B "
+        "and DeepSpeed rows: `interleaved`) with per-layer forward/backward times of one "
+        "microbatch summed over the stages of the split the run used, no communication "
+        "cost, plus the slowest rank's optimizer step. Efficiency = bound / measured step "
+        "time.",
+        "",
+    ]
+    if any(r["ranks"] > cores for r in report["rows"]):
+        lines += [
+            f"\\* more ranks than the {cores} cores: the bound assumes a core per rank, so "
+            f"these rows cannot pass about {cores} / ranks efficiency; compare them with "
+            "each other, not with the bound.",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def _meta(args: argparse.Namespace, spec: ModelSpec) -> dict[str, Any]:
+    import torch
+
+    try:
+        from importlib.metadata import version
+
+        ds = version("deepspeed")
+    except Exception:
+        ds = "not installed"
+    return {
+        "command": "python benchmarks/pipeline.py " + shlex.join(sys.argv[1:]),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "deepspeed": ds,
+        "threads": args.threads,
+        "model": spec.__dict__,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "split": "uniform: equal layer counts per stage for every framework",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--layouts", nargs="+", default=["2x1"], help="pp x dp layouts (2x1 4x1 2x2)")
+    p.add_argument("--frameworks", nargs="+", default=["mpar", "torch", "deepspeed"])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    p.add_argument("--layers", type=int, default=8, help="transformer blocks")
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=32, help="global batch")
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--auto", action="store_true", help="also run mpar's profile-driven split")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per job")
+    p.add_argument("--quick", action="store_true", help="tiny model, 1 repeat: a smoke run")
+    p.add_argument("--out", type=Path, default=HERE / "results", help="results folder")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.repeats, args.warmup, args.steps = 1, 1, 2
+        args.layers, args.d_model, args.seq, args.vocab = 2, 32, 16, 64
+        args.batch, args.microbatches = 8, 4
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if args.worker:
+        _worker(Case.from_json(args.worker), args.result)
+        return 0
+    spec = ModelSpec(
+        vocab=args.vocab,
+        d_model=args.d_model,
+        num_layers=args.layers,
+        num_heads=4,
+        seq=args.seq,
+        batch=args.batch,
+        microbatches=args.microbatches,
+    )
+    cases = _cases(args, spec)
+    costs = _measure_costs(args, spec)
+    runs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(cases))}
+    for repeat in range(args.repeats):
+        for i, (case, _) in enumerate(cases):
+            reason = _skip_reason(case.framework)
+            if reason is not None:
+                runs[i].append({"status": "skipped", "reason": reason})
+                continue
+            got = _run_case(case, args)
+            runs[i].append(got)
+            shown = (
+                f"{case.model.batch / got['step_s']:.1f} samples/s"
+                if got["status"] == "ok"
+                else f"{got['status']}: {_last_line(got['reason'])}"
+            )
+            print(
+                f"[{repeat + 1}/{args.repeats}] pp{case.pp}xdp{case.dp} {case.framework} "
+                f"{case.schedule} v{case.virtual_stages} {case.split}: {shown}",
+                flush=True,
+            )
+    rows = [
+        _summarise(case, sim, runs[i], costs[f"dp{case.dp}"]) for i, (case, sim) in enumerate(cases)
+    ]
+    report = {
+        "meta": _meta(args, spec),
+        "stage_costs": costs,
+        "rows": rows,
+        "ratios": _ratios(rows),
+        "runs": {str(i): runs[i] for i in runs},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "pipeline.json").write_text(json.dumps(report, indent=1))
+    (args.out / "pipeline.md").write_text(_markdown(report))
+    print(_markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""The pipeline benchmark runs end to end (``--quick``: a tiny model, one 1F1B case
+per framework, one repeat) and writes its JSON and markdown; peers that are not
+installed are reported as skipped, not failed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+@pytest.mark.timeout(180)
+def test_pipeline_benchmark_quick(tmp_path: Path) -> None:
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "pipeline.py"),
+        "--quick",
+        "--out",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "pipeline.json").read_text())
+    rows = {row["framework"]: row for row in report["rows"]}
+    assert set(rows) == {"mpar", "torch", "deepspeed"}
+    for framework, module in [("mpar", "mpar"), ("torch", "torch"), ("deepspeed", "deepspeed")]:
+        row = rows[framework]
+        if not _installed(module):
+            assert row["status"] == "skipped", row
+            continue
+        assert row["status"] == "ok", row.get("reason")
+        assert row["samples_per_s"] > 0 and row["bound_ms"] > 0
+        assert row["stage_layers"] == [2, 2]  # the same uniform split everywhere
+    assert any(r["peer"].startswith("torch") for r in report["ratios"])
+    table = (tmp_path / "pipeline.md").read_text()
+    assert "| mpar |" in table and "mpar / peer" in table
