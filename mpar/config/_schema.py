@@ -23,7 +23,7 @@ PlacementKind = Literal["cluster", "spread"]
 OffloadKind = Literal["none", "cpu"]
 DeviceKind = Literal["auto", "cpu", "cuda", "xla"]
 BackendKind = Literal["auto", "gloo", "nccl", "xla", "mpi"]
-CheckpointingKind = Literal["none", "each", "all"]
+CheckpointingKind = Literal["none", "each"]
 
 #: Default ``memory_weight`` for each ``optimize`` objective.
 MEMORY_WEIGHT_FOR = {"speed": 0.2, "memory": 0.8}
@@ -135,7 +135,8 @@ class Config:
     """ZeRO sharding settings (see :class:`ZeroConfig`)."""
 
     activation_checkpointing: bool | CheckpointingKind = False
-    """Recompute activations in backward: false, true (= ``"each"`` stage chunk), ``"all"``."""
+    """Recompute activations in backward: false / ``"none"``; true / ``"each"``: every
+    stage chunk keeps only its inputs and recomputes its forward during its backward."""
 
     offload_activations: bool = False
     """Keep checkpointed activations on the CPU (needs ``activation_checkpointing``)."""
@@ -185,7 +186,7 @@ class Config:
             _fail_choice(
                 "activation_checkpointing",
                 self.activation_checkpointing,
-                (True, False, "none", "each", "all"),
+                (True, False, "none", "each"),
             )
         _fail_choice("device", self.device, ("auto", "cpu", "cuda", "xla"))
         _fail_choice("backend", self.backend, ("auto", "gloo", "nccl", "xla", "mpi"))

@@ -38,6 +38,7 @@ from mpar.errors import StepError
 from mpar.runtime._grads import GradReducer
 from mpar.runtime._microbatch import Microbatches
 from mpar.runtime._output import StepOutput, check_gatherable, detach_to_cpu
+from mpar.runtime._recompute import run_stage
 
 if TYPE_CHECKING:
     from mpar.runtime._model import DistributedModel
@@ -143,7 +144,7 @@ class StepRun:
             stage_args, stage_kwargs = args, kwargs
         else:
             stage_args, stage_kwargs = self._stage_input(s, j), {}
-        output = self.stages.modules[s](*stage_args, **stage_kwargs)
+        output = self._run(s, stage_args, stage_kwargs)
         if self.training:
             self.saved[(s, j)] = (stage_args, None)
         return output
@@ -226,6 +227,9 @@ class StepRun:
 
     # -- actions -----------------------------------------------------------------
 
+    def _run(self, s: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return run_stage(self.stages.modules[s], args, kwargs, self.st.config, self.st.device)
+
     def forward(self, s: int, j: int) -> None:
         if s == self.num_stages - 1:
             self._last_stage_forward(j)
@@ -234,7 +238,7 @@ class StepRun:
             args, kwargs = self.inputs.pop(j)
         else:
             args, kwargs = self._stage_input(s, j), {}
-        output = self.stages.modules[s](*args, **kwargs)
+        output = self._run(s, args, kwargs)
         if not isinstance(output, tuple):
             output = (output,)
         if self.training:

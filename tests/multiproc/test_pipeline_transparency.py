@@ -102,3 +102,15 @@ FULL = [
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_transparent_full_grid(pp, dp, pipeline, v, m, optimizer):
     _run(pp, dp, pipeline, v, m, "mlp", optimizer)
+
+
+@pytest.mark.parametrize("model", ["mlp", "gpt"])
+def test_activation_checkpointing_is_transparent(model):
+    config = {
+        "pipeline_parallel_degree": 2,
+        "microbatches": 4,
+        "activation_checkpointing": True,
+        "offload_activations": True,  # a no-op on the CPU, but the path runs
+    }
+    results = run_distributed(train_ranks, 2, args=(config, model, "adamw", STEPS), timeout=180)
+    _check(results, reference(model, "adamw", STEPS))

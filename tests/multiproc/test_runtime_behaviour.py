@@ -171,3 +171,35 @@ def test_exception_on_one_rank_stops_every_rank_quickly():
     elapsed = time.monotonic() - started
     assert "deliberate failure inside the step on rank 3" in str(info.value)
     assert elapsed < 30, f"took {elapsed:.1f} s: ranks waited for the collective timeout"
+
+
+def _saved_bytes(checkpointing):
+    import mpar
+    from tests.multiproc._pipeline_cases import tiny_gpt
+
+    mpar.init({"microbatches": 2, "activation_checkpointing": checkpointing})
+    model = mpar.DistributedModel(tiny_gpt())
+
+    @mpar.step
+    def train(m, x, y):
+        loss = loss_fn(m(x), y)
+        m.backward(loss)
+        return loss
+
+    x, y = batch("gpt", 0)
+    train(model, x, y)  # partition first
+    packed = []
+
+    def pack(t):
+        packed.append(t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        train(model, x, y)
+    return sum(packed)
+
+
+def test_activation_checkpointing_keeps_far_fewer_activations():
+    (without,) = run_distributed(_saved_bytes, 1, args=(False,), timeout=60)
+    (with_ckpt,) = run_distributed(_saved_bytes, 1, args=(True,), timeout=60)
+    assert with_ckpt < without / 5, (with_ckpt, without)
