@@ -149,3 +149,11 @@ def test_files_and_environment(tmp_path, monkeypatch):
 def test_to_dict_round_trip():
     cfg = config_from_dict({"partitions": 2, "zero": {"stage": 2}, "microbatches": 4})
     assert config_from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("key", ["bf16", "fp16"])
+def test_mixed_precision_is_refused_until_it_exists(key):
+    assert getattr(config_from_dict({key: True}), key)  # parses (mpar plan reads it)
+    with pytest.raises(ConfigError, match=f"'{key}' is true, but mixed precision is not available"):
+        mpar.init({key: True})
+    assert not mpar.is_initialized()
