@@ -11,6 +11,8 @@ name           what                                     stages
                ``offload_params``)
 ``grad_full``  reduced gradients of all ``P``; the      0, 1
                parameters' ``.grad`` are views into it
+``spare_grad`` ``grad_full`` after ``zero_grad``:        0, 1
+               reused by the next reduction
 ``grad_shard`` this rank's ``S`` reduced gradients      2, 3
 ``master``     the fp32 elements the optimizer          all (a view unless
                updates (``P`` at stage 0, else ``S``)   offloaded to CPU)
@@ -84,6 +86,10 @@ class FlatBucket:
         self.full: torch.Tensor | None = None
         self.shard: torch.Tensor | None = None
         self.grad_full: torch.Tensor | None = None
+        self.spare_grad: torch.Tensor | None = None
+        """Stages 0-1: the last ``grad_full``, kept by ``zero_grad(set_to_none=True)``
+        for the next reduction (as DDP keeps its buckets): no new allocation,
+        page faults and zero fill of ``P`` elements every step."""
         self.grad_shard: torch.Tensor | None = None
         self.cpu_grad: torch.Tensor | None = None
         self.has_grad = False
@@ -221,10 +227,13 @@ class FlatBucket:
                 f"{self.zero_stage} call zero_grad() after each optimizer step (gradient "
                 "accumulation across reductions needs ZeRO stage 2 or 3)"
             )
-        flat = self.grad_full if self.grad_full is not None else self._new_flat_grad()
+        flat, fresh = self._flat_grad()
         for slot, p in zip(self.spec.slots, self.params):
             target = flat[slot.offset : slot.offset + slot.numel]
-            if p.grad is not None and p.grad.data_ptr() != target.data_ptr():
+            if p.grad is None:
+                if not fresh:
+                    target.zero_()  # a reused buffer holds the last step's values
+            elif p.grad.data_ptr() != target.data_ptr():
                 target.copy_(p.grad.reshape(-1))
             p.grad = None  # stages 0-1 point it into the reduced buffer when done
         group, size = self.comm.group, self.comm.size
@@ -236,8 +245,19 @@ class FlatBucket:
             work = reduce_scatter_flat(out, flat, group=group, size=size, async_op=True)
             self.pending = (work, out, flat)
 
-    def _new_flat_grad(self) -> torch.Tensor:
-        return torch.zeros(self.spec.padded, dtype=self.dtype, device=self.device)
+    def _flat_grad(self) -> tuple[torch.Tensor, bool]:
+        """The buffer to flatten the gradients into, and whether it is freshly zeroed.
+
+        ``grad_full`` when the parameters' gradients are views into it
+        (``zero_grad(set_to_none=False)``); else the spare kept by ``zero_grad``
+        (padding is still zero: it is only ever summed and scaled); else new.
+        """
+        if self.grad_full is not None:
+            return self.grad_full, False
+        if self.spare_grad is not None:
+            flat, self.spare_grad = self.spare_grad, None
+            return flat, False
+        return torch.zeros(self.spec.padded, dtype=self.dtype, device=self.device), True
 
     def finish_reduce(self) -> None:
         """Wait for the reduction and store its result (and its CPU copy if offloaded)."""
@@ -305,6 +325,8 @@ class FlatBucket:
     def zero_grad(self, set_to_none: bool) -> None:
         self.has_grad = False
         if set_to_none:
+            if self.grad_full is not None and self.zero_stage <= 1:
+                self.spare_grad = self.grad_full
             self.grad_full = self.grad_shard = None
             for p in self.params:
                 p.grad = None
@@ -350,7 +372,7 @@ class FlatBucket:
     # ---------------------------------------------------------------- report
     def tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this bucket holds, by memory category."""
-        grads = [self.grad_full, self.grad_shard, self.cpu_grad]
+        grads = [self.grad_full, self.spare_grad, self.grad_shard, self.cpu_grad]
         grads += [p.grad for p in self.params]
         if self.pending is not None:
             grads += [self.pending[1], self.pending[2]]

@@ -1,0 +1,1 @@
+"""One runner per framework for ``benchmarks/zero.py``; each has ``run(case) -> dict``."""
