@@ -10,17 +10,18 @@ import torch
 __all__ = ["tree_leaves", "tree_map"]
 
 
-def tree_map(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
-    """``value`` with every tensor ``t`` replaced by ``fn(t)``; other leaves kept."""
-    if isinstance(value, torch.Tensor):
+def tree_map(fn: Callable[[Any], Any], value: Any, *, leaf: type = torch.Tensor) -> Any:
+    """``value`` with every ``leaf`` instance ``t`` (a tensor by default) replaced by
+    ``fn(t)``, visited depth first in order; other leaves are kept."""
+    if isinstance(value, leaf):
         return fn(value)
     if isinstance(value, tuple | list):
-        items = [tree_map(fn, v) for v in value]
+        items = [tree_map(fn, v, leaf=leaf) for v in value]
         if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
             return type(value)(*items)
         return type(value)(items)
     if isinstance(value, dict):
-        return type(value)((k, tree_map(fn, v)) for k, v in value.items())
+        return type(value)((k, tree_map(fn, v, leaf=leaf)) for k, v in value.items())
     return value
 
 

@@ -11,13 +11,11 @@ from mpar.comm._bootstrap import state
 
 __all__ = [
     "all_gather_object_pp",
-    "all_gather_object_world",
     "all_reduce_dp",
     "all_reduce_dp_async",
     "all_reduce_group",
     "all_reduce_pp",
     "barrier",
-    "broadcast_object_pp",
     "broadcast_object_world",
     "group_size",
     "new_group",
@@ -46,16 +44,6 @@ def world_all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return tensor
 
 
-def broadcast_object_pp(obj: Any, src_pp_rank: int) -> Any:
-    """Send a picklable object from one stage of this pipeline to all its stages."""
-    st = state()
-    if len(st.pp_ranks) == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=st.pp_ranks[src_pp_rank], group=st.pp_group)
-    return box[0]
-
-
 def _op(name: str) -> Any:
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     if name not in ops:
@@ -70,15 +58,6 @@ def broadcast_object_world(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
-
-
-def all_gather_object_world(obj: Any) -> list[Any]:
-    """Every rank's picklable ``obj``, in global rank order."""
-    if state().layout.world_size == 1:
-        return [obj]
-    out: list[Any] = [None] * state().layout.world_size
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def all_gather_object_pp(obj: Any) -> list[Any]:

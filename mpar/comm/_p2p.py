@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mpar._tree import tree_leaves, tree_map
 from mpar.errors import CommError
 
 __all__ = ["Links", "PendingSends", "recv_payload", "send_payload"]
@@ -117,48 +118,21 @@ class Links:
 
 def _flatten(value: Any, tensors: list[torch.Tensor]) -> Any:
     """Replace every tensor in ``value`` by a slot, appending it to ``tensors``."""
-    if isinstance(value, torch.Tensor):
-        tensors.append(value)
-        return _TensorSlot(tuple(value.shape), value.dtype, value.requires_grad)
-    if isinstance(value, tuple | list):
-        items = [_flatten(v, tensors) for v in value]
-        if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-            return type(value)(*items)
-        return type(value)(items)
-    if isinstance(value, dict):
-        return type(value)((k, _flatten(v, tensors)) for k, v in value.items())
-    return value
+
+    def to_slot(t: torch.Tensor) -> _TensorSlot:
+        tensors.append(t)
+        return _TensorSlot(tuple(t.shape), t.dtype, t.requires_grad)
+
+    return tree_map(to_slot, value)
 
 
 def _unflatten(value: Any, tensors: list[torch.Tensor]) -> Any:
     """Rebuild ``value``, taking tensors for its slots from the end of ``tensors`` reversed."""
-    if isinstance(value, _TensorSlot):
-        return tensors.pop()
-    if isinstance(value, tuple | list):
-        items = [_unflatten(v, tensors) for v in value]
-        if isinstance(value, tuple) and hasattr(value, "_fields"):
-            return type(value)(*items)
-        return type(value)(items)
-    if isinstance(value, dict):
-        return type(value)((k, _unflatten(v, tensors)) for k, v in value.items())
-    return value
+    return tree_map(lambda _: tensors.pop(), value, leaf=_TensorSlot)
 
 
 def _slots(value: Any) -> list[_TensorSlot]:
-    found: list[_TensorSlot] = []
-
-    def visit(v: Any) -> None:
-        if isinstance(v, _TensorSlot):
-            found.append(v)
-        elif isinstance(v, tuple | list):
-            for item in v:
-                visit(item)
-        elif isinstance(v, dict):
-            for item in v.values():
-                visit(item)
-
-    visit(value)
-    return found
+    return [leaf for leaf in tree_leaves(value) if isinstance(leaf, _TensorSlot)]
 
 
 def _nbytes(slot: _TensorSlot) -> int:

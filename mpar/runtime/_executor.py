@@ -27,11 +27,12 @@ collective of its own.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mpar._tree import tree_leaves, tree_map
 from mpar.comm import State
 from mpar.comm._p2p import Links, PendingSends, recv_payload, send_payload
 from mpar.errors import StepError
@@ -56,27 +57,15 @@ class Captured(BaseException):
     """Raised by ``model(...)`` while only the model's inputs are being captured."""
 
 
-def _leaves(value: Any) -> Iterator[Any]:
-    if isinstance(value, tuple | list):
-        for item in value:
-            yield from _leaves(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _leaves(item)
-    else:
-        yield value
-
-
 def _as_inputs(value: Any) -> Any:
     """Fresh graph leaves for a stage's inputs, keeping ``requires_grad``."""
-    if isinstance(value, torch.Tensor):
-        leaf = value.detach()
-        return leaf.requires_grad_(value.requires_grad)
-    if isinstance(value, tuple | list):
-        return type(value)(_as_inputs(v) for v in value)
-    if isinstance(value, dict):
-        return type(value)((k, _as_inputs(v)) for k, v in value.items())
-    return value
+    return tree_map(lambda t: t.detach().requires_grad_(t.requires_grad), value)
+
+
+def _tensor_bytes(value: Any) -> int:
+    return sum(
+        t.untyped_storage().nbytes() for t in tree_leaves(value) if isinstance(t, torch.Tensor)
+    )
 
 
 def _input_grads(inputs: Any) -> Any:
@@ -116,6 +105,8 @@ class StepRun:
         self.pending = PendingSends()
         self.links: Links = st.extras.setdefault("p2p_links", Links())
         self.incoming = self._incoming_streams()
+        self.held_bytes = 0
+        """Bytes of the stage inputs and outputs now kept for backward."""
         self.peak_activation_bytes = 0
         self.microbatch: int | None = None
         self.model_called = False
@@ -147,6 +138,7 @@ class StepRun:
         output = self._run(s, stage_args, stage_kwargs)
         if self.training:
             self.saved[(s, j)] = (stage_args, None)
+            self.held_bytes += _tensor_bytes(stage_args)
         return output
 
     def record_loss(self, loss: torch.Tensor) -> None:
@@ -243,7 +235,8 @@ class StepRun:
             output = (output,)
         if self.training:
             self.saved[(s, j)] = (args, output)
-            self._track_activations()
+            self.held_bytes += _tensor_bytes((args, output))
+            self.peak_activation_bytes = max(self.peak_activation_bytes, self.held_bytes)
         self._deliver(s + 1, j, _FORWARD, output)
 
     def _last_stage_forward(self, j: int) -> None:
@@ -267,6 +260,7 @@ class StepRun:
         if self.sharded is not None and self.backward_done.get(s, 0) == len(self.batches) - 1:
             self.sharded.reduce_grads_in_backward(s)  # overlap reduction with the last B
         inputs, outputs = self.saved.pop((s, j))
+        self.held_bytes -= _tensor_bytes((inputs, outputs))
         if s == self.num_stages - 1:
             loss = self.losses.pop(j, None)
             if loss is not None:
@@ -284,20 +278,11 @@ class StepRun:
         if self.backward_done[s] == len(self.batches) and self.reducer is not None:
             self.reducer.start(s)
 
-    def _track_activations(self) -> None:
-        held = sum(
-            t.untyped_storage().nbytes()
-            for pair in self.saved.values()
-            for t in _leaves(pair)
-            if isinstance(t, torch.Tensor)
-        )
-        self.peak_activation_bytes = max(self.peak_activation_bytes, held)
-
     @staticmethod
     def _backprop(outputs: Any, out_grads: Any) -> None:
         pairs = [
             (o, g)
-            for o, g in zip(_leaves(outputs), _leaves(out_grads))
+            for o, g in zip(tree_leaves(outputs), tree_leaves(out_grads))
             if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
         ]
         if pairs:

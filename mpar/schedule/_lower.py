@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from mpar.errors import ScheduleError
 from mpar.schedule._ir import COMMUNICATION_KINDS, Action, Kind, Schedule
 
@@ -24,13 +26,7 @@ def lower_communication(schedule: Schedule) -> Schedule:
     actions = {
         rank: _lower_rank(schedule, rank_actions) for rank, rank_actions in schedule.actions.items()
     }
-    return Schedule(
-        schedule.num_stages,
-        schedule.num_ranks,
-        schedule.num_microbatches,
-        actions,
-        name=schedule.name,
-    )
+    return dataclasses.replace(schedule, actions=actions)
 
 
 def _lower_rank(schedule: Schedule, actions: list[Action]) -> list[Action]:

@@ -29,6 +29,8 @@ Rank 0 of ``simple(4, 2, 2)`` (stages 0, 2) lowered for ZeRO-3::
 
 from __future__ import annotations
 
+import dataclasses
+
 from mpar.errors import ScheduleError
 from mpar.schedule._ir import COMPUTE_KINDS, Action, Kind, Schedule
 
@@ -56,13 +58,7 @@ def lower_sharding(
     actions = {
         rank: _lower_rank(acts, zero_stage, reshard_gap) for rank, acts in schedule.actions.items()
     }
-    return Schedule(
-        schedule.num_stages,
-        schedule.num_ranks,
-        schedule.num_microbatches,
-        actions,
-        name=schedule.name,
-    )
+    return dataclasses.replace(schedule, actions=actions)
 
 
 def _lower_rank(actions: list[Action], zero_stage: int, gap: int | None) -> list[Action]:
