@@ -145,16 +145,6 @@ def _make_groups(
     return mine_pp, mine_dp
 
 
-def _refuse_unimplemented(config: Config) -> None:
-    """Keys that parse but whose feature does not exist yet fail loudly, never silently."""
-    for key in ("bf16", "fp16"):
-        if getattr(config, key):
-            raise ConfigError(
-                f"config key {key!r} is true, but mixed precision is not available in this "
-                "version of mpar yet; train in fp32 (remove the key) for now"
-            )
-
-
 def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None) -> Config:
     """Start mpar in this process; returns the resolved configuration.
 
@@ -170,7 +160,6 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
             "initialising again"
         )
     resolved = load_config(config)
-    _refuse_unimplemented(resolved)
     layout = detect_layout()
     resolved.check_world_size(layout.world_size)
     grid = Grid(layout.world_size, resolved.pipeline_parallel_degree, resolved.placement_strategy)

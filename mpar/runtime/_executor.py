@@ -39,6 +39,7 @@ from mpar.errors import StepError
 from mpar.runtime._grads import GradReducer
 from mpar.runtime._microbatch import Microbatches
 from mpar.runtime._output import StepOutput, check_gatherable, detach_to_cpu
+from mpar.runtime._precision import cast_floats, compute_dtype
 from mpar.runtime._recompute import run_stage
 
 if TYPE_CHECKING:
@@ -111,6 +112,9 @@ class StepRun:
         self.microbatch: int | None = None
         self.model_called = False
         self.sharded = model.sharded
+        self.dtype = compute_dtype(st.config)
+        """Mixed precision: stage 0 casts float inputs to it, the last stage casts back."""
+        self.loss_scale = 1.0 if self.sharded is None else self.sharded.loss_scale
         use_reducer = self.training and self.sharded is None
         self.reducer = GradReducer(self.stages, st) if use_reducer else None
 
@@ -132,10 +136,12 @@ class StepRun:
         s, j = self.num_stages - 1, self.microbatch
         assert j is not None
         if s == 0:
-            stage_args, stage_kwargs = args, kwargs
+            stage_args, stage_kwargs = cast_floats((args, kwargs), self.dtype)
         else:
             stage_args, stage_kwargs = self._stage_input(s, j), {}
         output = self._run(s, stage_args, stage_kwargs)
+        if self.dtype is not None:
+            output = cast_floats(output, torch.float32)  # the loss is computed in float32
         if self.training:
             self.saved[(s, j)] = (stage_args, None)
             self.held_bytes += _tensor_bytes(stage_args)
@@ -227,7 +233,7 @@ class StepRun:
             self._last_stage_forward(j)
             return
         if s == 0:
-            args, kwargs = self.inputs.pop(j)
+            args, kwargs = cast_floats(self.inputs.pop(j), self.dtype)
         else:
             args, kwargs = self._stage_input(s, j), {}
         output = self._run(s, args, kwargs)
@@ -264,7 +270,10 @@ class StepRun:
         if s == self.num_stages - 1:
             loss = self.losses.pop(j, None)
             if loss is not None:
-                (loss * self.batches.weights[j] / self.st.grid.dp_size).backward()
+                scaled = loss * self.batches.weights[j] / self.st.grid.dp_size
+                if self.loss_scale != 1.0:  # fp16: dynamic loss scaling
+                    scaled = scaled * self.loss_scale
+                scaled.backward()
             grads = None if loss is None else _input_grads(inputs)
         else:
             out_grads = self._receive(s, j, _BACKWARD, s + 1)

@@ -62,7 +62,8 @@ class DistributedModel:
         self.active_run: StepRun | None = None
         self._capturing = False
         self._captured: tuple[tuple[Any, ...], dict[str, Any]] | None = None
-        self._key_order = list(module.state_dict().keys())
+        self._dtypes = {k: v.dtype for k, v in module.state_dict().items()}
+        self._key_order = list(self._dtypes)
         self._aliases = _tensor_aliases(module)
         self._schedules: dict[bool, Any] = {}
         _MODELS.add(self)
@@ -216,6 +217,13 @@ class DistributedModel:
             return self.module.state_dict()
         with gathered(self.sharded, self.stages):
             local = {k: v.to("cpu", copy=True) for k, v in self.local_state_dict().items()}
+        if self._mixed_precision():
+            assert self.sharded is not None
+            masters = self.sharded.full_values()  # the optimizer's fp32 copies
+            for key, pid in self._param_ids().items():
+                if pid in masters:
+                    local[key] = masters[pid].to("cpu", copy=True)
+            local = {k: v.to(self._dtypes[k]) for k, v in local.items()}
         merged: dict[str, torch.Tensor] = {}
         for part in all_gather_object_pp(local):
             merged.update(part)
@@ -240,6 +248,25 @@ class DistributedModel:
             for key, tensor in self.local_state_dict().items():
                 if key in state_dict:
                     tensor.copy_(state_dict[key])
+        if self._mixed_precision():  # master copies keep the values' full precision
+            assert self.sharded is not None
+            ids = self._param_ids()
+            self.sharded.load_values({ids[k]: v for k, v in state_dict.items() if k in ids})
+
+    def _mixed_precision(self) -> bool:
+        return self.sharded is not None and self.sharded.compute_dtype is not None
+
+    def _param_ids(self) -> dict[str, int]:
+        """Original key (aliases included) -> ``id`` of this rank's parameter under it."""
+        assert self.stages is not None
+        out: dict[str, int] = {}
+        for s, stage in self.stages.modules.items():
+            for name, p in stage.named_parameters(remove_duplicate=False):
+                original = self.stages.qualnames[s].get(name)
+                if original is not None:
+                    for key in (original, *self._aliases.get(original, ())):
+                        out[key] = id(p)
+        return out
 
 
 def _tensor_aliases(module: nn.Module) -> dict[str, list[str]]:

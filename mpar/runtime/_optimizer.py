@@ -6,6 +6,12 @@ a gradient here, so torch's optimizers skip them; this wrapper adds what needs
 communication: the global gradient norm for clipping, and a gathered (full)
 optimizer ``state_dict`` that loads into the same optimizer on the unwrapped
 model.
+
+Under fp16 mixed precision the gradients arrive multiplied by the dynamic loss
+scale. Before the first of ``clip_grad_norm_`` / ``step`` in a step, every rank
+learns whether any rank's gradients hold an inf or NaN (one all-reduce of a
+flag); if so, ``step`` skips the update on every rank and the scale halves,
+otherwise the scale is divided out first (see :class:`mpar.shard.ShardedStages`).
 """
 
 from __future__ import annotations
@@ -58,6 +64,8 @@ class DistributedOptimizer:
         self._sharded: Any = None
         self._pending: dict[str, Any] | None = None
         """A state loaded before the model was partitioned, applied right after."""
+        self._finite: bool | None = None
+        """fp16: whether this step's gradients are finite everywhere (None: not checked yet)."""
         _OPTIMIZERS.add(self)
 
     def _apply_pending(self) -> None:
@@ -94,11 +102,38 @@ class DistributedOptimizer:
         sharded = self.sharded_optimizer()
         if sharded is not None:
             if closure is not None:
-                raise ValueError("optimizer closures are not supported with ZeRO sharding")
+                raise ValueError(
+                    "optimizer closures are not supported with ZeRO sharding or mixed precision"
+                )
+            scaler = sharded.sharded.scaler
+            if scaler is not None:
+                finite = self._unscale(sharded)
+                self._finite = None
+                scaler.update(found_inf=not finite)
+                if not finite:
+                    return None  # skipped on every rank; the loss scale was lowered
             return sharded.step()
         return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
 
+    def _unscale(self, sharded: Any) -> bool:
+        """fp16: once per step, check every rank's gradients and divide out the loss
+        scale if they are all finite; returns whether they are."""
+        if self._finite is None:
+            found = torch.tensor([0.0 if sharded.grads_finite() else 1.0], device=self._st.device)
+            world_all_reduce(found)
+            self._finite = found.item() == 0
+            if self._finite:
+                sharded.scale_grads(1.0 / sharded.sharded.scaler.scale)
+        return self._finite
+
+    @property
+    def loss_scale(self) -> float:
+        """The dynamic loss scale under fp16 (1.0 otherwise)."""
+        sharded = self.sharded_optimizer()
+        return 1.0 if sharded is None else float(sharded.sharded.loss_scale)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._finite = None
         sharded = self.sharded_optimizer()
         if sharded is not None:
             sharded.zero_grad(set_to_none=set_to_none)
@@ -153,11 +188,12 @@ class DistributedOptimizer:
             raise ValueError(
                 f"clip_grad_norm_ with ZeRO sharding supports norm_type 2, got {norm_type}"
             )
+        finite = sharded.sharded.scaler is None or self._unscale(sharded)
         total = sharded.grad_sq_norm().to(torch.float64).reshape(1)
         world_all_reduce(total)  # every rank holds a distinct shard of its stages
         norm = total[0].sqrt().float()
         coef = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-        if coef < 1.0:
+        if coef < 1.0 and finite:
             sharded.scale_grads(coef)
         return norm
 
@@ -180,7 +216,10 @@ class DistributedOptimizer:
         merged: dict[int, Any] = {}
         for part in all_gather_object_pp(_to_cpu(local["state"])):
             merged.update(part)
-        return {"state": dict(sorted(merged.items())), "param_groups": local["param_groups"]}
+        out = {"state": dict(sorted(merged.items())), "param_groups": local["param_groups"]}
+        if sharded is not None and sharded.sharded.scaler is not None:
+            out["loss_scaler"] = sharded.sharded.scaler.state_dict()
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full (or this rank's) optimizer state; each rank keeps its parameters' part.
@@ -199,6 +238,9 @@ class DistributedOptimizer:
         keep = None if local is None else {index_of[i] for i in local if i in index_of}
         states = {k: v for k, v in state_dict["state"].items() if keep is None or int(k) in keep}
         trimmed = {"state": states, "param_groups": state_dict["param_groups"]}
+        scaler = None if sharded is None else sharded.sharded.scaler
+        if scaler is not None and "loss_scaler" in state_dict:
+            scaler.load_state_dict(state_dict["loss_scaler"])
         if sharded is not None:
             sharded.load_state_dict(trimmed)
         else:

@@ -1,4 +1,4 @@
-"""Glue between the runtime and ``mpar.shard`` (ZeRO stages 1-3)."""
+"""Glue between the runtime and ``mpar.shard`` (ZeRO stages 1-3, mixed precision)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from mpar.comm import State
-from mpar.errors import ConfigError
+from mpar.runtime._precision import compute_dtype
 from mpar.runtime._stages import LocalStages
 from mpar.shard import ShardedStages
 
@@ -14,16 +14,14 @@ __all__ = ["gathered", "make_sharded"]
 
 
 def make_sharded(stages: LocalStages, st: State) -> ShardedStages | None:
-    """ZeRO sharding of this rank's stages over its data-parallel group (stage >= 1)."""
-    zero = st.config.zero
-    if zero.stage == 0:
+    """ZeRO sharding of this rank's stages over its data-parallel group.
+
+    Needed at ZeRO stage >= 1 and under mixed precision (fp32 master copies);
+    otherwise None, and the plain data-parallel reducer serves.
+    """
+    zero, dtype = st.config.zero, compute_dtype(st.config)
+    if zero.stage == 0 and dtype is None:
         return None
-    if stages.tied_groups:
-        raise ConfigError(
-            f"zero.stage {zero.stage} with parameters tied across pipeline ranks "
-            "(e.g. an embedding and its LM head on different stages) is not supported yet; "
-            "untie them, place both on one rank, or use zero.stage 0"
-        )
     return ShardedStages(
         stages.modules,
         zero,
@@ -31,6 +29,8 @@ def make_sharded(stages: LocalStages, st: State) -> ShardedStages | None:
         group_ranks=st.dp_ranks,
         rank_in_group=st.dp_rank,
         device=st.device,
+        compute_dtype=dtype,
+        tied=stages.tied_groups,
     )
 
 

@@ -15,9 +15,20 @@ name           what                                     stages
                reused by the next reduction
 ``grad_shard`` this rank's ``S`` reduced gradients      2, 3
 ``master``     the fp32 elements the optimizer          all (a view unless
-               updates (``P`` at stage 0, else ``S``)   offloaded to CPU)
+               updates (``P`` at stage 0, else ``S``)   offloaded to CPU or
+                                                        mixed precision)
 ``cpu_grad``   the gradient of an offloaded ``master``  offload_optimizer
+               (in ``master``'s dtype)
 =============  ======================================  =====================
+
+Mixed precision (``compute_dtype`` bf16 or fp16): ``full``, ``shard`` and the
+gradient buffers hold the compute dtype (2 bytes an element) and the module's
+parameters become views of that type; ``master`` is a separate copy in the
+parameters' original dtype (fp32), the only one the optimizer updates, and
+:meth:`FlatBucket.start_publish` rounds it back into the compute-dtype
+parameters. The optimizer reads an fp32 copy of the reduced gradient made at
+step time (:meth:`FlatBucket.opt_grad`), multiplied by ``grad_factor`` (loss
+unscaling and clipping), so low-precision gradients are never rescaled in place.
 """
 
 from __future__ import annotations
@@ -71,6 +82,7 @@ class FlatBucket:
         offload_params: bool,
         comm: GroupInfo,
         device: torch.device,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         self.spec = spec
         self.params = params
@@ -78,7 +90,14 @@ class FlatBucket:
         self.zero_stage = zero_stage
         self.comm = comm
         self.device = device
-        self.dtype = params[0].dtype
+        self.master_dtype = params[0].dtype
+        """The parameters' original dtype: what the optimizer updates."""
+        self.dtype = compute_dtype or self.master_dtype
+        """The dtype of parameters and gradients in compute (lower under mixed precision)."""
+        self.mixed = self.dtype != self.master_dtype
+        self.grad_factor = 1.0
+        """Mixed precision: factor applied to the reduced gradient when it is converted
+        for the optimizer (1 / loss scale, times any clipping coefficient)."""
         self.lo, self.hi = spec.shard_range(comm.rank)
         self.offload_optimizer = offload_optimizer or offload_params
         self.offload_params = offload_params
@@ -100,8 +119,10 @@ class FlatBucket:
         self.arrived: set[int] = set()
         self.started_in_backward = False
         """Local stages that currently hold this (ZeRO-3) bucket gathered."""
-        self._init_storage()
-        self.master = self._make_master()
+        self.tied_group: Any = None
+        """Tied parameter (the bucket's only one): the group of ranks holding its copies."""
+        self.tied_size = 1
+        self.master = self._make_master(self._init_storage())
 
     # ---------------------------------------------------------------- storage
     @property
@@ -111,29 +132,41 @@ class FlatBucket:
             return 0, self.spec.padded
         return self.lo, self.hi
 
-    def _init_storage(self) -> None:
-        flat = torch.zeros(self.spec.padded, dtype=self.dtype, device=self.device)
+    def _init_storage(self) -> torch.Tensor:
+        """Fill ``full`` or ``shard``; returns the initial values of ``opt_range`` in
+        the parameters' original dtype (what ``master`` starts from)."""
+        flat = torch.zeros(self.spec.padded, dtype=self.master_dtype, device=self.device)
         for slot, p in zip(self.spec.slots, self.params):
             flat[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
         # Like DDP: every replica starts from the group's first rank's values.
         broadcast_flat(flat, src=self.comm.ranks[0], group=self.comm.group, size=self.comm.size)
+        lo, hi = self.opt_range
+        initial = flat[lo:hi]
+        flat = flat.to(self.dtype)  # the same tensor unless mixed precision
         if self.zero_stage < 3:
             self.full = flat
             self._bind_params()
-            return
+            return initial
         local = flat[self.lo : self.hi]
         if self.offload_params:
             self.shard = _host_buffer(local.numel(), self.dtype, self.pin)
             self.shard.copy_(local)
         else:
             self.shard = local.clone()
-        del flat, local
         self._release_params()
+        return initial
 
-    def _make_master(self) -> torch.Tensor:
+    def _make_master(self, initial: torch.Tensor) -> torch.Tensor:
         lo, hi = self.opt_range
         local = self.shard if self.full is None else self.full[lo:hi]
         assert local is not None
+        if self.mixed:
+            device = "cpu" if self.offload_optimizer else self.device
+            if device == "cpu":
+                master = _host_buffer(initial.numel(), self.master_dtype, self.pin)
+            else:
+                master = torch.empty(initial.numel(), dtype=self.master_dtype, device=device)
+            return master.copy_(initial)
         if not self.offload_optimizer or (self.offload_params and self.zero_stage == 3):
             return local  # the optimizer updates the parameters' own storage
         master = _host_buffer(local.numel(), self.dtype, self.pin)
@@ -172,6 +205,28 @@ class FlatBucket:
             return
         self.full = None
         self._release_params()
+
+    def load_values(self, flat: torch.Tensor) -> None:
+        """Overwrite parameters and ``master`` from ``flat``: all ``P`` padded elements in
+        the original dtype, the same on every rank of the group (no communication;
+        under mixed precision ``master`` keeps the full precision of ``flat``)."""
+        lo, hi = self.opt_range
+        with torch.no_grad():
+            self.master.copy_(flat[lo:hi])
+            if self.full is not None:
+                self.full.copy_(flat)
+            if self.shard is not None:
+                self.shard.copy_(flat[self.lo : self.hi])
+
+    def gather_master(self) -> torch.Tensor:
+        """All ``P`` padded elements of ``master`` on every rank (collective at stages >= 1)."""
+        if self.zero_stage == 0:
+            return self.master
+        out = torch.empty(self.spec.padded, dtype=self.master_dtype, device=self.device)
+        all_gather_flat(
+            out, self.master.to(self.device), group=self.comm.group, size=self.comm.size
+        )
+        return out
 
     def sync_from_full(self) -> None:
         """After the gathered parameters were overwritten in place (e.g. by
@@ -267,6 +322,8 @@ class FlatBucket:
         self.pending = None
         if work is not None:
             work.wait()
+        if self.tied_group is not None:  # every copy gets the sum of the copies' gradients
+            all_reduce_flat(out, group=self.tied_group, size=self.tied_size)
         if self.zero_stage <= 1:
             self.grad_full = out
             for slot, p, shape in zip(self.spec.slots, self.params, self.shapes):
@@ -283,7 +340,7 @@ class FlatBucket:
 
     def _to_cpu_grad(self, reduced: torch.Tensor) -> None:
         if self.cpu_grad is None:
-            self.cpu_grad = _host_buffer(reduced.numel(), self.dtype, self.pin)
+            self.cpu_grad = _host_buffer(reduced.numel(), self.master_dtype, self.pin)
         if self.has_grad and self.zero_stage >= 2:
             self.cpu_grad.add_(reduced.to("cpu"))
         else:
@@ -291,8 +348,12 @@ class FlatBucket:
         if self.zero_stage >= 2:
             self.grad_shard = None  # the device copy is no longer needed
 
-    def opt_grad(self) -> torch.Tensor | None:
-        """The gradient of ``master`` (None before any reduction)."""
+    def reduced_grad(self) -> torch.Tensor | None:
+        """The reduced gradient of ``opt_range``, as stored (None before any reduction).
+
+        Under mixed precision it is still to be multiplied by ``grad_factor``,
+        except the CPU copy of offloaded ones, which is scaled in place.
+        """
         if not self.has_grad:
             return None
         if self.offload_optimizer:
@@ -304,19 +365,45 @@ class FlatBucket:
             return self.grad_full[self.lo : self.hi]
         return self.grad_shard
 
+    def opt_grad(self) -> torch.Tensor | None:
+        """The gradient of ``master``, in its dtype (None before any reduction).
+
+        Under mixed precision a new fp32 tensor the caller drops after the step.
+        """
+        grad = self.reduced_grad()
+        if grad is None or grad.dtype == self.master_dtype:
+            return grad
+        grad = grad.to(self.master_dtype)
+        return grad.mul_(self.grad_factor) if self.grad_factor != 1.0 else grad
+
+    def _own_slice(self, grad: torch.Tensor) -> torch.Tensor:
+        return grad[self.lo : self.hi] if self.zero_stage == 0 else grad
+
     def grad_sq_sum(self) -> torch.Tensor:
         """Sum of squares of this rank's slice of the reduced gradient (float32)."""
-        if not self.has_grad:
+        grad = self.reduced_grad()
+        if grad is None:
             return torch.zeros((), dtype=torch.float32, device=self.device)
-        grad = self.opt_grad()
-        assert grad is not None
-        if self.zero_stage == 0:
-            grad = grad[self.lo : self.hi]
-        return grad.float().pow(2).sum().to(self.device)
+        total = self._own_slice(grad).float().pow(2).sum().to(self.device)
+        if grad.dtype != self.master_dtype:
+            total = total * self.grad_factor**2
+        return total / self.tied_size  # each copy of a tied parameter counts once overall
+
+    def grads_finite(self) -> bool:
+        """Whether this rank's slice of the reduced gradient has no inf or NaN."""
+        grad = self.reduced_grad()
+        return grad is None or bool(torch.isfinite(self._own_slice(grad)).all())
 
     def scale_grads(self, factor: float) -> None:
-        """Multiply every reduced gradient this bucket holds by ``factor``."""
+        """Multiply every reduced gradient this bucket holds by ``factor``
+        (under mixed precision: ``grad_factor``, or the fp32 CPU copy in place)."""
         if not self.has_grad:
+            return
+        if self.mixed:
+            if self.cpu_grad is not None:
+                self.cpu_grad.mul_(factor)
+            else:
+                self.grad_factor *= factor
             return
         for grad in (self.grad_full, self.grad_shard, self.cpu_grad):
             if grad is not None:
@@ -324,6 +411,7 @@ class FlatBucket:
 
     def zero_grad(self, set_to_none: bool) -> None:
         self.has_grad = False
+        self.grad_factor = 1.0
         if set_to_none:
             if self.grad_full is not None and self.zero_stage <= 1:
                 self.spare_grad = self.grad_full

@@ -96,10 +96,15 @@ class ShardedOptimizer:
         if closure is not None:
             raise ValueError("ShardedOptimizer.step() does not take a closure")
         self.sharded.synchronize()
+        grads = [bucket.opt_grad() for bucket in self.sharded.buckets]
         for sp in self.segments:
-            grad = sp.bucket.opt_grad()
+            grad = grads[sp.bucket_index]
             sp.param.grad = None if grad is None else sp.slice(grad)
         self.inner.step()
+        for sp in self.segments:
+            sp.param.grad = None  # under mixed precision, frees the step's fp32 gradients
+        for bucket in self.sharded.buckets:
+            bucket.grad_factor = 1.0
         works = [bucket.start_publish() for bucket in self.sharded.buckets]
         for work in works:
             if work is not None:
@@ -117,6 +122,10 @@ class ShardedOptimizer:
         for bucket in self.sharded.buckets:
             total += bucket.grad_sq_sum()
         return total
+
+    def grads_finite(self) -> bool:
+        """Whether this rank's share of the reduced gradients has no inf or NaN."""
+        return all(bucket.grads_finite() for bucket in self.sharded.buckets)
 
     def scale_grads(self, factor: float | torch.Tensor) -> None:
         """Multiply the reduced gradients by ``factor`` (gradient clipping)."""

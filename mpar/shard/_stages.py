@@ -8,10 +8,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from mpar.comm._collectives import group_size
 from mpar.config import ZeroConfig
 from mpar.shard._bucket import FlatBucket, GroupInfo
 from mpar.shard._layout import plan_buckets
 from mpar.shard._memory import count_bytes
+from mpar.shard._scaler import LossScaler
 
 if TYPE_CHECKING:
     from mpar.shard._optimizer import ShardedOptimizer
@@ -46,6 +48,14 @@ class ShardedStages:
     this rank's stage indices to their modules; a parameter that appears in
     two of them is stored, reduced and updated once, under the lower stage
     (whose last backward of a step comes last).
+
+    ``compute_dtype`` (bf16 or fp16) turns on mixed precision: the stages'
+    floating-point parameters and buffers are converted to it, and fp32
+    master copies feed the optimizer (fp16 also gets a :class:`LossScaler`).
+    ``tied`` lists ``(process group, parameter)`` for parameters that other
+    pipeline ranks hold a copy of (same data-parallel index): each gets a
+    bucket of its own, so every copy has the same layout, and its reduced
+    gradient is summed over the group before the optimizer sees it.
     """
 
     def __init__(
@@ -57,6 +67,8 @@ class ShardedStages:
         group_ranks: Sequence[int],
         rank_in_group: int,
         device: torch.device | str,
+        compute_dtype: torch.dtype | None = None,
+        tied: Sequence[tuple[Any, nn.Parameter]] = (),
     ) -> None:
         if not stages:
             raise ValueError("ShardedStages needs at least one stage module, got an empty dict")
@@ -64,27 +76,47 @@ class ShardedStages:
             raise ValueError(
                 f"rank_in_group {rank_in_group} is not a position in group_ranks {list(group_ranks)}"
             )
+        if compute_dtype not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"compute_dtype must be torch.bfloat16, torch.float16 or None, got {compute_dtype}"
+            )
         self.zero = zero
         self.device = torch.device(device)
         self.comm = GroupInfo(group, tuple(group_ranks), rank_in_group)
         self.stages = dict(stages)
+        self.compute_dtype = compute_dtype
+        self.scaler = LossScaler() if compute_dtype == torch.float16 else None
+        """fp16 only: the dynamic loss scale the runtime multiplies losses by."""
         owned, self.frozen = _collect(stages)
         self.params = [p for s in sorted(owned) for p in owned[s]]
         """Trainable local parameters, each once, in stage then module order."""
+        self._tied_ids = {id(p): group for group, p in tied}
         self.buckets = self._make_buckets(owned)
+        self.tied_buckets = [self._bucket_of(p) for _, p in tied]
+        """Buckets of tied parameters, in the order of ``tied`` (the same on every rank)."""
+        for (group, _), bucket in zip(tied, self.tied_buckets):
+            bucket.tied_group = group
+            bucket.tied_size = group_size(group)
+        if compute_dtype is not None:
+            self._cast_rest(compute_dtype)
         self._owned = {s: [b for b in self.buckets if b.spec.stage == s] for s in self.stages}
         self._used = {s: self._buckets_used_by(m) for s, m in self.stages.items()}
         self.optimizer: ShardedOptimizer | None = None
 
     def _make_buckets(self, owned: dict[int, list[nn.Parameter]]) -> list[FlatBucket]:
         index = {id(p): i for i, p in enumerate(self.params)}
-        itemsize = max((p.element_size() for p in self.params), default=4)
+        if self.compute_dtype is not None:
+            itemsize = self.compute_dtype.itemsize
+        else:
+            itemsize = max((p.element_size() for p in self.params), default=4)
         bucket_elems = max(1, int(self.zero.bucket_mb * 2**20) // itemsize)
+
+        def kind(p: nn.Parameter) -> object:
+            # A tied parameter's kind is its own: it gets a bucket to itself.
+            return (p.dtype, p.device, index[id(p)] if id(p) in self._tied_ids else None)
+
         specs = plan_buckets(
-            {
-                s: [(index[id(p)], p.numel(), (p.dtype, p.device)) for p in ps]
-                for s, ps in owned.items()
-            },
+            {s: [(index[id(p)], p.numel(), kind(p)) for p in ps] for s, ps in owned.items()},
             group_size=self.comm.size,
             bucket_elems=bucket_elems,
         )
@@ -97,9 +129,28 @@ class ShardedStages:
                 offload_params=self.zero.offload_params == "cpu",
                 comm=self.comm,
                 device=self.device,
+                compute_dtype=self.compute_dtype,
             )
             for spec in specs
         ]
+
+    def _bucket_of(self, param: nn.Parameter) -> FlatBucket:
+        for bucket in self.buckets:
+            if any(p is param for p in bucket.params):
+                return bucket
+        raise ValueError("a tied parameter is not a trainable parameter of these stages")
+
+    def _cast_rest(self, dtype: torch.dtype) -> None:
+        """Frozen parameters and buffers in the compute dtype too (like ``module.half()``)."""
+        buffers = [b for module in self.stages.values() for b in module.buffers()]
+        for t in self.frozen + buffers:
+            if t.is_floating_point() and t.dtype != dtype:
+                t.data = t.data.to(dtype)
+
+    @property
+    def loss_scale(self) -> float:
+        """What the runtime multiplies each loss by before backward (1 unless fp16)."""
+        return 1.0 if self.scaler is None else self.scaler.scale
 
     def _buckets_used_by(self, module: nn.Module) -> list[FlatBucket]:
         ids = {id(p) for p in module.parameters()}
@@ -148,10 +199,44 @@ class ShardedStages:
             bucket.arm()
 
     def finish_grads(self) -> None:
-        """Wait for every pending reduction (end of the step's schedule)."""
+        """Wait for every pending reduction (end of the step's schedule); tied
+        parameters' gradients are then summed over their groups, in ``tied`` order."""
+        tied = {id(b) for b in self.tied_buckets}
         for bucket in self.buckets:
+            if id(bucket) not in tied:
+                bucket.finish_reduce()
+        for bucket in self.tied_buckets:
             bucket.finish_reduce()
         self.synchronize()
+
+    # ------------------------------------------------------------ full values
+    def full_values(self) -> dict[int, torch.Tensor]:
+        """``id(param) -> values`` of every trainable parameter, from the optimizer's
+        master copies (full precision under mixed precision). Collective over the group."""
+        out: dict[int, torch.Tensor] = {}
+        for bucket in self.buckets:
+            flat = bucket.gather_master()
+            for slot, p, shape in zip(bucket.spec.slots, bucket.params, bucket.shapes):
+                out[id(p)] = flat[slot.offset : slot.offset + slot.numel].view(shape)
+        return out
+
+    def load_values(self, values: Mapping[int, torch.Tensor]) -> None:
+        """Set parameters and master copies from ``id(param) -> tensor`` (every rank
+        passes the same values; parameters not in ``values`` keep theirs)."""
+        for bucket in self.buckets:
+            ids = [id(p) for p in bucket.params]
+            flat = bucket.gather_master() if any(i not in values for i in ids) else None
+            if flat is None:
+                flat = torch.zeros(
+                    bucket.spec.padded, dtype=bucket.master_dtype, device=self.device
+                )
+            else:
+                flat = flat.clone()
+            for slot, i in zip(bucket.spec.slots, ids):
+                if i in values:
+                    target = flat[slot.offset : slot.offset + slot.numel]
+                    target.copy_(values[i].reshape(-1))
+            bucket.load_values(flat)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for bucket in self.buckets:

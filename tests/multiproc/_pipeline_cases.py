@@ -116,6 +116,7 @@ def train_ranks(
         outputs.append(result["logits"].concat())
     return {
         "losses": losses,
+        "loss_scale": opt.loss_scale,
         "state": dmodel.state_dict(),
         "grads": grads,
         "outputs": outputs,
@@ -179,3 +180,52 @@ def hf_train_ranks(config: dict[str, Any], steps: int) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
     return {"losses": losses, "state": model.state_dict(), "plan": str(model.plan)}
+
+
+def mixed_reference(
+    model: str, optimizer: str, steps: int, dtype: torch.dtype, clip: float | None = None
+) -> dict[str, Any]:
+    """One process, whole batch, mpar's mixed-precision recipe written out in plain torch.
+
+    The module computes in ``dtype`` (parameters and buffers converted), float
+    inputs are cast to it, the output is cast back to float32 for the loss;
+    the optimizer updates float32 master copies from the float32-converted
+    gradients and the module gets the rounded values back. fp16 multiplies the
+    loss by 2**16 (mpar's initial dynamic scale) and divides it out again; a
+    step with an inf or NaN gradient is skipped and the scale halves.
+    """
+    net = MODELS[model]()
+    named = list(net.named_parameters())
+    masters = [nn.Parameter(p.detach().clone()) for _, p in named]
+    net.to(dtype)
+    opt = make_optimizer(optimizer, masters)
+    scale = 2.0**16 if dtype == torch.float16 else 1.0
+    losses, outputs, skipped = [], [], 0
+    for s in range(steps):
+        x, y = batch(model, s)
+        out = net(x.to(dtype) if x.is_floating_point() else x)
+        logits = (out if isinstance(out, torch.Tensor) else out[0]).float()
+        loss = loss_fn(logits, y)
+        (loss * scale).backward()
+        for master, (_, p) in zip(masters, named):
+            master.grad = None if p.grad is None else p.grad.float() * (1.0 / scale)
+            p.grad = None
+        losses.append(loss.item())
+        outputs.append(logits.detach())
+        if not all(m.grad is None or bool(torch.isfinite(m.grad).all()) for m in masters):
+            scale /= 2  # fp16 overflow: skip the step, lower the scale
+            skipped += 1
+            opt.zero_grad()
+            continue
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(masters, clip)
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for master, (_, p) in zip(masters, named):
+                p.copy_(master)
+    by_id = {id(p): m for m, (_, p) in zip(masters, named)}
+    state = {}
+    for key, tensor in net.state_dict(keep_vars=True).items():
+        state[key] = by_id[id(tensor)].detach().clone() if id(tensor) in by_id else tensor.float()
+    return {"losses": losses, "state": state, "outputs": outputs, "skipped": skipped}

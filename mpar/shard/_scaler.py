@@ -1,0 +1,53 @@
+"""Dynamic loss scaling for fp16 mixed precision (pure: floats and counters).
+
+The loss is multiplied by ``scale`` before backward so that small fp16
+gradients do not flush to zero; the optimizer divides it out again. A step
+whose gradients hold an inf or NaN anywhere is skipped and the scale halves;
+after ``growth_interval`` finite steps in a row it doubles. The constants are
+those of ``torch.amp.GradScaler``'s defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["LossScaler"]
+
+
+@dataclass
+class LossScaler:
+    """The current loss scale and the counter that grows it."""
+
+    scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    finite_steps: int = 0
+    """Finite steps since the scale last changed."""
+    skipped_steps: int = 0
+    """Steps skipped so far because of inf or NaN gradients."""
+
+    def update(self, found_inf: bool) -> None:
+        """Adjust the scale after a step (``found_inf``: the step was skipped)."""
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.finite_steps = 0
+            self.skipped_steps += 1
+            return
+        self.finite_steps += 1
+        if self.finite_steps == self.growth_interval:
+            self.scale *= self.growth_factor
+            self.finite_steps = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "scale": self.scale,
+            "finite_steps": self.finite_steps,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale = float(state["scale"])
+        self.finite_steps = int(state["finite_steps"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
