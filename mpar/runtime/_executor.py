@@ -51,7 +51,7 @@ _FORWARD, _BACKWARD = 0, 1
 _OUTPUTS_TAG = 1 << 20
 """The stream carrying step outputs (p2p tags of stage transfers are ``2 * stage + direction``)."""
 # lowered ZeRO actions -> ShardedStages method
-_SHARD_ACTIONS = {"UNSHARD": "unshard", "RESHARD": "reshard", "REDUCE_GRAD": "reduce_grads"}
+_SHARD_ACTIONS = {"UNSHARD": "start_unshard", "RESHARD": "reshard", "REDUCE_GRAD": "reduce_grads"}
 
 
 class Captured(BaseException):
@@ -226,6 +226,8 @@ class StepRun:
     # -- actions -----------------------------------------------------------------
 
     def _run(self, s: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.sharded is not None:
+            self.sharded.wait_unsharded(s)  # a prefetched gather must land first
         return run_stage(self.stages.modules[s], args, kwargs, self.st.config, self.st.device)
 
     def forward(self, s: int, j: int) -> None:
@@ -265,6 +267,8 @@ class StepRun:
     def backward(self, s: int, j: int) -> None:
         if self.sharded is not None and self.backward_done.get(s, 0) == len(self.batches) - 1:
             self.sharded.reduce_grads_in_backward(s)  # overlap reduction with the last B
+        if self.sharded is not None:
+            self.sharded.wait_unsharded(s)
         inputs, outputs = self.saved.pop((s, j))
         self.held_bytes -= _tensor_bytes((inputs, outputs))
         if s == self.num_stages - 1:

@@ -27,6 +27,9 @@ from mpar.shard import ShardedStages
 __all__ = ["DistributedModel", "live_models"]
 
 _MODELS: weakref.WeakSet[DistributedModel] = weakref.WeakSet()
+ZERO3_PREFETCH = 1
+"""ZeRO-3: compute actions by which each UNSHARD (an asynchronous gather) runs ahead of
+its stage's first use (``mpar.schedule.lower_sharding(..., prefetch=...)``)."""
 
 
 def live_models() -> list[DistributedModel]:
@@ -112,7 +115,7 @@ class DistributedModel:
             if self.sharded is not None:
                 from mpar.schedule import lower_sharding
 
-                schedule = lower_sharding(schedule, cfg.zero.stage)
+                schedule = lower_sharding(schedule, cfg.zero.stage, prefetch=ZERO3_PREFETCH)
             self._schedules[forward_only] = schedule
         return self._schedules[forward_only]
 

@@ -20,10 +20,21 @@ per stage ``s`` it holds:
   run in between (GPipe, looped/interleaved chunks), also
   ``sRESHARD`` after the forward phase and ``sUNSHARD`` before the
   backward phase: two gathers per step, less memory during the gap.
+* ``prefetch=k`` (ZeRO-3): every ``sUNSHARD`` moves ``k`` compute actions
+  earlier (never before the start of the step nor before the previous
+  ``sRESHARD``), so the gather of the next unit overlaps the current one's
+  compute. The runtime starts the gather at UNSHARD and waits for it at the
+  stage's next compute action; the price is holding the next unit's
+  parameters ``k`` actions sooner.
 
 Rank 0 of ``simple(4, 2, 2)`` (stages 0, 2) lowered for ZeRO-3::
 
     0UNSHARD 0F0 0F1 2UNSHARD 2F0 2F1 2B0 2B1 2REDUCE_GRAD 2RESHARD
+    0B0 0B1 0REDUCE_GRAD 0RESHARD
+
+The same with ``prefetch=1``: stage 2's gather starts before ``0F1`` runs::
+
+    0UNSHARD 0F0 2UNSHARD 0F1 2F0 2F1 2B0 2B1 2REDUCE_GRAD 2RESHARD
     0B0 0B1 0REDUCE_GRAD 0RESHARD
 """
 
@@ -40,7 +51,7 @@ _SHARDING_KINDS = frozenset({Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD})
 
 
 def lower_sharding(
-    schedule: Schedule, zero_stage: int, *, reshard_gap: int | None = None
+    schedule: Schedule, zero_stage: int, *, reshard_gap: int | None = None, prefetch: int = 0
 ) -> Schedule:
     """A copy of ``schedule`` with the sharding actions of ZeRO stage ``zero_stage``.
 
@@ -51,12 +62,15 @@ def lower_sharding(
         raise ScheduleError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     if reshard_gap is not None and reshard_gap < 1:
         raise ScheduleError(f"reshard_gap must be >= 1 (or None), got {reshard_gap}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ScheduleError(f"prefetch must be an int >= 0, got {prefetch!r}")
     if any(a.kind in _SHARDING_KINDS for a in schedule.iter_actions()):
         raise ScheduleError(
             "schedule already has UNSHARD/RESHARD/REDUCE_GRAD actions; lower it only once"
         )
     actions = {
-        rank: _lower_rank(acts, zero_stage, reshard_gap) for rank, acts in schedule.actions.items()
+        rank: _prefetch(_lower_rank(acts, zero_stage, reshard_gap), prefetch)
+        for rank, acts in schedule.actions.items()
     }
     return dataclasses.replace(schedule, actions=actions)
 
@@ -82,6 +96,24 @@ def _lower_rank(actions: list[Action], zero_stage: int, gap: int | None) -> list
         lowered.append(action)
         lowered += after.get(i, [])
     return lowered
+
+
+def _prefetch(actions: list[Action], k: int) -> list[Action]:
+    """Move every UNSHARD ``k`` compute actions earlier (see the module docstring)."""
+    out: list[Action] = []
+    for action in actions:
+        if action.kind != Kind.UNSHARD or k == 0:
+            out.append(action)
+            continue
+        target, passed = len(out), 0
+        while target > 0 and passed < k:
+            prev = out[target - 1]
+            if prev.stage == action.stage and prev.kind in _SHARDING_KINDS:
+                break  # not before this stage's previous RESHARD
+            target -= 1
+            passed += prev.kind in COMPUTE_KINDS
+        out.insert(target, action)
+    return out
 
 
 def _past_send(actions: list[Action], i: int, send: Kind) -> int:

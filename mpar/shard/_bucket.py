@@ -115,10 +115,12 @@ class FlatBucket:
         """True once a reduction has landed since the last ``zero_grad``."""
         self.pending: tuple[Any, torch.Tensor, torch.Tensor] | None = None
         self.users: set[int] = set()
+        """Local stages that currently hold this (ZeRO-3) bucket gathered."""
         self.hooks: list[Any] = []
         self.arrived: set[int] = set()
         self.started_in_backward = False
-        """Local stages that currently hold this (ZeRO-3) bucket gathered."""
+        self.gathering: Any = None
+        """ZeRO-3: the work handle of a gather started but not yet waited for."""
         self.tied_group: Any = None
         """Tied parameter (the bucket's only one): the group of ranks holding its copies."""
         self.tied_size = 1
@@ -188,21 +190,43 @@ class FlatBucket:
         return self.shard.to(self.device, non_blocking=True)
 
     # ------------------------------------------------------- ZeRO-3 gathering
-    def acquire(self, stage: int) -> None:
-        """Gather the full parameters for ``stage`` (ZeRO-3; no-op if gathered)."""
+    def acquire(self, stage: int, *, wait: bool = True) -> None:
+        """Gather the full parameters for ``stage`` (ZeRO-3; no-op if gathered).
+
+        With ``wait=False`` the gather only starts (a prefetch): the parameters
+        are bound to the buffer it fills, and :meth:`wait_gathered` must run
+        before they are read.
+        """
         self.users.add(stage)
         if self.zero_stage < 3 or self.full is not None:
+            if wait:
+                self.wait_gathered()
             return
         full = torch.empty(self.spec.padded, dtype=self.dtype, device=self.device)
-        all_gather_flat(full, self._device_shard(), group=self.comm.group, size=self.comm.size)
+        self.gathering = all_gather_flat(
+            full,
+            self._device_shard(),
+            group=self.comm.group,
+            size=self.comm.size,
+            async_op=True,
+        )
         self.full = full
         self._bind_params()
+        if wait:
+            self.wait_gathered()
+
+    def wait_gathered(self) -> None:
+        """Wait for a gather started by ``acquire(..., wait=False)`` (no-op otherwise)."""
+        work, self.gathering = self.gathering, None
+        if work is not None:
+            work.wait()
 
     def release(self, stage: int) -> None:
         """Drop ``stage``'s use; free the gathered copy when no local stage uses it."""
         self.users.discard(stage)
         if self.zero_stage < 3 or self.users or self.full is None:
             return
+        self.wait_gathered()  # never free a buffer a collective is still writing
         self.full = None
         self._release_params()
 
@@ -210,6 +234,7 @@ class FlatBucket:
         """Overwrite parameters and ``master`` from ``flat``: all ``P`` padded elements in
         the original dtype, the same on every rank of the group (no communication;
         under mixed precision ``master`` keeps the full precision of ``flat``)."""
+        self.wait_gathered()
         lo, hi = self.opt_range
         with torch.no_grad():
             self.master.copy_(flat[lo:hi])
@@ -231,6 +256,7 @@ class FlatBucket:
     def sync_from_full(self) -> None:
         """After the gathered parameters were overwritten in place (e.g. by
         ``load_state_dict``): refresh this rank's shard and master copy from them."""
+        self.wait_gathered()
         if self.full is None:
             return
         local = self.full[self.lo : self.hi]
@@ -286,11 +312,12 @@ class FlatBucket:
         for slot, p in zip(self.spec.slots, self.params):
             target = flat[slot.offset : slot.offset + slot.numel]
             if p.grad is None:
-                if not fresh:
-                    target.zero_()  # a reused buffer holds the last step's values
+                target.zero_()  # uninitialised, or the last step's values
             elif p.grad.data_ptr() != target.data_ptr():
                 target.copy_(p.grad.reshape(-1))
             p.grad = None  # stages 0-1 point it into the reduced buffer when done
+        if fresh:
+            flat[self.spec.numel :].zero_()  # padding: summed and scaled, so kept at zero
         group, size = self.comm.group, self.comm.size
         if self.zero_stage <= 1:
             work = all_reduce_flat(flat, group=group, size=size, async_op=True)
@@ -444,6 +471,7 @@ class FlatBucket:
             return all_gather_flat(
                 self.full, local, group=self.comm.group, size=self.comm.size, async_op=True
             )
+        self.wait_gathered()
         assert self.shard is not None
         if self.shard.data_ptr() != self.master.data_ptr():
             self.shard.copy_(self.master, non_blocking=True)

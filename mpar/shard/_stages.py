@@ -164,10 +164,23 @@ class ShardedStages:
         return s
 
     # ------------------------------------------------------------ schedule actions
-    def unshard(self, s: int) -> None:
-        """ZeRO-3: gather stage ``s``'s parameters into its module (no-op otherwise)."""
+    def unshard(self, s: int, *, wait: bool = True) -> None:
+        """ZeRO-3: gather stage ``s``'s parameters into its module (no-op otherwise).
+
+        ``wait=False`` only starts the gathers (the lowered schedule's UNSHARD,
+        a prefetch); :meth:`wait_unsharded` completes them before ``s`` computes.
+        """
         for bucket in self._used[self._stage(s)]:
-            bucket.acquire(s)
+            bucket.acquire(s, wait=wait)
+
+    def start_unshard(self, s: int) -> None:
+        """The UNSHARD action: start gathering stage ``s``'s parameters."""
+        self.unshard(s, wait=False)
+
+    def wait_unsharded(self, s: int) -> None:
+        """Wait for stage ``s``'s gathers started by :meth:`start_unshard`."""
+        for bucket in self._used[s]:
+            bucket.wait_gathered()
 
     def reshard(self, s: int) -> None:
         """ZeRO-3: free stage ``s``'s gathered parameters, keeping the local shard."""

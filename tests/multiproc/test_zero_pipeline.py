@@ -23,7 +23,7 @@ ZERO = [
     {"stage": 3},
     {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
 ]
-LAYOUTS = [(1, 2), (2, 2), (1, 4)]
+LAYOUTS = [(1, 2), (2, 2), (1, 4), (2, 4)]
 
 
 def _id(zero):
@@ -35,8 +35,7 @@ def _id(zero):
 @pytest.mark.parametrize("zero", ZERO, ids=_id)
 @pytest.mark.parametrize(("pp", "dp"), LAYOUTS, ids=lambda v: str(v))
 def test_zero_with_pipeline_is_transparent(pp, dp, zero):
-    if dp == 4 and zero["stage"] in (0, 2) and zero.get("offload_optimizer"):
-        pytest.skip("covered at dp=2; keeps the default suite short")
+    """Every ZeRO setting (offload off and on) at pp {1, 2} x dp {2, 4}."""
     config = {"pipeline_parallel_degree": pp, "microbatches": 2, "zero": zero}
     results = run_distributed(
         train_ranks, pp * dp, args=(config, "mlp", "adamw", 3, 0.5), timeout=180
@@ -46,6 +45,70 @@ def test_zero_with_pipeline_is_transparent(pp, dp, zero):
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), **TOL)
         for name, tensor in ref["state"].items():
             torch.testing.assert_close(r["state"][name], tensor, **TOL, msg=name)
+
+
+def _check_against_reference(results, model, config_note):
+    ref = reference(model, "adamw", 3, clip=0.5)
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), **TOL)
+        for name, tensor in ref["state"].items():
+            torch.testing.assert_close(
+                r["state"][name], tensor, **TOL, msg=f"{config_note}: {name}"
+            )
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "zero"),
+    [
+        ("interleaved", {"stage": 3}),
+        ("interleaved", {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"}),
+        ("simple", {"stage": 3}),
+        ("simple", {"stage": 2}),
+    ],
+    ids=["1f1b-z3", "1f1b-z3-offload", "gpipe-z3", "gpipe-z2"],
+)
+def test_zero_with_virtual_stages_and_prefetched_gathers_is_transparent(pipeline, zero):
+    """Two chunks per rank: at ZeRO-3 the second chunk's gather is prefetched (started
+    one compute action early, asynchronously) while the first one computes."""
+    config = {
+        "pipeline_parallel_degree": 2,
+        "virtual_stages": 2,
+        "microbatches": 4,
+        "pipeline": pipeline,
+        "zero": zero,
+    }
+    results = run_distributed(train_ranks, 4, args=(config, "mlp", "adamw", 3, 0.5), timeout=180)
+    _check_against_reference(results, "mlp", f"{pipeline} {zero}")
+
+
+@pytest.mark.parametrize("zero", [{"stage": 1}, {"stage": 3}], ids=_id)
+def test_zero_with_parameters_tied_across_pipeline_ranks_is_transparent(zero):
+    """TinyGPT ties its LM head to the embedding: at pp=2 the two copies live on
+    different ranks, each sharded over its own data-parallel group."""
+    config = {"pipeline_parallel_degree": 2, "microbatches": 2, "zero": zero}
+    results = run_distributed(train_ranks, 4, args=(config, "gpt", "adamw", 3, 0.5), timeout=180)
+    _check_against_reference(results, "gpt", str(zero))
+
+
+def _schedule_text(config):
+    import mpar
+
+    mpar.init(config)
+    model = mpar.DistributedModel(mlp())
+
+    @mpar.step
+    def evaluate(m, x):
+        return m(x)
+
+    evaluate(model, batch("mlp", 0, BATCH // mpar.dp_size())[0])
+    return [str(a) for a in model.schedule(False).actions[mpar.pp_rank()]]
+
+
+def test_the_runtime_prefetches_zero3_gathers():
+    config = {"pipeline_parallel_degree": 2, "virtual_stages": 2, "microbatches": 2}
+    config |= {"pipeline": "simple", "zero": {"stage": 3}}
+    text = run_distributed(_schedule_text, 4, args=(config,), timeout=120)[0]
+    assert text[:4] == ["0UNSHARD", "0F0", "2UNSHARD", "0F1"]
 
 
 def _memory(zero_stage):

@@ -137,3 +137,66 @@ def test_split_backward_reduces_after_the_last_weight_gradient():
     lowered = lower_sharding(Schedule(1, 1, 2, actions), 3)
     validate(lowered)
     assert [str(a) for a in lowered.actions[0]][-3:] == ["0W1", "0REDUCE_GRAD", "0RESHARD"]
+
+
+def test_prefetch_starts_each_gather_one_compute_action_early():
+    _, lowered = _lowered("simple", 2, 2, 2, False, 3, None)
+    prefetched = lower_sharding(build_schedule("simple", 2, 2, virtual_stages=2), 3, prefetch=1)
+    assert " ".join(str(a) for a in prefetched.actions[0]) == (
+        "0UNSHARD 0F0 2UNSHARD 0F1 2F0 2F1 2B0 2B1 2REDUCE_GRAD 2RESHARD "
+        "0B0 0B1 0REDUCE_GRAD 0RESHARD"
+    )
+    # With the phases split, the backward's gather never moves above the forward's RESHARD.
+    split = lower_sharding(
+        build_schedule("simple", 2, 2, virtual_stages=2), 3, reshard_gap=1, prefetch=5
+    )
+    text = [str(a) for a in split.actions[0]]
+    second = len(text) - 1 - text[::-1].index("0UNSHARD")
+    assert text[second - 1] == "0RESHARD"
+    assert lowered.actions[0] != prefetched.actions[0]
+
+
+PREFETCH_GRID = [
+    case
+    for case in itertools.product(
+        ["simple", "interleaved"], [1, 2, 4], [1, 2], [1, 4], [False, True], [None, 1], [1, 2]
+    )
+    if not (case[0] == "interleaved" and case[2] > 1 and case[3] % case[1])
+]
+
+
+@pytest.mark.parametrize(("pipeline", "p", "v", "m", "comm", "gap", "k"), PREFETCH_GRID)
+def test_prefetched_gathers_run_k_compute_actions_ahead_or_as_early_as_allowed(
+    pipeline, p, v, m, comm, gap, k
+):
+    schedule = build_schedule(pipeline, p, m, virtual_stages=v)
+    if comm:
+        schedule = lower_communication(schedule)
+    lowered = lower_sharding(schedule, 3, reshard_gap=gap, prefetch=k)
+    validate(lowered)
+    simulate(lowered)
+    for rank, actions in lowered.actions.items():
+        _check_rank(actions, 3, training=True)
+        assert [a for a in actions if a.kind not in SHARDING] == schedule.actions[rank]
+        for i, action in enumerate(actions):
+            if action.kind != Kind.UNSHARD:
+                continue
+            s = action.stage
+            first_use = next(
+                j
+                for j in range(i + 1, len(actions))
+                if actions[j].stage == s and actions[j].kind in COMPUTE
+            )
+            ahead = sum(a.kind in COMPUTE for a in actions[i:first_use])
+            # Fewer only when the walk back hit the step's start or this stage's last action.
+            boundary = max(
+                (j for j in range(i) if actions[j].stage == s and actions[j].kind in SHARDING),
+                default=-1,
+            )
+            blocked = not any(a.kind in COMPUTE for a in actions[boundary + 1 : i])
+            assert ahead == k or (ahead < k and blocked), (rank, i, action, ahead)
+
+
+def test_prefetch_must_be_a_non_negative_int():
+    with pytest.raises(ScheduleError, match="prefetch must be an int >= 0"):
+        lower_sharding(build_schedule("simple", 2, 2), 3, prefetch=-1)
