@@ -305,6 +305,8 @@ class StepRun:
 
     def run(self) -> StepOutput:
         stages_here = set(self.stages.modules)
+        if self.sharded is not None:
+            self.sharded.reset_peak()
         self._post_receives()
         if 0 in stages_here and self.num_stages > 1:
             self.capture_inputs()

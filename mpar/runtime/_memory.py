@@ -11,7 +11,7 @@ from mpar.shard._memory import count_bytes
 
 __all__ = ["memory_report"]
 
-_CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
+_CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "gathered_peak")
 
 
 def _plain_groups(local: list[torch.nn.Parameter]) -> dict[str, list[torch.Tensor]]:
@@ -37,7 +37,9 @@ def memory_report() -> dict[str, dict[str, int]]:
     buffer counts with that buffer). Parameters of stages held by other
     ranks are not counted (their storage was released). ``activations`` is
     the peak of stage inputs and outputs kept for backward during the last
-    step (0 before the first step).
+    step (0 before the first step). ``gathered_peak`` (ZeRO-3) is the most
+    bytes of gathered full parameters held at once during the last step, on
+    top of the shards counted under ``parameters`` (0 otherwise).
     """
     state()
     report: dict[str, dict[str, int]] = {}
@@ -53,4 +55,6 @@ def memory_report() -> dict[str, dict[str, int]]:
         device = str(state().device)
         report.setdefault(device, dict.fromkeys(_CATEGORIES, 0))
         report[device]["activations"] += model.activation_peak_bytes
+        if model.sharded is not None:
+            report[device]["gathered_peak"] += model.sharded.peak_gathered_bytes
     return report

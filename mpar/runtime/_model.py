@@ -115,7 +115,10 @@ class DistributedModel:
             if self.sharded is not None:
                 from mpar.schedule import lower_sharding
 
-                schedule = lower_sharding(schedule, cfg.zero.stage, prefetch=ZERO3_PREFETCH)
+                gap = 1 if cfg.zero.reshard_after_forward else None
+                schedule = lower_sharding(
+                    schedule, cfg.zero.stage, reshard_gap=gap, prefetch=ZERO3_PREFETCH
+                )
             self._schedules[forward_only] = schedule
         return self._schedules[forward_only]
 

@@ -102,6 +102,9 @@ class ShardedStages:
         self._owned = {s: [b for b in self.buckets if b.spec.stage == s] for s in self.stages}
         self._used = {s: self._buckets_used_by(m) for s, m in self.stages.items()}
         self.optimizer: ShardedOptimizer | None = None
+        self.peak_gathered_bytes = 0
+        """ZeRO-3: the most bytes of gathered (full) parameters held at once since the
+        last :meth:`reset_peak` (the runtime resets it at the start of each step)."""
 
     def _make_buckets(self, owned: dict[int, list[nn.Parameter]]) -> list[FlatBucket]:
         index = {id(p): i for i, p in enumerate(self.params)}
@@ -172,6 +175,9 @@ class ShardedStages:
         """
         for bucket in self._used[self._stage(s)]:
             bucket.acquire(s, wait=wait)
+        if self.zero.stage == 3:
+            gathered = sum(b.full.nbytes for b in self.buckets if b.full is not None)
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, gathered)
 
     def start_unshard(self, s: int) -> None:
         """The UNSHARD action: start gathering stage ``s``'s parameters."""
@@ -250,6 +256,10 @@ class ShardedStages:
                     target = flat[slot.offset : slot.offset + slot.numel]
                     target.copy_(values[i].reshape(-1))
             bucket.load_values(flat)
+
+    def reset_peak(self) -> None:
+        """Start counting ``peak_gathered_bytes`` afresh (from what is gathered now)."""
+        self.peak_gathered_bytes = sum(b.full.nbytes for b in self.buckets if b.full is not None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for bucket in self.buckets:

@@ -6,6 +6,8 @@ AdamW steps equal the unsharded single-process whole-batch reference (fp32).
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -109,6 +111,62 @@ def test_the_runtime_prefetches_zero3_gathers():
     config |= {"pipeline": "simple", "zero": {"stage": 3}}
     text = run_distributed(_schedule_text, 4, args=(config,), timeout=120)[0]
     assert text[:4] == ["0UNSHARD", "0F0", "2UNSHARD", "0F1"]
+
+
+def _gathered(reshard_after_forward):
+    import mpar
+
+    zero = {"stage": 3, "reshard_after_forward": reshard_after_forward}
+    mpar.init({"virtual_stages": 4, "pipeline": "simple", "microbatches": 2, "zero": zero})
+    model = mpar.DistributedModel(mlp())
+    opt = mpar.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @mpar.step
+    def train(m, x, y):
+        loss = loss_fn(m(x), y)
+        m.backward(loss)
+        return loss
+
+    x, y = batch("mlp", 0)
+    shard = slice(mpar.dp_rank() * BATCH // 2, (mpar.dp_rank() + 1) * BATCH // 2)
+    for _ in range(2):
+        train(model, x[shard], y[shard])
+        opt.step()
+        opt.zero_grad()
+    sharded = model.sharded
+    chunks = [
+        sum(b.spec.padded * 4 for b in sharded._used[s]) for s in sorted(model.stages.modules)
+    ]
+    return {
+        "peak": mpar.memory_report()["cpu"]["gathered_peak"],
+        "chunks": chunks,
+        "state": model.state_dict(),
+    }
+
+
+def test_zero3_with_one_pipeline_rank_gathers_one_chunk_at_a_time():
+    """pp = 1 with 4 virtual stages (GPipe order): each chunk is gathered for its
+    forwards, freed, and gathered again (prefetched) for its backwards, so at most
+    the chunk in use and the next one are whole at once (FSDP2's
+    reshard_after_forward); with it off, the whole model stays gathered for the step."""
+    net = mlp()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x, y = batch("mlp", 0)
+    for _ in range(2):
+        loss_fn(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for flag in (True, False):
+        for r in run_distributed(_gathered, 2, args=(flag,), timeout=120):
+            for name, tensor in net.state_dict().items():
+                torch.testing.assert_close(r["state"][name], tensor, **TOL, msg=name)
+            chunks = r["chunks"]
+            assert len(chunks) == 4
+            if flag:
+                pairs = max(a + b for a, b in itertools.pairwise(chunks))
+                assert r["peak"] <= pairs < sum(chunks), (r["peak"], chunks)
+            else:
+                assert r["peak"] == sum(chunks), (r["peak"], chunks)
 
 
 def _memory(zero_stage):

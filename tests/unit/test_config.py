@@ -71,6 +71,11 @@ def test_unknown_nested_key():
         ({"ddp": "yes"}, ConfigTypeError, "'ddp' must be true or false"),
         ({"zero": {"stage": 4}}, ConfigError, "'zero.stage' has value 4"),
         ({"zero": 3}, ConfigTypeError, "'zero' must be a mapping"),
+        (
+            {"zero": {"stage": 3, "reshard_after_forward": "no"}},
+            ConfigTypeError,
+            "'zero.reshard_after_forward' must be true or false",
+        ),
         ({"bf16": True, "fp16": True}, ConfigError, "'bf16' and 'fp16' are both true"),
         ({"zero": {"offload_params": "cpu"}}, ConfigError, "needs ZeRO stage 3"),
         ({"zero": {"offload_optimizer": "cpu"}}, ConfigError, "needs ZeRO stage 1, 2 or 3"),
