@@ -269,6 +269,8 @@ class StepRun:
             self.sharded.reduce_grads_in_backward(s)  # overlap reduction with the last B
         if self.sharded is not None:
             self.sharded.wait_unsharded(s)
+            if s not in self.backward_done:
+                self.sharded.bind_grads(s)  # autograd accumulates into the flat buffers
         inputs, outputs = self.saved.pop((s, j))
         self.held_bytes -= _tensor_bytes((inputs, outputs))
         if s == self.num_stages - 1:

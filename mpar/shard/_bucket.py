@@ -119,6 +119,8 @@ class FlatBucket:
         self.hooks: list[Any] = []
         self.arrived: set[int] = set()
         self.started_in_backward = False
+        self.staging: torch.Tensor | None = None
+        """The flat gradient buffer ``.grad`` views point into (see :meth:`bind_grads`)."""
         self.gathering: Any = None
         """ZeRO-3: the work handle of a gather started but not yet waited for."""
         self.tied_group: Any = None
@@ -296,6 +298,35 @@ class FlatBucket:
             self.start_reduce()
         self.started_in_backward = False
 
+    def bind_grads(self) -> None:
+        """Before the stage's first backward of a step: make every parameter's
+        ``.grad`` a view into the flat buffer the reduction will send, so autograd
+        accumulates in place (as DDP's ``gradient_as_bucket_view``): no gradient
+        allocated per parameter, no copy into the buffer at reduction time.
+
+        Gradients that already exist (a parameter shared with a stage whose
+        backward ran first) are copied in; the others start at zero.
+        """
+        if self.staging is not None or self.pending is not None or self.grad_full is not None:
+            return  # already bound, in flight, or .grad already views grad_full
+        if self.zero_stage <= 1 and self.has_grad:
+            return  # start_reduce raises the error that explains this
+        self.staging = self._fill_flat(self._flat_grad())
+        for slot, p, shape in zip(self.spec.slots, self.params, self.shapes):
+            p.grad = self.staging[slot.offset : slot.offset + slot.numel].view(shape)
+
+    def _fill_flat(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` (uninitialised or stale) holding the parameters' current gradients,
+        zero where a parameter has none and in the padding."""
+        for slot, p in zip(self.spec.slots, self.params):
+            target = flat[slot.offset : slot.offset + slot.numel]
+            if p.grad is None:
+                target.zero_()
+            elif p.grad.data_ptr() != target.data_ptr():
+                target.copy_(p.grad.reshape(-1))
+        flat[self.spec.numel :].zero_()  # padding: summed and scaled, so kept at zero
+        return flat
+
     def start_reduce(self) -> None:
         """Flatten the parameters' gradients and start their (async) reduction."""
         if self.pending is not None:
@@ -308,16 +339,12 @@ class FlatBucket:
                 f"{self.zero_stage} call zero_grad() after each optimizer step (gradient "
                 "accumulation across reductions needs ZeRO stage 2 or 3)"
             )
-        flat, fresh = self._flat_grad()
-        for slot, p in zip(self.spec.slots, self.params):
-            target = flat[slot.offset : slot.offset + slot.numel]
-            if p.grad is None:
-                target.zero_()  # uninitialised, or the last step's values
-            elif p.grad.data_ptr() != target.data_ptr():
-                target.copy_(p.grad.reshape(-1))
+        if self.staging is not None:
+            flat, self.staging = self._fill_flat(self.staging), None
+        else:
+            flat = self._fill_flat(self._flat_grad())
+        for p in self.params:
             p.grad = None  # stages 0-1 point it into the reduced buffer when done
-        if fresh:
-            flat[self.spec.numel :].zero_()  # padding: summed and scaled, so kept at zero
         group, size = self.comm.group, self.comm.size
         if self.zero_stage <= 1:
             work = all_reduce_flat(flat, group=group, size=size, async_op=True)
@@ -327,19 +354,19 @@ class FlatBucket:
             work = reduce_scatter_flat(out, flat, group=group, size=size, async_op=True)
             self.pending = (work, out, flat)
 
-    def _flat_grad(self) -> tuple[torch.Tensor, bool]:
-        """The buffer to flatten the gradients into, and whether it is freshly zeroed.
+    def _flat_grad(self) -> torch.Tensor:
+        """The buffer to flatten the gradients into (contents stale or uninitialised).
 
         ``grad_full`` when the parameters' gradients are views into it
-        (``zero_grad(set_to_none=False)``); else the spare kept by ``zero_grad``
-        (padding is still zero: it is only ever summed and scaled); else new.
+        (``zero_grad(set_to_none=False)``); else the spare kept by ``zero_grad``;
+        else a new one.
         """
         if self.grad_full is not None:
-            return self.grad_full, False
+            return self.grad_full
         if self.spare_grad is not None:
             flat, self.spare_grad = self.spare_grad, None
-            return flat, False
-        return torch.zeros(self.spec.padded, dtype=self.dtype, device=self.device), True
+            return flat
+        return torch.empty(self.spec.padded, dtype=self.dtype, device=self.device)
 
     def finish_reduce(self) -> None:
         """Wait for the reduction and store its result (and its CPU copy if offloaded)."""
@@ -488,7 +515,7 @@ class FlatBucket:
     # ---------------------------------------------------------------- report
     def tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this bucket holds, by memory category."""
-        grads = [self.grad_full, self.spare_grad, self.grad_shard, self.cpu_grad]
+        grads = [self.grad_full, self.spare_grad, self.grad_shard, self.cpu_grad, self.staging]
         grads += [p.grad for p in self.params]
         if self.pending is not None:
             grads += [self.pending[1], self.pending[2]]

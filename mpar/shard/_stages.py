@@ -204,6 +204,12 @@ class ShardedStages:
         for bucket in self._owned[self._stage(s)]:
             bucket.reduce()
 
+    def bind_grads(self, s: int) -> None:
+        """Before stage ``s``'s first backward of the step: its parameters' ``.grad``
+        become views into the flat buffers their reduction sends (no copies)."""
+        for bucket in self._owned[self._stage(s)]:
+            bucket.bind_grads()
+
     def reduce_grads_in_backward(self, s: int) -> None:
         """Let stage ``s``'s next backward start its reductions bucket by bucket.
 
