@@ -15,7 +15,9 @@ its pipeline stages and calls its methods where the lowered schedule (see
     opt = sharded.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
 
     # one step, driven by the schedule:
-    sharded.unshard(s)        # sUNSHARD: ZeRO-3 all-gathers stage s's parameters
+    sharded.start_unshard(s)  # sUNSHARD: ZeRO-3 starts all-gathering stage s's parameters
+    sharded.wait_unsharded(s) # before s computes (the gather may run ahead: prefetch)
+    sharded.bind_grads(s)     # before s's first backward: .grad views into flat buffers
     ...  F / B actions ...    # (loss / dp_size).backward(): reductions are sums
     sharded.reduce_grads(s)   # sREDUCE_GRAD, after stage s's last backward (async)
     sharded.reshard(s)        # sRESHARD: ZeRO-3 frees the gathered parameters
@@ -46,6 +48,14 @@ group's options over *segments*: runs of this rank's slice that belong to one
 original parameter group (views of the flat buffer, or of its fp32 CPU copy
 with ``offload_optimizer="cpu"``, where the step also runs). Parameters the
 optimizer does not list and parameters of other pipeline ranks are ignored.
+
+Mixed precision (``compute_dtype=torch.bfloat16`` or ``torch.float16``):
+buckets, parameters and gradients hold the compute dtype; the optimizer
+updates float32 master copies of this rank's slice and the results are
+rounded back; fp16 adds a :class:`LossScaler` (``sharded.loss_scale``).
+``tied=[(group, param), ...]`` names parameters that other pipeline ranks
+hold a copy of: each gets its own bucket and its reduced gradient is summed
+over ``group`` in ``finish_grads``.
 
 Semantics to know: a parameter without a gradient on every replica gets a
 zero gradient (as in DeepSpeed), so decoupled weight decay and momentum still

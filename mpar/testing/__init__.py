@@ -10,7 +10,7 @@
 
 Each rank is a fresh process (forked from a server that has already imported
 torch, so start-up is fast) with torchrun's variables set and gloo on
-loopback. The function's return value comes back per rank. When any rank
+loopback; GPUs are hidden unless ``env`` says otherwise. The function's return value comes back per rank. When any rank
 raises, the others are stopped and :class:`DistributedTestError` carries that
 rank's traceback; when the timeout passes, every rank still running dumps its
 Python stacks (faulthandler) and the error shows them — a hang becomes a
@@ -110,6 +110,9 @@ def _rank_env(rank: int, world_size: int, port: int, extra: Mapping[str, str]) -
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "OMP_NUM_THREADS": "1",
+        # CPU ranks on gloo on any machine (several ranks cannot share one GPU under
+        # NCCL); a test that wants the GPU passes env={"CUDA_VISIBLE_DEVICES": "0"}.
+        "CUDA_VISIBLE_DEVICES": "",
     }
     env.update(extra)
     return env
