@@ -29,8 +29,10 @@ its pipeline stages and calls its methods where the lowered schedule (see
 What each ZeRO stage keeps on a rank (``n`` = data-parallel size):
 
 * 0: everything replicated; ``reduce_grads`` all-reduces (sum).
-* 1: optimizer state sharded; gradients all-reduced, this rank's slice
+* 1: optimizer state sharded; gradients reduce-scattered, this rank's slice
   feeds the optimizer; after ``step`` the updated slices are all-gathered.
+  Only the slice is kept after the reduction (as DeepSpeed does), so
+  between steps stage 1 holds what stage 2 holds.
 * 2: + gradients: reduce-scatter into this rank's gradient shard; the full
   gradients are freed once flattened.
 * 3: + parameters: only the shard is kept (on the CPU with

@@ -9,11 +9,14 @@ name           what                                     stages
                parameters are views into it             gathered
 ``shard``      this rank's ``S`` parameters (CPU with   3
                ``offload_params``)
-``grad_full``  reduced gradients of all ``P``; the      0, 1
+``grad_full``  reduced gradients of all ``P``; the      0
                parameters' ``.grad`` are views into it
-``spare_grad`` ``grad_full`` after ``zero_grad``:        0, 1
+``spare_grad`` ``grad_full`` after ``zero_grad``:        0
                reused by the next reduction
-``grad_shard`` this rank's ``S`` reduced gradients      2, 3
+``staging``    the flat buffer ``.grad`` views point    all, from a stage's
+               into during the backward                 first backward to
+                                                        its reduction
+``grad_shard`` this rank's ``S`` reduced gradients      1, 2, 3
 ``master``     the fp32 elements the optimizer          all (a view unless
                updates (``P`` at stage 0, else ``S``)   offloaded to CPU or
                                                         mixed precision)
@@ -29,6 +32,12 @@ parameters' original dtype (fp32), the only one the optimizer updates, and
 parameters. The optimizer reads an fp32 copy of the reduced gradient made at
 step time (:meth:`FlatBucket.opt_grad`), multiplied by ``grad_factor`` (loss
 unscaling and clipping), so low-precision gradients are never rescaled in place.
+
+Stages 1 and 2 keep the same gradient state: the paper's stage 1 holds the
+full reduced gradients (4 bytes per parameter) until the next step; here, as
+in DeepSpeed, only this rank's slice of them survives the reduction, so
+stage 1 holds no more than stage 2 between steps (full-size gradients exist
+from a stage's first backward to its reduction at both).
 """
 
 from __future__ import annotations
@@ -309,7 +318,7 @@ class FlatBucket:
         """
         if self.staging is not None or self.pending is not None or self.grad_full is not None:
             return  # already bound, in flight, or .grad already views grad_full
-        if self.zero_stage <= 1 and self.has_grad:
+        if self.zero_stage == 0 and self.has_grad:
             return  # start_reduce raises the error that explains this
         self.staging = self._fill_flat(self._flat_grad())
         for slot, p, shape in zip(self.spec.slots, self.params, self.shapes):
@@ -333,20 +342,20 @@ class FlatBucket:
             raise RuntimeError(
                 f"reduce_grads for stage {self.spec.stage} was called twice before finish_grads"
             )
-        if self.zero_stage <= 1 and self.has_grad:
+        if self.zero_stage == 0 and self.has_grad:
             raise RuntimeError(
-                f"stage {self.spec.stage} already holds reduced gradients: at ZeRO stage "
-                f"{self.zero_stage} call zero_grad() after each optimizer step (gradient "
-                "accumulation across reductions needs ZeRO stage 2 or 3)"
+                f"stage {self.spec.stage} already holds reduced gradients: at ZeRO stage 0 "
+                "call zero_grad() after each optimizer step (gradient accumulation across "
+                "reductions needs ZeRO stage 1, 2 or 3)"
             )
         if self.staging is not None:
             flat, self.staging = self._fill_flat(self.staging), None
         else:
             flat = self._fill_flat(self._flat_grad())
         for p in self.params:
-            p.grad = None  # stages 0-1 point it into the reduced buffer when done
+            p.grad = None  # stage 0 points it into the reduced buffer when done
         group, size = self.comm.group, self.comm.size
-        if self.zero_stage <= 1:
+        if self.zero_stage == 0:
             work = all_reduce_flat(flat, group=group, size=size, async_op=True)
             self.pending = (work, flat, flat)
         else:
@@ -378,11 +387,11 @@ class FlatBucket:
             work.wait()
         if self.tied_group is not None:  # every copy gets the sum of the copies' gradients
             all_reduce_flat(out, group=self.tied_group, size=self.tied_size)
-        if self.zero_stage <= 1:
+        if self.zero_stage == 0:
             self.grad_full = out
             for slot, p, shape in zip(self.spec.slots, self.params, self.shapes):
                 p.grad = out[slot.offset : slot.offset + slot.numel].view(shape)
-            reduced = out if self.zero_stage == 0 else out[self.lo : self.hi]
+            reduced = out
         else:
             if self.grad_shard is not None:
                 out = self.grad_shard.add_(out)
@@ -395,11 +404,11 @@ class FlatBucket:
     def _to_cpu_grad(self, reduced: torch.Tensor) -> None:
         if self.cpu_grad is None:
             self.cpu_grad = _host_buffer(reduced.numel(), self.master_dtype, self.pin)
-        if self.has_grad and self.zero_stage >= 2:
+        if self.has_grad and self.zero_stage >= 1:
             self.cpu_grad.add_(reduced.to("cpu"))
         else:
             self.cpu_grad.copy_(reduced, non_blocking=True)
-        if self.zero_stage >= 2:
+        if self.zero_stage >= 1:
             self.grad_shard = None  # the device copy is no longer needed
 
     def reduced_grad(self) -> torch.Tensor | None:
@@ -414,9 +423,6 @@ class FlatBucket:
             return self.cpu_grad
         if self.zero_stage == 0:
             return self.grad_full
-        if self.zero_stage == 1:
-            assert self.grad_full is not None
-            return self.grad_full[self.lo : self.hi]
         return self.grad_shard
 
     def opt_grad(self) -> torch.Tensor | None:
@@ -467,7 +473,7 @@ class FlatBucket:
         self.has_grad = False
         self.grad_factor = 1.0
         if set_to_none:
-            if self.grad_full is not None and self.zero_stage <= 1:
+            if self.grad_full is not None:
                 self.spare_grad = self.grad_full
             self.grad_full = self.grad_shard = None
             for p in self.params:

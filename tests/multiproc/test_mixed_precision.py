@@ -147,7 +147,7 @@ def test_memory_report_follows_the_mixed_precision_formulas(zero_stage):
         step_counter = 4 * 8  # AdamW keeps a 4-byte step tensor per flat parameter (8 here)
         expected = {
             0: (2 * psi, 2 * psi, 12 * psi),
-            1: (2 * psi, 2 * psi, 12 * psi / n),
+            1: (2 * psi, 2 * psi / n, 12 * psi / n),  # full gradients only until reduced
             2: (2 * psi, 2 * psi / n, 12 * psi / n),
             3: (2 * psi / n, 2 * psi / n, 12 * psi / n),
         }[zero_stage]

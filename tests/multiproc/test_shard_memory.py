@@ -6,7 +6,9 @@ mixed-precision K = 12 becomes 8 here: fp32 needs no master copy):
     stage 0: 4 Psi + 4 Psi + 8 Psi          stage 2: 4 Psi + (4 + 8) Psi / N
     stage 1: 4 Psi + 4 Psi + 8 Psi / N      stage 3: (4 + 4 + 8) Psi / N
 
-plus 4 bytes of AdamW's ``step`` counter per flat optimizer parameter, plus,
+Stage 1 reaches its formula during the backward; after the reduction it keeps
+only this rank's gradient slice (as DeepSpeed does), so between steps it holds
+stage 2's 4 Psi / N of gradients. Plus 4 bytes of AdamW's ``step`` counter per flat optimizer parameter, plus,
 at stage 3, the full parameters of a stage while it is gathered. With CPU
 offload the optimizer also keeps a 4 Psi / N fp32 master shard (and its
 gradient) on the CPU.
@@ -78,7 +80,8 @@ def test_bytes_per_rank_follow_the_zero_formulas(n):
     step = 4  # AdamW's step counter: one fp32 scalar for the single flat parameter
     for r in results:
         assert r[0]["after_step"] == _state(4 * PSI, 4 * PSI, 8 * PSI + step)
-        assert r[1]["after_step"] == _state(4 * PSI, 4 * PSI, 8 * PSI // n + step)
+        assert r[1]["after_backward"]["gradients"] == 4 * PSI  # the paper's stage 1
+        assert r[1]["after_step"] == _state(4 * PSI, 4 * PSI // n, 8 * PSI // n + step)
         assert r[2]["after_step"] == _state(4 * PSI, 4 * PSI // n, 8 * PSI // n + step)
         assert r[3]["after_step"] == _state(4 * PSI // n, 4 * PSI // n, 8 * PSI // n + step)
         # ZeRO-3 holds the whole stage only while it is gathered ...
@@ -90,9 +93,7 @@ def test_bytes_per_rank_follow_the_zero_formulas(n):
         assert r["3-offload"]["after_step"] == _state(
             4 * PSI // n, 4 * PSI // n, 8 * PSI // n + step
         )
-        assert r["1-offload"]["after_step"] == _state(
-            4 * PSI, 4 * PSI + 4 * PSI // n, 12 * PSI // n + step
-        )
+        assert r["1-offload"]["after_step"] == _state(4 * PSI, 4 * PSI // n, 12 * PSI // n + step)
 
 
 def _padded():

@@ -198,7 +198,7 @@ def test_memory_report_follows_the_zero_formulas(zero_stage):
         step_counter = 4 * 8  # AdamW keeps a 4-byte step tensor per parameter (8 here)
         expected = {
             0: (4 * psi, 4 * psi, 8 * psi),
-            1: (4 * psi, 4 * psi, 8 * psi / n),
+            1: (4 * psi, 4 * psi / n, 8 * psi / n),  # full gradients only until reduced
             2: (4 * psi, 4 * psi / n, 8 * psi / n),
             3: (4 * psi / n, 4 * psi / n, 8 * psi / n),
         }[zero_stage]

@@ -61,7 +61,7 @@ def test_misuse_gets_clear_errors():
         ShardedStages(
             {0: model}, ZeroConfig(), group=None, group_ranks=[0], rank_in_group=1, device="cpu"
         )
-    sharded = _sharded(1, model)
+    sharded = _sharded(0, model)  # stage 0 keeps full gradients: no accumulation across steps
     opt = sharded.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(
         ValueError, match=r"stage 3 is not held by this rank \(local stages: \[0\]\)"
