@@ -49,10 +49,14 @@ def test_zero_benchmark_quick(tmp_path: Path) -> None:
         assert row["samples_per_s"] > 0
         assert len(row["memory_per_rank"]) == 2
         assert all(m["optimizer"] > 0 for m in row["memory_per_rank"])
-    # mpar's model state follows the ZeRO formula exactly (+ Adam's step counter)
-    for key in [("mpar", 1, False), ("mpar", 3, True)]:
-        row = rows[key]
-        assert 0 <= row["model_state_bytes_max"] - row["expected_model_state_bytes"] <= 64
+    # mpar's model state: the ZeRO formula exactly at stage 3 (+ Adam's step counter);
+    # at stage 1 below it by the gradient slices other ranks keep (4 Psi (1 - 1/N)).
+    z3 = rows[("mpar", 3, True)]
+    assert 0 <= z3["model_state_bytes_max"] - z3["expected_model_state_bytes"] <= 64
+    z1 = rows[("mpar", 1, False)]
+    psi = report["meta"]["parameters"]
+    below = 4 * psi - 4 * psi // 2
+    assert 0 <= z1["model_state_bytes_max"] - (z1["expected_model_state_bytes"] - below) <= 64
     # every trained model agrees with the one-process reference
     assert report["correctness"], "no parameters were compared"
     assert all(c["agree"] for c in report["correctness"]), report["correctness"]
