@@ -265,12 +265,12 @@ class StepRun:
             self._send_outputs()
 
     def backward(self, s: int, j: int) -> None:
-        if self.sharded is not None and self.backward_done.get(s, 0) == len(self.batches) - 1:
-            self.sharded.reduce_grads_in_backward(s)  # overlap reduction with the last B
         if self.sharded is not None:
             self.sharded.wait_unsharded(s)
             if s not in self.backward_done:
                 self.sharded.bind_grads(s)  # autograd accumulates into the flat buffers
+            if self.backward_done.get(s, 0) == len(self.batches) - 1:
+                self.sharded.reduce_grads_in_backward(s)  # overlap reduction with the last B
         inputs, outputs = self.saved.pop((s, j))
         self.held_bytes -= _tensor_bytes((inputs, outputs))
         if s == self.num_stages - 1:

@@ -201,13 +201,18 @@ class DistributedModel:
         """This rank's parameters and buffers, under the original module's keys."""
         if self.stages is None:
             return self.module.state_dict()
+        return {key: tensor.detach() for key, tensor in self._local_tensors().items()}
+
+    def _local_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers themselves, under the original keys."""
+        assert self.stages is not None
         wanted = set(self._key_order)
         out: dict[str, torch.Tensor] = {}
         for s, stage in self.stages.modules.items():
             tensors = dict(stage.named_parameters()) | dict(stage.named_buffers())
             for local, original in self.stages.qualnames[s].items():
                 if original in wanted and local in tensors:
-                    out[original] = tensors[local].detach()
+                    out[original] = tensors[local]
         for key in list(out):
             for alias in self._aliases.get(key, ()):
                 out.setdefault(alias, out[key])
@@ -264,15 +269,11 @@ class DistributedModel:
 
     def _param_ids(self) -> dict[str, int]:
         """Original key (aliases included) -> ``id`` of this rank's parameter under it."""
-        assert self.stages is not None
-        out: dict[str, int] = {}
-        for s, stage in self.stages.modules.items():
-            for name, p in stage.named_parameters(remove_duplicate=False):
-                original = self.stages.qualnames[s].get(name)
-                if original is not None:
-                    for key in (original, *self._aliases.get(original, ())):
-                        out[key] = id(p)
-        return out
+        return {
+            key: id(tensor)
+            for key, tensor in self._local_tensors().items()
+            if isinstance(tensor, nn.Parameter)
+        }
 
 
 def _tensor_aliases(module: nn.Module) -> dict[str, list[str]]:

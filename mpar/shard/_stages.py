@@ -175,9 +175,7 @@ class ShardedStages:
         """
         for bucket in self._used[self._stage(s)]:
             bucket.acquire(s, wait=wait)
-        if self.zero.stage == 3:
-            gathered = sum(b.full.nbytes for b in self.buckets if b.full is not None)
-            self.peak_gathered_bytes = max(self.peak_gathered_bytes, gathered)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._gathered_bytes())
 
     def start_unshard(self, s: int) -> None:
         """The UNSHARD action: start gathering stage ``s``'s parameters."""
@@ -265,7 +263,13 @@ class ShardedStages:
 
     def reset_peak(self) -> None:
         """Start counting ``peak_gathered_bytes`` afresh (from what is gathered now)."""
-        self.peak_gathered_bytes = sum(b.full.nbytes for b in self.buckets if b.full is not None)
+        self.peak_gathered_bytes = self._gathered_bytes()
+
+    def _gathered_bytes(self) -> int:
+        """Bytes of the full (gathered) parameter buffers held now (ZeRO-3)."""
+        if self.zero.stage < 3:
+            return 0
+        return sum(b.full.nbytes for b in self.buckets if b.full is not None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for bucket in self.buckets:

@@ -7,6 +7,7 @@ compare losses, outputs, gradients and parameters.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,6 +60,27 @@ def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
     # A larger eps keeps Adam from turning float noise on near-zero gradients
     # into lr-sized steps (see DESIGN.md, correctness oracle).
     return torch.optim.AdamW(params, lr=0.01, eps=1e-4, weight_decay=0.01)
+
+
+def start_training(
+    config: dict[str, Any], optimizer: Callable[[Any], torch.optim.Optimizer]
+) -> tuple[Any, Any, Callable[..., Any]]:
+    """Rank body set-up: ``mpar.init(config)``, the MLP as a DistributedModel,
+    ``optimizer(parameters)`` behind a DistributedOptimizer, and a ``@mpar.step``
+    function ``train(model, x, y)`` that backpropagates the loss and returns it."""
+    import mpar
+
+    mpar.init(config)
+    model = mpar.DistributedModel(mlp())
+    opt = mpar.DistributedOptimizer(optimizer(model.parameters()))
+
+    @mpar.step
+    def train(m: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(m(x), y)
+        m.backward(loss)
+        return loss
+
+    return model, opt, train
 
 
 def reference(model: str, optimizer: str, steps: int, clip: float | None = None) -> dict[str, Any]:

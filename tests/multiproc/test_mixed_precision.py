@@ -19,11 +19,11 @@ from mpar.testing import run_distributed
 from tests.multiproc._pipeline_cases import (
     BATCH,
     batch,
-    loss_fn,
     make_optimizer,
     mixed_reference,
     mlp,
     reference,
+    start_training,
     train_ranks,
 )
 
@@ -117,15 +117,8 @@ def test_four_replicas_bf16_zero3():
 def _memory(key, zero_stage):
     import mpar
 
-    mpar.init({"microbatches": 2, key: True, "zero": {"stage": zero_stage}})
-    model = mpar.DistributedModel(mlp())
-    opt = mpar.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
-
-    @mpar.step
-    def train(m, x, y):
-        loss = loss_fn(m(x), y)
-        m.backward(loss)
-        return loss
+    config = {"microbatches": 2, key: True, "zero": {"stage": zero_stage}}
+    model, opt, train = start_training(config, lambda ps: torch.optim.AdamW(ps, lr=1e-3))
 
     x, y = batch("mlp", 0, BATCH // mpar.dp_size())
     train(model, x, y)
@@ -159,15 +152,7 @@ def test_memory_report_follows_the_mixed_precision_formulas(zero_stage):
 def _overflow(config):
     import mpar
 
-    mpar.init(config)
-    model = mpar.DistributedModel(mlp())
-    opt = mpar.DistributedOptimizer(make_optimizer("sgd", model.parameters()))
-
-    @mpar.step
-    def train(m, x, y):
-        loss = loss_fn(m(x), y)
-        m.backward(loss)
-        return loss
+    model, opt, train = start_training(config, lambda ps: make_optimizer("sgd", ps))
 
     dp, dp_rank = mpar.dp_size(), mpar.dp_rank()
     shard = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
@@ -204,15 +189,7 @@ def test_fp16_overflow_skips_the_step_on_every_rank_and_lowers_the_scale():
 def _checkpoint(config, path, save):
     import mpar
 
-    mpar.init(config)
-    model = mpar.DistributedModel(mlp())
-    opt = mpar.DistributedOptimizer(make_optimizer("adamw", model.parameters()))
-
-    @mpar.step
-    def train(m, x, y):
-        loss = loss_fn(m(x), y)
-        m.backward(loss)
-        return loss
+    model, opt, train = start_training(config, lambda ps: make_optimizer("adamw", ps))
 
     dp, dp_rank = mpar.dp_size(), mpar.dp_rank()
     shard = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)

@@ -12,7 +12,15 @@ import pytest
 import torch
 
 from mpar.testing import run_distributed
-from tests.multiproc._pipeline_cases import BATCH, batch, loss_fn, mlp, reference, train_ranks
+from tests.multiproc._pipeline_cases import (
+    BATCH,
+    batch,
+    loss_fn,
+    mlp,
+    reference,
+    start_training,
+    train_ranks,
+)
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -117,15 +125,8 @@ def _gathered(reshard_after_forward):
     import mpar
 
     zero = {"stage": 3, "reshard_after_forward": reshard_after_forward}
-    mpar.init({"virtual_stages": 4, "pipeline": "simple", "microbatches": 2, "zero": zero})
-    model = mpar.DistributedModel(mlp())
-    opt = mpar.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-
-    @mpar.step
-    def train(m, x, y):
-        loss = loss_fn(m(x), y)
-        m.backward(loss)
-        return loss
+    config = {"virtual_stages": 4, "pipeline": "simple", "microbatches": 2, "zero": zero}
+    model, opt, train = start_training(config, lambda ps: torch.optim.SGD(ps, lr=0.1))
 
     x, y = batch("mlp", 0)
     shard = slice(mpar.dp_rank() * BATCH // 2, (mpar.dp_rank() + 1) * BATCH // 2)
@@ -172,15 +173,8 @@ def test_zero3_with_one_pipeline_rank_gathers_one_chunk_at_a_time():
 def _memory(zero_stage):
     import mpar
 
-    mpar.init({"microbatches": 2, "zero": {"stage": zero_stage}})
-    model = mpar.DistributedModel(mlp())
-    opt = mpar.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
-
-    @mpar.step
-    def train(m, x, y):
-        loss = loss_fn(m(x), y)
-        m.backward(loss)
-        return loss
+    config = {"microbatches": 2, "zero": {"stage": zero_stage}}
+    model, opt, train = start_training(config, lambda ps: torch.optim.AdamW(ps, lr=1e-3))
 
     x, y = batch("mlp", 0, BATCH // mpar.dp_size())
     train(model, x, y)
