@@ -34,6 +34,8 @@ EXACT = {"bf16": {"rtol": 0.0, "atol": 0.0}, "fp16": {"rtol": 1e-6, "atol": 1e-7
 SUMMED = {"bf16": {"rtol": 2e-2, "atol": 1e-3}, "fp16": {"rtol": 2e-3, "atol": 1e-4}}
 """Parameters after 3 SGD steps when microbatch and replica gradients are summed in
 the compute dtype (measured: at most 4.3e-4 / 3.0e-5 absolute)."""
+CLIPPED = {"rtol": 1e-6, "atol": 1e-7}
+"""Master weights when the clipping coefficient differs from torch's by an ulp."""
 LOSS_TOL = {"bf16": {"rtol": 0.0, "atol": 1e-2}, "fp16": {"rtol": 0.0, "atol": 1e-3}}
 
 
@@ -51,13 +53,23 @@ def _check(results, ref, key, tol, loss_tol):
 @pytest.mark.parametrize("key", ["bf16", "fp16"])
 @pytest.mark.parametrize("model", ["mlp", "gpt"])
 @pytest.mark.parametrize("pp", [1, 2])
-def test_one_replica_one_microbatch_equals_the_reference_bit_for_bit(key, model, pp):
+def test_one_replica_one_microbatch_equals_the_reference_to_the_ulp(key, model, pp):
     config = {"pipeline_parallel_degree": pp, "microbatches": 1, key: True}
     results = run_distributed(train_ranks, pp, args=(config, model, "adamw", 3, 0.5), timeout=120)
     ref = mixed_reference(model, "adamw", 3, DTYPES[key], clip=0.5)
     if model == "gpt" and key == "fp16":
         assert ref["skipped"] >= 1  # the first step overflows at scale 2**16: skip covered
-    _check(results, ref, key, EXACT[key], EXACT[key])
+    # the clipping norm is summed in float64 across stages, torch's in float32:
+    # the coefficient may differ by an ulp, so clipped runs agree to the ulp
+    _check(results, ref, key, CLIPPED, EXACT[key])
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_one_replica_without_clipping_is_bit_for_bit(pp):
+    config = {"pipeline_parallel_degree": pp, "microbatches": 1, "bf16": True}
+    results = run_distributed(train_ranks, pp, args=(config, "gpt", "adamw", 3, None), timeout=120)
+    ref = mixed_reference("gpt", "adamw", 3, torch.bfloat16, clip=None)
+    _check(results, ref, "bf16", EXACT["bf16"], EXACT["bf16"])
 
 
 ZERO = [
