@@ -207,13 +207,19 @@ def send_payload(
 
 
 def _unpack(buffer: torch.Tensor, start: int, slots: list[_TensorSlot]) -> list[torch.Tensor]:
-    """The tensors of ``slots``, as views of ``buffer`` from byte ``start`` on."""
+    """The tensors of ``slots``, read from ``buffer`` from byte ``start`` on.
+
+    A lone tensor is a view of the buffer. Several tensors get a storage each:
+    views of one buffer would share its autograd version counter (an in-place
+    operation on one received tensor would invalidate every other one saved for
+    backward) and would keep the whole message alive while any one of them is.
+    """
     offsets, _ = _offsets(slots)
     tensors = []
     for slot, offset in zip(slots, offsets):
         begin = start + offset
         flat = buffer[begin : begin + _nbytes(slot)].view(slot.dtype)
-        tensor = flat.reshape(slot.shape)
+        tensor = flat.reshape(slot.shape) if len(slots) == 1 else flat.clone().reshape(slot.shape)
         if slot.requires_grad:
             tensor.requires_grad_(True)
         tensors.append(tensor)

@@ -6,7 +6,8 @@ from mpar.profile._profile import (
     OPTIMIZER_BYTES_PER_PARAM,
     ModelProfile,
     UnitProfile,
+    preserved_state,
     profile_model,
 )
 
-__all__ = ["OPTIMIZER_BYTES_PER_PARAM", "ModelProfile", "UnitProfile", "profile_model"]
+__all__ = ["OPTIMIZER_BYTES_PER_PARAM", "ModelProfile", "UnitProfile", "preserved_state", "profile_model"]

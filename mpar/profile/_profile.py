@@ -19,9 +19,11 @@ Code outside the units (masks, position ids, the loss) is not timed.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -33,7 +35,13 @@ from torch.utils.flop_counter import FlopCounterMode
 from mpar.errors import PartitionError
 from mpar.partition._units import find_units
 
-__all__ = ["OPTIMIZER_BYTES_PER_PARAM", "ModelProfile", "UnitProfile", "profile_model"]
+__all__ = [
+    "OPTIMIZER_BYTES_PER_PARAM",
+    "ModelProfile",
+    "UnitProfile",
+    "preserved_state",
+    "profile_model",
+]
 
 #: Bytes of fp32 optimizer state per parameter: Adam keeps two moments, SGD with
 #: momentum one buffer.
@@ -100,18 +108,39 @@ def _tensor_bytes(tree: Any) -> int:
     return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
 
+def _snapshot(tree: Any) -> Any:
+    """A private copy of one unit call's inputs, taken before the call runs.
+
+    Models pass mutable state between units (a Hugging Face ``DynamicCache`` that
+    every attention layer appends to, say). Keeping a reference would hand the
+    profiler the state as the *whole* forward left it, and replaying a unit on it
+    would mutate it further (and reach into earlier autograd graphs); a deep copy
+    taken at call time, copied again for every replay, keeps each replay the same.
+    """
+    try:
+        return copy.deepcopy(tree)
+    except Exception:  # an input that cannot be copied is used as it is
+        return tree
+
+
 def _capture_calls(
     module: nn.Module, units: Sequence[str], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> dict[str, list[tuple[tuple[Any, ...], dict[str, Any], Any]]]:
     """Run the model once without autograd; record (args, kwargs, output) of each unit call."""
     calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any], Any]]] = {u: [] for u in units}
+    pending: dict[str, list[Any]] = {u: [] for u in units}
     handles = []
     for name in units:
 
-        def hook(_m: nn.Module, a: Any, kw: Any, out: Any, name: str = name) -> None:
+        def pre(_m: nn.Module, a: Any, kw: Any, name: str = name) -> None:
+            pending[name].append(_snapshot((a, kw)))
+
+        def hook(_m: nn.Module, _a: Any, _kw: Any, out: Any, name: str = name) -> None:
+            a, kw = pending[name].pop()
             calls[name].append((a, kw, out))
 
         sub = module.get_submodule(name)
+        handles.append(sub.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(sub.register_forward_hook(hook, with_kwargs=True))
     try:
         with torch.no_grad():
@@ -137,7 +166,7 @@ def _leafify(tree: Any) -> tuple[Any, list[torch.Tensor]]:
 
 
 def _fwd_bwd(unit: nn.Module, a: Any, kw: Any, params: list[nn.Parameter]) -> Any:
-    (a, kw), inputs = _leafify((a, kw))
+    (a, kw), inputs = _leafify(_snapshot((a, kw)))
     out = unit(*a, **kw)
     outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
     wrt = inputs + params
@@ -300,6 +329,26 @@ def _check_options(module: nn.Module, optimizer: str, mode: str, repeats: int) -
         )
 
 
+@contextmanager
+def preserved_state(module: nn.Module) -> Iterator[None]:
+    """Run a block that calls ``module`` without leaving a trace of it.
+
+    Profiling and splitting run the model on example inputs; they must not
+    change what training then computes: buffers that forward updates (batch-norm
+    running statistics, counters) get their values back, and the random number
+    generators (dropout) their states.
+    """
+    saved = [(b, b.detach().clone()) for b in module.buffers() if b.device.type != "meta"]
+    with torch.random.fork_rng():
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, value in saved:
+                    if buffer.shape == value.shape:
+                        buffer.copy_(value)
+
+
 def profile_model(
     module: nn.Module,
     example_args: Sequence[Any],
@@ -328,12 +377,13 @@ def profile_model(
     args, kwargs = tuple(example_args), dict(example_kwargs or {})
     if mode == "meta":
         args, kwargs = _to_meta((args, kwargs))
-    names = list(units) if units is not None else find_units(module, args, kwargs)
-    calls = _capture_calls(module, names, args, kwargs)
-    owner_of = _owners(module, names)
-    exclude = _storage_keys(module)
-    opts = _Options(optimizer, mode, repeats, warmup, flops_per_second)
-    profiles = [_profile_unit(module, n, calls[n], owner_of, exclude, opts) for n in names]
+    with preserved_state(module):
+        names = list(units) if units is not None else find_units(module, args, kwargs)
+        calls = _capture_calls(module, names, args, kwargs)
+        owner_of = _owners(module, names)
+        exclude = _storage_keys(module)
+        opts = _Options(optimizer, mode, repeats, warmup, flops_per_second)
+        profiles = [_profile_unit(module, n, calls[n], owner_of, exclude, opts) for n in names]
     distinct = {id(p): p.numel() for p in module.parameters()}
     unassigned = sum(n for key, n in distinct.items() if key not in owner_of)
     return ModelProfile(profiles, mode, optimizer, sum(distinct.values()), unassigned)

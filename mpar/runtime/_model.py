@@ -18,6 +18,7 @@ from torch import nn
 from mpar.comm import state
 from mpar.comm._collectives import all_gather_object_pp
 from mpar.errors import StepError
+from mpar.runtime._adapt import disable_caches
 from mpar.runtime._executor import Captured, StepRun
 from mpar.runtime._microbatch import Microbatches
 from mpar.runtime._sharding import gathered, make_sharded
@@ -58,6 +59,8 @@ class DistributedModel:
             )
         self._st = state()
         self.module = module
+        self.caches_disabled = disable_caches(module)
+        """Submodules whose ``config.use_cache`` mpar turned off (see ``runtime._adapt``)."""
         self.stages: LocalStages | None = None
         self.sharded: ShardedStages | None = None
         self.activation_peak_bytes = 0

@@ -87,8 +87,9 @@ def build_local_stages(
         names = {n: n for n, _ in list(module.named_parameters()) + list(module.named_buffers())}
         return LocalStages(1, {0: module}, {0: names}, unit_names=[["<whole model>"]])
     from mpar.partition import find_units, split_module
+    from mpar.profile import preserved_state
 
-    with torch.no_grad():
+    with torch.no_grad(), preserved_state(module):
         units = find_units(module, args, kwargs)
     decision: Any = None
     if st.layout.rank == 0:
@@ -100,7 +101,8 @@ def build_local_stages(
     if decision[0] == "error":
         raise decision[1]
     _, boundaries, plan = decision
-    split = split_module(module, args, kwargs, boundaries, units=units)
+    with preserved_state(module):
+        split = split_module(module, args, kwargs, boundaries, units=units)
     pp, me = st.grid.pp_size, st.pp_rank
     mine = {s: split.stages[s] for s in range(num_stages) if s % pp == me}
     _free_unowned(module, list(mine.values()))
