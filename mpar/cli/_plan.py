@@ -2,12 +2,16 @@
 
     mpar plan --model pkg.module:factory --config cfg.json --world-size 8 \\
         [--device-memory 16GiB] [--link-bandwidth 10GB] [--meta] [--json]
+    mpar plan --hf-config path/to/config.json --seq-len 4096 --batch 1 --world-size 16 ...
 
 The factory returns a module or a ``(module, example_inputs)`` pair, where
 ``example_inputs`` is one microbatch: a tensor, a tuple of positional
 arguments, or a dict of keyword arguments. With ``--meta`` the factory is
 called under ``torch.device("meta")`` and the model is profiled from FLOPs
-and shapes (nothing is allocated).
+and shapes (nothing is allocated). ``--hf-config`` builds a Hugging Face model
+from its config.json on the meta device (architecture from the config) and
+synthesises one microbatch of ``--batch`` samples of ``--seq-len`` tokens (or
+images), labels included, so a 7B model plans without a factory.
 
 The config (JSON or YAML, read by ``mpar.config.load_config``; without
 ``--config`` the ``MPAR_CONFIG`` variable, else one pipeline over the whole
@@ -39,7 +43,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", required=True, help="pkg.module:factory")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="pkg.module:factory")
+    source.add_argument(
+        "--hf-config",
+        help="a Hugging Face config.json (or its folder): built on the meta device",
+    )
+    parser.add_argument(
+        "--seq-len", type=int, default=512, help="with --hf-config: tokens per sample (512)"
+    )
+    parser.add_argument(
+        "--batch", type=int, default=1, help="with --hf-config: samples per microbatch (1)"
+    )
     parser.add_argument("--config", help="mpar config file (JSON or YAML)")
     parser.add_argument("--world-size", type=int, required=True, help="total number of ranks")
     parser.add_argument("--device-memory", help="memory per device, e.g. 16GiB or 40GB")
@@ -136,8 +151,19 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--world-size must be a positive integer, got {args.world_size}")
         options = _plan_options(_read_config(args.config, args.world_size), args.world_size)
         bandwidth = None if args.link_bandwidth.lower() == "none" else args.link_bandwidth
-        module, ex_args, ex_kwargs = _build(args.model, args.meta)
-        profile = profile_model(module, ex_args, ex_kwargs, mode="meta" if args.meta else "measure")
+        if args.hf_config is not None:
+            from mpar.cli._hf import build_hf_model
+            from mpar.runtime._adapt import disable_caches
+
+            module, ex_kwargs = build_hf_model(
+                args.hf_config, seq_len=args.seq_len, batch=args.batch
+            )
+            disable_caches(module)  # as DistributedModel does
+            ex_args, meta = (), True
+        else:
+            module, ex_args, ex_kwargs = _build(args.model, args.meta)
+            meta = args.meta
+        profile = profile_model(module, ex_args, ex_kwargs, mode="meta" if meta else "measure")
         plan = make_plan(
             profile, device_memory=args.device_memory, link_bandwidth=bandwidth, **options
         )

@@ -72,6 +72,8 @@ class StagePlan:
     """What limits this stage: "compute", "single unit", "memory cap", "over memory cap" or ""."""
     comm_s: float = 0.0
     """Seconds per microbatch to send the output on and receive its gradient (0 for the last)."""
+    outer_params: list[str] = field(default_factory=list)
+    """Parameters outside every unit held by this stage (a root-level position table, say)."""
 
 
 @dataclass
@@ -344,6 +346,7 @@ def _stage_plans(
                 state + act,
                 "",
                 comm[b - 1] if comm is not None and b < len(units) else 0.0,
+                [n for u in group for n in u.outer_params],
             )
         )
     return plans
@@ -431,6 +434,11 @@ def _render(plan: Plan) -> str:
     peak = max(plan.rank_memory_bytes) if plan.rank_memory_bytes else 0
     source = "simulated" if plan.simulated else "formula"
     link = "not modelled" if plan.link_bandwidth is None else f"{_fmt(plan.link_bandwidth)}/s"
+    lines += [
+        f"stage {s.stage} also holds {', '.join(s.outer_params)} (outside every unit)"
+        for s in plan.stages
+        if s.outer_params
+    ]
     lines += [
         "",
         f"predicted step time {plan.step_time_s * 1e3:.4g} ms, bubble {plan.bubble:.1%} ({source}); "

@@ -10,4 +10,10 @@ from mpar.profile._profile import (
     profile_model,
 )
 
-__all__ = ["OPTIMIZER_BYTES_PER_PARAM", "ModelProfile", "UnitProfile", "preserved_state", "profile_model"]
+__all__ = [
+    "OPTIMIZER_BYTES_PER_PARAM",
+    "ModelProfile",
+    "UnitProfile",
+    "preserved_state",
+    "profile_model",
+]

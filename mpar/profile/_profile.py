@@ -19,6 +19,7 @@ Code outside the units (masks, position ids, the loss) is not timed.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 import time
@@ -30,6 +31,8 @@ from typing import Any, Literal
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from mpar.errors import PartitionError
@@ -69,6 +72,8 @@ class UnitProfile:
     tied_state_bytes: dict[str, int] = field(default_factory=dict)
     """Parameters this unit uses that an earlier unit owns: owner → parameter+grad+optimizer bytes."""
     calls: int = 1
+    outer_params: list[str] = field(default_factory=list)
+    """Parameters outside every unit that run with this unit (counted in its bytes above)."""
 
     @property
     def state_bytes(self) -> int:
@@ -86,7 +91,7 @@ class ModelProfile:
     param_count: int
     """Distinct parameters in the whole model."""
     unassigned_param_count: int = 0
-    """Parameters outside every unit (e.g. on the root module)."""
+    """Parameters that no unit needs: outside every unit and unused by the forward pass."""
 
     @property
     def names(self) -> list[str]:
@@ -123,16 +128,60 @@ def _snapshot(tree: Any) -> Any:
         return tree
 
 
+class _Lineage(TorchFunctionMode):
+    """Tracks which of some parameters each tensor computed in the mode derives from."""
+
+    def __init__(self, roots: dict[int, str]) -> None:
+        super().__init__()
+        self.roots = roots
+        self.sources: dict[int, frozenset[str]] = {}
+        self.alive: list[torch.Tensor] = []  # ids stay unique while the mode is in use
+
+    def of(self, tree: Any) -> frozenset[str]:
+        found: set[str] = set()
+        for t in pytree.tree_leaves(tree):
+            if isinstance(t, torch.Tensor):
+                found |= self.sources.get(id(t), frozenset())
+                if id(t) in self.roots:
+                    found.add(self.roots[id(t)])
+        return frozenset(found)
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        found = self.of((args, kwargs))
+        if found:
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.sources[id(t)] = found
+                    self.alive.append(t)
+        return out
+
+
 def _capture_calls(
-    module: nn.Module, units: Sequence[str], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> dict[str, list[tuple[tuple[Any, ...], dict[str, Any], Any]]]:
-    """Run the model once without autograd; record (args, kwargs, output) of each unit call."""
+    module: nn.Module,
+    units: Sequence[str],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    roots: dict[int, str] | None = None,
+) -> tuple[dict[str, list[tuple[tuple[Any, ...], dict[str, Any], Any]]], dict[str, str]]:
+    """Run the model once without autograd; record (args, kwargs, output) of each unit call.
+
+    Also returns where each of ``roots`` (``id(parameter) -> name``: parameters
+    outside every unit, such as a position table on the root module) is first
+    needed: the first unit whose inputs derive from it, else the last unit when
+    the model's output does (a scale applied after the head); unused ones are absent.
+    """
     calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any], Any]]] = {u: [] for u in units}
     pending: dict[str, list[Any]] = {u: [] for u in units}
+    lineage = _Lineage(roots or {})
+    consumer: dict[str, str] = {}
     handles = []
     for name in units:
 
         def pre(_m: nn.Module, a: Any, kw: Any, name: str = name) -> None:
+            for root in lineage.of((a, kw)):
+                consumer.setdefault(root, name)
             pending[name].append(_snapshot((a, kw)))
 
         def hook(_m: nn.Module, _a: Any, _kw: Any, out: Any, name: str = name) -> None:
@@ -143,12 +192,14 @@ def _capture_calls(
         handles.append(sub.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(sub.register_forward_hook(hook, with_kwargs=True))
     try:
-        with torch.no_grad():
-            module(*args, **kwargs)
+        with torch.no_grad(), lineage:
+            out = module(*args, **kwargs)
+        for root in lineage.of(out):
+            consumer.setdefault(root, units[-1])
     finally:
         for h in handles:
             h.remove()
-    return calls
+    return calls, consumer
 
 
 def _leafify(tree: Any) -> tuple[Any, list[torch.Tensor]]:
@@ -196,9 +247,12 @@ class _SavedCounter:
         return t
 
 
+def _state(module: nn.Module) -> list[torch.Tensor]:
+    return [*module.parameters(), *module.buffers()]
+
+
 def _storage_keys(module: nn.Module) -> set[int]:
-    tensors = [*module.parameters(), *module.buffers()]
-    return {t.untyped_storage()._cdata for t in tensors}
+    return {t.untyped_storage()._cdata for t in _state(module)}
 
 
 def _synchronizer(module: nn.Module) -> Callable[[], None]:
@@ -264,6 +318,8 @@ def _profile_unit_inner(
     unit = module.get_submodule(name)
     params = [p for p in unit.parameters() if p.requires_grad]
     owned = [p for p in unit.parameters() if owner_of[id(p)] == name]
+    roots = [(n, p) for n, p in module.named_parameters() if owner_of.get(id(p)) == f"@{name}"]
+    owned += [p for _n, p in roots]
     per_param_opt = OPTIMIZER_BYTES_PER_PARAM[opts.optimizer]
     trainable = [p for p in owned if p.requires_grad]
     tied: dict[str, int] = {}
@@ -294,6 +350,7 @@ def _profile_unit_inner(
         output_bytes=sum(_tensor_bytes(out) for _a, _kw, out in calls),
         tied_state_bytes=tied,
         calls=len(calls),
+        outer_params=[n for n, _p in roots],
     )
 
 
@@ -375,13 +432,26 @@ def profile_model(
     """
     _check_options(module, optimizer, mode, repeats)
     args, kwargs = tuple(example_args), dict(example_kwargs or {})
+    fake: Any = contextlib.nullcontext()
     if mode == "meta":
-        args, kwargs = _to_meta((args, kwargs))
-    with preserved_state(module):
+        # Fake tensors on the meta device: models that check values where they can
+        # (Hugging Face masks: "is this mask all ones?") skip the check when tracing.
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        args, kwargs = pytree.tree_map(
+            lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x,
+            _to_meta((args, kwargs)),
+        )
+    with preserved_state(module), fake:
+        # The fake copies of parameters that ops make, kept alive so every op gets the same.
+        fakes = [fake.from_tensor(t) for t in _state(module)] if mode == "meta" else []
         names = list(units) if units is not None else find_units(module, args, kwargs)
-        calls = _capture_calls(module, names, args, kwargs)
         owner_of = _owners(module, names)
-        exclude = _storage_keys(module)
+        outer = {id(p): n for n, p in module.named_parameters() if id(p) not in owner_of}
+        calls, consumer = _capture_calls(module, names, args, kwargs, outer)
+        for key, n in outer.items():  # "@unit": held with that unit, not inside it
+            # an unused one stays with the last unit, where the runtime keeps it
+            owner_of[key] = "@" + consumer.get(n, names[-1])
+        exclude = _storage_keys(module) | {t.untyped_storage()._cdata for t in fakes}
         opts = _Options(optimizer, mode, repeats, warmup, flops_per_second)
         profiles = [_profile_unit(module, n, calls[n], owner_of, exclude, opts) for n in names]
     distinct = {id(p): p.numel() for p in module.parameters()}
