@@ -1,0 +1,155 @@
+"""Hugging Face model families, built from small configs with the library's defaults.
+
+Each family is trained with the loss computed inside the model from ``labels``
+(the way most users train them). Defaults are kept, ``use_cache`` included;
+only sizes are made small and dropout is set to zero, so that one-process
+training on the whole batch is an exact oracle.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "t5", "bert", "vit")
+BATCH = 8  # global batch per step
+VOCAB = 96
+_DECODER = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=64,
+)
+
+
+def build(family: str) -> nn.Module:
+    """The family's model, seeded so every process builds the same weights."""
+    import transformers as hf
+
+    torch.manual_seed(0)
+    if family == "llama":
+        return hf.LlamaForCausalLM(hf.LlamaConfig(**_DECODER))
+    if family == "mistral":
+        return hf.MistralForCausalLM(hf.MistralConfig(**_DECODER, sliding_window=8))
+    if family == "qwen2":
+        return hf.Qwen2ForCausalLM(hf.Qwen2Config(**_DECODER))
+    if family == "gpt2":
+        cfg = hf.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=4, n_head=4)
+        cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.0
+        return hf.GPT2LMHeadModel(cfg)
+    if family == "t5":
+        t5 = hf.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+        t5.dropout_rate, t5.decoder_start_token_id = 0.0, 0  # as t5-small's config.json has
+        return hf.T5ForConditionalGeneration(t5)
+    if family == "bert":
+        bert = hf.BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            intermediate_size=64,
+            num_labels=3,
+        )
+        bert.hidden_dropout_prob = bert.attention_probs_dropout_prob = 0.0
+        return hf.BertForSequenceClassification(bert)
+    if family == "vit":
+        vit = hf.ViTConfig(
+            image_size=16,
+            patch_size=4,
+            hidden_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            intermediate_size=64,
+            num_labels=5,
+        )
+        return hf.ViTForImageClassification(vit)
+    raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
+
+
+def batch(family: str, step: int) -> dict[str, torch.Tensor]:
+    """The global batch of ``step``: the model's keyword inputs, ``labels`` included."""
+    g = torch.Generator().manual_seed(100 + step)
+    if family == "t5":
+        return {
+            "input_ids": torch.randint(1, VOCAB, (BATCH, 10), generator=g),
+            "labels": torch.randint(1, VOCAB, (BATCH, 6), generator=g),
+        }
+    if family == "bert":
+        return {
+            "input_ids": torch.randint(0, VOCAB, (BATCH, 12), generator=g),
+            "labels": torch.randint(0, 3, (BATCH,), generator=g),
+        }
+    if family == "vit":
+        return {
+            "pixel_values": torch.randn(BATCH, 3, 16, 16, generator=g),
+            "labels": torch.randint(0, 5, (BATCH,), generator=g),
+        }
+    ids = torch.randint(0, VOCAB, (BATCH, 12), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _optimizer(params: Any) -> torch.optim.Optimizer:
+    # A larger eps keeps Adam from turning float noise on near-zero gradients
+    # into lr-sized steps (see DESIGN.md, correctness oracle).
+    return torch.optim.AdamW(params, lr=0.01, eps=1e-4)
+
+
+def reference(family: str, steps: int) -> dict[str, Any]:
+    """One process, the whole batch, plain torch."""
+    net = build(family)
+    opt = _optimizer(net.parameters())
+    losses = []
+    for s in range(steps):
+        loss = net(**batch(family, s)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "state": {k: v.clone() for k, v in net.state_dict().items()}}
+
+
+def train_family(family: str, steps: int) -> dict[str, Any]:
+    """Train one family with mpar (``mpar.init`` already called) on this replica's shard."""
+    import mpar
+
+    model = mpar.DistributedModel(build(family))
+    opt = mpar.DistributedOptimizer(_optimizer(model.parameters()))
+
+    @mpar.step
+    def train_step(m: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = m(**inputs).loss
+        m.backward(loss)
+        return loss
+
+    dp, rank = mpar.dp_size(), mpar.dp_rank()
+    shard = slice(rank * BATCH // dp, (rank + 1) * BATCH // dp)
+    losses = []
+    for s in range(steps):
+        inputs = {k: v[shard] for k, v in batch(family, s).items()}
+        losses.append(float(train_step(model, inputs).reduce_mean()))
+        opt.step()
+        opt.zero_grad()
+    counts = [stage.param_count for stage in model.plan.stages]
+    return {"losses": losses, "state": model.state_dict(), "plan_param_counts": counts}
+
+
+def train_ranks(
+    families: list[str], configs: list[dict[str, Any]], steps: int
+) -> dict[tuple[int, str], Any]:
+    """Rank body: every family under every config, in one set of processes."""
+    import mpar
+
+    out = {}
+    for c, config in enumerate(configs):
+        mpar.init(config)
+        try:
+            for family in families:
+                out[(c, family)] = train_family(family, steps)
+        finally:
+            mpar.shutdown()
+    return out
