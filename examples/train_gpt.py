@@ -12,10 +12,10 @@ Runs unchanged under ``torchrun``, ``mpirun`` and ``srun``.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import torch
+from _progress import progress
 
 import mpar
 from mpar.testing_models import GPTConfig, TinyGPT
@@ -28,13 +28,6 @@ def batches(vocab: int, seq: int, batch: int, seed: int):
         start = torch.randint(0, vocab, (batch, 1), generator=g)
         tokens = (start + torch.arange(seq + 1)) % vocab
         yield tokens[:, :-1], tokens[:, 1:]
-
-
-def progress(step: int, total: int, loss: float, rate: float) -> str:
-    width = 30
-    filled = int(width * step / total)
-    bar = "#" * filled + "-" * (width - filled)
-    return f"\r[{bar}] step {step:>3}/{total}  loss {loss:7.4f}  {rate:6.1f} samples/s"
 
 
 def main(argv: list[str] | None = None) -> float:
@@ -67,6 +60,7 @@ def main(argv: list[str] | None = None) -> float:
 
     data = batches(cfg.vocab_size, 16, args.batch, seed=1 + mpar.dp_rank())
     loss = float("nan")
+    bar = progress(args.steps, "gpt")
     started = time.perf_counter()
     for step in range(1, args.steps + 1):
         inputs, targets = next(data)
@@ -78,16 +72,12 @@ def main(argv: list[str] | None = None) -> float:
         if step == 1 and mpar.rank() == 0:
             print(f"mpar: {mpar.size()} processes, pp={mpar.pp_size()} dp={mpar.dp_size()}")
             print(model.plan, flush=True)
-        if mpar.rank() == 0:
-            rate = step * args.batch * mpar.dp_size() / (time.perf_counter() - started)
-            line = progress(step, args.steps, loss, rate)
-            if sys.stdout.isatty():
-                sys.stdout.write(line)
-            elif step % 10 == 0 or step == args.steps:
-                sys.stdout.write(line.lstrip("\r") + "\n")
-            sys.stdout.flush()
+        rate = step * args.batch * mpar.dp_size() / (time.perf_counter() - started)
+        bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{rate:.1f}")
+        bar.update()
+    bar.close()
     if mpar.rank() == 0:
-        print(f"\nfinal loss {loss:.4f}")
+        print(f"final loss {loss:.4f}")
     mpar.shutdown()
     return loss
 

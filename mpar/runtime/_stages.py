@@ -8,6 +8,8 @@ the parameters of the others.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +19,7 @@ from torch import nn
 from mpar.comm import State
 from mpar.comm._collectives import broadcast_object_world, new_group
 from mpar.errors import PartitionError
+from mpar.runtime._precision import cast_floats, compute_dtype
 
 __all__ = ["LocalStages", "build_local_stages"]
 
@@ -69,6 +72,28 @@ def _decide_boundaries(
     return list(plan.boundaries), plan
 
 
+@contextmanager
+def _parameters_in(module: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+    """Floating-point parameters temporarily in ``dtype`` (mixed precision's compute dtype).
+
+    Stages are captured with the dtypes they will run in: a model that converts
+    dtypes itself (a norm computing in float32 and casting back to its input's
+    dtype) is traced into explicit casts, which must be the mixed-precision ones.
+    The original values come back untouched afterwards.
+    """
+    if dtype is None:
+        yield
+        return
+    saved = [(p, p.data) for p in module.parameters() if p.is_floating_point()]
+    for p, data in saved:
+        p.data = data.to(dtype)
+    try:
+        yield
+    finally:
+        for p, data in saved:
+            p.data = data
+
+
 def _free_unowned(module: nn.Module, kept: list[nn.Module]) -> None:
     """Release the storage of every parameter and buffer no kept stage uses."""
     keep = {id(t) for m in kept for t in list(m.parameters()) + list(m.buffers())}
@@ -101,7 +126,9 @@ def build_local_stages(
     if decision[0] == "error":
         raise decision[1]
     _, boundaries, plan = decision
-    with preserved_state(module):
+    dtype = compute_dtype(st.config)
+    with preserved_state(module), _parameters_in(module, dtype):
+        args, kwargs = cast_floats((args, kwargs), dtype)
         split = split_module(module, args, kwargs, boundaries, units=units)
     pp, me = st.grid.pp_size, st.pp_rank
     mine = {s: split.stages[s] for s in range(num_stages) if s % pp == me}

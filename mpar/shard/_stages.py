@@ -144,9 +144,13 @@ class ShardedStages:
         raise ValueError("a tied parameter is not a trainable parameter of these stages")
 
     def _cast_rest(self, dtype: torch.dtype) -> None:
-        """Frozen parameters and buffers in the compute dtype too (like ``module.half()``)."""
-        buffers = [b for module in self.stages.values() for b in module.buffers()]
-        for t in self.frozen + buffers:
+        """Frozen parameters in the compute dtype too; buffers keep theirs.
+
+        Buffers stay as the model made them (as FSDP2 leaves them): models keep
+        some in float32 on purpose (rotary frequencies, batch-norm statistics), and
+        a captured stage checks the dtype the model's code asked for.
+        """
+        for t in self.frozen:
             if t.is_floating_point() and t.dtype != dtype:
                 t.data = t.data.to(dtype)
 
