@@ -44,6 +44,7 @@ def _check(results: list[dict[Any, Any]], configs: list[dict[str, Any]]) -> None
                     )
 
 
+@pytest.mark.timeout(660)
 def test_every_family_pp2_dp2_and_zero3():
     configs = [
         {"pipeline_parallel_degree": 2, "microbatches": 4},
@@ -76,6 +77,7 @@ SLOW_GRID = [
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1900)
 @pytest.mark.parametrize(("world", "configs"), SLOW_GRID, ids=["pp2", "pp4-virtual-zero"])
 def test_every_family_full_grid(world, configs):
     results = run_distributed(
