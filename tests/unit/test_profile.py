@@ -93,3 +93,50 @@ def test_7b_gpt_on_meta_device():
     assert block.param_count == 12 * 4096 * 4096 + 2 * 4096
     assert block.flops > 6 * 2048 * block.param_count  # 6 * tokens * params, plus attention
     assert elapsed < 60
+
+
+class _Cache:
+    """Mutable state every block appends to (as a Hugging Face DynamicCache)."""
+
+    def __init__(self) -> None:
+        self.seen: list[torch.Tensor] = []
+
+
+class _CachedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, cache: _Cache) -> torch.Tensor:
+        out = self.lin(x) + sum(cache.seen, torch.zeros(()))
+        cache.seen.append(out)
+        return out
+
+
+class _CachedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_CachedBlock() for _ in range(3))
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cache = _Cache()
+        for block in self.blocks:
+            x = block(x, cache)
+        return self.norm(x) + torch.nn.functional.dropout(x, 0.5)
+
+
+def test_profile_replays_units_on_private_inputs_and_leaves_no_trace():
+    net, x = _CachedNet(), torch.randn(6, 4)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    torch.manual_seed(7)
+    expected_draw = torch.rand(3)
+    torch.manual_seed(7)
+    prof = profile_model(net, (x,), repeats=2, warmup=1)
+    assert [u.name for u in prof.units] == ["blocks.0", "blocks.1", "blocks.2", "norm"]
+    # each block's replay saw the cache as it was when the block was called
+    flops = [u.flops for u in prof.units[:3]]
+    assert flops[0] == flops[1] == flops[2] > 0
+    for key, value in net.state_dict().items():  # running statistics restored
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0, msg=key)
+    torch.testing.assert_close(torch.rand(3), expected_draw)  # the RNG too

@@ -1,0 +1,36 @@
+"""Received messages: tensors unpacked from one buffer must not share autograd state."""
+
+from __future__ import annotations
+
+import torch
+
+from mpar.comm._p2p import _offsets, _pack, _TensorSlot, _unpack
+
+
+def _message(tensors):
+    slots = [_TensorSlot(tuple(t.shape), t.dtype, False) for t in tensors]
+    offsets, size = _offsets(slots)
+    buffer = torch.empty(size, dtype=torch.uint8)
+    _pack(buffer, 0, tensors, offsets)
+    return buffer, slots
+
+
+def test_several_tensors_get_their_own_storage():
+    hidden, mask = torch.randn(2, 3), torch.tensor([[True, False, True]])
+    buffer, slots = _message([hidden, mask])
+    got_hidden, got_mask = _unpack(buffer, 0, slots)
+    torch.testing.assert_close(got_hidden, hidden)
+    assert torch.equal(got_mask, mask)
+    # an in-place change of one leaves the other's version (saved for backward) alone
+    version = got_mask._version
+    got_hidden.add_(1.0)
+    assert got_mask._version == version
+    assert got_hidden.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
+
+
+def test_a_lone_tensor_is_a_view_of_the_message():
+    hidden = torch.randn(4)
+    buffer, slots = _message([hidden])
+    (got,) = _unpack(buffer, 0, slots)
+    torch.testing.assert_close(got, hidden)
+    assert got.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
