@@ -18,6 +18,7 @@ from typing import Any
 from mpar.errors import ScheduleError
 from mpar.schedule import (
     PIPELINES,
+    SCHEDULE_HELP,
     Schedule,
     SimulationResult,
     StageCosts,
@@ -58,7 +59,7 @@ def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
         "--pipeline",
         choices=PIPELINES,
         default="interleaved",
-        help="simple = GPipe, interleaved = 1F1B (default: %(default)s)",
+        help="; ".join(f"{k} = {v}" for k, v in SCHEDULE_HELP.items()) + " (default: %(default)s)",
     )
     parser.add_argument(
         "--stages",
@@ -181,7 +182,7 @@ def _build_and_simulate(args: argparse.Namespace) -> tuple[Schedule, SimulationR
 
 def _text_report(args: argparse.Namespace, schedule: Schedule, result: SimulationResult) -> str:
     p, v, m = schedule.num_ranks, schedule.virtual_stages, schedule.num_microbatches
-    kind = "GPipe" if args.pipeline == "simple" else "1F1B"
+    kind = {"simple": "GPipe", "interleaved": "1F1B", "zero_bubble": "ZB-H1"}.get(args.pipeline, "")
     mode = ", forward only" if schedule.is_forward_only else ""
     peaks = " ".join(str(peak) for peak in result.peak_in_flight)
     lines = [

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from mpar.errors import ConfigError, ConfigTypeError
+from mpar.schedule._registry import PIPELINES
 
 __all__ = ["Config", "ZeroConfig"]
 
-PipelineKind = Literal["simple", "interleaved"]
+PipelineKind = Literal["simple", "interleaved", "zero_bubble"]
 OptimizeKind = Literal["speed", "memory"]
 PlacementKind = Literal["cluster", "spread"]
 OffloadKind = Literal["none", "cpu"]
@@ -114,7 +115,10 @@ class Config:
     """Microbatches each step's batch is split into."""
 
     pipeline: PipelineKind = "interleaved"
-    """``"interleaved"``: backward-first 1F1B; ``"simple"``: all forwards, then all backwards (GPipe)."""
+    """``"interleaved"``: backward-first 1F1B; ``"simple"``: all forwards, then all backwards
+    (GPipe); ``"zero_bubble"``: 1F1B with the backward split into input (I) and weight (W)
+    parts, W deferred into the bubbles (ZB-H1; interleaved variant with virtual stages).
+    The names come from ``mpar.schedule.PIPELINES``."""
 
     virtual_stages: int = 1
     """Model chunks per rank (looped stages, as in Megatron-LM's interleaved schedule)."""
@@ -175,7 +179,7 @@ class Config:
     def _check_fields(self) -> None:
         _check_int("pipeline_parallel_degree", self.pipeline_parallel_degree, minimum=1)
         _check_int("microbatches", self.microbatches, minimum=1)
-        _fail_choice("pipeline", self.pipeline, ("interleaved", "simple"))
+        _fail_choice("pipeline", self.pipeline, PIPELINES)
         _check_int("virtual_stages", self.virtual_stages, minimum=1)
         if self.active_microbatches is not None:
             _check_int("active_microbatches", self.active_microbatches, minimum=1)
@@ -226,10 +230,10 @@ class Config:
                 f"{self.microbatches} microbatches; use a value <= {self.microbatches}"
             )
         pp, v, m = self.pipeline_parallel_degree, self.virtual_stages, self.microbatches
-        if self.pipeline == "interleaved" and v > 1 and m % pp:
+        if self.pipeline in ("interleaved", "zero_bubble") and v > 1 and m % pp:
             fits = sorted({pp * max(1, m // pp), pp * (m // pp + 1)})
             raise ConfigError(
-                f"config key 'microbatches' is {m}: the interleaved schedule with "
+                f"config key 'microbatches' is {m}: the {self.pipeline} schedule with "
                 f"{v} virtual stages needs a multiple of pipeline_parallel_degree {pp}; "
                 f"use {' or '.join(map(str, fits))} (or pipeline 'simple')"
             )

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from mpar.errors import PartitionError
 from mpar.partition._methods import parameter_boundaries, uniform_boundaries
 from mpar.partition._solver import _fmt, memory_weight_for, solve, stage_costs
+from mpar.schedule._registry import PIPELINES
 
 if TYPE_CHECKING:
     from mpar.profile import ModelProfile, UnitProfile
@@ -45,7 +46,6 @@ if TYPE_CHECKING:
 __all__ = ["Plan", "StagePlan", "make_plan", "parse_bytes"]
 
 _METHODS = ("profile", "uniform", "parameters")
-_PIPELINES = ("interleaved", "simple")
 
 
 @dataclass
@@ -230,8 +230,8 @@ def _check(
     for name, value in (("num_ranks", num_ranks), ("virtual_stages", v), ("microbatches", m)):
         if not isinstance(value, int) or value < 1:
             raise PartitionError(f"{name} must be a positive integer, got {value!r}")
-    if pipeline not in _PIPELINES:
-        raise PartitionError(f"pipeline must be 'interleaved' or 'simple', got {pipeline!r}")
+    if pipeline not in PIPELINES:
+        raise PartitionError(f"pipeline must be one of {', '.join(PIPELINES)}; got {pipeline!r}")
     if method not in _METHODS:
         raise PartitionError(f"method must be one of {', '.join(_METHODS)}; got {method!r}")
     if len(profile.units) < num_ranks * v:

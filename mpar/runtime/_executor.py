@@ -41,6 +41,7 @@ from mpar.runtime._microbatch import Microbatches
 from mpar.runtime._output import StepOutput, check_gatherable, detach_to_cpu
 from mpar.runtime._precision import cast_floats, compute_dtype
 from mpar.runtime._recompute import run_stage
+from mpar.runtime._split_backward import split_backward
 
 if TYPE_CHECKING:
     from mpar.runtime._model import DistributedModel
@@ -67,6 +68,22 @@ def _tensor_bytes(value: Any) -> int:
     return sum(
         t.untyped_storage().nbytes() for t in tree_leaves(value) if isinstance(t, torch.Tensor)
     )
+
+
+def _nothing() -> None:
+    pass
+
+
+def _gradient_pairs(
+    outputs: Any, out_grads: Any
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """(outputs, their received gradients) for the outputs that take part in autograd."""
+    pairs = [
+        (o, g)
+        for o, g in zip(tree_leaves(outputs), tree_leaves(out_grads))
+        if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
+    ]
+    return [o for o, _ in pairs], [g for _, g in pairs]
 
 
 def _input_grads(inputs: Any) -> Any:
@@ -103,6 +120,10 @@ class StepRun:
         self.losses: dict[int, torch.Tensor] = {}
         self.results: dict[int, Any] = {}
         self.backward_done: dict[int, int] = {}
+        """Stage -> microbatches whose weight gradients are done (B or W)."""
+        self.bound: set[int] = set()
+        self.weight_work: dict[tuple[int, int], Callable[[], None]] = {}
+        """(stage, microbatch) -> the W still to run after its I."""
         self.pending = PendingSends()
         self.links: Links = st.extras.setdefault("p2p_links", Links())
         self.incoming = self._incoming_streams()
@@ -179,7 +200,7 @@ class StepRun:
             s, kind = action.stage, action.kind.value
             if kind == "F" and s > 0:
                 stream = (self._rank_of(s - 1), 2 * s + _FORWARD)
-            elif kind == "B" and s < last:
+            elif kind in ("B", "I") and s < last:
                 stream = (self._rank_of(s + 1), 2 * s + _BACKWARD)
             else:
                 continue
@@ -264,44 +285,70 @@ class StepRun:
         if len(self.results) == len(self.batches):
             self._send_outputs()
 
+    def _prepare_backward(self, s: int, *, arm: bool) -> None:
+        if self.sharded is None:
+            return
+        self.sharded.wait_unsharded(s)
+        if s not in self.bound:
+            self.sharded.bind_grads(s)  # autograd accumulates into the flat buffers
+            self.bound.add(s)
+        if arm and self.backward_done.get(s, 0) == len(self.batches) - 1:
+            self.sharded.reduce_grads_in_backward(s)  # overlap reduction with the last B
+
     def backward(self, s: int, j: int) -> None:
-        if self.sharded is not None:
-            self.sharded.wait_unsharded(s)
-            if s not in self.backward_done:
-                self.sharded.bind_grads(s)  # autograd accumulates into the flat buffers
-            if self.backward_done.get(s, 0) == len(self.batches) - 1:
-                self.sharded.reduce_grads_in_backward(s)  # overlap reduction with the last B
+        """B: input and weight gradients of stage ``s`` for microbatch ``j``."""
+        self._prepare_backward(s, arm=True)
+        self._backward_input(s, j, split=False)
+        self._weights_done(s)
+
+    def backward_input(self, s: int, j: int) -> None:
+        """I: only the gradient of the stage's input (what the previous stage waits for);
+        what the weight gradients need is kept for the W of the same microbatch."""
+        self._prepare_backward(s, arm=False)
+        self._backward_input(s, j, split=True)
+
+    def backward_weight(self, s: int, j: int) -> None:
+        """W: the weight gradients of stage ``s`` for microbatch ``j``, after its I."""
+        self._prepare_backward(s, arm=False)
+        work = self.weight_work.pop((s, j), None)
+        if work is None:
+            raise StepError(f"internal: {s}W{j} runs before {s}I{j}")
+        work()
+        self._weights_done(s)
+
+    def _weights_done(self, s: int) -> None:
+        self.backward_done[s] = self.backward_done.get(s, 0) + 1
+        if self.backward_done[s] == len(self.batches) and self.reducer is not None:
+            self.reducer.start(s)
+
+    def _backward_input(self, s: int, j: int, *, split: bool) -> None:
         inputs, outputs = self.saved.pop((s, j))
         self.held_bytes -= _tensor_bytes((inputs, outputs))
+        roots: list[torch.Tensor] = []
+        root_grads: list[torch.Tensor] | None = None
         if s == self.num_stages - 1:
             loss = self.losses.pop(j, None)
             if loss is not None:
                 scaled = loss * self.batches.weights[j] / self.st.grid.dp_size
                 if self.loss_scale != 1.0:  # fp16: dynamic loss scaling
                     scaled = scaled * self.loss_scale
-                scaled.backward()
-            grads = None if loss is None else _input_grads(inputs)
+                roots = [scaled]
         else:
             out_grads = self._receive(s, j, _BACKWARD, s + 1)
-            grads = None
             if out_grads is not None:
-                self._backprop(outputs, out_grads)
-                grads = _input_grads(inputs)
+                roots, root_grads = _gradient_pairs(outputs, out_grads)
+        grads, work = None, _nothing
+        if roots:
+            if split:
+                stage = self.stages.modules[s]
+                work = split_backward(roots, root_grads, inputs, stage, self.st.config)
+            else:
+                torch.autograd.backward(roots, root_grads)
+            grads = _input_grads(inputs)
+        if split:
+            self.weight_work[(s, j)] = work
         if s > 0:
             self._deliver(s - 1, j, _BACKWARD, grads)
-        self.backward_done[s] = self.backward_done.get(s, 0) + 1
-        if self.backward_done[s] == len(self.batches) and self.reducer is not None:
-            self.reducer.start(s)
-
-    @staticmethod
-    def _backprop(outputs: Any, out_grads: Any) -> None:
-        pairs = [
-            (o, g)
-            for o, g in zip(tree_leaves(outputs), tree_leaves(out_grads))
-            if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
-        ]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
     # -- the whole step ------------------------------------------------------------
 
@@ -318,6 +365,10 @@ class StepRun:
                 self.forward(action.stage, action.microbatch)
             elif kind == "B":
                 self.backward(action.stage, action.microbatch)
+            elif kind == "I":
+                self.backward_input(action.stage, action.microbatch)
+            elif kind == "W":
+                self.backward_weight(action.stage, action.microbatch)
             elif kind in _SHARD_ACTIONS and self.sharded is not None:
                 getattr(self.sharded, _SHARD_ACTIONS[kind])(action.stage)
             else:

@@ -12,9 +12,10 @@ ordered list of ``Action``s such as ``1F3`` (stage 1, forward, microbatch 3)::
 
 from __future__ import annotations
 
-from mpar.schedule._generators import PIPELINES, build_schedule, interleaved, simple
+from mpar.schedule._generators import interleaved, simple
 from mpar.schedule._ir import COMMUNICATION_KINDS, COMPUTE_KINDS, Action, Kind, Schedule
 from mpar.schedule._lower import lower_communication
+from mpar.schedule._registry import PIPELINES, SCHEDULE_HELP, build_schedule
 from mpar.schedule._render import render_png, render_text, to_chrome_trace
 from mpar.schedule._shard_lower import lower_sharding
 from mpar.schedule._simulate import (
@@ -25,11 +26,13 @@ from mpar.schedule._simulate import (
     simulate,
 )
 from mpar.schedule._validate import validate
+from mpar.schedule._zero_bubble import zero_bubble
 
 __all__ = [
     "COMMUNICATION_KINDS",
     "COMPUTE_KINDS",
     "PIPELINES",
+    "SCHEDULE_HELP",
     "Action",
     "Kind",
     "Schedule",
@@ -47,4 +50,5 @@ __all__ = [
     "simulate",
     "to_chrome_trace",
     "validate",
+    "zero_bubble",
 ]

@@ -11,14 +11,10 @@ there and whose backward has not (see ``mpar.schedule.peak_in_flight``); with
 
 from __future__ import annotations
 
-from typing import Literal
-
 from mpar.errors import ScheduleError
 from mpar.schedule._ir import Action, Kind, Schedule
 
-__all__ = ["PIPELINES", "build_schedule", "interleaved", "simple"]
-
-PIPELINES = ("simple", "interleaved")
+__all__ = ["interleaved", "simple"]
 
 
 def simple(
@@ -153,36 +149,6 @@ def _chunk_order(r: int, p: int, v: int, m: int, *, reverse: bool) -> list[tuple
             c = v - 1 - c
         order.append((c * p + r, group * p + within % p))
     return order
-
-
-def build_schedule(
-    pipeline: Literal["simple", "interleaved"],
-    num_ranks: int,
-    num_microbatches: int,
-    *,
-    virtual_stages: int = 1,
-    active_microbatches: int | None = None,
-    forward_only: bool = False,
-) -> Schedule:
-    """The schedule for the config keys of the same names.
-
-    ``num_ranks`` is the pipeline degree ``p``; the schedule has
-    ``p * virtual_stages`` stages.
-    """
-    if pipeline not in PIPELINES:
-        raise ScheduleError(
-            f"unknown pipeline {pipeline!r}: use 'simple' (GPipe) or 'interleaved' (1F1B)"
-        )
-    _check_positive("virtual_stages", virtual_stages)
-    _check_positive("num_ranks", num_ranks)
-    generator = simple if pipeline == "simple" else interleaved
-    return generator(
-        num_ranks * virtual_stages,
-        num_ranks,
-        num_microbatches,
-        active_microbatches=active_microbatches,
-        forward_only=forward_only,
-    )
 
 
 def _check_shape(num_stages: int, num_ranks: int, num_microbatches: int) -> tuple[int, int, int]:

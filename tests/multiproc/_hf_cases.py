@@ -138,18 +138,9 @@ def train_family(family: str, steps: int) -> dict[str, Any]:
     return {"losses": losses, "state": model.state_dict(), "plan_param_counts": counts}
 
 
-def train_ranks(
-    families: list[str], configs: list[dict[str, Any]], steps: int
-) -> dict[tuple[int, str], Any]:
-    """Rank body: every family under every config, in one set of processes."""
+def train_ranks(families: list[str], config: dict[str, Any], steps: int) -> dict[str, Any]:
+    """Rank body: every family under ``config``, in one set of processes."""
     import mpar
 
-    out = {}
-    for c, config in enumerate(configs):
-        mpar.init(config)
-        try:
-            for family in families:
-                out[(c, family)] = train_family(family, steps)
-        finally:
-            mpar.shutdown()
-    return out
+    mpar.init(config)
+    return {family: train_family(family, steps) for family in families}

@@ -1,0 +1,77 @@
+"""The backward of one stage split in two: input gradients now (I), weights later (W).
+
+``split_backward`` runs the I part and returns the W part as a function. I
+walks autograd from the stage's outputs (or its loss) back to its inputs
+only, so the previous stage gets its gradient as early as possible, and keeps
+the gradients that reach the nodes where the weight gradients branch off; W
+starts from those and accumulates into ``param.grad`` (views into ZeRO's flat
+buffers, when sharded). Both parts together cost one ordinary backward.
+
+The graph analysis is torch.distributed.pipelining's
+(``stage_backward_input`` / ``stage_backward_weight``). Where it does not
+apply, the split degrades without changing any gradient:
+
+* a stage whose inputs need no gradient (the first stage: token ids) has no I
+  to compute, so W runs the whole backward;
+* with activation checkpointing the forward is recomputed inside the backward,
+  which the analysis cannot see through, so I runs the whole backward and W
+  has nothing left to do;
+* a torch without the helpers does the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from mpar._tree import tree_leaves
+from mpar.config import Config
+
+__all__ = ["split_backward"]
+
+
+def _helpers() -> tuple[Any, Any] | None:
+    try:
+        from torch.distributed.pipelining._backward import (
+            stage_backward_input,
+            stage_backward_weight,
+        )
+    except ImportError:
+        return None
+    return stage_backward_input, stage_backward_weight
+
+
+def split_backward(
+    roots: list[torch.Tensor],
+    root_grads: list[torch.Tensor] | None,
+    inputs: Any,
+    stage: nn.Module,
+    config: Config,
+) -> Callable[[], None]:
+    """Run I: fill the ``.grad`` of the stage's input leaves; return W."""
+    leaves = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def whole() -> None:
+        torch.autograd.backward(roots, root_grads)
+
+    if not leaves:
+        return whole  # nothing upstream waits: all of the backward is weight work
+    helpers = _helpers()
+    if helpers is None or config.activation_checkpointing not in (False, "none"):
+        whole()
+        return _nothing
+    backward_input, backward_weight = helpers
+    params = [p for p in stage.parameters() if p.requires_grad]
+    _, groups = backward_input(roots, root_grads, leaves, iter(params))
+    return lambda: _weights(backward_weight, params, groups)
+
+
+def _weights(backward_weight: Any, params: list[nn.Parameter], groups: Any) -> None:
+    backward_weight(iter(params), groups)
+
+
+def _nothing() -> None:
+    pass

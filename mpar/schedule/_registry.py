@@ -1,0 +1,56 @@
+"""The registry of schedule names: config validation, the planner, the CLI and docs read it.
+
+``build_schedule(name, p, m, ...)`` builds the schedule a config names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from mpar.errors import ScheduleError
+from mpar.schedule._generators import _check_positive, interleaved, simple
+from mpar.schedule._ir import Schedule
+from mpar.schedule._zero_bubble import zero_bubble
+
+__all__ = ["PIPELINES", "SCHEDULE_HELP", "build_schedule"]
+
+_GENERATORS: dict[str, Callable[..., Schedule]] = {
+    "simple": simple,
+    "interleaved": interleaved,
+    "zero_bubble": zero_bubble,
+}
+PIPELINES = tuple(_GENERATORS)
+"""Every schedule name ``"pipeline"`` accepts."""
+SCHEDULE_HELP = {
+    "simple": "GPipe: all forwards, then all backwards",
+    "interleaved": "1F1B (Megatron's interleaved 1F1B with virtual stages)",
+    "zero_bubble": "ZB-H1: 1F1B with the backward split into I and W, W deferred into bubbles",
+}
+
+
+def build_schedule(
+    pipeline: str,
+    num_ranks: int,
+    num_microbatches: int,
+    *,
+    virtual_stages: int = 1,
+    active_microbatches: int | None = None,
+    forward_only: bool = False,
+) -> Schedule:
+    """The schedule for the config keys of the same names.
+
+    ``num_ranks`` is the pipeline degree ``p``; the schedule has
+    ``p * virtual_stages`` stages.
+    """
+    if pipeline not in _GENERATORS:
+        known = ", ".join(f"{name!r} ({SCHEDULE_HELP[name]})" for name in PIPELINES)
+        raise ScheduleError(f"unknown pipeline {pipeline!r}: use one of {known}")
+    _check_positive("virtual_stages", virtual_stages)
+    _check_positive("num_ranks", num_ranks)
+    return _GENERATORS[pipeline](
+        num_ranks * virtual_stages,
+        num_ranks,
+        num_microbatches,
+        active_microbatches=active_microbatches,
+        forward_only=forward_only,
+    )

@@ -1,0 +1,69 @@
+"""The zero-bubble schedule (backward split into I and W) is transparent.
+
+Losses, outputs, gradients and parameters after 3 steps equal one-process
+training on the whole batch (fp32), alone, with virtual stages, with data
+parallelism, with ZeRO 1-3 (gradients reduced after the last W), and with
+activation checkpointing; ``-m slow`` runs the grid pp {2, 4} x m {4, 8} x
+ZeRO 0-3 x SGD/AdamW.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from mpar.testing import run_distributed
+from tests.multiproc._pipeline_cases import reference, train_ranks
+from tests.multiproc.test_pipeline_transparency import STEPS, TOL, _check
+
+
+def _run(pp, dp, m, model, optimizer, **extra):
+    config = {"pipeline_parallel_degree": pp, "microbatches": m, "pipeline": "zero_bubble"}
+    config.update(extra)
+    results = run_distributed(
+        train_ranks, pp * dp, args=(config, model, optimizer, STEPS), timeout=240
+    )
+    ref = reference(model, optimizer, STEPS)
+    if config.get("zero", {}).get("stage", 0) >= 2:  # gradients are sharded there
+        for r in results:
+            torch.testing.assert_close(
+                torch.tensor(r["losses"]), torch.tensor(ref["losses"]), **TOL
+            )
+            for name, tensor in ref["state"].items():
+                torch.testing.assert_close(r["state"][name], tensor, **TOL, msg=name)
+    else:
+        _check(results, ref)
+
+
+DEFAULT = [
+    # (pp, dp, m, model, optimizer, extra)
+    (2, 1, 4, "gpt", "adamw", {}),
+    (4, 1, 8, "mlp", "sgd", {}),
+    (2, 1, 4, "gpt", "sgd", {"virtual_stages": 2}),
+    (2, 2, 3, "mlp", "adamw", {}),
+    (2, 2, 4, "gpt", "adamw", {"zero": {"stage": 1}}),
+    (2, 2, 4, "gpt", "adamw", {"zero": {"stage": 3}}),
+    (2, 1, 4, "gpt", "adamw", {"activation_checkpointing": True}),
+]
+
+
+@pytest.mark.parametrize(("pp", "dp", "m", "model", "optimizer", "extra"), DEFAULT)
+def test_zero_bubble_is_transparent(pp, dp, m, model, optimizer, extra):
+    _run(pp, dp, m, model, optimizer, **extra)
+
+
+GRID = [
+    (pp, dp, m, zero, optimizer)
+    for pp, dp, m, zero, optimizer in itertools.product(
+        [2, 4], [1, 2], [4, 8], [0, 1, 2, 3], ["sgd", "adamw"]
+    )
+    if pp * dp <= 4 and (zero == 0 or dp > 1)
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("pp", "dp", "m", "zero", "optimizer"), GRID)
+def test_zero_bubble_full_grid(pp, dp, m, zero, optimizer):
+    _run(pp, dp, m, "gpt", optimizer, zero={"stage": zero})
