@@ -423,3 +423,65 @@ def test_missing_or_incomplete_checkpoint_is_a_clear_error(tmp_path):
     (tmp_path / "ckpt-000001" / ".metadata").write_bytes(b"")
     with pytest.raises(DistributedTestError, match="no completion marker"):
         run_distributed(_load_missing, 1, args=(str(tmp_path / "ckpt-000001"),), timeout=60)
+
+
+# ------------------------------------------------------ Hugging Face GPT-2
+def _body_hf(config, root, start, steps, load):
+    """GPT-2 (embedding tied to the LM head, across pipeline ranks at pp 2)."""
+    import mpar
+    from tests.multiproc._pipeline_cases import hf_gpt2
+
+    mpar.init(config)
+    model = mpar.DistributedModel(hf_gpt2())
+    opt = mpar.DistributedOptimizer(make_optimizer("adamw", model.parameters()))
+    user = mpar.load_checkpoint(root, model, opt) if load else None
+
+    @mpar.step
+    def train(m, x, y):
+        loss = loss_fn(m(input_ids=x).logits, y)
+        m.backward(loss)
+        return loss
+
+    losses = []
+    dp, dp_rank = mpar.dp_size(), mpar.dp_rank()
+    for s in range(start, start + steps):
+        x, y = batch("gpt", s)
+        shard = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
+        losses.append(train(model, x[shard], y[shard]).reduce_mean())
+        opt.step()
+        opt.zero_grad()
+        if s + 1 == SAVE_AT and not load:
+            mpar.save_checkpoint(root, model, opt, user_content={"step": s + 1})
+            saved = model.state_dict()
+    return user, torch.stack(losses), model.state_dict(), None if load else saved
+
+
+def test_hf_gpt2_with_tied_weights_resumes_exactly_and_exports_to_save_pretrained(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from torch.distributed.checkpoint import load as dcp_load
+
+    from tests.multiproc._pipeline_cases import hf_gpt2
+
+    root = str(tmp_path / "ckpt")
+    ((_, losses, state, saved), *_) = run_distributed(
+        _body_hf, 4, args=(ZERO3_PP2_DP2, root, 0, SAVE_AT + MORE, False), timeout=180
+    )
+    # pp 2 x dp 1 sums the tied copies' gradients in the same order as pp 2 x dp 2, so
+    # it resumes bit for bit (with pp 1 autograd sums them in another order: ulps apart)
+    for user, got_losses, got_state, _ in run_distributed(
+        _body_hf, 2, args=(PP2_DP1, root, SAVE_AT, MORE, True), timeout=180
+    ):
+        assert user == {"step": SAVE_AT}
+        torch.testing.assert_close(got_losses, losses[SAVE_AT:], rtol=0, atol=0)
+        for name, tensor in state.items():
+            torch.testing.assert_close(got_state[name], tensor, rtol=0, atol=0, msg=name)
+    # docs/runtime.md's export recipe
+    hf = hf_gpt2()
+    hf_state = hf.state_dict()
+    dcp_load({"model": hf_state}, checkpoint_id=tmp_path / "ckpt" / "ckpt-000001")
+    hf.load_state_dict(hf_state)
+    hf.save_pretrained(tmp_path / "export", safe_serialization=True)
+    assert (tmp_path / "export" / "model.safetensors").is_file()
+    exported = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "export").state_dict()
+    for name, tensor in saved.items():
+        torch.testing.assert_close(exported[name], tensor, rtol=0, atol=0, msg=name)
