@@ -90,9 +90,9 @@ def _rank(
 ) -> dict[str, Any]:
     ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 65536)
     import mpar
-    import mpar.checkpoint
+    import mpar.checkpoint._save
 
-    mpar.checkpoint.WRITE_BUFFER_BYTES = int(buffer_mb * 2**20)
+    mpar.checkpoint._save.WRITE_BUFFER_BYTES = int(buffer_mb * 2**20)
     mpar.init(config)
     model = mpar.DistributedModel(_model(layers, width))
     opt = mpar.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))

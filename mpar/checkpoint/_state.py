@@ -18,6 +18,7 @@ the new layout and DCP reads the overlapping saved chunks.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -266,25 +267,29 @@ def _sharded_targets(
             offset += length
         per_segment.append(seg)
 
-    def install(loaded: dict[str, Any]) -> None:
-        state = {}
-        for i, seg in enumerate(per_segment):
-            resolved = {
-                k: _copy_value(loaded["state"][v[0]][v[1]]) if isinstance(v, tuple) else v
-                for k, v in seg.items()
-            }
-            if resolved:
-                state[i] = resolved
-        groups = _check_groups(optimizer, names, loaded["param_groups"])
-        inner_groups = []
-        start = 0
-        for options, group in zip(groups, so.inner.param_groups):
-            size = len(group["params"])
-            inner_groups.append({**options, "params": list(range(start, start + size))})
-            start += size
-        so.inner.load_state_dict({"state": state, "param_groups": inner_groups})
+    return targets, functools.partial(_install_sharded, so, optimizer, names, per_segment)
 
-    return targets, install
+
+def _install_sharded(
+    so: Any, optimizer: Any, names: dict[int, str], per_segment: list[dict[str, Any]], loaded: Any
+) -> None:
+    """Give the rebuilt optimizer its segments' state (``loaded``: the optim section)."""
+    state = {}
+    for i, seg in enumerate(per_segment):
+        resolved = {
+            k: _copy_value(loaded["state"][v[0]][v[1]]) if isinstance(v, tuple) else v
+            for k, v in seg.items()
+        }
+        if resolved:
+            state[i] = resolved
+    groups = _check_groups(optimizer, names, loaded["param_groups"])
+    inner_groups = []
+    start = 0
+    for options, group in zip(groups, so.inner.param_groups):
+        size = len(group["params"])
+        inner_groups.append({**options, "params": list(range(start, start + size))})
+        start += size
+    so.inner.load_state_dict({"state": state, "param_groups": inner_groups})
 
 
 def _copy_value(value: Any) -> Any:

@@ -152,10 +152,11 @@ def test_resume_grid(tmp_path, saved):
 
 
 @pytest.mark.slow
-def test_bf16_resume_grid(tmp_path):
-    losses, state = _save_run({**ZERO3_PP2_DP2, "bf16": True}, 4, tmp_path)
-    _check_resumed({**PP2_DP1, "bf16": True}, 2, tmp_path, losses, state)
-    _check_resumed({**PP2_V2_DP1, "bf16": True}, 2, tmp_path, losses, state)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_mixed_precision_resume_grid(tmp_path, dtype):
+    losses, state = _save_run({**ZERO3_PP2_DP2, dtype: True}, 4, tmp_path)
+    _check_resumed({**PP2_DP1, dtype: True}, 2, tmp_path, losses, state)
+    _check_resumed({**PP2_V2_DP1, dtype: True}, 2, tmp_path, losses, state)
 
 
 # --------------------------------------------------------------------- async
