@@ -15,7 +15,7 @@ size just before each save::
     python benchmarks/checkpoint_memory.py                      # dp 2, ZeRO-3
     python benchmarks/checkpoint_memory.py --zero 1 --pp 2 --world 4
 
-Results go to ``benchmarks/results/checkpoint_memory.json`` (and stdout as a
+Results go to ``benchmarks/results/checkpoint_memory_<layout>.json`` (and stdout as a
 markdown table). A benchmark, not a test: nothing here asserts.
 """
 
@@ -182,11 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = (
-        "checkpoint_memory.json"
-        if args.buffer_mb == 32
-        else f"checkpoint_memory_buf{args.buffer_mb:g}.json"
-    )
+    layout = f"pp{args.pp}_dp{args.world // args.pp}_zero{args.zero}"
+    buffer = "" if args.buffer_mb == 32 else f"_buffer{args.buffer_mb:g}mb"
+    name = f"checkpoint_memory_{layout}{buffer}.json"
     (out / name).write_text(json.dumps(report, indent=1))
     print(
         f"{params_mb:.0f} MB of fp32 parameters, {config}, world {args.world}, "

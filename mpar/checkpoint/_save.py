@@ -82,8 +82,20 @@ def _entries(model: Any, optimizer: Any, user_content: Any, copy: Any) -> dict[s
     if state().layout.rank == 0:
         extras = io.BytesIO()
         torch.save({"user_content": user_content, "loss_scaler": _scaler_state(optimizer)}, extras)
+        _check_loadable(extras.getvalue())
         entries["mpar"] = {"extras": extras.getvalue()}
     return entries
+
+
+def _check_loadable(raw: bytes) -> None:
+    """Refuse now what a load could not read back (loads use ``weights_only``)."""
+    try:
+        torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(
+            "user_content must load with torch.load(weights_only=True): use tensors, "
+            f"numbers, strings, lists, tuples and dicts ({str(exc).splitlines()[0]})"
+        ) from None
 
 
 def _merge_groups(groups: list[dict[str, Any]], model: Any, group: Any) -> None:

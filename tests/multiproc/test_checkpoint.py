@@ -486,3 +486,20 @@ def test_hf_gpt2_with_tied_weights_resumes_exactly_and_exports_to_save_pretraine
     exported = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "export").state_dict()
     for name, tensor in saved.items():
         torch.testing.assert_close(exported[name], tensor, rtol=0, atol=0, msg=name)
+
+
+class _Opaque:
+    pass
+
+
+def _save_opaque(root):
+    import mpar
+
+    mpar.init()
+    mpar.save_checkpoint(root, mpar.DistributedModel(mlp()), user_content={"x": _Opaque()})
+
+
+def test_user_content_that_could_not_be_loaded_back_is_refused_at_save(tmp_path):
+    with pytest.raises(DistributedTestError, match="user_content must load with.*weights_only"):
+        run_distributed(_save_opaque, 1, args=(str(tmp_path),), timeout=60)
+    assert not (tmp_path / "latest").exists()
