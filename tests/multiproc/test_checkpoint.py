@@ -149,6 +149,8 @@ def test_resume_grid(tmp_path, saved):
     _check_resumed(PP2_DP1, 2, tmp_path, losses, state, eager=True)
     _check_resumed(PP2_V2_DP1, 2, tmp_path, losses, state)
     _check_resumed({**PP2_V2_DP1, "zero": {"stage": 1}}, 2, tmp_path, losses, state)
+    offloaded = {"stage": 3, "offload_params": "cpu", "offload_optimizer": "cpu"}
+    _check_resumed({**ZERO1_PP1_DP2, "zero": offloaded}, 2, tmp_path, losses, state)
 
 
 @pytest.mark.slow
@@ -365,7 +367,7 @@ def test_plain_pytorch_reads_the_checkpoint(tmp_path):
     )
     net = mlp()
     model_state = net.state_dict()
-    dcp.load({"model": model_state}, checkpoint_id=tmp_path / "ckpt-000001")
+    dcp.load({"model": model_state}, checkpoint_id=tmp_path / "ckpt-000001", no_dist=True)
     for name, tensor in state.items():
         torch.testing.assert_close(model_state[name], tensor, rtol=0, atol=0, msg=name)
     dcp_to_torch_save(tmp_path / "ckpt-000001", tmp_path / "full.pt")
@@ -479,7 +481,7 @@ def test_hf_gpt2_with_tied_weights_resumes_exactly_and_exports_to_save_pretraine
     # docs/runtime.md's export recipe
     hf = hf_gpt2()
     hf_state = hf.state_dict()
-    dcp_load({"model": hf_state}, checkpoint_id=tmp_path / "ckpt" / "ckpt-000001")
+    dcp_load({"model": hf_state}, checkpoint_id=tmp_path / "ckpt" / "ckpt-000001", no_dist=True)
     hf.load_state_dict(hf_state)
     hf.save_pretrained(tmp_path / "export", safe_serialization=True)
     assert (tmp_path / "export" / "model.safetensors").is_file()
