@@ -101,12 +101,19 @@ def _extras(raw: Any) -> dict[str, Any]:
     return dict(torch.load(io.BytesIO(raw), weights_only=True))
 
 
+def _check_has_optimizer(saved: dict[tuple[str, ...], Any], directory: Path) -> None:
+    if not any(path[0] == "optim" for path in saved):
+        raise CheckpointError(
+            f"checkpoint {str(directory)!r} holds no optimizer state (it was saved without "
+            "an optimizer): load it with optimizer=None"
+        )
+
+
 def _optimizer_sections(
     optimizer: Any, model: Any, directory: Path, metadata: Any
 ) -> tuple[dict[str, Any], Any]:
     saved = _saved_shapes(metadata)
-    if not any(path[0] == "optim" for path in saved):
-        raise CheckpointError(f"checkpoint {str(directory)!r} holds no optimizer state")
+    _check_has_optimizer(saved, directory)
     targets, install = load_optimizer_targets(optimizer, model, metadata)
     return {"state": targets, "param_groups": _group_placeholders(saved)}, install
 
@@ -175,6 +182,8 @@ def load_checkpoint(path: str | os.PathLike[str], model: Any, optimizer: Any = N
         sections = {"model": targets, "mpar": {"extras": None}}
         if optimizer is not None and model.partitioned:
             sections["optim"], install = _optimizer_sections(optimizer, model, directory, metadata)
+        elif optimizer is not None:
+            _check_has_optimizer(_saved_shapes(metadata), directory)
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
     agree(error, group, f"loading checkpoint {str(directory)!r}")

@@ -505,3 +505,18 @@ def test_user_content_that_could_not_be_loaded_back_is_refused_at_save(tmp_path)
     with pytest.raises(DistributedTestError, match="user_content must load with.*weights_only"):
         run_distributed(_save_opaque, 1, args=(str(tmp_path),), timeout=60)
     assert not (tmp_path / "latest").exists()
+
+
+def _load_with_optimizer(root):
+    import mpar
+
+    mpar.init()
+    model = mpar.DistributedModel(mlp())
+    mpar.save_checkpoint(root, model)
+    opt = mpar.DistributedOptimizer(make_optimizer("adamw", model.parameters()))
+    mpar.load_checkpoint(root, model, opt)
+
+
+def test_a_checkpoint_without_optimizer_state_says_so_at_load(tmp_path):
+    with pytest.raises(DistributedTestError, match="holds no optimizer state.*optimizer=None"):
+        run_distributed(_load_with_optimizer, 1, args=(str(tmp_path),), timeout=60)
