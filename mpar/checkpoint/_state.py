@@ -303,7 +303,13 @@ def _plain_targets(
     for param in model.local_parameters():
         fqn = names[id(param)]
         if fqn in saved:
-            targets[fqn] = {k: _target_like(md, param.device) for k, md in saved[fqn].items()}
+            targets[fqn] = {
+                # element-wise state beside the parameter; ``step`` and the like on the CPU
+                k: _target_like(
+                    md, param.device if _is_elementwise_md(k, md, param.shape) else "cpu"
+                )
+                for k, md in saved[fqn].items()
+            }
     index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
 
     def install(loaded: dict[str, Any]) -> None:
