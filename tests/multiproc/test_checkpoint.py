@@ -520,3 +520,18 @@ def _load_with_optimizer(root):
 def test_a_checkpoint_without_optimizer_state_says_so_at_load(tmp_path):
     with pytest.raises(DistributedTestError, match="holds no optimizer state.*optimizer=None"):
         run_distributed(_load_with_optimizer, 1, args=(str(tmp_path),), timeout=60)
+
+
+def _async_then_exit(root):
+    import mpar
+
+    mpar.init(ZERO2_DP2)
+    model = mpar.DistributedModel(mlp())
+    handle = mpar.save_checkpoint(root, model, user_content="last", async_save=True)
+    return repr(handle)  # the harness calls mpar.shutdown(), which waits for the save
+
+
+def test_shutdown_waits_for_an_asynchronous_save(tmp_path):
+    run_distributed(_async_then_exit, 2, args=(str(tmp_path),), timeout=60)
+    assert (tmp_path / "latest").read_text().strip() == "ckpt-000001"
+    assert (tmp_path / "ckpt-000001" / "mpar-complete.json").is_file()
