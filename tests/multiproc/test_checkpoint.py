@@ -153,6 +153,15 @@ def test_resume_grid(tmp_path, saved):
     _check_resumed({**ZERO1_PP1_DP2, "zero": offloaded}, 2, tmp_path, losses, state)
 
 
+def test_zero3_resumes_exactly_at_pp4_with_virtual_stages(tmp_path):
+    # two microbatches keep every layout's arithmetic equal; the interleaved schedule
+    # would need a multiple of 4, the simple one (GPipe) takes 2
+    pp4_v2 = {**PP2_V2_DP1, "pipeline_parallel_degree": 4, "pipeline": "simple"}
+    losses, state = _save_run(ZERO3_PP2_DP2, 4, tmp_path)
+    _check_resumed(pp4_v2, 4, tmp_path, losses, state)
+    _check_resumed({**pp4_v2, "zero": {"stage": 3}}, 4, tmp_path, losses, state)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_mixed_precision_resume_grid(tmp_path, dtype):
