@@ -203,14 +203,12 @@ _ALLOWED = {
     ("torch", "channels_last"),
     ("collections", "OrderedDict"),
     ("torch.serialization", "_get_layout"),  # a layout from its name
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("pathlib", "PosixPath"),  # the checkpoint id
     ("pathlib", "WindowsPath"),
 }
-_ALLOWED_MODULES = (
-    "torch.distributed.checkpoint.metadata",
-    "torch.distributed.checkpoint.filesystem",
-    "torch.distributed.checkpoint.planner",
-)
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+"""Its classes are plain dataclasses and enums: allowed."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -221,7 +219,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return super().find_class(module, name)
-        if module in _ALLOWED_MODULES:  # classes only: never a function to call
+        if module == _METADATA_MODULE:  # classes only: never a function to call
             found = super().find_class(module, name)
             if isinstance(found, type):
                 return found

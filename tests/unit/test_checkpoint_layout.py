@@ -68,3 +68,20 @@ def test_without_latest_the_newest_complete_directory_is_loaded(tmp_path):
     (tmp_path / LATEST).write_text("ckpt-000003\n")
     with pytest.raises(ValueError, match="not a complete checkpoint directory"):
         resolve(tmp_path)
+
+
+class _Evil:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("echo pwned",))
+
+
+def test_metadata_that_would_run_code_is_refused(tmp_path):
+    import pickle
+
+    from mpar.checkpoint._dcp import SafeReader
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    with pytest.raises(pickle.UnpicklingError, match=r"refers to posix.system"):
+        SafeReader(str(tmp_path)).read_metadata()
