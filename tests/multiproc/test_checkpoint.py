@@ -544,3 +544,36 @@ def test_shutdown_waits_for_an_asynchronous_save(tmp_path):
     run_distributed(_async_then_exit, 2, args=(str(tmp_path),), timeout=60)
     assert (tmp_path / "latest").read_text().strip() == "ckpt-000001"
     assert (tmp_path / "ckpt-000001" / "mpar-complete.json").is_file()
+
+
+def _load_state(config, root):
+    """Load ``root`` before partitioning, partition with a forward-only step (the
+    optimizer state is read at ``state_dict``); the gathered model and optimizer state."""
+    import mpar
+
+    mpar.init(config)
+    model = mpar.DistributedModel(mlp())
+    opt = mpar.DistributedOptimizer(make_optimizer("adamw", model.parameters()))
+    mpar.load_checkpoint(root, model, opt)
+
+    @mpar.step
+    def evaluate(m, x):
+        return m(x)
+
+    evaluate(model, batch("mlp", 0)[0][: 2 * mpar.config().microbatches])
+    return model.state_dict(), opt.state_dict()["state"]
+
+
+@pytest.mark.parametrize(
+    ("config", "world"),
+    [
+        ({"zero": {"stage": 3}}, 3),  # shards of 3 ranks: padding and cuts anywhere
+        ({"pipeline_parallel_degree": 2, "zero": {"stage": 3, "offload_params": "cpu"}}, 4),
+    ],
+)
+def test_loading_reshards_every_value_exactly(tmp_path, config, world):
+    ((_, state, opt_state), _) = run_distributed(
+        _body_state_then_save, 2, args=(str(tmp_path),), timeout=120
+    )
+    for loaded in run_distributed(_load_state, world, args=(config, str(tmp_path)), timeout=120):
+        _assert_same_state((state, opt_state), loaded)
