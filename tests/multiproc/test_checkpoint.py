@@ -437,20 +437,22 @@ def test_missing_or_incomplete_checkpoint_is_a_clear_error(tmp_path):
         run_distributed(_load_missing, 1, args=(str(tmp_path / "ckpt-000001"),), timeout=60)
 
 
-# ------------------------------------------------------ Hugging Face GPT-2
-def _body_hf(config, root, start, steps, load):
-    """GPT-2 (embedding tied to the LM head, across pipeline ranks at pp 2)."""
+# ------------------------------------------------- tied embeddings, GPT-2
+def _body_gpt(kind, config, root, start, steps, load):
+    """A GPT whose embedding is tied to its LM head (on another rank at pp 2):
+    mpar's TinyGPT (``kind="tiny"``) or Hugging Face's GPT-2 (``"hf"``)."""
     import mpar
-    from tests.multiproc._pipeline_cases import hf_gpt2
+    from tests.multiproc._pipeline_cases import hf_gpt2, tiny_gpt
 
     mpar.init(config)
-    model = mpar.DistributedModel(hf_gpt2())
+    model = mpar.DistributedModel(hf_gpt2() if kind == "hf" else tiny_gpt())
     opt = mpar.DistributedOptimizer(make_optimizer("adamw", model.parameters()))
     user = mpar.load_checkpoint(root, model, opt) if load else None
 
     @mpar.step
     def train(m, x, y):
-        loss = loss_fn(m(input_ids=x).logits, y)
+        out = m(input_ids=x).logits if kind == "hf" else m(x)
+        loss = loss_fn(out, y)
         m.backward(loss)
         return loss
 
@@ -468,25 +470,35 @@ def _body_hf(config, root, start, steps, load):
     return user, torch.stack(losses), model.state_dict(), None if load else saved
 
 
+def _gpt_resumes_exactly(kind, root):
+    """Saved at ZeRO-3 pp 2 x dp 2, resumed at pp 2 x dp 1: the same losses and state.
+    (pp 2 x dp 1 sums the tied copies' gradients in the same order; with pp 1
+    autograd sums them in another order: ulps apart.)"""
+    ((_, losses, state, saved), *_) = run_distributed(
+        _body_gpt, 4, args=(kind, ZERO3_PP2_DP2, root, 0, SAVE_AT + MORE, False), timeout=240
+    )
+    for user, got_losses, got_state, _ in run_distributed(
+        _body_gpt, 2, args=(kind, PP2_DP1, root, SAVE_AT, MORE, True), timeout=240
+    ):
+        assert user == {"step": SAVE_AT}
+        torch.testing.assert_close(got_losses, losses[SAVE_AT:], rtol=0, atol=0)
+        for name, tensor in state.items():
+            torch.testing.assert_close(got_state[name], tensor, rtol=0, atol=0, msg=name)
+    return saved
+
+
+def test_tied_embedding_across_pipeline_ranks_resumes_exactly(tmp_path):
+    _gpt_resumes_exactly("tiny", str(tmp_path))
+
+
+@pytest.mark.slow
 def test_hf_gpt2_with_tied_weights_resumes_exactly_and_exports_to_save_pretrained(tmp_path):
     transformers = pytest.importorskip("transformers")
     from torch.distributed.checkpoint import load as dcp_load
 
     from tests.multiproc._pipeline_cases import hf_gpt2
 
-    root = str(tmp_path / "ckpt")
-    ((_, losses, state, saved), *_) = run_distributed(
-        _body_hf, 4, args=(ZERO3_PP2_DP2, root, 0, SAVE_AT + MORE, False), timeout=180
-    )
-    # pp 2 x dp 1 sums the tied copies' gradients in the same order as pp 2 x dp 2, so
-    # it resumes bit for bit (with pp 1 autograd sums them in another order: ulps apart)
-    for user, got_losses, got_state, _ in run_distributed(
-        _body_hf, 2, args=(PP2_DP1, root, SAVE_AT, MORE, True), timeout=180
-    ):
-        assert user == {"step": SAVE_AT}
-        torch.testing.assert_close(got_losses, losses[SAVE_AT:], rtol=0, atol=0)
-        for name, tensor in state.items():
-            torch.testing.assert_close(got_state[name], tensor, rtol=0, atol=0, msg=name)
+    saved = _gpt_resumes_exactly("hf", str(tmp_path / "ckpt"))
     # docs/runtime.md's export recipe
     hf = hf_gpt2()
     hf_state = hf.state_dict()
