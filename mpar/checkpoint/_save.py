@@ -73,9 +73,9 @@ def _prepare_root(root: Path, group: Any) -> tuple[Path, str]:
 def _entries(model: Any, optimizer: Any, user_content: Any, copy: Any) -> dict[str, Any]:
     entries: dict[str, Any] = {"model": model_entries(model, copy)}
     if optimizer is not None:
-        if getattr(optimizer, "_pending", None) is not None:
+        if callable(getattr(optimizer, "_pending", None)):
             raise CheckpointError(
-                "the optimizer state loaded from a checkpoint is applied at the first step "
+                "the optimizer state loaded from a checkpoint is read at the first step "
                 "(when the model is partitioned); save after it"
             )
         entries["optim"] = optimizer_entries(optimizer, model, copy)

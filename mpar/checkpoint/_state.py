@@ -155,10 +155,29 @@ def _plain_state(optimizer: Any, model: Any, names: dict[int, str], copy: Copy) 
     return out
 
 
+def _pending_entries(
+    optimizer: Any, names: dict[int, str], pending: dict[str, Any], copy: Copy
+) -> dict[str, Any]:
+    """The torch-format state an unpartitioned optimizer holds for later, by name."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = {
+        names[id(params[int(i)])]: {k: copy(v) if torch.is_tensor(v) else v for k, v in e.items()}
+        for i, e in pending["state"].items()
+    }
+    groups = []
+    for group, saved in zip(optimizer.param_groups, pending["param_groups"]):
+        options = {k: v for k, v in saved.items() if k != "params"}
+        groups.append({**options, "params": [names[id(p)] for p in group["params"]]})
+    return {"state": state, "param_groups": groups}
+
+
 def optimizer_entries(optimizer: Any, model: Any, copy: Copy = _same) -> dict[str, Any]:
     """This rank's share of the optimizer state, keyed by parameter name."""
     names = param_names(model)
     so = optimizer.sharded_optimizer()
+    pending = getattr(optimizer, "_pending", None)
+    if isinstance(pending, dict):  # a full state loaded before partitioning, not applied yet
+        return _pending_entries(optimizer, names, pending, copy)
     if so is not None:
         state = _sharded_state(so, names, copy)
         groups = _param_groups(optimizer, names, so.inner)

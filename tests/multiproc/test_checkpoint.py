@@ -364,6 +364,25 @@ def test_single_file_checkpoint_of_the_earlier_format_still_loads(tmp_path):
         torch.testing.assert_close(losses, ref_losses[SAVE_AT:], rtol=1e-5, atol=1e-6)
         for name, tensor in ref_state.items():
             torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    # converted by loading it and saving again (before any step), it resumes the same
+    run_distributed(_convert, 2, args=(str(path), str(tmp_path / "ckpt")), timeout=120)
+    for user, got_losses, got_state, _ in run_distributed(
+        _body_resuming, 2, args=(PP2_DP1, str(tmp_path / "ckpt"), False), timeout=120
+    ):
+        assert user == {"step": SAVE_AT}
+        torch.testing.assert_close(got_losses, losses, rtol=0, atol=0)
+        for name, tensor in state.items():
+            torch.testing.assert_close(got_state[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def _convert(old, new):
+    import mpar
+
+    mpar.init({"zero": {"stage": 1}})
+    model = mpar.DistributedModel(mlp())
+    opt = mpar.DistributedOptimizer(make_optimizer("adamw", model.parameters()))
+    user = mpar.load_checkpoint(old, model, opt)
+    mpar.save_checkpoint(new, model, opt, user_content=user)
 
 
 def test_plain_pytorch_reads_the_checkpoint(tmp_path):
