@@ -608,3 +608,57 @@ def test_loading_reshards_every_value_exactly(tmp_path, config, world):
     )
     for loaded in run_distributed(_load_state, world, args=(config, str(tmp_path)), timeout=120):
         _assert_same_state((state, opt_state), loaded)
+
+
+def _save_without_gathering(root):
+    """ZeRO-3 dp 2: a save during which any gather of parameters or optimizer state
+    (the all-gather under every unshard and full-state path) raises."""
+    import mpar
+    from mpar.shard import _bucket, _state_dict
+
+    model, opt = _trained(ZERO3_DP2, steps=1)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a checkpoint save gathered a flat buffer")
+
+    gathers = (_bucket.all_gather_flat, _state_dict.all_gather_flat)
+    _bucket.all_gather_flat = _state_dict.all_gather_flat = refuse
+    try:
+        mpar.save_checkpoint(root, model, opt, user_content="sharded")
+    finally:
+        _bucket.all_gather_flat, _state_dict.all_gather_flat = gathers
+    return model.state_dict(), opt.state_dict()["state"]
+
+
+ZERO3_DP2 = {"zero": {"stage": 3}, "microbatches": 1}
+
+
+def _trained(config, steps):
+    import mpar
+
+    mpar.init(config)
+    model = mpar.DistributedModel(mlp())
+    opt = mpar.DistributedOptimizer(make_optimizer("adamw", model.parameters()))
+
+    @mpar.step
+    def train(m, x, y):
+        loss = loss_fn(m(x), y)
+        m.backward(loss)
+        return loss
+
+    dp, dp_rank = mpar.dp_size(), mpar.dp_rank()
+    for s in range(steps):
+        x, y = batch("mlp", s)
+        shard = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
+        train(model, x[shard], y[shard])
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def test_a_zero3_save_gathers_nothing(tmp_path):
+    ((state, opt_state), _) = run_distributed(
+        _save_without_gathering, 2, args=(str(tmp_path),), timeout=120
+    )
+    for loaded in run_distributed(_load_state, 2, args=(ZERO3_DP2, str(tmp_path)), timeout=120):
+        _assert_same_state((state, opt_state), loaded)
