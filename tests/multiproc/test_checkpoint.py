@@ -29,18 +29,19 @@ PP2_DP1 = {"pipeline_parallel_degree": 2, "microbatches": 2}
 PP2_V2_DP1 = {"pipeline_parallel_degree": 2, "virtual_stages": 2, "microbatches": 2}
 
 
-def _train(config, root, start, steps, *, load=False, save_at=None, async_save=False, eager=False):
-    """Rank body: (load,) train ``steps`` steps from ``start`` (saving after step
-    ``save_at``); returns user_content, losses, the gathered model state and the
-    gathered optimizer state."""
+ZERO2_DP2 = {"zero": {"stage": 2}, "microbatches": 1}
+ZERO3_DP2 = {"zero": {"stage": 3}, "microbatches": 1}
+
+
+def _start(config, *, eager=False):
+    """Rank body set-up: ``mpar.init(config)``, the MLP (partitioned now if ``eager``),
+    AdamW, and a ``@mpar.step`` training function."""
     import mpar
 
     mpar.init(config)
-    dp, dp_rank = mpar.dp_size(), mpar.dp_rank()
-    microbatch = batch("mlp", 0)[0][: BATCH // dp // mpar.config().microbatches]
+    microbatch = batch("mlp", 0)[0][: BATCH // mpar.dp_size() // mpar.config().microbatches]
     model = mpar.DistributedModel(mlp(), example_inputs=microbatch if eager else None)
     opt = mpar.DistributedOptimizer(make_optimizer("adamw", model.parameters()))
-    user = mpar.load_checkpoint(root, model, opt) if load else None
 
     @mpar.step
     def train(m, x, y):
@@ -48,20 +49,48 @@ def _train(config, root, start, steps, *, load=False, save_at=None, async_save=F
         m.backward(loss)
         return loss
 
-    losses, handle = [], None
-    for s in range(start, start + steps):
+    return model, opt, train
+
+
+def _steps(model, opt, train, steps, after=None):
+    """Train on global batches ``steps`` (this replica's share of each); calls
+    ``after(s)`` after step ``s``; returns the losses."""
+    import mpar
+
+    dp, dp_rank = mpar.dp_size(), mpar.dp_rank()
+    losses = []
+    for s in steps:
         x, y = batch("mlp", s)
         shard = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
         losses.append(train(model, x[shard], y[shard]).reduce_mean())
         opt.step()
         opt.zero_grad()
+        if after is not None:
+            after(s)
+    return torch.stack(losses)
+
+
+def _train(config, root, start, steps, *, load=False, save_at=None, async_save=False, eager=False):
+    """Rank body: (load,) train ``steps`` steps from ``start`` (saving after step
+    ``save_at``); returns user_content, losses, the gathered model state and the
+    gathered optimizer state."""
+    import mpar
+
+    model, opt, train = _start(config, eager=eager)
+    user = mpar.load_checkpoint(root, model, opt) if load else None
+    handles = []
+
+    def save(s):
         if s + 1 == save_at:
-            handle = mpar.save_checkpoint(
-                root, model, opt, user_content={"step": s + 1}, async_save=async_save
+            user_content = {"step": s + 1}
+            handles.append(
+                mpar.save_checkpoint(root, model, opt, user_content, async_save=async_save)
             )
-    if handle is not None:
+
+    losses = _steps(model, opt, train, range(start, start + steps), save)
+    for handle in handles:
         handle.wait()
-    return user, torch.stack(losses), model.state_dict(), opt.state_dict()["state"]
+    return user, losses, model.state_dict(), opt.state_dict()["state"]
 
 
 def _body_saving(config, root, async_save):
@@ -188,31 +217,19 @@ def _body_async(config, root):
         return write(self, plan, planner)
 
     _dcp.BoundedWriter.write_data = held_write
-    mpar.init(config)
-    model = mpar.DistributedModel(mlp())
-    opt = mpar.DistributedOptimizer(make_optimizer("adamw", model.parameters()))
+    model, opt, train = _start(config)
+    handles, writing = [], []
 
-    @mpar.step
-    def train(m, x, y):
-        loss = loss_fn(m(x), y)
-        m.backward(loss)
-        return loss
-
-    dp, dp_rank = mpar.dp_size(), mpar.dp_rank()
-    losses, handle, writing = [], None, []
-    for s in range(SAVE_AT + MORE):
-        x, y = batch("mlp", s)
-        shard = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
-        losses.append(train(model, x[shard], y[shard]).reduce_mean())
-        opt.step()
-        opt.zero_grad()
-        if handle is not None:
-            writing.append(not handle.done())
+    def save_or_watch(s):
+        if handles:
+            writing.append(not handles[0].done())
         if s + 1 == SAVE_AT:
-            handle = mpar.save_checkpoint(root, model, opt, {"step": s + 1}, async_save=True)
+            handles.append(mpar.save_checkpoint(root, model, opt, {"step": s + 1}, async_save=True))
+
+    losses = _steps(model, opt, train, range(SAVE_AT + MORE), save_or_watch)
     release.set()
     final = mpar.wait_checkpoint()
-    return writing, handle.done(), str(final), torch.stack(losses), model.state_dict()
+    return writing, handles[0].done(), str(final), losses, model.state_dict()
 
 
 def test_async_save_overlaps_training_and_resumes_exactly(tmp_path):
@@ -227,7 +244,6 @@ def test_async_save_overlaps_training_and_resumes_exactly(tmp_path):
 
 
 # -------------------------------------------------------------------- crashes
-ZERO2_DP2 = {"zero": {"stage": 2}, "microbatches": 1}
 
 
 def _body_crash(root, victim, where):
@@ -237,37 +253,24 @@ def _body_crash(root, victim, where):
     import mpar
     from mpar.checkpoint import _dcp, _dirs
 
-    mpar.init(ZERO2_DP2)
-    model = mpar.DistributedModel(mlp())
-    opt = mpar.DistributedOptimizer(make_optimizer("adamw", model.parameters()))
-
-    @mpar.step
-    def train(m, x, y):
-        loss = loss_fn(m(x), y)
-        m.backward(loss)
-        return loss
+    model, opt, train = _start(ZERO2_DP2)
 
     def die(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
 
-    for s in range(2):
-        x, y = batch("mlp", s)
-        half = slice(mpar.dp_rank() * BATCH // 2, (mpar.dp_rank() + 1) * BATCH // 2)
-        train(model, x[half], y[half])
-        opt.step()
-        opt.zero_grad()
+    def write_then_die(self, plan, planner, write=_dcp.BoundedWriter.write_data):
+        write(self, plan, planner).wait()
+        die()
+
+    def save(s):
         if s == 1 and mpar.rank() == victim:
             if where == "write":
-                write = _dcp.BoundedWriter.write_data
-
-                def write_then_die(self, plan, planner, write=write):
-                    write(self, plan, planner).wait()
-                    die()
-
                 _dcp.BoundedWriter.write_data = write_then_die
             else:
                 _dirs.commit = die
         mpar.save_checkpoint(root, model, opt, user_content={"step": s + 1})
+
+    _steps(model, opt, train, range(2), save)
 
 
 def _body_state(root, steps, load, save=False):
@@ -275,23 +278,10 @@ def _body_state(root, steps, load, save=False):
     and optimizer state."""
     import mpar
 
-    mpar.init(ZERO2_DP2)
-    model = mpar.DistributedModel(mlp(), example_inputs=batch("mlp", 0)[0][: BATCH // 2])
-    opt = mpar.DistributedOptimizer(make_optimizer("adamw", model.parameters()))
+    model, opt, train = _start(ZERO2_DP2, eager=True)
     user = mpar.load_checkpoint(root, model, opt) if load else None
-
-    @mpar.step
-    def train(m, x, y):
-        loss = loss_fn(m(x), y)
-        m.backward(loss)
-        return loss
-
-    for s in range(steps):
-        x, y = batch("mlp", s)
-        half = slice(mpar.dp_rank() * BATCH // 2, (mpar.dp_rank() + 1) * BATCH // 2)
-        train(model, x[half], y[half])
-        opt.step()
-        opt.zero_grad()
+    if steps:
+        _steps(model, opt, train, range(steps))
     if save:
         mpar.save_checkpoint(root, model, opt, user_content=7)
     return user, model.state_dict(), opt.state_dict()["state"]
@@ -616,7 +606,8 @@ def _save_without_gathering(root):
     import mpar
     from mpar.shard import _bucket, _state_dict
 
-    model, opt = _trained(ZERO3_DP2, steps=1)
+    model, opt, train = _start(ZERO3_DP2)
+    _steps(model, opt, train, range(1))
 
     def refuse(*args, **kwargs):
         raise AssertionError("a checkpoint save gathered a flat buffer")
@@ -628,32 +619,6 @@ def _save_without_gathering(root):
     finally:
         _bucket.all_gather_flat, _state_dict.all_gather_flat = gathers
     return model.state_dict(), opt.state_dict()["state"]
-
-
-ZERO3_DP2 = {"zero": {"stage": 3}, "microbatches": 1}
-
-
-def _trained(config, steps):
-    import mpar
-
-    mpar.init(config)
-    model = mpar.DistributedModel(mlp())
-    opt = mpar.DistributedOptimizer(make_optimizer("adamw", model.parameters()))
-
-    @mpar.step
-    def train(m, x, y):
-        loss = loss_fn(m(x), y)
-        m.backward(loss)
-        return loss
-
-    dp, dp_rank = mpar.dp_size(), mpar.dp_rank()
-    for s in range(steps):
-        x, y = batch("mlp", s)
-        shard = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
-        train(model, x[shard], y[shard])
-        opt.step()
-        opt.zero_grad()
-    return model, opt
 
 
 def test_a_zero3_save_gathers_nothing(tmp_path):
