@@ -420,8 +420,23 @@ def _wider_mlp():
     return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Linear(32, 4))
 
 
+def _load_model_only(root):
+    import mpar
+
+    mpar.init(ZERO3_DP2)
+    model = mpar.DistributedModel(mlp())
+    user = mpar.load_checkpoint(root, model)
+    return user, model.state_dict()
+
+
 def test_loading_into_another_model_or_optimizer_is_a_clear_error_on_every_rank(tmp_path):
-    run_distributed(_body_state_then_save, 2, args=(str(tmp_path),), timeout=120)
+    ((_, state, _), _) = run_distributed(
+        _body_state_then_save, 2, args=(str(tmp_path),), timeout=120
+    )
+    for user, loaded in run_distributed(_load_model_only, 2, args=(str(tmp_path),), timeout=60):
+        assert user == 7  # the model alone loads from a checkpoint that has more
+        for name, tensor in state.items():
+            torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0, msg=name)
     with pytest.raises(DistributedTestError, match="CheckpointError.*saved from another model"):
         run_distributed(_load_into, 2, args=(str(tmp_path), _wider_mlp, 1), timeout=60)
     with pytest.raises(DistributedTestError, match="CheckpointError.*parameter group"):
