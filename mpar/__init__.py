@@ -16,7 +16,7 @@ from mpar._ranks import (
     rank,
     size,
 )
-from mpar.checkpoint import load_checkpoint, save_checkpoint
+from mpar.checkpoint import load_checkpoint, save_checkpoint, wait_checkpoint
 from mpar.comm import init, is_initialized, shutdown
 from mpar.runtime import DistributedModel, DistributedOptimizer, StepOutput, memory_report, step
 
@@ -44,4 +44,5 @@ __all__ = [
     "shutdown",
     "size",
     "step",
+    "wait_checkpoint",
 ]

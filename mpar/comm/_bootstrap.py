@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +21,7 @@ from mpar.config import Config, load_config
 from mpar.errors import AlreadyInitializedError, ConfigError, NotInitializedError
 from mpar.topology import Grid
 
-__all__ = ["State", "init", "is_initialized", "shutdown", "state"]
+__all__ = ["State", "init", "is_initialized", "on_shutdown", "shutdown", "state"]
 
 
 @dataclass
@@ -46,6 +46,14 @@ class State:
 
 
 _STATE: State | None = None
+_SHUTDOWN_HOOKS: list[Callable[[], None]] = []
+
+
+def on_shutdown(hook: Callable[[], None]) -> None:
+    """Run ``hook()`` at the start of every ``shutdown`` while the process groups still
+    exist (a pending asynchronous checkpoint finishes there). Registered once."""
+    if hook not in _SHUTDOWN_HOOKS:
+        _SHUTDOWN_HOOKS.append(hook)
 
 
 def state() -> State:
@@ -197,6 +205,8 @@ def shutdown() -> None:
     global _STATE
     if _STATE is None:
         return
+    for hook in list(_SHUTDOWN_HOOKS):
+        hook()
     current, _STATE = _STATE, None
     _abort.stop_watcher()
     if current.owns_process_group and dist.is_initialized():

@@ -30,6 +30,7 @@ from mpar.comm._collectives import (
     group_size,
     world_all_reduce,
 )
+from mpar.errors import StepError
 from mpar.runtime._model import live_models
 
 __all__ = ["DistributedOptimizer", "live_optimizers"]
@@ -62,7 +63,7 @@ class DistributedOptimizer:
         self._st = state()
         self.optimizer = optimizer
         self._sharded: Any = None
-        self._pending: dict[str, Any] | None = None
+        self._pending: dict[str, Any] | Callable[[], None] | None = None
         """A state loaded before the model was partitioned, applied right after."""
         self._finite: bool | None = None
         """fp16: whether this step's gradients are finite everywhere (None: not checked yet)."""
@@ -71,7 +72,15 @@ class DistributedOptimizer:
     def _apply_pending(self) -> None:
         if self._pending is not None and self._local_ids() is not None:
             pending, self._pending = self._pending, None
-            self._load_now(pending)
+            if callable(pending):  # a checkpoint load deferred to the first step
+                pending()
+            else:
+                self._load_now(pending)
+
+    def defer_load(self, load: Callable[[], None]) -> None:
+        """Run ``load()`` (collective) once the model is partitioned: at the first
+        ``step`` or ``state_dict`` call, on every rank."""
+        self._pending = load
 
     def sharded_optimizer(self) -> Any:
         """The ZeRO optimizer over this rank's shards, once a sharded model is partitioned."""
@@ -206,6 +215,11 @@ class DistributedOptimizer:
         optimizer's format (parameter indices over all of the model's parameters)."""
         if self._pending is not None:
             self._apply_pending()
+            if callable(self._pending):
+                raise StepError(
+                    "the optimizer state loaded from a checkpoint is applied at the first "
+                    "step (when the model is partitioned); call state_dict() after it"
+                )
             if self._pending is not None:  # still not partitioned: the loaded state
                 return self._pending
         sharded = self.sharded_optimizer()

@@ -1,0 +1,160 @@
+"""Checkpoint directories: where a save writes, how it commits, what a load finds.
+
+A checkpoint root holds one directory per save and a ``latest`` pointer::
+
+    root/
+      latest                    "ckpt-000002", replaced atomically, last
+      ckpt-000001/              .metadata, __0_0.distcp, ..., mpar-complete.json
+      ckpt-000002/
+      .tmp-ckpt-000003-9f2c.../ a save in progress (or interrupted): never loaded
+
+A save writes into a ``.tmp-`` directory; once every rank's shards and DCP's
+``.metadata`` are on disk, rank 0 writes the completion marker, renames the
+directory to its final name and then replaces ``latest``, each step flushed
+to disk. An interruption at any point leaves ``latest`` on the previous
+complete checkpoint; a directory without the marker is never loaded.
+These are local file operations, run on global rank 0 only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "LATEST",
+    "MARKER",
+    "commit",
+    "complete_dirs",
+    "is_complete",
+    "new_tmp_dir",
+    "read_marker",
+    "remove_stale",
+    "resolve",
+]
+
+LATEST = "latest"
+MARKER = "mpar-complete.json"
+_NAME = re.compile(r"^(?:\.tmp-)?ckpt-(\d+)")
+
+
+def _number(name: str) -> int | None:
+    match = _NAME.match(name)
+    return int(match.group(1)) if match else None
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, text: str) -> None:
+    """``path`` holds ``text`` at once or not at all (temporary file, fsync, rename)."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def is_complete(directory: Path) -> bool:
+    return (directory / MARKER).is_file() and (directory / ".metadata").is_file()
+
+
+def read_marker(directory: Path) -> dict[str, Any]:
+    return dict(json.loads((directory / MARKER).read_text()))
+
+
+def complete_dirs(root: Path) -> list[Path]:
+    """Complete checkpoint directories under ``root``, oldest first."""
+    found = [
+        (n, p)
+        for p in root.iterdir()
+        if p.is_dir() and not p.name.startswith(".")
+        for n in [_number(p.name)]
+        if n is not None and is_complete(p)
+    ]
+    return [p for _, p in sorted(found)]
+
+
+def new_tmp_dir(root: Path) -> tuple[Path, str]:
+    """A new temporary directory under ``root`` and the final name it will get."""
+    root.mkdir(parents=True, exist_ok=True)
+    numbers = [n for p in root.iterdir() for n in [_number(p.name)] if n is not None]
+    name = f"ckpt-{max(numbers, default=0) + 1:06d}"
+    tmp = root / f".tmp-{name}-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()
+    return tmp, name
+
+
+def remove_stale(root: Path) -> list[str]:
+    """Delete interrupted saves (``.tmp-`` directories) under ``root``; their names."""
+    if not root.is_dir():
+        return []
+    stale = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(".tmp-ckpt-")]
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return [p.name for p in stale]
+
+
+def commit(tmp: Path, name: str, marker: dict[str, Any], keep_last: int | None) -> Path:
+    """Mark ``tmp`` complete, rename it to ``name``, point ``latest`` at it; then
+    delete all but the ``keep_last`` newest complete checkpoints."""
+    _write_file(tmp / MARKER, json.dumps(marker, indent=1))
+    final = tmp.parent / name
+    os.rename(tmp, final)
+    _fsync_dir(tmp.parent)
+    _write_file(tmp.parent / LATEST, name + "\n")
+    if keep_last is not None:
+        for old in complete_dirs(tmp.parent)[:-keep_last]:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def resolve(path: Path) -> tuple[str, Path]:
+    """What a load of ``path`` reads: ``("file", path)`` for a single-file checkpoint,
+    ``("dcp", directory)`` for a complete checkpoint directory. Raises ValueError
+    with the reason and the fix."""
+    if path.is_file():
+        return "file", path
+    if not path.is_dir():
+        raise ValueError(f"checkpoint {str(path)!r} does not exist")
+    if (path / ".metadata").is_file():
+        if not is_complete(path):
+            raise ValueError(
+                f"checkpoint directory {str(path)!r} has no completion marker ({MARKER}): "
+                "its save was interrupted. Load the checkpoint root (its 'latest' pointer) "
+                "or an earlier complete checkpoint directory"
+            )
+        return "dcp", path
+    return "dcp", _latest(path)
+
+
+def _latest(root: Path) -> Path:
+    pointer = root / LATEST
+    if pointer.is_file():
+        target = root / pointer.read_text().strip()
+        if not is_complete(target):
+            raise ValueError(
+                f"{str(pointer)!r} names {target.name!r}, which is not a complete checkpoint "
+                f"directory; load one of {[p.name for p in complete_dirs(root)]} explicitly"
+            )
+        return target
+    complete = complete_dirs(root)
+    if not complete:
+        raise ValueError(
+            f"{str(root)!r} holds no complete checkpoint (no 'latest' pointer and no "
+            "directory with a completion marker); was the first save interrupted?"
+        )
+    return complete[-1]

@@ -1,0 +1,197 @@
+"""``load_checkpoint``: find the checkpoint, point DCP at this rank's storage, install.
+
+Rank 0 resolves the path (root -> ``latest``, a directory, or a single-file
+checkpoint of the earlier format) and broadcasts it. Each rank lists where its
+share goes (:mod:`mpar.checkpoint._state`: views of its master values, fresh
+buffers for optimizer state) and checks keys and shapes against the
+checkpoint's metadata; the ranks agree; DCP reads the overlapping saved
+chunks; the masters are published into the parameters and the optimizer gets
+its state. Before the model is partitioned the optimizer part waits for the
+first step (:meth:`mpar.DistributedOptimizer.defer_load`).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element
+
+from mpar.checkpoint import _dirs
+from mpar.checkpoint._async import wait_checkpoint
+from mpar.checkpoint._common import FORMAT, CheckpointError, agree, check_model
+from mpar.checkpoint._dcp import Pieces, SafeLoadPlanner, SafeReader
+from mpar.checkpoint._legacy import load_gathered
+from mpar.checkpoint._state import load_model_targets, load_optimizer_targets, publish_masters
+from mpar.comm import state
+from mpar.comm._checkpoint_comm import broadcast_object_in, checkpoint_group
+
+__all__ = ["load_checkpoint"]
+
+
+def _resolve(path: Path, group: Any) -> tuple[str, Path]:
+    decision: Any = None
+    if state().layout.rank == 0:
+        try:
+            decision = _dirs.resolve(path)
+            if decision[0] == "dcp":
+                found = _dirs.read_marker(decision[1]).get("format")
+                if found != FORMAT:
+                    raise ValueError(f"{str(decision[1])!r} has format {found!r}, not {FORMAT!r}")
+        except (OSError, ValueError) as exc:
+            decision = str(exc)
+    decision = broadcast_object_in(decision, group)
+    if isinstance(decision, str):
+        raise CheckpointError(decision)
+    return decision[0], decision[1]
+
+
+def _saved_shapes(metadata: Any) -> dict[tuple[str, ...], Any]:
+    return {
+        tuple(str(p) for p in path): metadata.state_dict_metadata[flat]
+        for flat, path in (metadata.planner_data or {}).items()
+    }
+
+
+def _check_targets(targets: dict[str, Any], saved: dict[tuple[str, ...], Any], where: Path) -> None:
+    missing = [k for k in targets if ("model", k) not in saved]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {str(where)!r} has no entries for {missing[:5]} "
+            f"({len(missing)} missing): was it saved from another model?"
+        )
+    for key, target in targets.items():
+        size = getattr(saved[("model", key)], "size", None)
+        shape = target.shape if isinstance(target, Pieces | torch.Tensor) else None
+        if size is not None and shape is not None and torch.Size(size) != shape:
+            raise CheckpointError(
+                f"checkpoint {str(where)!r} holds {key!r} with shape {tuple(size)}, the model "
+                f"has {tuple(shape)}: it was saved from another model"
+            )
+
+
+def _group_placeholders(saved: dict[tuple[str, ...], Any]) -> list[Any]:
+    holder: dict[str, Any] = {}
+    for path, md in saved.items():
+        if path[:2] == ("optim", "param_groups"):
+            size = getattr(md, "size", None)
+            value = None if size is None else torch.empty(size, dtype=md.properties.dtype)
+            key_path = tuple(int(p) if p.isdigit() else p for p in path)
+            set_element(holder, key_path, value)
+    return list(holder.get("optim", {}).get("param_groups", []))
+
+
+def _read(directory: Path, group: Any, sections: dict[str, Any]) -> None:
+    try:
+        dcp.load(
+            sections,
+            storage_reader=SafeReader(str(directory)),
+            planner=SafeLoadPlanner(),
+            process_group=group,
+        )
+    except Exception as exc:  # DCP raises on every rank when any rank failed
+        raise CheckpointError(f"reading checkpoint {str(directory)!r} failed: {exc}") from None
+
+
+def _extras(raw: Any) -> dict[str, Any]:
+    return dict(torch.load(io.BytesIO(raw), weights_only=True))
+
+
+def _check_has_optimizer(saved: dict[tuple[str, ...], Any], directory: Path) -> None:
+    if not any(path[0] == "optim" for path in saved):
+        raise CheckpointError(
+            f"checkpoint {str(directory)!r} holds no optimizer state (it was saved without "
+            "an optimizer): load it with optimizer=None"
+        )
+
+
+def _optimizer_sections(
+    optimizer: Any, model: Any, directory: Path, metadata: Any
+) -> tuple[dict[str, Any], Any]:
+    saved = _saved_shapes(metadata)
+    _check_has_optimizer(saved, directory)
+    targets, install = load_optimizer_targets(optimizer, model, metadata)
+    return {"state": targets, "param_groups": _group_placeholders(saved)}, install
+
+
+def _load_optimizer(directory: Path, model: Any, optimizer: Any) -> None:
+    """Read and install this rank's optimizer state (collective)."""
+    group = checkpoint_group()
+    error: str | None = None
+    sections: dict[str, Any] = {}
+    install: Any = None
+    try:
+        metadata = SafeReader(str(directory)).read_metadata()
+        optim, install = _optimizer_sections(optimizer, model, directory, metadata)
+        sections = {"optim": optim, "mpar": {"extras": None}}
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    agree(error, group, f"loading the optimizer state of {str(directory)!r}")
+    _read(directory, group, sections)
+    _install(install, sections, optimizer, directory, group)
+
+
+def _install(
+    install: Any, sections: dict[str, Any], optimizer: Any, where: Path, group: Any
+) -> None:
+    """Hand the optimizer its loaded state (every rank learns of any rank's failure)."""
+    error = None
+    try:
+        install(sections["optim"])
+        _load_scaler(optimizer, _extras(sections["mpar"]["extras"]))
+    except (KeyError, ValueError, RuntimeError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    agree(error, group, f"loading the optimizer state of {str(where)!r}")
+
+
+def _load_scaler(optimizer: Any, extras: dict[str, Any]) -> None:
+    sharded = optimizer.sharded_optimizer()
+    scaler = None if sharded is None else sharded.sharded.scaler
+    if scaler is not None and extras.get("loss_scaler") is not None:
+        scaler.load_state_dict(extras["loss_scaler"])
+
+
+def load_checkpoint(path: str | os.PathLike[str], model: Any, optimizer: Any = None) -> Any:
+    """Load a checkpoint into ``model`` (and ``optimizer``); returns its ``user_content``.
+
+    ``path`` is a checkpoint root (its ``latest`` is loaded), one checkpoint
+    directory, or a single-file checkpoint of the earlier format. Collective;
+    works before or after the model is partitioned and in any layout (before,
+    the optimizer state is read at the first step).
+    """
+    check_model(model, optimizer)
+    wait_checkpoint()
+    group = checkpoint_group()
+    kind, directory = _resolve(Path(path), group)
+    if kind == "file":
+        try:
+            return load_gathered(directory, model, optimizer)
+        except (KeyError, ValueError) as exc:
+            raise CheckpointError(str(exc)) from None
+    error: str | None = None
+    sections: dict[str, Any] = {}
+    install: Any = None
+    try:
+        metadata = SafeReader(str(directory)).read_metadata()
+        targets = load_model_targets(model)
+        _check_targets(targets, _saved_shapes(metadata), directory)
+        sections = {"model": targets, "mpar": {"extras": None}}
+        if optimizer is not None and model.partitioned:
+            sections["optim"], install = _optimizer_sections(optimizer, model, directory, metadata)
+        elif optimizer is not None:
+            _check_has_optimizer(_saved_shapes(metadata), directory)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    agree(error, group, f"loading checkpoint {str(directory)!r}")
+    _read(directory, group, sections)
+    publish_masters(model)
+    extras = _extras(sections["mpar"]["extras"])
+    if install is not None:
+        _install(install, sections, optimizer, directory, group)
+    elif optimizer is not None:
+        optimizer.defer_load(lambda: _load_optimizer(directory, model, optimizer))
+    return extras.get("user_content")

@@ -1,0 +1,217 @@
+"""``save_checkpoint``: collect this rank's pieces, write them with DCP, commit.
+
+The steps, on every rank: rank 0 clears interrupted saves and makes the
+temporary directory (its name broadcast); each rank collects what it owns
+(:mod:`mpar.checkpoint._state`; for an asynchronous save, copied to host
+memory); the ranks agree that all of them succeeded; DCP writes the shards and
+rank 0 the ``.metadata``; rank 0 commits (:func:`mpar.checkpoint._dirs.commit`)
+and tells the others how it went. The last two steps run in the checkpoint
+thread for an asynchronous save.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from mpar.checkpoint import _dirs
+from mpar.checkpoint._async import CheckpointHandle, finished, submit, wait_checkpoint
+from mpar.checkpoint._common import FORMAT, CheckpointError, agree, check_model
+from mpar.checkpoint._dcp import BoundedWriter, SavePlannerWithPieces
+from mpar.checkpoint._state import merge_param_groups, model_entries, optimizer_entries
+from mpar.comm import state
+from mpar.comm._bootstrap import on_shutdown
+from mpar.comm._checkpoint_comm import (
+    all_gather_object_in,
+    broadcast_object_in,
+    checkpoint_group,
+)
+
+__all__ = ["WRITE_BUFFER_BYTES", "save_checkpoint"]
+
+WRITE_BUFFER_BYTES = 32 * 2**20
+"""Tensor bytes per shard file: DCP keeps copies of one file's tensors until it is
+written, so this bounds what a save holds beside the shards themselves."""
+
+
+def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t.detach()
+
+
+def _prepare_root(root: Path, group: Any) -> tuple[Path, str]:
+    """Rank 0 clears interrupted saves and makes the temporary directory (every rank
+    learns its name, or the error)."""
+    decision: Any = None
+    if state().layout.rank == 0:
+        try:
+            if root.is_file():
+                raise CheckpointError(
+                    f"{str(root)!r} is a file (a single-file checkpoint?); checkpoints are "
+                    "directories now: pass a directory path"
+                )
+            _dirs.remove_stale(root)
+            decision = _dirs.new_tmp_dir(root)
+        except (OSError, CheckpointError) as exc:
+            decision = f"{type(exc).__name__}: {exc}"
+    decision = broadcast_object_in(decision, group)
+    if isinstance(decision, str):
+        raise CheckpointError(f"cannot save checkpoint under {str(root)!r}: {decision}")
+    return decision[0], decision[1]
+
+
+def _entries(model: Any, optimizer: Any, user_content: Any, copy: Any) -> dict[str, Any]:
+    entries: dict[str, Any] = {"model": model_entries(model, copy)}
+    if optimizer is not None:
+        if callable(getattr(optimizer, "_pending", None)):
+            raise CheckpointError(
+                "the optimizer state loaded from a checkpoint is read at the first step "
+                "(when the model is partitioned); save after it"
+            )
+        entries["optim"] = optimizer_entries(optimizer, model, copy)
+    if state().layout.rank == 0:
+        extras = io.BytesIO()
+        torch.save({"user_content": user_content, "loss_scaler": _scaler_state(optimizer)}, extras)
+        _check_loadable(extras.getvalue())
+        entries["mpar"] = {"extras": extras.getvalue()}
+    return entries
+
+
+def _check_loadable(raw: bytes) -> None:
+    """Refuse now what a load could not read back (loads use ``weights_only``)."""
+    try:
+        torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(
+            "user_content must load with torch.load(weights_only=True): use tensors, "
+            f"numbers, strings, lists, tuples and dicts ({str(exc).splitlines()[0]})"
+        ) from None
+
+
+def _merge_groups(groups: list[dict[str, Any]], model: Any, group: Any) -> None:
+    local = [g["params"] for g in groups]
+    merged = merge_param_groups(local, all_gather_object_in(local, group), model._key_order)
+    for g, names in zip(groups, merged):
+        g["params"] = names
+
+
+def _scaler_state(optimizer: Any) -> Any:
+    sharded = None if optimizer is None else optimizer.sharded_optimizer()
+    scaler = None if sharded is None else sharded.sharded.scaler
+    return None if scaler is None else scaler.state_dict()
+
+
+def _marker() -> dict[str, Any]:
+    st = state()
+    return {
+        "format": FORMAT,
+        "world_size": st.layout.world_size,
+        "config": st.config.to_dict(),
+        "torch": torch.__version__,
+        "time": time.time(),
+    }
+
+
+def _write_and_commit(
+    entries: dict[str, Any], tmp: Path, name: str, group: Any, keep_last: int | None
+) -> Path:
+    rank = state().layout.rank
+    try:
+        dcp.save(
+            entries,
+            storage_writer=BoundedWriter(str(tmp), buffer_bytes=WRITE_BUFFER_BYTES),
+            planner=SavePlannerWithPieces(),
+            process_group=group,
+        )
+    except Exception as exc:  # DCP raises on every rank when any rank failed
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"writing checkpoint {str(tmp.parent / name)!r} failed: {exc}; the previous "
+            "checkpoint stays the latest"
+        ) from None
+    error = None
+    if rank == 0:
+        try:
+            _dirs.commit(tmp, name, _marker(), keep_last)
+        except OSError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    try:
+        error = broadcast_object_in(error, group)
+    except RuntimeError as exc:
+        raise CheckpointError(
+            f"lost contact with rank 0 while it committed {str(tmp.parent / name)!r} ({exc}); "
+            f"'latest' names this checkpoint only if the commit finished"
+        ) from None
+    if error is not None:
+        raise CheckpointError(
+            f"committing checkpoint {str(tmp)!r} failed on rank 0: {error}; the previous "
+            "checkpoint stays the latest"
+        )
+    return tmp.parent / name
+
+
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    model: Any,
+    optimizer: Any = None,
+    user_content: Any = None,
+    *,
+    async_save: bool = False,
+    keep_last: int | None = None,
+) -> CheckpointHandle:
+    """Save ``model``, ``optimizer`` and ``user_content`` as a new checkpoint under the
+    directory ``path``; returns a :class:`CheckpointHandle`.
+
+    Collective: every rank calls it. ``async_save=True`` returns once this rank's
+    shards are copied to host memory (writing continues in the background);
+    ``keep_last=k`` deletes all but the ``k`` newest complete checkpoints after
+    this one is committed. ``user_content`` is taken from global rank 0.
+    """
+    check_model(model, optimizer)
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
+    wait_checkpoint()
+    on_shutdown(_wait_quietly)
+    group = checkpoint_group()
+    root = Path(path)
+    tmp, name = _prepare_root(root, group)
+    entries: dict[str, Any] = {}
+    error = None
+    try:
+        entries = _entries(model, optimizer, user_content, _cpu_copy if async_save else _same)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    agree(error, group, f"saving checkpoint under {str(root)!r}")
+    if "optim" in entries:
+        _merge_groups(entries["optim"]["param_groups"], model, group)
+
+    def job() -> Path:
+        return _write_and_commit(entries, tmp, name, group, keep_last)
+
+    if async_save:
+        return submit(job, root / name)
+    return finished(job, root / name)
+
+
+def _wait_quietly() -> None:
+    """At shutdown: finish a pending save; report (not raise) its failure."""
+    import warnings
+
+    try:
+        wait_checkpoint()
+    except CheckpointError as exc:
+        warnings.warn(f"the last asynchronous checkpoint failed: {exc}", stacklevel=2)
+
+
+# ------------------------------------------------------------------------- load
