@@ -23,11 +23,15 @@ from mpar.schedule import (
     SimulationResult,
     StageCosts,
     build_schedule,
+    read_csv,
     render_png,
     render_text,
     simulate,
     to_chrome_trace,
+    write_csv,
 )
+from mpar.schedule._csv import is_csv_path
+from mpar.schedule._registry import check_csv_shape
 
 __all__ = ["add_parser", "main", "run"]
 
@@ -57,18 +61,21 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pipeline",
-        choices=PIPELINES,
+        type=_pipeline,
         default="interleaved",
-        help="; ".join(f"{k} = {v}" for k, v in SCHEDULE_HELP.items()) + " (default: %(default)s)",
+        metavar="{" + ",".join(PIPELINES) + "} or FILE.csv",
+        help="; ".join(f"{k} = {v}" for k, v in SCHEDULE_HELP.items())
+        + "; or a schedule CSV in torch.distributed.pipelining's format, whose shape then "
+        "comes from the file (default: %(default)s)",
     )
     parser.add_argument(
         "--stages",
         type=_positive_int,
-        required=True,
         metavar="P",
-        help="pipeline degree: number of ranks (total stages = P * V)",
+        help="pipeline degree: number of ranks (total stages = P * V); required unless "
+        "--pipeline is a CSV",
     )
-    parser.add_argument("--microbatches", type=_positive_int, required=True, metavar="M")
+    parser.add_argument("--microbatches", type=_positive_int, metavar="M")
     parser.add_argument(
         "--virtual-stages",
         type=_positive_int,
@@ -119,6 +126,20 @@ def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
         help="write a Chrome trace JSON (open in https://ui.perfetto.dev)",
     )
     parser.add_argument("--json", action="store_true", help="print a JSON report instead")
+    parser.add_argument(
+        "--csv",
+        type=Path,
+        metavar="PATH",
+        help="write the schedule's compute actions as CSV (torch.distributed.pipelining's format)",
+    )
+
+
+def _pipeline(text: str) -> str:
+    if text in PIPELINES or is_csv_path(text):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"unknown pipeline {text!r}: choose from {', '.join(PIPELINES)} or give a .csv file"
+    )
 
 
 def _positive_int(text: str) -> int:
@@ -149,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
             render_png(result, args.png)
         if args.trace is not None:
             args.trace.write_text(json.dumps(to_chrome_trace(result)) + "\n")
+        if args.csv is not None:
+            write_csv(schedule, args.csv)
     except (ScheduleError, ImportError, OSError) as error:
         first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
         print(f"mpar schedule: error: {first_line}", file=sys.stderr)
@@ -161,14 +184,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _build_and_simulate(args: argparse.Namespace) -> tuple[Schedule, SimulationResult]:
-    schedule = build_schedule(
-        args.pipeline,
-        args.stages,
-        args.microbatches,
-        virtual_stages=args.virtual_stages,
-        active_microbatches=args.active_microbatches,
-        forward_only=args.forward_only,
-    )
+    if is_csv_path(args.pipeline):
+        schedule = read_csv(args.pipeline, forward_only=args.forward_only)
+        args.stages = args.stages or schedule.num_ranks
+        args.microbatches = args.microbatches or schedule.num_microbatches
+        check_csv_shape(
+            schedule, args.pipeline, args.stages, args.microbatches, schedule.virtual_stages
+        )
+    elif args.stages is None or args.microbatches is None:
+        raise ScheduleError("--stages and --microbatches are required (unless --pipeline is a CSV)")
+    else:
+        schedule = _generate(args)
     costs = StageCosts.uniform(
         schedule.num_stages,
         forward=args.forward_cost,
@@ -180,9 +206,22 @@ def _build_and_simulate(args: argparse.Namespace) -> tuple[Schedule, SimulationR
     return schedule, simulate(schedule, costs)
 
 
+def _generate(args: argparse.Namespace) -> Schedule:
+    return build_schedule(
+        args.pipeline,
+        args.stages,
+        args.microbatches,
+        virtual_stages=args.virtual_stages,
+        active_microbatches=args.active_microbatches,
+        forward_only=args.forward_only,
+    )
+
+
 def _text_report(args: argparse.Namespace, schedule: Schedule, result: SimulationResult) -> str:
     p, v, m = schedule.num_ranks, schedule.virtual_stages, schedule.num_microbatches
-    kind = {"simple": "GPipe", "interleaved": "1F1B", "zero_bubble": "ZB-H1"}.get(args.pipeline, "")
+    kind = {"simple": "GPipe", "interleaved": "1F1B", "zero_bubble": "ZB-H1"}.get(
+        args.pipeline, "from CSV"
+    )
     mode = ", forward only" if schedule.is_forward_only else ""
     peaks = " ".join(str(peak) for peak in result.peak_in_flight)
     lines = [

@@ -14,11 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from mpar.errors import ConfigError, ConfigTypeError
-from mpar.schedule._registry import PIPELINES
+from mpar.schedule._csv import is_csv_path
+from mpar.schedule._registry import PIPELINES, check_csv_shape
 
 __all__ = ["Config", "ZeroConfig"]
 
-PipelineKind = Literal["simple", "interleaved", "zero_bubble"]
+PipelineKind = str
+"""A name in ``mpar.schedule.PIPELINES`` or the path of a schedule CSV file."""
 OptimizeKind = Literal["speed", "memory"]
 PlacementKind = Literal["cluster", "spread"]
 OffloadKind = Literal["none", "cpu"]
@@ -176,10 +178,27 @@ class Config:
         self._check_fields()
         self._check_combinations()
 
+    def _check_schedule_file(self) -> None:
+        from mpar.errors import ScheduleError
+        from mpar.schedule._csv import read_csv
+
+        try:
+            schedule = read_csv(self.pipeline)
+            check_csv_shape(
+                schedule,
+                self.pipeline,
+                self.pipeline_parallel_degree,
+                self.microbatches,
+                self.virtual_stages,
+            )
+        except ScheduleError as exc:
+            raise ConfigError(f"config key 'pipeline': {exc}") from None
+
     def _check_fields(self) -> None:
         _check_int("pipeline_parallel_degree", self.pipeline_parallel_degree, minimum=1)
         _check_int("microbatches", self.microbatches, minimum=1)
-        _fail_choice("pipeline", self.pipeline, PIPELINES)
+        if not is_csv_path(self.pipeline):
+            _fail_choice("pipeline", self.pipeline, PIPELINES)
         _check_int("virtual_stages", self.virtual_stages, minimum=1)
         if self.active_microbatches is not None:
             _check_int("active_microbatches", self.active_microbatches, minimum=1)
@@ -230,6 +249,8 @@ class Config:
                 f"{self.microbatches} microbatches; use a value <= {self.microbatches}"
             )
         pp, v, m = self.pipeline_parallel_degree, self.virtual_stages, self.microbatches
+        if is_csv_path(self.pipeline):
+            self._check_schedule_file()
         if self.pipeline in ("interleaved", "zero_bubble") and v > 1 and m % pp:
             fits = sorted({pp * max(1, m // pp), pp * (m // pp + 1)})
             raise ConfigError(

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from mpar.errors import PartitionError
 from mpar.partition._methods import parameter_boundaries, uniform_boundaries
 from mpar.partition._solver import _fmt, memory_weight_for, solve, stage_costs
+from mpar.schedule._csv import is_csv_path
 from mpar.schedule._registry import PIPELINES
 
 if TYPE_CHECKING:
@@ -230,8 +231,10 @@ def _check(
     for name, value in (("num_ranks", num_ranks), ("virtual_stages", v), ("microbatches", m)):
         if not isinstance(value, int) or value < 1:
             raise PartitionError(f"{name} must be a positive integer, got {value!r}")
-    if pipeline not in PIPELINES:
-        raise PartitionError(f"pipeline must be one of {', '.join(PIPELINES)}; got {pipeline!r}")
+    if pipeline not in PIPELINES and not is_csv_path(pipeline):
+        raise PartitionError(
+            f"pipeline must be one of {', '.join(PIPELINES)} or a schedule CSV; got {pipeline!r}"
+        )
     if method not in _METHODS:
         raise PartitionError(f"method must be one of {', '.join(_METHODS)}; got {method!r}")
     if len(profile.units) < num_ranks * v:
@@ -264,7 +267,7 @@ def make_plan(
         num_ranks: pipeline-parallel degree ``p``.
         virtual_stages: chunks per rank ``v`` (``p * v`` stages).
         microbatches: microbatches per step ``m``.
-        pipeline: "interleaved" (1F1B) or "simple" (GPipe).
+        pipeline: a name in ``mpar.schedule.PIPELINES`` or a schedule CSV path.
         memory_weight: weight of memory against compute; default from ``optimize``
             ("speed" → 0.2, "memory" → 0.8).
         device_memory: bytes (or "16GiB") available per rank; enforced by "profile".

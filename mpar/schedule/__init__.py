@@ -12,6 +12,7 @@ ordered list of ``Action``s such as ``1F3`` (stage 1, forward, microbatch 3)::
 
 from __future__ import annotations
 
+from mpar.schedule._csv import read_csv, schedule_from_csv, schedule_to_csv, write_csv
 from mpar.schedule._generators import interleaved, simple
 from mpar.schedule._ir import COMMUNICATION_KINDS, COMPUTE_KINDS, Action, Kind, Schedule
 from mpar.schedule._lower import lower_communication
@@ -44,11 +45,15 @@ __all__ = [
     "lower_communication",
     "lower_sharding",
     "peak_in_flight",
+    "read_csv",
     "render_png",
     "render_text",
+    "schedule_from_csv",
+    "schedule_to_csv",
     "simple",
     "simulate",
     "to_chrome_trace",
     "validate",
+    "write_csv",
     "zero_bubble",
 ]

@@ -8,11 +8,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from mpar.errors import ScheduleError
+from mpar.schedule._csv import is_csv_path, read_csv
 from mpar.schedule._generators import _check_positive, interleaved, simple
 from mpar.schedule._ir import Schedule
 from mpar.schedule._zero_bubble import zero_bubble
 
-__all__ = ["PIPELINES", "SCHEDULE_HELP", "build_schedule"]
+__all__ = ["PIPELINES", "SCHEDULE_HELP", "build_schedule", "check_csv_shape"]
 
 _GENERATORS: dict[str, Callable[..., Schedule]] = {
     "simple": simple,
@@ -42,9 +43,13 @@ def build_schedule(
     ``num_ranks`` is the pipeline degree ``p``; the schedule has
     ``p * virtual_stages`` stages.
     """
+    if is_csv_path(pipeline):
+        return _from_file(pipeline, num_ranks, num_microbatches, virtual_stages, forward_only)
     if pipeline not in _GENERATORS:
         known = ", ".join(f"{name!r} ({SCHEDULE_HELP[name]})" for name in PIPELINES)
-        raise ScheduleError(f"unknown pipeline {pipeline!r}: use one of {known}")
+        raise ScheduleError(
+            f"unknown pipeline {pipeline!r}: use one of {known}, or a schedule CSV file"
+        )
     _check_positive("virtual_stages", virtual_stages)
     _check_positive("num_ranks", num_ranks)
     return _GENERATORS[pipeline](
@@ -54,3 +59,25 @@ def build_schedule(
         active_microbatches=active_microbatches,
         forward_only=forward_only,
     )
+
+
+def _from_file(
+    path: str, num_ranks: int, num_microbatches: int, virtual_stages: int, forward_only: bool
+) -> Schedule:
+    schedule = read_csv(path, forward_only=forward_only)
+    check_csv_shape(schedule, path, num_ranks, num_microbatches, virtual_stages)
+    return schedule
+
+
+def check_csv_shape(
+    schedule: Schedule, path: str, num_ranks: int, num_microbatches: int, virtual_stages: int
+) -> None:
+    """A schedule read from ``path`` must match the config's pipeline shape."""
+    wanted = (num_ranks, virtual_stages, num_microbatches)
+    found = (schedule.num_ranks, schedule.virtual_stages, schedule.num_microbatches)
+    if wanted != found:
+        raise ScheduleError(
+            f"the schedule in {path!r} has {found[0]} ranks x {found[1]} virtual stages and "
+            f"{found[2]} microbatches, but the config asks for {wanted[0]} x {wanted[1]} and "
+            f"{wanted[2]}; set pipeline_parallel_degree, virtual_stages and microbatches to match"
+        )

@@ -67,3 +67,14 @@ GRID = [
 @pytest.mark.parametrize(("pp", "dp", "m", "zero", "optimizer"), GRID)
 def test_zero_bubble_full_grid(pp, dp, m, zero, optimizer):
     _run(pp, dp, m, "gpt", optimizer, zero={"stage": zero})
+
+
+@pytest.mark.parametrize("pipeline", ["zero_bubble"])
+def test_a_schedule_read_from_csv_runs_as_generated(tmp_path, pipeline):
+    from mpar.schedule import build_schedule, write_csv
+
+    path = tmp_path / f"{pipeline}.csv"
+    write_csv(build_schedule(pipeline, 2, 4), path)
+    config = {"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline": str(path)}
+    results = run_distributed(train_ranks, 2, args=(config, "gpt", "adamw", STEPS), timeout=240)
+    _check(results, reference("gpt", "adamw", STEPS))

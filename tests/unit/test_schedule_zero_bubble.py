@@ -16,8 +16,12 @@ from mpar.schedule import (
     lower_communication,
     lower_sharding,
     peak_in_flight,
+    read_csv,
+    schedule_from_csv,
+    schedule_to_csv,
     simulate,
     validate,
+    write_csv,
     zero_bubble,
 )
 
@@ -84,3 +88,61 @@ def test_registry_config_and_errors():
                 "microbatches": 3,
             }
         )
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "p", "v", "m"),
+    [
+        ("zero_bubble", 2, 1, 4),
+        ("zero_bubble", 4, 2, 8),
+        ("interleaved", 2, 2, 4),
+        ("simple", 3, 1, 5),
+    ],
+)
+def test_csv_round_trip(tmp_path, pipeline, p, v, m):
+    schedule = build_schedule(pipeline, p, m, virtual_stages=v)
+    path = tmp_path / "s.csv"
+    write_csv(schedule, path)
+    back = read_csv(path)
+    assert back.actions == schedule.actions
+    assert (back.num_ranks, back.virtual_stages, back.num_microbatches) == (p, v, m)
+    assert build_schedule(str(path), p, m, virtual_stages=v).actions == schedule.actions
+    forward = read_csv(path, forward_only=True)
+    assert forward.is_forward_only and len(list(forward.iter_actions())) == p * v * m
+
+
+def test_csv_in_torch_format_and_errors(tmp_path):
+    # torch writes idle slots as empty cells; they are skipped
+    text = "0F0,,0F1,0B0,0B1\n,1F0,1B0,1F1,1B1\n"
+    schedule = schedule_from_csv(text)
+    assert [str(a) for a in schedule.actions[1]] == ["1F0", "1B0", "1F1", "1B1"]
+    assert schedule_to_csv(schedule) == "0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n"
+    with pytest.raises(ScheduleError, match="placement"):
+        schedule_from_csv("0F0,3F0,3B0,0B0\n1F0,2F0,2B0,1B0\n")  # V placement: refused
+    with pytest.raises(ScheduleError, match="only compute actions"):
+        schedule_from_csv("0F0,0SEND_F0,0B0\n")
+    with pytest.raises(ScheduleError):
+        schedule_from_csv("0F0\n1F0,1B0\n")  # 0B0 missing: validation names it
+    with pytest.raises(ScheduleError, match="empty"):
+        schedule_from_csv("\n")
+    path = tmp_path / "zb.csv"
+    write_csv(zero_bubble(2, 2, 4), path)
+    cfg = load_config({"pipeline": str(path), "pipeline_parallel_degree": 2, "microbatches": 4})
+    assert cfg.pipeline == str(path)
+    with pytest.raises(ConfigError, match="microbatches"):
+        load_config({"pipeline": str(path), "pipeline_parallel_degree": 2, "microbatches": 8})
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config({"pipeline": str(tmp_path / "missing.csv")})
+
+
+def test_cli_schedule_csv_export_and_import(tmp_path, capsys):
+    from mpar.cli import main
+
+    path = tmp_path / "zb.csv"
+    assert main(["schedule", "--pipeline", "zero_bubble", "--stages", "2", "--microbatches", "4", "--csv", str(path)]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert main(["schedule", "--pipeline", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "from CSV" in out and "makespan 13" in out
+    assert main(["schedule", "--pipeline", str(path), "--microbatches", "8"]) == 1
+    assert "microbatches" in capsys.readouterr().err
