@@ -35,9 +35,7 @@ def schedule_to_csv(schedule: Schedule) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     for r in range(schedule.num_ranks):
-        writer.writerow(
-            [str(a) for a in schedule.actions.get(r, []) if a.kind in COMPUTE_KINDS]
-        )
+        writer.writerow([str(a) for a in schedule.actions.get(r, []) if a.kind in COMPUTE_KINDS])
     return out.getvalue()
 
 
