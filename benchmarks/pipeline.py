@@ -6,9 +6,12 @@ with SGD on the same fixed batch, the same microbatches and one intra-op thread
 per rank by
 
 * mpar: ``pipeline`` ``simple`` (GPipe), ``interleaved`` (1F1B), and
-  ``interleaved`` with ``virtual_stages=2``; started with ``mpar launch``;
+  ``interleaved`` with ``virtual_stages=2``, ``zero_bubble`` (ZB-H1) with 1 and
+  2 virtual stages; started with ``mpar launch``;
 * torch.distributed.pipelining: ``ScheduleGPipe``, ``Schedule1F1B``,
-  ``ScheduleInterleaved1F1B`` (2 stages per rank); started with ``torchrun``;
+  ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble`` (2 stages per
+  rank, looped) and ``ScheduleZBVZeroBubble`` (2 stages per rank in a V);
+  started with ``torchrun``;
 * DeepSpeed: ``PipelineModule`` + ``engine.train_batch()`` (its 1F1B
   ``TrainSchedule``) on the CPU accelerator; started with ``torchrun``.
 
@@ -56,9 +59,15 @@ CASES = [
     ("mpar", "simple", 1, "simple"),
     ("mpar", "interleaved", 1, "interleaved"),
     ("mpar", "interleaved", 2, "interleaved"),
+    ("mpar", "zero_bubble", 1, "zero_bubble"),
+    ("mpar", "zero_bubble", 2, "zero_bubble"),
     ("torch", "ScheduleGPipe", 1, "simple"),
     ("torch", "Schedule1F1B", 1, "interleaved"),
     ("torch", "ScheduleInterleaved1F1B", 2, "interleaved"),
+    ("torch", "ScheduleInterleavedZeroBubble", 2, "zero_bubble"),
+    # ZBV places a rank's two stages in a V (r and 2p-1-r); mpar's looped zero_bubble
+    # with the same costs is the bound shown for it.
+    ("torch", "ScheduleZBVZeroBubble", 2, "zero_bubble"),
     ("deepspeed", "TrainSchedule", 1, "interleaved"),
 ]
 QUICK_CASES = {
@@ -170,6 +179,8 @@ def _cases(args: argparse.Namespace, spec: ModelSpec) -> list[tuple[Case, str]]:
         pp, dp = (int(v) for v in layout.split("x"))
         for framework, schedule, v, sim, split in rows:
             if args.quick and (framework, schedule, v) not in QUICK_CASES:
+                continue
+            if args.schedules and schedule not in args.schedules:
                 continue
             if framework in args.frameworks:
                 case = Case(framework, schedule, pp, dp, v, spec, args.warmup, args.steps, split)
@@ -368,6 +379,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--layouts", nargs="+", default=["2x1"], help="pp x dp layouts (2x1 4x1 2x2)")
     p.add_argument("--frameworks", nargs="+", default=["mpar", "torch", "deepspeed"])
+    p.add_argument(
+        "--schedules", nargs="+", help="only these schedules (e.g. Schedule1F1B zero_bubble)"
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)

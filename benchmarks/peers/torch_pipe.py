@@ -42,8 +42,9 @@ def _schedule(case: Case, stages: list[Any]) -> Any:
     from torch.distributed import pipelining as pipe
 
     m = case.model.microbatches
-    if case.schedule == "ScheduleInterleaved1F1B":
-        return pipe.ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
+    multi = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")
+    if case.schedule in multi:
+        return getattr(pipe, case.schedule)(stages, m, loss_fn=loss_fn)
     cls = {"ScheduleGPipe": pipe.ScheduleGPipe, "Schedule1F1B": pipe.Schedule1F1B}[case.schedule]
     return cls(stages[0], m, loss_fn=loss_fn)
 
@@ -70,6 +71,8 @@ def run(case: Case) -> dict[str, Any]:
     layers = make_layers(case.model)
     slices = stage_slices(len(layers), case.num_stages)
     mine = [pp_rank + k * case.pp for k in range(case.virtual_stages)]
+    if case.schedule == "ScheduleZBVZeroBubble":  # V placement: r and 2p-1-r
+        mine = [pp_rank, 2 * case.pp - 1 - pp_rank]
     modules = {s: nn.Sequential(*layers[slices[s][0] : slices[s][1]]) for s in mine}
     del layers
     device = torch.device("cpu")
