@@ -47,6 +47,9 @@ class State:
 
 _STATE: State | None = None
 _SHUTDOWN_HOOKS: list[Callable[[], None]] = []
+_STORE: tuple[Any, dist.Store] | None = None
+"""(what identifies the rendezvous, the store) kept for the process's lifetime."""
+_GENERATION = 0
 
 
 def on_shutdown(hook: Callable[[], None]) -> None:
@@ -110,30 +113,47 @@ def _init_process_group(layout: Layout, backend: str, timeout: datetime.timedelt
                 f"but the launcher reports {layout.world_size} processes"
             )
         return False
-    if layout.source == "torchrun":  # env:// also finds torchrun's agent-hosted store
-        dist.init_process_group(
-            backend,
-            init_method="env://",
-            rank=layout.rank,
-            world_size=layout.world_size,
-            timeout=timeout,
-        )
-        return True
-    if layout.source == "single":
-        store: dist.Store = dist.HashStore()
-    else:
-        store = dist.TCPStore(
-            layout.master_addr,
-            layout.master_port,
-            layout.world_size,
-            is_master=layout.rank == 0,
-            timeout=timeout,
-            wait_for_workers=False,
-        )
+    store, generation = _rendezvous_store(layout, timeout)
     dist.init_process_group(
-        backend, store=store, rank=layout.rank, world_size=layout.world_size, timeout=timeout
+        backend,
+        store=dist.PrefixStore(f"mpar/{generation}", store),
+        rank=layout.rank,
+        world_size=layout.world_size,
+        timeout=timeout,
     )
     return True
+
+
+def _rendezvous_store(layout: Layout, timeout: datetime.timedelta) -> tuple[dist.Store, int]:
+    """The job's key-value store, made once per process, and this ``init``'s generation.
+
+    ``init`` after ``shutdown`` (same processes, a new config) rendezvouses in
+    the same store under a fresh prefix. A new store on the same port would
+    race: a rank that starts its next ``init`` early could reach the previous
+    store (still served by a slower rank 0) or read its stale addresses.
+    Every rank calls ``init`` the same number of times, so generations agree.
+    """
+    global _STORE, _GENERATION
+    key = (layout.source, layout.master_addr, layout.master_port, layout.world_size)
+    if _STORE is None or _STORE[0] != key:
+        if layout.source == "single":
+            store: dist.Store = dist.HashStore()
+        elif layout.source == "torchrun":  # env:// also finds torchrun's agent-hosted store
+            store, _, _ = next(
+                dist.rendezvous("env://", layout.rank, layout.world_size, timeout=timeout)
+            )
+        else:
+            store = dist.TCPStore(
+                layout.master_addr,
+                layout.master_port,
+                layout.world_size,
+                is_master=layout.rank == 0,
+                timeout=timeout,
+                wait_for_workers=False,
+            )
+        _STORE, _GENERATION = (key, store), 0
+    _GENERATION += 1
+    return _STORE[1], _GENERATION
 
 
 def _make_groups(

@@ -64,6 +64,32 @@ def test_second_init_is_a_clear_error():
     assert "already called" in message and "mpar.shutdown()" in message
 
 
+def _init_again_and_again(rounds):
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import mpar
+
+    sums = []
+    for i in range(rounds):
+        mpar.init({"pipeline_parallel_degree": 2 if i % 2 else 1})
+        if mpar.rank() == 0:
+            time.sleep(0.3)  # the others reach their next init while rank 0 is still here
+        value = torch.ones(1) * (i + 1)
+        dist.all_reduce(value)
+        sums.append(float(value))
+        mpar.shutdown()
+    return sums
+
+
+def test_init_after_shutdown_in_the_same_processes_rendezvouses_afresh():
+    # A new store per init raced: early ranks reached the old one or its stale addresses.
+    results = run_distributed(_init_again_and_again, 4, args=(4,), timeout=120)
+    assert results == [[4.0, 8.0, 12.0, 16.0]] * 4
+
+
 def _fail_on_rank_one():
     import mpar
 
