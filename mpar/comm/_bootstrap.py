@@ -15,13 +15,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mpar.comm import _abort
+from mpar.comm import _abort, _watchdog
 from mpar.comm._layout import Layout, detect_layout
+from mpar.comm._progress import PROGRESS, RECENT
+from mpar.comm._watchdog import transport_timeout
 from mpar.config import Config, load_config
 from mpar.errors import AlreadyInitializedError, ConfigError, NotInitializedError
 from mpar.topology import Grid
 
-__all__ = ["State", "init", "is_initialized", "shutdown", "state"]
+__all__ = ["State", "init", "is_initialized", "shutdown", "state", "transport_timeout"]
 
 
 @dataclass
@@ -166,14 +168,23 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
     device = _pick_device(resolved, layout)
     backend = _pick_backend(resolved, device)
     _set_threads(layout)
-    timeout = datetime.timedelta(seconds=resolved.timeout_s)
+    timeout = transport_timeout(resolved.timeout_s)  # the hang watchdog reports first
     owns = _init_process_group(layout, backend, timeout)
     pp_group, dp_group = _make_groups(grid, layout.rank, backend, timeout)
     pp_rank, dp_rank = grid.coords(layout.rank)
     torch.manual_seed(resolved.seed)
+    PROGRESS.reset(RECENT if resolved.trace is None else 16 * RECENT)
     if layout.world_size > 1:
         _abort.start_watcher(
             layout.master_addr, layout.master_port, layout.rank, resolved.timeout_s
+        )
+        _watchdog.start(
+            layout.master_addr,
+            layout.master_port,
+            layout.rank,
+            layout.world_size,
+            resolved.timeout_s,
+            resolved.trace,
         )
     _STATE = State(
         config=resolved,
@@ -199,5 +210,6 @@ def shutdown() -> None:
         return
     current, _STATE = _STATE, None
     _abort.stop_watcher()
+    _watchdog.stop()
     if current.owns_process_group and dist.is_initialized():
         dist.destroy_process_group()
