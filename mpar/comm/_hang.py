@@ -118,8 +118,17 @@ def _stuck_message(
 def _deadlock_message(
     culprit: int, snaps: Mapping[int, Snapshot], waiters: Mapping[int, list[int]]
 ) -> str:
-    parts = [f"rank {r} waits for {snaps[r]['wait']['text']}" for r in sorted(waiters)]
-    return f"deadlock, every rank waits: {'; '.join(parts)}; look at rank {culprit} first"
+    wait = snaps[culprit]["wait"]
+    if wait["kind"] == "collective":
+        absent = ", ".join(map(str, waiters[culprit]))
+        head = (
+            f"deadlock: rank {culprit} waits in {wait['name']}, which rank(s) {absent} did not call"
+        )
+    else:
+        head = f"deadlock: rank {culprit} waits for {wait['text']}"
+    others = [f"rank {r} waits for {snaps[r]['wait']['text']}" for r in sorted(waiters)]
+    others = [o for r, o in zip(sorted(waiters), others) if r != culprit]
+    return "; ".join([head, *others])
 
 
 def position(snap: Snapshot, *, brief: bool = False) -> str:
@@ -129,6 +138,8 @@ def position(snap: Snapshot, *, brief: bool = False) -> str:
     where = f"step {step}, action {action}" if action is not None else f"step {step}"
     if not snap.get("in_step"):
         where = "before its first step" if step < 0 else f"between steps, after step {step}"
+    if snap.get("inside") and not snap.get("wait"):
+        where += f", inside {snap['inside']}"
     wait = snap.get("wait")
     if wait:
         text = f"waiting {now - float(wait['since']):.1f} s for {wait['text']}"

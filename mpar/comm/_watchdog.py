@@ -129,6 +129,16 @@ def thread_stacks() -> tuple[str, str]:
     return "\n".join(texts), main
 
 
+def _torch_call(frame: Any) -> str | None:
+    """The ``torch.distributed`` function the main thread is inside, if any."""
+    found = None
+    while frame is not None:
+        if frame.f_code.co_filename.endswith("distributed_c10d.py"):
+            found = frame.f_code.co_name  # keep going: the outermost one is the user's call
+        frame = frame.f_back
+    return None if found is None else f"torch.distributed.{found}"
+
+
 def _event_text(kind: str, what: Any) -> str:
     if kind == "action":
         return str(what)
@@ -151,6 +161,7 @@ def snapshot(rank: int) -> dict[str, Any]:
         "action": None if PROGRESS.action is None else str(PROGRESS.action),
         "last": PROGRESS.last,
         "wait": None if wait is None else _wait_info(wait, since, rank),
+        "inside": _torch_call(sys._current_frames().get(threading.main_thread().ident or 0)),
         "recent": [[t, s, _event_text(k, w)] for t, s, k, w in PROGRESS.recent()],
         "stacks": stacks,
         "main_stack": main,
@@ -243,8 +254,8 @@ class _Watchdog:
         return {r: self.get(f"snap/{r}") for r in range(self.world) if self.has(f"snap/{r}")}
 
     def act(self, verdict: dict[str, Any]) -> None:
-        """End this process. The writer reports; the others then leave first (their
-        blocked waits would fail, noisily, once the writer's connections close)."""
+        """End this process: the writer reports, then every rank leaves; rank 0 last
+        when it hosts the store (MPI, a plain ``MASTER_PORT``; not torchrun's agent)."""
         os.environ[QUIET_ENV] = "1"
         _abort.silence()
         writer = verdict["writer"] == self.rank
@@ -252,29 +263,28 @@ class _Watchdog:
         if writer:
             _report(verdict["message"], verdict["report"])
             self.put("written", 1)
-            self.wait_for("gone", exclude=self.rank)
         else:
             sys.stderr.write(
                 f"mpar: rank {self.rank} stops: rank {verdict['writer']} reports a hang\n"
             )
             sys.stderr.flush()
-            self.wait_for("written")
+            self.wait_until(lambda: self.has("written"))
+        with contextlib.suppress(Exception):
             self.put(f"gone/{self.rank}", 1)
+        if self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            others = [r for r in range(1, self.world) if self.has(f"snap/{r}")]
+            self.wait_until(lambda: all(self.has(f"gone/{r}") for r in others))
         os._exit(1)
 
-    def wait_for(self, name: str, *, exclude: int | None = None) -> None:
+    @staticmethod
+    def wait_until(done: Any) -> None:
+        """Poll ``done()`` for a few seconds; a store that went away ends the wait."""
         deadline = time.monotonic() + _EXIT_WAIT_S
-        while time.monotonic() < deadline:
-            with contextlib.suppress(Exception):
-                if exclude is None and self.has(name):
-                    return
-                if exclude is not None and all(
-                    self.has(f"{name}/{r}") or not self.has(f"snap/{r}")
-                    for r in range(self.world)
-                    if r != exclude
-                ):
-                    return
-            time.sleep(_POLL_S / 5)
+        try:
+            while time.monotonic() < deadline and not done():
+                time.sleep(_POLL_S / 5)
+        except Exception:
+            return
 
 
 def exit_if_reported() -> None:
