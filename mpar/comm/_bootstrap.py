@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from mpar.comm import _abort, _watchdog
+from mpar.comm._consistency import check_same_config
 from mpar.comm._layout import Layout, detect_layout
 from mpar.comm._progress import PROGRESS, RECENT
 from mpar.comm._watchdog import transport_timeout
@@ -147,6 +148,15 @@ def _make_groups(
     return mine_pp, mine_dp
 
 
+def _checked_same_config(config: Config, world_size: int, owns: bool) -> None:
+    try:
+        check_same_config(config, world_size)
+    except ConfigError:
+        if owns:  # leave this process as it was, so that init can be called again
+            dist.destroy_process_group()
+        raise
+
+
 def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None) -> Config:
     """Start mpar in this process; returns the resolved configuration.
 
@@ -170,6 +180,7 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
     _set_threads(layout)
     timeout = transport_timeout(resolved.timeout_s)  # the hang watchdog reports first
     owns = _init_process_group(layout, backend, timeout)
+    _checked_same_config(resolved, layout.world_size, owns)
     pp_group, dp_group = _make_groups(grid, layout.rank, backend, timeout)
     pp_rank, dp_rank = grid.coords(layout.rank)
     torch.manual_seed(resolved.seed)

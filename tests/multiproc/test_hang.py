@@ -1,0 +1,101 @@
+"""Hangs and mismatches between ranks become errors that name both sides."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from mpar.testing import DistributedTestError, run_distributed
+from tests.multiproc._pipeline_cases import batch, loss_fn, mlp
+
+
+def _mismatched_transfer():
+    import contextlib
+
+    import torch
+
+    import mpar
+    from mpar.comm import state
+    from mpar.comm._p2p import Links, PendingSends, recv_payload, send_payload
+    from mpar.errors import CommError
+
+    mpar.init({"timeout_s": 30})
+    links, pending = state().extras.setdefault("p2p_links", Links()), PendingSends()
+    if mpar.rank() == 0:  # sends microbatch 1 where rank 1 expects microbatch 0
+        send_payload((torch.ones(3),), 1, 2, (1, 1, 0), pending, links)
+        with contextlib.suppress(RuntimeError):  # rank 1 refused it and left before its body
+            pending.wait()
+        return None
+    try:
+        recv_payload(0, 2, (1, 0, 0), torch.device("cpu"), links)
+    except CommError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_a_transfer_for_another_action_names_both_ranks():
+    _, message = run_distributed(_mismatched_transfer, 2, timeout=50)
+    assert message.startswith(
+        "pipeline transfer mismatch: rank 1 expected activations for 1F0 from rank 0, "
+        "but rank 0 sent activations for 1F1; the two ranks run different schedules"
+    ), message
+
+
+def _different_configs():
+    import os
+
+    import mpar
+    from mpar.errors import ConfigError
+
+    rank = int(os.environ["RANK"])
+    try:
+        mpar.init({"pipeline_parallel_degree": 2, "microbatches": 2 + 2 * rank})
+    except ConfigError as exc:
+        return str(exc), mpar.is_initialized()
+    return "no error", mpar.is_initialized()
+
+
+@pytest.mark.timeout(60)
+def test_ranks_with_different_configs_are_refused_at_init():
+    results = run_distributed(_different_configs, 2, timeout=50)
+    for message, initialised in results:
+        assert not initialised
+        assert "the ranks were started with different configurations" in message, message
+        assert "rank 1 has microbatches=4 where rank 0 has 2" in message
+
+
+def _sleep_in_step(trace):
+    import mpar
+
+    mpar.init({"pipeline_parallel_degree": 2, "microbatches": 2, "timeout_s": 4, "trace": trace})
+    model = mpar.DistributedModel(mlp())
+
+    @mpar.step
+    def train(m, x, y):
+        out = m(x)
+        if mpar.rank() == 1:
+            time.sleep(120)
+        loss = loss_fn(out, y)
+        m.backward(loss)
+        return loss
+
+    x, y = batch("mlp", 0)
+    train(model, x, y)
+
+
+@pytest.mark.timeout(90)
+def test_a_hang_under_a_plain_master_port_ends_and_writes_the_trace(tmp_path: Path):
+    trace = tmp_path / "trace"
+    started = time.monotonic()
+    with pytest.raises(DistributedTestError, match="died with exit code 1"):
+        run_distributed(_sleep_in_step, 2, args=(str(trace),), timeout=80)
+    assert time.monotonic() - started < 4 + 30
+    report = (trace / "hang-report.txt").read_text()
+    assert report.startswith("mpar: hang detected (a rank waited more than timeout_s=4 s)")
+    assert "rank 1 made no progress" in report and "time.sleep(120)" in report
+    flight = json.loads((trace / "rank0.flight.json").read_text())
+    assert "waiting" in flight["position"] and "from rank 1" in flight["position"]
