@@ -272,8 +272,11 @@ class _Watchdog:
         with contextlib.suppress(Exception):
             self.put(f"gone/{self.rank}", 1)
         if self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-            others = [r for r in range(1, self.world) if self.has(f"snap/{r}")]
-            self.wait_until(lambda: all(self.has(f"gone/{r}") for r in others))
+            self.wait_until(
+                lambda: all(
+                    self.has(f"gone/{r}") or not self.has(f"snap/{r}") for r in range(1, self.world)
+                )
+            )
         os._exit(1)
 
     @staticmethod

@@ -194,9 +194,9 @@ class Config:
     transfers' own timeouts are longer, so this report comes first)."""
 
     trace: str | None = None
-    """Directory where each rank writes its flight recorder (its last actions, with
-    times) when the job hangs or fails, and the hang report; None: ``MPAR_TRACE``
-    if set, else nowhere."""
+    """Directory where each rank writes its flight recorder (its last actions with
+    times, its position and stacks) when the job hangs or its step raises, and the
+    reporting rank the hang report; None: ``MPAR_TRACE`` if set, else nowhere."""
 
     def __post_init__(self) -> None:
         self._check_fields()
