@@ -185,6 +185,12 @@ def format_report(
         f"{verdict.message}",
         "",
     ]
+    if not verdict.deadlock:
+        lines.append(
+            f"If rank {verdict.culprit} is only slow (the first step profiles and partitions "
+            "the model; a long evaluation or save on one rank), raise timeout_s."
+        )
+        lines.append("")
     lines.append(f"--- rank {verdict.culprit}, the one that is behind ---")
     lines.extend(_rank_block(verdict.culprit, snaps.get(verdict.culprit), full_stack=True))
     for rank in range(world_size):

@@ -254,15 +254,18 @@ class _Watchdog:
         return {r: self.get(f"snap/{r}") for r in range(self.world) if self.has(f"snap/{r}")}
 
     def act(self, verdict: dict[str, Any]) -> None:
-        """End this process: the writer reports, then every rank leaves; rank 0 last
-        when it hosts the store (MPI, a plain ``MASTER_PORT``; not torchrun's agent)."""
+        """End this process. Every rank goes quiet (its later errors are consequences);
+        the writer reports once all are quiet; then all leave, rank 0 last when it
+        hosts the store (MPI, a plain ``MASTER_PORT``; not torchrun's agent)."""
         os.environ[QUIET_ENV] = "1"
         _abort.silence()
+        self.put(f"seen/{self.rank}", 1)
         writer = verdict["writer"] == self.rank
         write_trace(self.trace, self.rank, verdict["report"] if writer else None)
         if writer:
             _report(verdict["message"], verdict["report"])
             self.put("written", 1)
+            self.wait_until(lambda: self.everyone("seen"))  # all quiet before we leave
         else:
             sys.stderr.write(
                 f"mpar: rank {self.rank} stops: rank {verdict['writer']} reports a hang\n"
@@ -272,12 +275,13 @@ class _Watchdog:
         with contextlib.suppress(Exception):
             self.put(f"gone/{self.rank}", 1)
         if self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-            self.wait_until(
-                lambda: all(
-                    self.has(f"gone/{r}") or not self.has(f"snap/{r}") for r in range(1, self.world)
-                )
-            )
+            self.wait_until(lambda: self.everyone("gone"))
         os._exit(1)
+
+    def everyone(self, name: str) -> bool:
+        """Whether every other rank that answered has set ``name/<rank>``."""
+        others = [r for r in range(self.world) if r != self.rank]
+        return all(self.has(f"{name}/{r}") or not self.has(f"snap/{r}") for r in others)
 
     @staticmethod
     def wait_until(done: Any) -> None:

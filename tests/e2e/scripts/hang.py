@@ -41,7 +41,7 @@ def train_step(model, x, y, step):
 x, y = torch.randn(8, 8), torch.randn(8, 4)
 for step in range(3):
     train_step(model, x, y, step)
-    print(f"rank={mpar.rank()} step={step} done", flush=True)
+    print(f"rank={mpar.rank()} step={step} done at={time.time():.3f}", flush=True)
     if step == 0 and mpar.rank() == bad_rank:
         if how == "barrier":
             mpar.barrier()  # only this rank: a mismatched collective

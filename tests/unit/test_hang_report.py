@@ -95,6 +95,7 @@ def test_the_rank_others_wait_for_is_behind() -> None:
     assert "File 'r1.py'" in report  # the culprit's full stack
     assert "waiting 9.0 s for recv of activations for 1F0 from rank 1" in report
     assert "timeout_s=8 s" in report
+    assert "If rank 1 is only slow" in report and "raise timeout_s" in report
 
 
 def test_a_rank_that_does_not_answer_is_behind() -> None:
