@@ -124,8 +124,16 @@ def format_report(failures: Iterable[RankFailure], *, launcher: str) -> str:
     if root.traceback:
         lines.append(f"{launcher}: traceback of rank {root.rank}:")
         lines.extend("  " + line for line in root.traceback.rstrip("\n").splitlines())
-    others = [f for f in failures if f is not root and not _is_cleanup(f)]
-    stopped = sorted(f.rank for f in failures if _is_cleanup(f) and f.rank is not None)
+    # After a hang report the other ranks leave on their own, with nothing to say.
+    hang = root.message.startswith("HangError:")
+
+    def stopped_by_us(f: RankFailure) -> bool:
+        return _is_cleanup(f) or (hang and not f.message)
+
+    others = [f for f in failures if f is not root and not stopped_by_us(f)]
+    stopped = sorted(
+        f.rank for f in failures if f is not root and stopped_by_us(f) and f.rank is not None
+    )
     lines.extend(f"{launcher}: also: {describe(f, max_message=120)}" for f in others)
     if stopped:
         lines.append(f"{launcher}: stopped the other ranks: {', '.join(map(str, stopped))}")
