@@ -76,9 +76,10 @@ def choose_root(failures: Iterable[RankFailure]) -> RankFailure:
     """The failure that most likely caused the others.
 
     Ranks stopped by the launcher's own SIGTERM are never the cause while another
-    failure exists. A rank killed by a signal (SIGKILL, the OOM killer, SIGSEGV)
-    comes first: its peers' errors are usually the broken connections it left.
-    Then the earliest recorded exception, then the lowest rank.
+    failure exists. mpar's hang report (``HangError``) comes first: it already
+    names the rank that is behind, with its stack. Then a rank killed by a signal
+    (SIGKILL, the OOM killer, SIGSEGV): its peers' errors are usually the broken
+    connections it left. Then the earliest recorded exception, then the lowest rank.
     """
     candidates = list(failures)
     if not candidates:
@@ -87,7 +88,8 @@ def choose_root(failures: Iterable[RankFailure]) -> RankFailure:
 
     def order(f: RankFailure) -> tuple[int, float, int]:
         killed = f.signal_name is not None and not f.message
-        return (0 if killed else 1, f.time if f.time is not None else float("inf"), f.rank or 0)
+        first = 0 if f.message.startswith("HangError:") else 1 if killed else 2
+        return (first, f.time if f.time is not None else float("inf"), f.rank or 0)
 
     return min(real, key=order)
 

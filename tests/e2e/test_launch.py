@@ -363,6 +363,8 @@ def test_after_a_hang_report_the_quietly_exiting_ranks_are_stopped_not_failed() 
         report.splitlines()[0] == "L: job failed: rank 1 raised HangError: rank 1 made no progress"
     )
     assert "L: stopped the other ranks: 0" in report and "also" not in report
+    # the hang report explains a rank killed later (here: stopped, then SIGKILLed at the end)
+    assert choose_root([RankFailure(rank=0, exitcode=-9), hang]) is hang
     # without a hang report, a rank that exits 1 is a failure of its own
     assert "L: also: rank 0 exited with code 1" in format_report(
         [quiet, RankFailure(rank=1, exitcode=1, message="RuntimeError: x", time=2.0)],

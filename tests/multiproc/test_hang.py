@@ -68,7 +68,10 @@ def test_ranks_with_different_configs_are_refused_at_init():
         assert "rank 1 has microbatches=4 where rank 0 has 2" in message
 
 
-def _sleep_in_step(trace):
+def _stuck_in_step(trace, how):
+    import os
+    import signal
+
     import mpar
 
     mpar.init({"pipeline_parallel_degree": 2, "microbatches": 2, "timeout_s": 6, "trace": trace})
@@ -77,8 +80,10 @@ def _sleep_in_step(trace):
     @mpar.step
     def train(m, x, y):
         out = m(x)
-        if mpar.rank() == 1:
+        if mpar.rank() == 1 and how == "sleep":
             time.sleep(120)
+        if mpar.rank() == 1 and how == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)  # its watchdog cannot answer either
         loss = loss_fn(out, y)
         m.backward(loss)
         return loss
@@ -92,10 +97,22 @@ def test_a_hang_under_a_plain_master_port_ends_and_writes_the_trace(tmp_path: Pa
     trace = tmp_path / "trace"
     started = time.monotonic()
     with pytest.raises(DistributedTestError, match="died with exit code 1"):
-        run_distributed(_sleep_in_step, 2, args=(str(trace),), timeout=80)
+        run_distributed(_stuck_in_step, 2, args=(str(trace), "sleep"), timeout=80)
     assert time.monotonic() - started < 6 + 30
     report = (trace / "hang-report.txt").read_text()
     assert report.startswith("mpar: hang detected (a rank waited more than timeout_s=6 s)")
     assert "rank 1 made no progress" in report and "time.sleep(120)" in report
     flight = json.loads((trace / "rank0.flight.json").read_text())
     assert "waiting" in flight["position"] and "from rank 1" in flight["position"]
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_that_cannot_answer_is_named_by_the_rank_that_waits(tmp_path: Path):
+    trace = tmp_path / "trace"
+    with pytest.raises(DistributedTestError, match="rank 0 died with exit code 1"):
+        run_distributed(_stuck_in_step, 2, args=(str(trace), "stop"), timeout=80)
+    report = (trace / "hang-report.txt").read_text()
+    assert "rank 1 made no progress and did not answer; rank 0 waits for it" in report
+    assert "rank 1: did not answer (its process may be stopped" in report
+    assert "rank 0 (pid" in report and "from rank 1" in report
+    assert not (trace / "rank1.flight.json").exists()

@@ -2,13 +2,15 @@
 
 * ``sleep``: rank RANK sleeps inside its step function at the second step;
 * ``barrier``: rank RANK calls an extra ``mpar.barrier()`` after the first step;
-* ``all_reduce``: rank RANK calls an extra ``torch.distributed.all_reduce`` there.
+* ``all_reduce``: rank RANK calls an extra ``torch.distributed.all_reduce`` there;
+* ``stop``: rank RANK stops itself (SIGSTOP) inside its step function: it cannot answer.
 
 Two-stage pipeline (the config is given here unless ``MPAR_CONFIG`` is set), two
 microbatches. The watchdog must end the job with a report naming the rank.
 """
 
 import os
+import signal
 import sys
 import time
 
@@ -33,6 +35,8 @@ def train_step(model, x, y, step):
     out = model(x)
     if how == "sleep" and step == 1 and mpar.rank() == bad_rank:
         time.sleep(600)  # the rank that makes no progress
+    if how == "stop" and step == 1 and mpar.rank() == bad_rank:
+        os.kill(os.getpid(), signal.SIGSTOP)
     loss = nn.functional.mse_loss(out, y)
     model.backward(loss)
     return loss
