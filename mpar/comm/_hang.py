@@ -135,7 +135,9 @@ def position(snap: Snapshot, *, brief: bool = False) -> str:
     """Where one rank is, in words (ages on its own clock)."""
     now = float(snap["time"])
     step, action = snap.get("step", -1), snap.get("action")
-    where = f"step {step}, action {action}" if action is not None else f"step {step}"
+    where = f"step {step}, action {action}"
+    if action is None:  # the first step partitions; stage 0 runs the step function up to model()
+        where = f"step {step}, before its first action (partitioning, or the step function)"
     if not snap.get("in_step"):
         where = "before its first step" if step < 0 else f"between steps, after step {step}"
     if snap.get("inside") and not snap.get("wait"):

@@ -52,7 +52,7 @@ class Progress:
         """Steps started on this rank, minus one (0 is the first step)."""
         self.in_step = False
         self.action: Any = None
-        """The schedule action running now or last (``1F3``), None before any."""
+        """The schedule action running now or last (``1F3``); None before the step's first."""
         self.wait: tuple[str, Any, Any] | None = None
         self.since = 0.0
         """When ``wait`` began (``time.time()``)."""
@@ -68,6 +68,7 @@ class Progress:
     def begin_step(self) -> None:
         self.step += 1
         self.in_step = True
+        self.action = None
         self._record("step", None)
 
     def end_step(self, ok: bool = True) -> None:

@@ -96,8 +96,9 @@ def _stuck_in_step(trace, how):
 def test_a_hang_under_a_plain_master_port_ends_and_writes_the_trace(tmp_path: Path):
     trace = tmp_path / "trace"
     started = time.monotonic()
-    with pytest.raises(DistributedTestError, match="died with exit code 1"):
+    with pytest.raises(DistributedTestError, match="died with exit code 1") as info:
         run_distributed(_stuck_in_step, 2, args=(str(trace), "sleep"), timeout=80)
+    assert "rank 1 made no progress" in str(info.value)  # the harness shows the report
     assert time.monotonic() - started < 6 + 30
     report = (trace / "hang-report.txt").read_text()
     assert report.startswith("mpar: hang detected (a rank waited more than timeout_s=6 s)")

@@ -68,6 +68,8 @@ def test_progress_keeps_the_last_events_in_order() -> None:
         (0, "end", None),
     ]
     assert progress.wait is None and not progress.in_step and progress.action == "0F5"
+    progress.begin_step()
+    assert progress.action is None and progress.step == 1
 
 
 def test_waits_in_words() -> None:
@@ -137,6 +139,9 @@ def test_positions() -> None:
         "before its first step"
     )
     assert position(_snap(0)) == "step 1, action 0F0; last progress 1.0 s ago"
+    assert position(_snap(0, action=None), brief=True) == (
+        "step 1, before its first action (partitioning, or the step function)"
+    )
 
 
 def test_stacks_show_a_sleeping_thread() -> None:
