@@ -24,7 +24,7 @@ from mpar.config import Config, load_config
 from mpar.errors import AlreadyInitializedError, ConfigError, NotInitializedError
 from mpar.topology import Grid
 
-__all__ = ["State", "init", "is_initialized", "shutdown", "state", "transport_timeout"]
+__all__ = ["State", "init", "is_initialized", "shutdown", "state"]
 
 
 @dataclass

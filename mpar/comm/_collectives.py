@@ -7,8 +7,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mpar.comm._bootstrap import state, transport_timeout
+from mpar.comm._bootstrap import state
 from mpar.comm._progress import Waiting, watched
+from mpar.comm._watchdog import transport_timeout
 
 __all__ = [
     "all_gather_object_pp",

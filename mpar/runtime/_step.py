@@ -13,7 +13,8 @@ from mpar._tree import tree_map
 from mpar.comm import state
 from mpar.comm._abort import publish_failure
 from mpar.comm._progress import PROGRESS
-from mpar.comm._watchdog import exit_if_reported, write_trace
+from mpar.comm._snapshot import write_trace
+from mpar.comm._watchdog import exit_if_reported
 from mpar.errors import StepError
 from mpar.runtime._executor import StepRun
 from mpar.runtime._microbatch import Microbatches, split_microbatches

@@ -10,7 +10,8 @@ import pytest
 
 from mpar.comm._hang import diagnose, format_report, position
 from mpar.comm._progress import Progress, describe_label, describe_wait
-from mpar.comm._watchdog import thread_stacks, transport_timeout
+from mpar.comm._snapshot import thread_stacks
+from mpar.comm._watchdog import transport_timeout
 
 NOW = 1000.0
 
