@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from mpar.comm._consistency import config_differences
 from mpar.comm._hang import diagnose, format_report, position
 from mpar.comm._progress import Progress, describe_label, describe_wait
 from mpar.comm._snapshot import thread_stacks
@@ -163,3 +164,10 @@ def test_stacks_show_a_sleeping_thread() -> None:
 @pytest.mark.parametrize("timeout_s", [0.5, 300.0])
 def test_transports_wait_longer_than_the_watchdog(timeout_s: float) -> None:
     assert transport_timeout(timeout_s).total_seconds() >= timeout_s + 30
+
+
+def test_config_differences_name_rank_key_and_both_values() -> None:
+    same = {"microbatches": 2, "zero.stage": 1}
+    assert config_differences([same, dict(same), dict(same)]) == []
+    found = config_differences([same, same, {"microbatches": 4, "zero.stage": 1}])
+    assert found == ["rank 2 has microbatches=4 where rank 0 has 2"]
