@@ -24,6 +24,8 @@ __all__ = ["Verdict", "diagnose", "format_report", "position"]
 
 Snapshot = Mapping[str, Any]
 _RECENT_IN_REPORT = 12
+_OTHERS_IN_DETAIL = 4
+"""Other ranks whose stacks the report shows (large jobs: positions only for the rest)."""
 
 
 @dataclass(frozen=True)
@@ -161,21 +163,32 @@ def _indent(text: str, prefix: str = "    ") -> list[str]:
     return [prefix + line for line in text.rstrip("\n").splitlines()]
 
 
-def _rank_block(rank: int, snap: Snapshot | None, *, full_stack: bool) -> list[str]:
+def _rank_block(rank: int, snap: Snapshot | None, *, detail: str) -> list[str]:
+    """One rank's part of the report; ``detail``: "full" (every thread), "main" or "none"."""
     if snap is None:
         return [
             f"rank {rank}: did not answer (its process may be stopped, or a C call holds "
             "the Python interpreter lock)"
         ]
     lines = [f"rank {rank} (pid {snap['pid']} on {snap['host']}): {position(snap)}"]
-    stacks = snap.get("stacks" if full_stack else "main_stack") or ""
+    if detail == "none":
+        return lines
+    stacks = snap.get("stacks" if detail == "full" else "main_stack") or ""
     if stacks:
-        lines.append("  stack:" if full_stack else "  main thread:")
+        lines.append("  stack:" if detail == "full" else "  main thread:")
         lines.extend(_indent(stacks))
     if snap.get("recent"):
         lines.append("  last events (flight recorder, newest last):")
         lines.extend(_recent_lines(snap))
     return lines
+
+
+def _detailed_ranks(verdict: Verdict, world_size: int) -> set[int]:
+    """The other ranks shown with stacks: those waiting for the culprit first, at most
+    :data:`_OTHERS_IN_DETAIL` (every rank's position is always shown)."""
+    direct = [r for r, peers in sorted(verdict.waiters.items()) if verdict.culprit in peers]
+    rest = [r for r in range(world_size) if r != verdict.culprit and r not in direct]
+    return set((direct + rest)[:_OTHERS_IN_DETAIL])
 
 
 def format_report(
@@ -194,10 +207,12 @@ def format_report(
         )
         lines.append("")
     lines.append(f"--- rank {verdict.culprit}, the one that is behind ---")
-    lines.extend(_rank_block(verdict.culprit, snaps.get(verdict.culprit), full_stack=True))
+    lines.extend(_rank_block(verdict.culprit, snaps.get(verdict.culprit), detail="full"))
+    detailed = _detailed_ranks(verdict, world_size)
     for rank in range(world_size):
         if rank != verdict.culprit:
             lines.append("")
             lines.append(f"--- rank {rank} ---")
-            lines.extend(_rank_block(rank, snaps.get(rank), full_stack=False))
+            detail = "main" if rank in detailed else "none"
+            lines.extend(_rank_block(rank, snaps.get(rank), detail=detail))
     return "\n".join(lines) + "\n"

@@ -171,3 +171,13 @@ def test_config_differences_name_rank_key_and_both_values() -> None:
     assert config_differences([same, dict(same), dict(same)]) == []
     found = config_differences([same, same, {"microbatches": 4, "zero.stage": 1}])
     assert found == ["rank 2 has microbatches=4 where rank 0 has 2"]
+
+
+def test_large_jobs_show_every_position_but_few_stacks() -> None:
+    snaps = {r: _snap(r, wait=_recv(7)) for r in range(12) if r != 7}
+    snaps[7] = _snap(7, last=NOW - 30.0)
+    verdict = diagnose(snaps, 12, {"rank": 0, "wait": snaps[0]["wait"]})
+    report = format_report(verdict, snaps, 12, 8.0)
+    assert verdict.culprit == 7
+    assert all(f"rank {r} (pid {100 + r} on h)" in report for r in range(12))
+    assert report.count("main thread:") == 4 and "File 'r7.py'" in report
