@@ -117,3 +117,34 @@ def test_a_rank_that_cannot_answer_is_named_by_the_rank_that_waits(tmp_path: Pat
     assert "rank 1: did not answer (its process may be stopped" in report
     assert "rank 0 (pid" in report and "from rank 1" in report
     assert not (trace / "rank1.flight.json").exists()
+
+
+def _sleep_before_the_gradient_reduction(trace):
+    import mpar
+
+    mpar.init({"microbatches": 2, "timeout_s": 6, "trace": trace, "zero": {"stage": 2}})
+    model = mpar.DistributedModel(mlp())
+
+    @mpar.step
+    def train(m, x, y):
+        loss = loss_fn(m(x), y)
+        m.backward(loss)
+        return loss
+
+    x, y = batch("mlp", 0)
+    train(model, x, y)
+    if mpar.rank() == 1:
+        time.sleep(120)
+    train(model, x, y)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_data_parallel_rank_that_sleeps_between_steps_is_named(tmp_path: Path):
+    trace = tmp_path / "trace"
+    with pytest.raises(DistributedTestError, match="died with exit code 1"):
+        run_distributed(_sleep_before_the_gradient_reduction, 2, args=(str(trace),), timeout=80)
+    report = (trace / "hang-report.txt").read_text()
+    assert "rank 1 made no progress" in report and "between steps, after step 0" in report
+    assert "time.sleep(120)" in report
+    assert "rank 0 (pid" in report and "waiting" in report

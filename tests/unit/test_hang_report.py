@@ -10,7 +10,7 @@ import pytest
 
 from mpar.comm._consistency import config_differences
 from mpar.comm._hang import diagnose, format_report, position
-from mpar.comm._progress import Progress, describe_label, describe_wait
+from mpar.comm._progress import PROGRESS, Progress, describe_label, describe_wait, watched
 from mpar.comm._snapshot import thread_stacks
 from mpar.comm._watchdog import transport_timeout
 
@@ -181,3 +181,20 @@ def test_large_jobs_show_every_position_but_few_stacks() -> None:
     assert verdict.culprit == 7
     assert all(f"rank {r} (pid {100 + r} on h)" in report for r in range(12))
     assert report.count("main thread:") == 4 and "File 'r7.py'" in report
+
+
+def test_waiting_on_a_collective_handle_shows_in_the_position() -> None:
+    seen = []
+
+    class Work:
+        def wait(self) -> bool:
+            seen.append(PROGRESS.wait)
+            return True
+
+        def is_completed(self) -> bool:
+            return False
+
+    handle = watched(Work(), "all_reduce", None)
+    assert watched(None, "all_reduce", None) is None
+    assert handle.wait() is True and not handle.is_completed()
+    assert seen == [("collective", "all_reduce", None)] and PROGRESS.wait is None
