@@ -64,12 +64,15 @@ def _waits_for(snaps: Mapping[int, Snapshot]) -> dict[int, list[int]]:
     return found
 
 
-def _oldest(ranks: list[int], snaps: Mapping[int, Snapshot], key: str) -> int:
+def _oldest(ranks: list[int], snaps: Mapping[int, Snapshot], *, waiting: bool) -> int:
+    """The rank idle the longest (``waiting``: waiting the longest); a silent one first."""
+
     def age(rank: int) -> tuple[int, float, int]:
         snap = snaps.get(rank)
         if snap is None:  # did not answer: the likeliest to be behind
             return (0, 0.0, rank)
-        return (1, float(snap.get(key) or snap["time"]) - float(snap["time"]), rank)
+        since = snap["wait"]["since"] if waiting else snap["last"]
+        return (1, float(since) - float(snap["time"]), rank)
 
     return min(ranks, key=age)
 
@@ -84,13 +87,13 @@ def diagnose(snaps: Mapping[int, Snapshot], world_size: int, trigger: Mapping[st
     waited_for = sorted({p for peers in waiters.values() for p in peers})
     idle = [p for p in waited_for if p not in waiters]
     if idle:
-        culprit = _oldest(idle, snaps, "last")
+        culprit = _oldest(idle, snaps, waiting=False)
         return Verdict(culprit, False, waiters, _stuck_message(culprit, snaps, waiters))
     if not waiters:  # nothing known to wait: blame the rank that asked
         culprit = int(trigger["rank"])
         return Verdict(culprit, False, waiters, f"rank {culprit} waited longer than timeout_s")
     mismatched = [r for r, s in snaps.items() if r in waiters and s["wait"]["kind"] == "collective"]
-    culprit = _oldest(mismatched or list(waiters), snaps, "since")
+    culprit = _oldest(mismatched or list(waiters), snaps, waiting=True)
     return Verdict(culprit, True, waiters, _deadlock_message(culprit, snaps, waiters))
 
 

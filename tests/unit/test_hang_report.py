@@ -198,3 +198,13 @@ def test_waiting_on_a_collective_handle_shows_in_the_position() -> None:
     assert watched(None, "all_reduce", None) is None
     assert handle.wait() is True and not handle.is_completed()
     assert seen == [("collective", "all_reduce", None)] and PROGRESS.wait is None
+
+
+def test_in_a_cycle_of_transfers_the_longest_waiting_rank_is_named() -> None:
+    snaps = {
+        0: _snap(0, wait=_recv(1, since=NOW - 5.0)),
+        1: _snap(1, wait=_recv(0, since=NOW - 9.0)),
+    }
+    verdict = diagnose(snaps, 2, {"rank": 0, "wait": snaps[0]["wait"]})
+    assert verdict.deadlock and verdict.culprit == 1
+    assert verdict.message.startswith("deadlock: rank 1 waits for recv of activations")
