@@ -26,6 +26,8 @@ DeviceKind = Literal["auto", "cpu", "cuda", "xla"]
 BackendKind = Literal["auto", "gloo", "nccl", "xla", "mpi"]
 CheckpointingKind = Literal["none", "each"]
 
+#: Largest ``timeout_s`` (about 31 years): process-group timeouts must stay representable.
+MAX_TIMEOUT_S = 1e9
 #: Default ``memory_weight`` for each ``optimize`` objective.
 MEMORY_WEIGHT_FOR = {"speed": 0.2, "memory": 0.8}
 
@@ -63,10 +65,10 @@ def _check_number(key: str, value: object) -> None:
 def _check_timeout(value: object) -> None:
     _check_number("timeout_s", value)
     seconds = float(value)  # type: ignore[arg-type]  # a number: checked just above
-    if not math.isfinite(seconds) or seconds <= 0:
+    if not math.isfinite(seconds) or not 0 < seconds <= MAX_TIMEOUT_S:
         raise ConfigError(
             f"config key 'timeout_s' is {value}; it must be a finite number of seconds > 0 "
-            "(e.g. 300; a long wait is a large value, never inf or NaN)"
+            f"and <= {MAX_TIMEOUT_S:g} (e.g. 300; a long wait is a large value, never inf or NaN)"
         )
 
 

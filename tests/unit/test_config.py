@@ -94,6 +94,7 @@ def test_unknown_nested_key():
         ({"timeout_s": float("inf")}, ConfigError, "'timeout_s' is inf; it must be a finite"),
         ({"timeout_s": -float("inf")}, ConfigError, "'timeout_s' is -inf"),
         ({"timeout_s": 0}, ConfigError, "'timeout_s' is 0; it must be a finite number"),
+        ({"timeout_s": 1e300}, ConfigError, "'timeout_s' is 1e\\+300; .* <= 1e\\+09"),
         ({"timeout_s": "60"}, ConfigTypeError, "'timeout_s' must be a number"),
         ({"trace": 3}, ConfigTypeError, "'trace' must be a directory path"),
         ({"trace": " "}, ConfigError, "'trace' is an empty path"),
