@@ -121,28 +121,30 @@ class _Watchdog:
         return {r: self.get(f"snap/{r}") for r in range(self.world) if self.has(f"snap/{r}")}
 
     def act(self, verdict: dict[str, Any]) -> None:
-        """End this process. Every rank goes quiet (its later errors are consequences);
-        the writer reports once all are quiet; then all leave, rank 0 last when it
+        """End this process. Every rank goes quiet (its later errors are consequences)
+        and the writer reports. Then they leave in an order launchers read well: the
+        writer first (torchrun names the first rank to fail), rank 0 last when it
         hosts the store (MPI, a plain ``MASTER_PORT``; not torchrun's agent)."""
         os.environ[QUIET_ENV] = "1"
         _abort.silence()
         self.put(f"seen/{self.rank}", 1)
-        writer = verdict["writer"] == self.rank
-        write_trace(self.trace, self.rank, verdict["report"] if writer else None)
-        if writer:
+        writer = int(verdict["writer"])
+        write_trace(self.trace, self.rank, verdict["report"] if writer == self.rank else None)
+        if writer == self.rank:
             _report(verdict["message"], verdict["report"])
             self.put("written", 1)
             self.wait_until(lambda: self.everyone("seen"))  # all quiet before we leave
         else:
-            sys.stderr.write(
-                f"mpar: rank {self.rank} stops: rank {verdict['writer']} reports a hang\n"
-            )
+            sys.stderr.write(f"mpar: rank {self.rank} stops: rank {writer} reports a hang\n")
             sys.stderr.flush()
             self.wait_until(lambda: self.has("written"))
+        host = None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 0
+        if self.rank == host:
+            self.wait_until(lambda: self.everyone("gone"))
+        elif self.rank != writer and writer != host:
+            self.wait_until(lambda: self.has(f"gone/{writer}"))
         with contextlib.suppress(Exception):
             self.put(f"gone/{self.rank}", 1)
-        if self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-            self.wait_until(lambda: self.everyone("gone"))
         os._exit(1)
 
     def everyone(self, name: str) -> bool:
