@@ -92,10 +92,10 @@ class Progress:
 
     def recent(self) -> list[tuple[float, int, str, Any]]:
         """The flight recorder, oldest first."""
-        ring, count = self.ring[:], self.count  # one copy; the main thread may move on
-        start = max(0, count - self.capacity)
+        count, ring = self.count, self.ring[:]  # the main thread may record meanwhile:
+        start = max(0, count - self.capacity)  # a slot may then hold a newer event,
         found = [ring[i % self.capacity] for i in range(start, count)]
-        return [entry for entry in found if entry is not None]
+        return sorted((e for e in found if e is not None), key=lambda e: e[0])  # so: by time
 
 
 PROGRESS = Progress()
