@@ -11,7 +11,10 @@ standard library only and starts without importing torch or mpar. It
    file torch elastic asks for (``TORCHELASTIC_ERROR_FILE``, the JSON layout of
    ``torch.distributed.elastic.multiprocessing.errors``) and, under ``--mpi``,
    to the launcher's run folder; then calls ``MPI_Abort`` when the script had
-   initialised MPI (a plain exit would hang in ``MPI_Finalize``) and exits 1.
+   initialised MPI (a plain exit would hang in ``MPI_Finalize``) and exits 1;
+3. once mpar's hang watchdog has reported (``MPAR_HANG_REPORTED=1``), treats an
+   uncaught exception as that report's consequence (a peer left): exits 1 at
+   once and quietly. The watchdog records its report with :func:`record_failure`.
 
 ``SystemExit`` and ``KeyboardInterrupt`` pass through unchanged (a non-zero
 ``SystemExit`` is reported like an exception first). Under ``--mpi`` each rank
