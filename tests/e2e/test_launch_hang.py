@@ -42,7 +42,9 @@ def _check_ended_in_time(result: support.Result) -> None:
     """Non-zero, and within timeout_s + 30 s of the last rank finishing step 0."""
     ended = time.time()
     assert result.returncode != 0, result.output
-    stalled = max(float(f["at"]) for f in support.rank_lines(result.stdout).values())
+    finished_step_0 = [float(f["at"]) for f in support.rank_lines(result.stdout).values()]
+    assert len(finished_step_0) == 2, result.output
+    stalled = max(finished_step_0)
     assert ended - stalled < TIMEOUT_S + 30, (ended - stalled, result.output)
 
 

@@ -15,6 +15,7 @@ import sys
 import time
 
 import torch
+import torch._dynamo  # now, not in the first step's profile (seconds on a busy machine)
 import torch.distributed as dist
 from torch import nn
 
@@ -45,7 +46,8 @@ def train_step(model, x, y, step):
 x, y = torch.randn(8, 8), torch.randn(8, 4)
 for step in range(3):
     train_step(model, x, y, step)
-    print(f"rank={mpar.rank()} step={step} done at={time.time():.3f}", flush=True)
+    # a line of its own even when mpiexec glues the ranks' output together
+    print(f"\nrank={mpar.rank()} step={step} done at={time.time():.3f}", flush=True)
     if step == 0 and mpar.rank() == bad_rank:
         if how == "barrier":
             mpar.barrier()  # only this rank: a mismatched collective
