@@ -13,8 +13,6 @@ from tests.multiproc._pipeline_cases import batch, loss_fn, mlp
 
 
 def _mismatched_transfer():
-    import contextlib
-
     import torch
 
     import mpar
@@ -24,23 +22,25 @@ def _mismatched_transfer():
 
     mpar.init({"timeout_s": 30})
     links, pending = state().extras.setdefault("p2p_links", Links()), PendingSends()
-    if mpar.rank() == 0:  # sends microbatch 1 where rank 1 expects microbatch 0
-        send_payload((torch.ones(3),), 1, 2, (1, 1, 0), pending, links)
-        with contextlib.suppress(RuntimeError):  # rank 1 refused it and left before its body
-            pending.wait()
+    if mpar.rank() == 0:  # microbatches 0 and 1, where rank 1 expects 0 and 2
+        for j in (0, 1):
+            send_payload((torch.full((3,), float(j)),), 1, 2, (1, j, 0), pending, links)
+        pending.wait()
         return None
+    first = recv_payload(0, 2, (1, 0, 0), torch.device("cpu"), links)
     try:
-        recv_payload(0, 2, (1, 0, 0), torch.device("cpu"), links)
+        recv_payload(0, 2, (1, 2, 0), torch.device("cpu"), links)
     except CommError as exc:
-        return str(exc)
-    return "no error"
+        return first[0].tolist(), str(exc)
+    return first[0].tolist(), "no error"
 
 
 @pytest.mark.timeout(60)
 def test_a_transfer_for_another_action_names_both_ranks():
-    _, message = run_distributed(_mismatched_transfer, 2, timeout=50)
+    _, (first, message) = run_distributed(_mismatched_transfer, 2, timeout=50)
+    assert first == [0.0, 0.0, 0.0]
     assert message.startswith(
-        "pipeline transfer mismatch: rank 1 expected activations for 1F0 from rank 0, "
+        "pipeline transfer mismatch: rank 1 expected activations for 1F2 from rank 0, "
         "but rank 0 sent activations for 1F1; the two ranks run different schedules"
     ), message
 
@@ -107,6 +107,7 @@ def test_a_hang_under_a_plain_master_port_ends_and_writes_the_trace(tmp_path: Pa
     assert "waiting" in flight["position"] and "from rank 1" in flight["position"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_a_rank_that_cannot_answer_is_named_by_the_rank_that_waits(tmp_path: Path):
     trace = tmp_path / "trace"
