@@ -12,6 +12,7 @@ __all__ = [
     "ConfigError",
     "CommError",
     "ConfigTypeError",
+    "HangError",
     "MparError",
     "NotInitializedError",
     "PartitionError",
@@ -42,6 +43,11 @@ class AlreadyInitializedError(MparError, RuntimeError):
 
 class CommError(MparError, RuntimeError):
     """A transfer or collective failed or timed out (often: another rank failed)."""
+
+
+class HangError(CommError):
+    """A rank waited longer than ``timeout_s`` for a peer. The watchdog reports it
+    under this name (the waiting thread is blocked and cannot raise it)."""
 
 
 class ScheduleError(MparError, ValueError):

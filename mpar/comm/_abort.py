@@ -17,10 +17,11 @@ import threading
 
 import torch.distributed as dist
 
-__all__ = ["publish_failure", "start_watcher", "stop_watcher"]
+__all__ = ["publish_failure", "silence", "start_watcher", "stop_watcher"]
 
 _KEY = "mpar/failure"
 _stop = threading.Event()
+_quiet = threading.Event()
 _client: dist.TCPStore | None = None
 _thread: threading.Thread | None = None
 _POLL_S = 0.25
@@ -52,6 +53,8 @@ def _watch(store: dist.TCPStore, rank: int) -> None:
         source, _, body = text.partition("\n")
         if source == f"rank {rank}" or _stop.is_set():
             return
+        if _quiet.is_set():  # a hang is being reported: that report says it all
+            os._exit(1)
         sys.stderr.write(f"mpar: {source} failed; stopping rank {rank}. Its traceback:\n{body}\n")
         sys.stderr.flush()
         os._exit(1)
@@ -61,22 +64,31 @@ def start_watcher(host: str, port: int, rank: int, timeout_s: float) -> None:
     """Start this rank's watcher thread (multi-process jobs only)."""
     global _client, _thread
     _stop.clear()
+    _quiet.clear()
     try:
         _client = _connect(host, port, timeout_s)
         watcher_store = _connect(host, port, timeout_s)
     except Exception:
         _client = None
         return
-    _thread = threading.Thread(target=_watch, args=(watcher_store, rank), daemon=True)
+    _thread = threading.Thread(
+        target=_watch, args=(watcher_store, rank), name="mpar-abort-watcher", daemon=True
+    )
     _thread.start()
 
 
 def publish_failure(rank: int, traceback_text: str) -> None:
     """Tell every rank that this one failed (best effort; never raises)."""
-    if _client is None:
+    if _client is None or _quiet.is_set():
         return
     with contextlib.suppress(Exception):
         _client.set(_KEY, f"rank {rank}\n{traceback_text}")
+
+
+def silence() -> None:
+    """From now on this rank neither publishes its failures nor prints others' (the
+    hang watchdog is ending the job with its own report)."""
+    _quiet.set()
 
 
 def stop_watcher() -> None:

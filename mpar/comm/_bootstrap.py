@@ -15,8 +15,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mpar.comm import _abort
+from mpar.comm import _abort, _watchdog
+from mpar.comm._consistency import check_same_config
 from mpar.comm._layout import Layout, detect_layout
+from mpar.comm._progress import PROGRESS, RECENT
+from mpar.comm._watchdog import transport_timeout
 from mpar.config import Config, load_config
 from mpar.errors import AlreadyInitializedError, ConfigError, NotInitializedError
 from mpar.topology import Grid
@@ -173,6 +176,15 @@ def _make_groups(
     return mine_pp, mine_dp
 
 
+def _checked_same_config(config: Config, world_size: int, owns: bool) -> None:
+    try:
+        check_same_config(config, world_size)
+    except ConfigError:
+        if owns:  # leave this process as it was, so that init can be called again
+            dist.destroy_process_group()
+        raise
+
+
 def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None) -> Config:
     """Start mpar in this process; returns the resolved configuration.
 
@@ -194,14 +206,24 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
     device = _pick_device(resolved, layout)
     backend = _pick_backend(resolved, device)
     _set_threads(layout)
-    timeout = datetime.timedelta(seconds=resolved.timeout_s)
+    timeout = transport_timeout(resolved.timeout_s)  # the hang watchdog reports first
     owns = _init_process_group(layout, backend, timeout)
+    _checked_same_config(resolved, layout.world_size, owns)
     pp_group, dp_group = _make_groups(grid, layout.rank, backend, timeout)
     pp_rank, dp_rank = grid.coords(layout.rank)
     torch.manual_seed(resolved.seed)
+    PROGRESS.reset(RECENT if resolved.trace is None else 16 * RECENT)
     if layout.world_size > 1:
         _abort.start_watcher(
             layout.master_addr, layout.master_port, layout.rank, resolved.timeout_s
+        )
+        _watchdog.start(
+            layout.master_addr,
+            layout.master_port,
+            layout.rank,
+            layout.world_size,
+            resolved.timeout_s,
+            resolved.trace,
         )
     _STATE = State(
         config=resolved,
@@ -229,5 +251,6 @@ def shutdown() -> None:
         hook()
     current, _STATE = _STATE, None
     _abort.stop_watcher()
+    _watchdog.stop()
     if current.owns_process_group and dist.is_initialized():
         dist.destroy_process_group()

@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 
 from mpar.comm._bootstrap import state
+from mpar.comm._progress import Waiting, watched
+from mpar.comm._watchdog import transport_timeout
 
 __all__ = [
     "all_gather_object_pp",
@@ -26,21 +28,24 @@ __all__ = [
 def barrier() -> None:
     """Wait until every rank reaches this point."""
     state()
-    dist.barrier()
+    with Waiting(("collective", "barrier", None)):
+        dist.barrier()
 
 
 def all_reduce_dp(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """All-reduce ``tensor`` in place over this rank's data-parallel group."""
     st = state()
     if len(st.dp_ranks) > 1:
-        dist.all_reduce(tensor, op=_op(op), group=st.dp_group)
+        with Waiting(("collective", "all_reduce", st.dp_group)):
+            dist.all_reduce(tensor, op=_op(op), group=st.dp_group)
     return tensor
 
 
 def world_all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """All-reduce ``tensor`` in place over every rank."""
     if state().layout.world_size > 1:
-        dist.all_reduce(tensor, op=_op(op))
+        with Waiting(("collective", "all_reduce", None)):
+            dist.all_reduce(tensor, op=_op(op))
     return tensor
 
 
@@ -56,7 +61,8 @@ def broadcast_object_world(obj: Any, src: int = 0) -> Any:
     if state().layout.world_size == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    with Waiting(("collective", "broadcast_object", None)):
+        dist.broadcast_object_list(box, src=src)
     return box[0]
 
 
@@ -66,7 +72,8 @@ def all_gather_object_pp(obj: Any) -> list[Any]:
     if len(st.pp_ranks) == 1:
         return [obj]
     out: list[Any] = [None] * len(st.pp_ranks)
-    dist.all_gather_object(out, obj, group=st.pp_group)
+    with Waiting(("collective", "all_gather_object", st.pp_group)):
+        dist.all_gather_object(out, obj, group=st.pp_group)
     return out
 
 
@@ -74,7 +81,8 @@ def all_reduce_pp(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """All-reduce ``tensor`` in place over this rank's pipeline."""
     st = state()
     if len(st.pp_ranks) > 1:
-        dist.all_reduce(tensor, op=_op(op), group=st.pp_group)
+        with Waiting(("collective", "all_reduce", st.pp_group)):
+            dist.all_reduce(tensor, op=_op(op), group=st.pp_group)
     return tensor
 
 
@@ -83,20 +91,19 @@ def all_reduce_dp_async(tensor: torch.Tensor) -> Any:
     st = state()
     if len(st.dp_ranks) == 1:
         return None
-    return dist.all_reduce(tensor, group=st.dp_group, async_op=True)
+    work = dist.all_reduce(tensor, group=st.dp_group, async_op=True)
+    return watched(work, "all_reduce", st.dp_group)
 
 
 def new_group(ranks: list[int]) -> Any:
     """A process group over ``ranks`` (every rank must call this, in the same order)."""
-    import datetime
-
-    timeout = datetime.timedelta(seconds=state().config.timeout_s)
-    return dist.new_group(sorted(ranks), timeout=timeout)
+    return dist.new_group(sorted(ranks), timeout=transport_timeout(state().config.timeout_s))
 
 
 def all_reduce_group(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     """Sum all-reduce ``tensor`` in place over ``group``."""
-    dist.all_reduce(tensor, group=group)
+    with Waiting(("collective", "all_reduce", group)):
+        dist.all_reduce(tensor, group=group)
     return tensor
 
 

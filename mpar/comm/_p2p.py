@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from mpar._tree import tree_leaves, tree_map
+from mpar.comm._progress import Waiting, describe_label
 from mpar.errors import CommError
 
 __all__ = ["Links", "PendingSends", "recv_payload", "send_payload"]
@@ -61,16 +62,20 @@ class PendingSends:
 
     works: list[Any] = field(default_factory=list)
     buffers: list[torch.Tensor] = field(default_factory=list)
+    peers: list[int] = field(default_factory=list)
 
     def wait(self) -> None:
-        for work in self.works:
-            work.wait()
+        for work, dst in zip(self.works, self.peers):
+            with Waiting(("send", dst, None)):
+                work.wait()
         self.works.clear()
         self.buffers.clear()
+        self.peers.clear()
 
     def add(self, buffer: torch.Tensor, dst: int, tag: int) -> None:
         self.buffers.append(buffer)
         self.works.append(dist.isend(buffer, dst, tag=tag))
+        self.peers.append(dst)
 
 
 @dataclass
@@ -231,20 +236,24 @@ def recv_payload(
 ) -> Any:
     """Receive what :func:`send_payload` sent from ``src`` on stream ``tag``."""
     link = links.received(src, tag)
-    if link.posted is not None:
-        work, message = link.posted
-        link.posted = None
-        work.wait()
-    else:
-        message = torch.empty(link.expect, dtype=torch.uint8, device=device)
-        dist.recv(message, src, tag=tag)
+    with Waiting(("recv", src, tuple(label))):
+        if link.posted is not None:
+            work, message = link.posted
+            link.posted = None
+            work.wait()
+        else:
+            message = torch.empty(link.expect, dtype=torch.uint8, device=device)
+            dist.recv(message, src, tag=tag)
     words = message[:_CONTROL_BYTES].view(torch.int64).tolist()
     kind, header_bytes, data = words[0], words[1], words[2]
     got_label = tuple(words[4 : 4 + words[3]])
     if got_label != tuple(label):
         raise CommError(
-            f"pipeline transfer mismatch from rank {src}: expected {tuple(label)}, received "
-            f"{got_label}; the ranks are running different schedules"
+            f"pipeline transfer mismatch: rank {dist.get_rank()} expected "
+            f"{describe_label(tuple(label))} from rank {src}, but rank {src} sent "
+            f"{describe_label(got_label)}; the two ranks run different schedules (give every "
+            "rank the same config: microbatches, pipeline, virtual_stages; and call the same "
+            "steps in the same order)"
         )
     if kind == _SAME:
         if _CONTROL_BYTES + data != message.numel():
@@ -256,7 +265,8 @@ def recv_payload(
         return _unflatten(link.structure, tensors[::-1])
     start = -(-header_bytes // _ALIGN) * _ALIGN
     body = torch.empty(start + data, dtype=torch.uint8, device=device)
-    dist.recv(body, src, tag=tag)
+    with Waiting(("recv", src, tuple(label))):
+        dist.recv(body, src, tag=tag)
     link.structure = pickle.loads(body[:header_bytes].cpu().numpy().tobytes())
     link.slots = _slots(link.structure)
     link.expect = _CONTROL_BYTES + data

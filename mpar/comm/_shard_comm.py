@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mpar.comm._progress import Waiting, watched
+
 __all__ = [
     "all_gather_flat",
     "all_gather_objects",
@@ -45,7 +47,10 @@ def all_gather_flat(
             output.copy_(shard)
         return None
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(output, shard, group=group, async_op=async_op)
+    if async_op:
+        return watched(gather(output, shard, group=group, async_op=True), "all_gather", group)
+    with Waiting(("collective", "all_gather", group)):
+        return gather(output, shard, group=group)
 
 
 class _SliceAfter:
@@ -91,27 +96,34 @@ def reduce_scatter_flat(
         output.copy_(flat)
         return None
     if _scatter_by_all_reduce(group):
-        work = dist.all_reduce(flat, group=group, async_op=True)
+        work = watched(dist.all_reduce(flat, group=group, async_op=True), "reduce_scatter", group)
         handle = _SliceAfter(work, flat, output, dist.get_rank(group))
         if async_op:
             return handle
         handle.wait()
         return None
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return scatter(output, flat, group=group, async_op=async_op)
+    if async_op:
+        return watched(scatter(output, flat, group=group, async_op=True), "reduce_scatter", group)
+    with Waiting(("collective", "reduce_scatter", group)):
+        return scatter(output, flat, group=group)
 
 
 def all_reduce_flat(tensor: torch.Tensor, *, group: Any, size: int, async_op: bool = False) -> Any:
     """Sum ``tensor`` in place over the group."""
     if size == 1:
         return None
-    return dist.all_reduce(tensor, group=group, async_op=async_op)
+    if async_op:
+        return watched(dist.all_reduce(tensor, group=group, async_op=True), "all_reduce", group)
+    with Waiting(("collective", "all_reduce", group)):
+        return dist.all_reduce(tensor, group=group)
 
 
 def broadcast_flat(tensor: torch.Tensor, *, src: int, group: Any, size: int) -> None:
     """Overwrite ``tensor`` with global rank ``src``'s copy (``src`` is in the group)."""
     if size > 1:
-        dist.broadcast(tensor, src=src, group=group)
+        with Waiting(("collective", "broadcast", group)):
+            dist.broadcast(tensor, src=src, group=group)
 
 
 def all_gather_objects(obj: Any, *, group: Any, size: int) -> list[Any]:
@@ -119,5 +131,6 @@ def all_gather_objects(obj: Any, *, group: Any, size: int) -> list[Any]:
     if size == 1:
         return [obj]
     out: list[Any] = [None] * size
-    dist.all_gather_object(out, obj, group=group)
+    with Waiting(("collective", "all_gather_object", group)):
+        dist.all_gather_object(out, obj, group=group)
     return out

@@ -9,7 +9,8 @@ Everything a user may write is translated here into the canonical keys of
   ``offload_optimizer.device``, ``offload_param.device``,
   ``reduce_bucket_size``) -> ``zero``.
 
-Unknown keys are rejected by name with the closest valid key suggested.
+Unknown keys are rejected by name with the closest valid key suggested. The
+``MPAR_TRACE`` variable gives ``trace`` when the config leaves it out or null.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from typing import Any
 from mpar.config._schema import Config, ZeroConfig
 from mpar.errors import ConfigError, ConfigTypeError
 
-__all__ = ["ACCEPTED_KEYS", "ENV_VAR", "config_from_dict", "load_config"]
+__all__ = ["ACCEPTED_KEYS", "ENV_VAR", "TRACE_ENV_VAR", "config_from_dict", "load_config"]
 
 ENV_VAR = "MPAR_CONFIG"
+TRACE_ENV_VAR = "MPAR_TRACE"
 
 _CANONICAL = tuple(f.name for f in Config.__dataclass_fields__.values())
 _ALIASES = {"partitions": "pipeline_parallel_degree"}
@@ -158,6 +160,10 @@ def config_from_dict(raw: Mapping[str, Any] | None) -> Config:
             )
         values[canonical] = value
     values["zero"] = _zero_from(raw)
+    if values.get("trace") is None and os.environ.get(TRACE_ENV_VAR):
+        values["trace"] = os.environ[TRACE_ENV_VAR]
+    if isinstance(values.get("trace"), os.PathLike):
+        values["trace"] = os.fspath(values["trace"])
     return Config(**values)
 
 

@@ -10,6 +10,7 @@ its own range check; checks that involve several fields live in
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -28,6 +29,8 @@ DeviceKind = Literal["auto", "cpu", "cuda", "xla"]
 BackendKind = Literal["auto", "gloo", "nccl", "xla", "mpi"]
 CheckpointingKind = Literal["none", "each"]
 
+#: Largest ``timeout_s`` (about 31 years): process-group timeouts must stay representable.
+MAX_TIMEOUT_S = 1e9
 #: Default ``memory_weight`` for each ``optimize`` objective.
 MEMORY_WEIGHT_FOR = {"speed": 0.2, "memory": 0.8}
 
@@ -60,6 +63,28 @@ def _check_number(key: str, value: object) -> None:
         raise ConfigTypeError(
             f"config key {key!r} must be a number, got {type(value).__name__} {value!r}"
         )
+
+
+def _check_timeout(value: object) -> None:
+    _check_number("timeout_s", value)
+    seconds = float(value)  # type: ignore[arg-type]  # a number: checked just above
+    if not math.isfinite(seconds) or not 0 < seconds <= MAX_TIMEOUT_S:
+        raise ConfigError(
+            f"config key 'timeout_s' is {value}; it must be a finite number of seconds > 0 "
+            f"and <= {MAX_TIMEOUT_S:g} (e.g. 300; a long wait is a large value, never inf or NaN)"
+        )
+
+
+def _check_trace(value: object) -> None:
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise ConfigTypeError(
+            "config key 'trace' must be a directory path (a string) or null, got "
+            f"{type(value).__name__} {value!r}"
+        )
+    if not value.strip():
+        raise ConfigError("config key 'trace' is an empty path; give a directory or null")
 
 
 @dataclass(frozen=True)
@@ -172,7 +197,14 @@ class Config:
     """One seed for every rank's initialisation."""
 
     timeout_s: float = 300.0
-    """Timeout in seconds of collectives and point-to-point transfers (a hang becomes an error)."""
+    """Seconds a rank may wait for a peer before mpar reports a hang: the rank that made
+    no progress, its last action and its stack, and every rank's position (the
+    transfers' own timeouts are longer, so this report comes first)."""
+
+    trace: str | None = None
+    """Directory where each rank writes its flight recorder (its last actions with
+    times, its position and stacks) when the job hangs or its step raises, and the
+    reporting rank the hang report; None: ``MPAR_TRACE`` if set, else nowhere."""
 
     def __post_init__(self) -> None:
         self._check_fields()
@@ -223,9 +255,8 @@ class Config:
         _fail_choice("device", self.device, ("auto", "cpu", "cuda", "xla"))
         _fail_choice("backend", self.backend, ("auto", "gloo", "nccl", "xla", "mpi"))
         _check_int("seed", self.seed, minimum=0)
-        _check_number("timeout_s", self.timeout_s)
-        if self.timeout_s <= 0:
-            raise ConfigError(f"config key 'timeout_s' is {self.timeout_s}; it must be > 0")
+        _check_timeout(self.timeout_s)
+        _check_trace(self.trace)
 
     def _check_combinations(self) -> None:
         if self.bf16 and self.fp16:

@@ -11,7 +11,10 @@ standard library only and starts without importing torch or mpar. It
    file torch elastic asks for (``TORCHELASTIC_ERROR_FILE``, the JSON layout of
    ``torch.distributed.elastic.multiprocessing.errors``) and, under ``--mpi``,
    to the launcher's run folder; then calls ``MPI_Abort`` when the script had
-   initialised MPI (a plain exit would hang in ``MPI_Finalize``) and exits 1.
+   initialised MPI (a plain exit would hang in ``MPI_Finalize``) and exits 1;
+3. once mpar's hang watchdog has reported (``MPAR_HANG_REPORTED=1``), treats an
+   uncaught exception as that report's consequence (a peer left): exits 1 at
+   once and quietly. The watchdog records its report with :func:`record_failure`.
 
 ``SystemExit`` and ``KeyboardInterrupt`` pass through unchanged (a non-zero
 ``SystemExit`` is reported like an exception first). Under ``--mpi`` each rank
@@ -39,6 +42,7 @@ from types import TracebackType
 FAILURE_MARKER = "[mpar-launch] rank"
 RUNDIR_ENV = "MPAR_LAUNCH_RUNDIR"
 SUPERVISE_ENV = "MPAR_LAUNCH_SUPERVISE"
+HANG_REPORTED_ENV = "MPAR_HANG_REPORTED"  # set by mpar's hang watchdog once it reports
 BOOTSTRAP_PATH = os.path.abspath(__file__)
 _RANK_VARIABLES = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 
@@ -70,11 +74,11 @@ def _write_json_atomically(path: str, data: Mapping[str, object]) -> None:
         pass  # reporting must never hide the original error
 
 
-def _error_record(exc: BaseException, text: str, rank: int | None) -> dict[str, object]:
+def _error_record(message: str, text: str, rank: int | None) -> dict[str, object]:
     now = time.time()
     return {
         "message": {
-            "message": f"{type(exc).__name__}: {exc}",
+            "message": message,
             "extraInfo": {
                 "py_callstack": text,
                 "timestamp": str(int(now)),
@@ -110,16 +114,25 @@ def _record_exit(code: object) -> None:
 
 
 def _report_failure(exc: BaseException, script: str) -> None:
-    rank = process_rank()
     if isinstance(exc, SystemExit):
         text = f"SystemExit: {exc.code}\n"
     else:
         text = _user_traceback(exc, script)
+    record_failure(f"{type(exc).__name__}: {exc}", text)
+
+
+def record_failure(message: str, text: str) -> None:
+    """Report this rank's failure: ``text`` on stderr after the launcher's marker line,
+    and ``message`` + ``text`` in torch elastic's error file and ``--mpi``'s run folder.
+
+    Also used by mpar's hang watchdog, whose report is not an exception.
+    """
+    rank = process_rank()
     who = "?" if rank is None else str(rank)
     header = f"{FAILURE_MARKER} {who} (pid {os.getpid()} on {socket.gethostname()}) failed:"
     sys.stderr.write(f"{header}\n{text}")
     sys.stderr.flush()
-    record = _error_record(exc, text, rank)
+    record = _error_record(message, text, rank)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         _write_json_atomically(error_file, record)
@@ -220,6 +233,8 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         raise
     except BaseException as exc:
+        if os.environ.get(HANG_REPORTED_ENV) == "1":  # a consequence of the hang report
+            os._exit(1)  # now, without the interpreter's teardown (it may abort)
         _report_failure(exc, script)
         _abort_mpi_if_initialized()
         return 1

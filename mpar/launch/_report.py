@@ -76,9 +76,10 @@ def choose_root(failures: Iterable[RankFailure]) -> RankFailure:
     """The failure that most likely caused the others.
 
     Ranks stopped by the launcher's own SIGTERM are never the cause while another
-    failure exists. A rank killed by a signal (SIGKILL, the OOM killer, SIGSEGV)
-    comes first: its peers' errors are usually the broken connections it left.
-    Then the earliest recorded exception, then the lowest rank.
+    failure exists. mpar's hang report (``HangError``) comes first: it already
+    names the rank that is behind, with its stack. Then a rank killed by a signal
+    (SIGKILL, the OOM killer, SIGSEGV): its peers' errors are usually the broken
+    connections it left. Then the earliest recorded exception, then the lowest rank.
     """
     candidates = list(failures)
     if not candidates:
@@ -87,7 +88,8 @@ def choose_root(failures: Iterable[RankFailure]) -> RankFailure:
 
     def order(f: RankFailure) -> tuple[int, float, int]:
         killed = f.signal_name is not None and not f.message
-        return (0 if killed else 1, f.time if f.time is not None else float("inf"), f.rank or 0)
+        first = 0 if f.message.startswith("HangError:") else 1 if killed else 2
+        return (first, f.time if f.time is not None else float("inf"), f.rank or 0)
 
     return min(real, key=order)
 
@@ -124,8 +126,16 @@ def format_report(failures: Iterable[RankFailure], *, launcher: str) -> str:
     if root.traceback:
         lines.append(f"{launcher}: traceback of rank {root.rank}:")
         lines.extend("  " + line for line in root.traceback.rstrip("\n").splitlines())
-    others = [f for f in failures if f is not root and not _is_cleanup(f)]
-    stopped = sorted(f.rank for f in failures if _is_cleanup(f) and f.rank is not None)
+    # After a hang report the other ranks leave on their own, with nothing to say.
+    hang = root.message.startswith("HangError:")
+
+    def stopped_by_us(f: RankFailure) -> bool:
+        return _is_cleanup(f) or (hang and not f.message)
+
+    others = [f for f in failures if f is not root and not stopped_by_us(f)]
+    stopped = sorted(
+        f.rank for f in failures if f is not root and stopped_by_us(f) and f.rank is not None
+    )
     lines.extend(f"{launcher}: also: {describe(f, max_message=120)}" for f in others)
     if stopped:
         lines.append(f"{launcher}: stopped the other ranks: {', '.join(map(str, stopped))}")

@@ -35,6 +35,7 @@ import torch
 from mpar._tree import tree_leaves, tree_map
 from mpar.comm import State
 from mpar.comm._p2p import Links, PendingSends, recv_payload, send_payload
+from mpar.comm._progress import PROGRESS
 from mpar.errors import StepError
 from mpar.runtime._grads import GradReducer
 from mpar.runtime._microbatch import Microbatches
@@ -360,6 +361,7 @@ class StepRun:
         if 0 in stages_here and self.num_stages > 1:
             self.capture_inputs()
         for action in self.schedule.actions[self.st.pp_rank]:
+            PROGRESS.begin(action)  # the hang watchdog's view of this rank; ~free
             kind = action.kind.value
             if kind == "F":
                 self.forward(action.stage, action.microbatch)

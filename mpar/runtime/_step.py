@@ -12,6 +12,9 @@ import torch
 from mpar._tree import tree_map
 from mpar.comm import state
 from mpar.comm._abort import publish_failure
+from mpar.comm._progress import PROGRESS
+from mpar.comm._snapshot import write_trace
+from mpar.comm._watchdog import exit_if_reported
 from mpar.errors import StepError
 from mpar.runtime._executor import StepRun
 from mpar.runtime._microbatch import Microbatches, split_microbatches
@@ -60,13 +63,19 @@ def _prepare(
 def _execute(fn: Callable[..., Any], model: DistributedModel, batches: Microbatches) -> StepOutput:
     """Partition if needed and run this rank's schedule; a failure stops every rank."""
     st = state()
+    PROGRESS.begin_step()
     try:
         model.ensure_partitioned(fn, batches)
         schedule = model.schedule(forward_only=not torch.is_grad_enabled())
-        return StepRun(model, fn, batches, schedule, st).run()
+        outputs = StepRun(model, fn, batches, schedule, st).run()
     except BaseException:
+        exit_if_reported()
+        PROGRESS.end_step(ok=False)
         publish_failure(st.layout.rank, traceback.format_exc())
+        write_trace(st.config.trace, st.layout.rank)
         raise
+    PROGRESS.end_step()
+    return outputs
 
 
 @overload

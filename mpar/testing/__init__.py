@@ -12,9 +12,10 @@ Each rank is a fresh process (forked from a server that has already imported
 torch, so start-up is fast) with torchrun's variables set and gloo on
 loopback; GPUs are hidden unless ``env`` says otherwise. The function's return value comes back per rank. When any rank
 raises, the others are stopped and :class:`DistributedTestError` carries that
-rank's traceback; when the timeout passes, every rank still running dumps its
-Python stacks (faulthandler) and the error shows them — a hang becomes a
-failure that says where.
+rank's traceback (and any rank's hang report: mpar's watchdog ends a job whose
+ranks wait longer than ``timeout_s`` for each other); when the timeout passes,
+every rank still running dumps its Python stacks (faulthandler) and the error
+shows them — a hang becomes a failure that says where.
 """
 
 from __future__ import annotations
@@ -126,6 +127,16 @@ def _tail(path: Path, limit: int = 6000) -> str:
     return text[-limit:]
 
 
+def _hang_reports(logdir: Path, world_size: int, shown: int) -> str:
+    """The stderr of any other rank that printed mpar's hang report (it names the culprit)."""
+    found = []
+    for r in range(world_size):
+        text = _tail(logdir / f"rank{r}.stderr", limit=20000)
+        if r != shown and "mpar: hang detected" in text:
+            found.append(f"\n--- rank {r} stderr (hang report) ---\n{text}")
+    return "".join(found)
+
+
 def _stop(procs: list[Any], dump_stacks: bool) -> None:
     alive = [p for p in procs if p.is_alive()]
     if dump_stacks:
@@ -192,7 +203,7 @@ def run_distributed(
         rank, text = failure
         raise DistributedTestError(
             f"rank {rank} of {world_size} failed:\n{text}\n--- rank {rank} stderr ---\n"
-            f"{_tail(logdir / f'rank{rank}.stderr')}"
+            f"{_tail(logdir / f'rank{rank}.stderr')}{_hang_reports(logdir, world_size, rank)}"
         )
     if timed_out:
         missing = [r for r in range(world_size) if r not in done]

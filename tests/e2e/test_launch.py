@@ -355,6 +355,23 @@ def test_root_cause_prefers_a_killed_rank_over_its_peers_errors() -> None:
     assert "L: stopped the other ranks: 1" in report
 
 
+def test_after_a_hang_report_the_quietly_exiting_ranks_are_stopped_not_failed() -> None:
+    hang = RankFailure(rank=1, exitcode=1, message="HangError: rank 1 made no progress", time=2.0)
+    quiet = RankFailure(rank=0, exitcode=1)
+    report = format_report([quiet, hang], launcher="L")
+    assert (
+        report.splitlines()[0] == "L: job failed: rank 1 raised HangError: rank 1 made no progress"
+    )
+    assert "L: stopped the other ranks: 0" in report and "also" not in report
+    # the hang report explains a rank killed later (here: stopped, then SIGKILLed at the end)
+    assert choose_root([RankFailure(rank=0, exitcode=-9), hang]) is hang
+    # without a hang report, a rank that exits 1 is a failure of its own
+    assert "L: also: rank 0 exited with code 1" in format_report(
+        [quiet, RankFailure(rank=1, exitcode=1, message="RuntimeError: x", time=2.0)],
+        launcher="L",
+    )
+
+
 def test_cli_registers_the_launch_subcommand() -> None:
     from mpar.cli import _launch
 

@@ -35,6 +35,7 @@ def test_accepted_keys_are_frozen():
         "backend",
         "seed",
         "timeout_s",
+        "trace",
         "shard_optimizer_state",
         "zero_optimization",
     }
@@ -89,11 +90,36 @@ def test_unknown_nested_key():
             "multiple of pipeline_parallel_degree 4; use 4 or 8",
         ),
         ({"partitions": 2, "pipeline_parallel_degree": 2}, ConfigError, "alias 'partitions'"),
+        ({"timeout_s": float("nan")}, ConfigError, "'timeout_s' is nan; it must be a finite"),
+        ({"timeout_s": float("inf")}, ConfigError, "'timeout_s' is inf; it must be a finite"),
+        ({"timeout_s": -float("inf")}, ConfigError, "'timeout_s' is -inf"),
+        ({"timeout_s": 0}, ConfigError, "'timeout_s' is 0; it must be a finite number"),
+        ({"timeout_s": 1e300}, ConfigError, "'timeout_s' is 1e\\+300; .* <= 1e\\+09"),
+        ({"timeout_s": "60"}, ConfigTypeError, "'timeout_s' must be a number"),
+        ({"trace": 3}, ConfigTypeError, "'trace' must be a directory path"),
+        ({"trace": " "}, ConfigError, "'trace' is an empty path"),
     ],
 )
 def test_bad_values_name_key_and_fix(raw, error, fragment):
     with pytest.raises(error, match=fragment):
         config_from_dict(raw)
+
+
+def test_timeout_from_json_nan_is_a_config_error(tmp_path):
+    # json.loads accepts NaN and Infinity, so a file can carry them
+    path = tmp_path / "cfg.json"
+    path.write_text('{"timeout_s": NaN}')
+    with pytest.raises(ConfigError, match="'timeout_s' is nan"):
+        load_config(path)
+
+
+def test_trace_from_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("MPAR_TRACE", str(tmp_path))
+    assert config_from_dict({}).trace == str(tmp_path)
+    assert config_from_dict({"trace": "elsewhere"}).trace == "elsewhere"
+    monkeypatch.delenv("MPAR_TRACE")
+    assert config_from_dict({"trace": tmp_path}).trace == str(tmp_path)
+    assert config_from_dict({}).trace is None
 
 
 def test_world_size_checks():

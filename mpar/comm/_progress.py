@@ -1,0 +1,162 @@
+"""Where this rank is: its step, its action, what it waits for, and its recent past.
+
+The main thread writes plain attributes of the one :data:`PROGRESS` object as it
+goes (a few hundred nanoseconds per event, no lock, no I/O); the hang watchdog
+(:mod:`mpar.comm._watchdog`) reads them from its own thread. Events are kept in
+a ring of the last :data:`RECENT` entries: the *flight recorder*.
+
+A wait is described by a small tuple, formatted only when a report is written:
+
+* ``("recv", src, label)``: a pipeline transfer from global rank ``src``;
+  ``label`` is ``(stage, microbatch, direction)`` (direction 0: activations for
+  ``{stage}F{microbatch}``, 1: gradients for ``{stage}B{microbatch}``) or
+  ``(replica,)`` for a replica's step outputs;
+* ``("send", dst, None)``: sends to ``dst`` still in flight at the end of a step;
+* ``("collective", name, group)``: a collective over ``group`` (None: every rank).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+__all__ = [
+    "PROGRESS",
+    "RECENT",
+    "Progress",
+    "Waiting",
+    "WatchedWork",
+    "describe_label",
+    "describe_wait",
+    "watched",
+]
+
+RECENT = 64
+"""Events the flight recorder keeps (more with the ``trace`` key)."""
+
+
+class Progress:
+    """This rank's position; written by the main thread, read by the watchdog."""
+
+    __slots__ = ("action", "capacity", "count", "in_step", "last", "ring", "since", "step", "wait")
+
+    def __init__(self, capacity: int = RECENT) -> None:
+        self.reset(capacity)
+
+    def reset(self, capacity: int = RECENT) -> None:
+        """Forget everything (``mpar.init``); keep ``capacity`` events from now on."""
+        self.capacity = capacity
+        self.ring: list[tuple[float, int, str, Any] | None] = [None] * capacity
+        self.count = 0
+        self.step = -1
+        """Steps started on this rank, minus one (0 is the first step)."""
+        self.in_step = False
+        self.action: Any = None
+        """The schedule action running now or last (``1F3``); None before the step's first."""
+        self.wait: tuple[str, Any, Any] | None = None
+        self.since = 0.0
+        """When ``wait`` began (``time.time()``)."""
+        self.last = time.time()
+        """When this rank last made progress: its latest event."""
+
+    def _record(self, kind: str, what: Any) -> None:
+        now = time.time()
+        self.last = now
+        self.ring[self.count % self.capacity] = (now, self.step, kind, what)
+        self.count += 1
+
+    def begin_step(self) -> None:
+        self.step += 1
+        self.in_step = True
+        self.action = None
+        self._record("step", None)
+
+    def end_step(self, ok: bool = True) -> None:
+        self.in_step = False
+        self._record("end" if ok else "raised", None)
+
+    def begin(self, action: Any) -> None:
+        """A schedule action starts (its text form is ``str(action)``)."""
+        self.action = action
+        self._record("action", action)
+
+    def begin_wait(self, what: tuple[str, Any, Any]) -> None:
+        self.since = time.time()
+        self.wait = what
+        if what[0] == "collective":
+            self._record("collective", what)
+
+    def end_wait(self) -> None:
+        self.wait = None
+        self.last = time.time()
+
+    def recent(self) -> list[tuple[float, int, str, Any]]:
+        """The flight recorder, oldest first."""
+        count, ring = self.count, self.ring[:]  # the main thread may record meanwhile:
+        start = max(0, count - self.capacity)  # a slot may then hold a newer event,
+        found = [ring[i % self.capacity] for i in range(start, count)]
+        return sorted((e for e in found if e is not None), key=lambda e: e[0])  # so: by time
+
+
+PROGRESS = Progress()
+"""This process's position (reset by ``mpar.init``)."""
+
+
+class Waiting:
+    """``with Waiting(("recv", src, label)):`` marks a blocking wait for a peer."""
+
+    __slots__ = ("what",)
+
+    def __init__(self, what: tuple[str, Any, Any]) -> None:
+        self.what = what
+
+    def __enter__(self) -> None:
+        PROGRESS.begin_wait(self.what)
+
+    def __exit__(self, *exc: object) -> None:
+        PROGRESS.end_wait()
+
+
+class WatchedWork:
+    """A collective's work handle whose ``wait()`` is marked as a wait for its group."""
+
+    __slots__ = ("what", "work")
+
+    def __init__(self, work: Any, what: tuple[str, Any, Any]) -> None:
+        self.work, self.what = work, what
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        with Waiting(self.what):
+            return self.work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.work, name)
+
+
+def watched(work: Any, name: str, group: Any) -> Any:
+    """``work`` (or None) wrapped so that waiting on it shows in this rank's position."""
+    return None if work is None else WatchedWork(work, ("collective", name, group))
+
+
+def describe_label(label: Any) -> str:
+    """A transfer's label in words: ``"activations for 1F3"``."""
+    if isinstance(label, tuple) and len(label) == 3:
+        stage, microbatch, direction = label
+        data = "gradients" if direction else "activations"
+        return f"{data} for {stage}{'B' if direction else 'F'}{microbatch}"
+    if isinstance(label, tuple) and len(label) == 1:
+        return f"the step outputs of replica {label[0]}"
+    return f"transfer {label}"
+
+
+def describe_wait(what: tuple[str, Any, Any] | None, group_ranks: list[int] | None = None) -> str:
+    """``what`` in words, e.g. ``"recv of activations for 1F0 from rank 0"``."""
+    if what is None:
+        return "nothing"
+    kind, peer, detail = what
+    if kind == "recv":
+        return f"recv of {describe_label(detail)} from rank {peer}"
+    if kind == "send":
+        return f"sends to rank {peer} to complete"
+    over = "every rank" if group_ranks is None else f"ranks {group_ranks}"
+    return f"collective {peer} over {over}"
