@@ -31,6 +31,7 @@ from mpar.schedule import (
     write_csv,
 )
 from mpar.schedule._csv import is_csv_path
+from mpar.schedule._measured import compare
 from mpar.schedule._registry import check_csv_shape
 
 __all__ = ["add_parser", "main", "run"]
@@ -123,7 +124,9 @@ def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
         "--trace",
         type=Path,
         metavar="PATH",
-        help="write a Chrome trace JSON (open in https://ui.perfetto.dev)",
+        help="write a Chrome trace JSON (open in https://ui.perfetto.dev); an existing "
+        "directory that a run with the config key 'trace' wrote instead gives the measured "
+        "timeline beside the simulated one (DIR/trace.json) and their step times and bubbles",
     )
     parser.add_argument("--json", action="store_true", help="print a JSON report instead")
     parser.add_argument(
@@ -162,9 +165,38 @@ def _cost(text: str) -> float:
     return value
 
 
+def _measured(args: argparse.Namespace) -> int:
+    """``--trace DIR`` of a run with ``trace``: measured beside simulated."""
+    files = sorted(args.trace.glob("rank*.timeline.json"))
+    if not files:
+        raise ScheduleError(
+            f"{str(args.trace)!r} holds no rank*.timeline.json: run with the config key "
+            "'trace' (or MPAR_TRACE) set to this directory first"
+        )
+    comparison = compare([json.loads(f.read_text()) for f in files])
+    out = args.trace / "trace.json"
+    out.write_text(json.dumps(comparison.trace) + "\n")
+    if args.json:
+        report = {
+            "step": comparison.step,
+            "measured_step_s": comparison.measured_step_s,
+            "simulated_step_s": comparison.simulated_step_s,
+            "measured_bubble": comparison.bubble(True),
+            "simulated_bubble": comparison.bubble(False),
+            "trace": str(out),
+        }
+        print(json.dumps(report, indent=2))
+    else:
+        print(comparison.report())
+        print(f"Perfetto trace (measured and simulated): {out}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Execute ``mpar schedule`` for parsed ``args``; returns the exit status."""
     try:
+        if args.trace is not None and args.trace.is_dir():
+            return _measured(args)
         schedule, result = _build_and_simulate(args)
         if args.png is not None:
             render_png(result, args.png)
@@ -172,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
             args.trace.write_text(json.dumps(to_chrome_trace(result)) + "\n")
         if args.csv is not None:
             write_csv(schedule, args.csv)
-    except (ScheduleError, ImportError, OSError) as error:
+    except (ScheduleError, ImportError, OSError, ValueError, KeyError) as error:
         first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
         print(f"mpar schedule: error: {first_line}", file=sys.stderr)
         return 1

@@ -27,6 +27,7 @@ collective of its own.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +44,7 @@ from mpar.runtime._output import StepOutput, check_gatherable, detach_to_cpu
 from mpar.runtime._precision import cast_floats, compute_dtype
 from mpar.runtime._recompute import run_stage
 from mpar.runtime._split_backward import split_backward
+from mpar.runtime._timeline import StepTimeline
 
 if TYPE_CHECKING:
     from mpar.runtime._model import DistributedModel
@@ -73,6 +75,11 @@ def _tensor_bytes(value: Any) -> int:
 
 def _nothing() -> None:
     pass
+
+
+def _stage_wide(method: Callable[[int], None]) -> Callable[[Any], None]:
+    """A handler for UNSHARD / RESHARD / REDUCE_GRAD: ``method(stage)``."""
+    return lambda action: method(action.stage)
 
 
 def _gradient_pairs(
@@ -124,6 +131,8 @@ class StepRun:
         """Stage -> microbatches whose weight gradients are done (B or W)."""
         self.bound: set[int] = set()
         self.weight_work: dict[tuple[int, int], Callable[[], None]] = {}
+        self.timeline: StepTimeline | None = StepTimeline(time.time()) if st.config.trace else None
+        """With ``trace``: each action's start and end (``runtime._timeline``)."""
         """(stage, microbatch) -> the W still to run after its I."""
         self.pending = PendingSends()
         self.links: Links = st.extras.setdefault("p2p_links", Links())
@@ -227,7 +236,10 @@ class StepRun:
         if key in self.local:
             return self.local.pop(key)
         stream = (self._rank_of(from_stage), 2 * stage + direction)
+        started = time.time() if self.timeline is not None else 0.0
         payload = recv_payload(*stream, (stage, j, direction), self.st.device, self.links)
+        if self.timeline is not None:
+            self.timeline.waited += time.time() - started
         self.incoming[stream] -= 1
         if self.incoming[stream] > 0:
             self.links.post(*stream, self.st.device)
@@ -353,6 +365,19 @@ class StepRun:
 
     # -- the whole step ------------------------------------------------------------
 
+    def _handlers(self) -> dict[str, Callable[[Any], None]]:
+        """One handler per action kind of the schedule."""
+        handlers: dict[str, Callable[[Any], None]] = {
+            "F": lambda a: self.forward(a.stage, a.microbatch),
+            "B": lambda a: self.backward(a.stage, a.microbatch),
+            "I": lambda a: self.backward_input(a.stage, a.microbatch),
+            "W": lambda a: self.backward_weight(a.stage, a.microbatch),
+        }
+        if self.sharded is not None:
+            for kind, method in _SHARD_ACTIONS.items():
+                handlers[kind] = _stage_wide(getattr(self.sharded, method))
+        return handlers
+
     def run(self) -> StepOutput:
         stages_here = set(self.stages.modules)
         if self.sharded is not None:
@@ -360,21 +385,20 @@ class StepRun:
         self._post_receives()
         if 0 in stages_here and self.num_stages > 1:
             self.capture_inputs()
+        handlers = self._handlers()
+        timeline = self.timeline
         for action in self.schedule.actions[self.st.pp_rank]:
             PROGRESS.begin(action)  # the hang watchdog's view of this rank; ~free
-            kind = action.kind.value
-            if kind == "F":
-                self.forward(action.stage, action.microbatch)
-            elif kind == "B":
-                self.backward(action.stage, action.microbatch)
-            elif kind == "I":
-                self.backward_input(action.stage, action.microbatch)
-            elif kind == "W":
-                self.backward_weight(action.stage, action.microbatch)
-            elif kind in _SHARD_ACTIONS and self.sharded is not None:
-                getattr(self.sharded, _SHARD_ACTIONS[kind])(action.stage)
-            else:
+            handler = handlers.get(action.kind.value)
+            if handler is None:
                 raise StepError(f"the pipeline runtime cannot execute action {action}")
+            if timeline is None:
+                handler(action)
+            else:
+                start, waited = time.time(), timeline.waited
+                handler(action)
+                end = time.time()
+                timeline.actions.append((str(action), start, end, timeline.waited - waited))
         # Outputs first: their senders wait for this receive before any collective below.
         outputs = self._gather_outputs()
         self.pending.wait()

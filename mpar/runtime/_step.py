@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar, overload
@@ -20,6 +21,7 @@ from mpar.runtime._executor import StepRun
 from mpar.runtime._microbatch import Microbatches, split_microbatches
 from mpar.runtime._model import DistributedModel
 from mpar.runtime._output import StepOutput
+from mpar.runtime._timeline import write_timeline
 
 __all__ = ["step"]
 
@@ -67,7 +69,8 @@ def _execute(fn: Callable[..., Any], model: DistributedModel, batches: Microbatc
     try:
         model.ensure_partitioned(fn, batches)
         schedule = model.schedule(forward_only=not torch.is_grad_enabled())
-        outputs = StepRun(model, fn, batches, schedule, st).run()
+        run = StepRun(model, fn, batches, schedule, st)
+        outputs = run.run()
     except BaseException:
         exit_if_reported()
         PROGRESS.end_step(ok=False)
@@ -75,7 +78,26 @@ def _execute(fn: Callable[..., Any], model: DistributedModel, batches: Microbatc
         write_trace(st.config.trace, st.layout.rank)
         raise
     PROGRESS.end_step()
+    if run.timeline is not None and st.config.trace:
+        run.timeline.end = time.time()
+        write_timeline(st.config.trace, PROGRESS.step, run.timeline, _trace_layout(st, schedule))
     return outputs
+
+
+def _trace_layout(st: Any, schedule: Any) -> dict[str, Any]:
+    """What ``mpar schedule --trace`` needs to rebuild and simulate the schedule."""
+    cfg = st.config
+    return {
+        "rank": st.layout.rank,
+        "pp_rank": st.pp_rank,
+        "dp_rank": st.dp_rank,
+        "pipeline": cfg.pipeline,
+        "num_ranks": cfg.pipeline_parallel_degree,
+        "virtual_stages": cfg.virtual_stages,
+        "microbatches": cfg.microbatches,
+        "active_microbatches": cfg.active_microbatches,
+        "forward_only": schedule.is_forward_only,
+    }
 
 
 @overload

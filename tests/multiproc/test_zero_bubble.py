@@ -78,3 +78,34 @@ def test_a_schedule_read_from_csv_runs_as_generated(tmp_path, pipeline):
     config = {"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline": str(path)}
     results = run_distributed(train_ranks, 2, args=(config, "gpt", "adamw", STEPS), timeout=240)
     _check(results, reference("gpt", "adamw", STEPS))
+
+
+def test_trace_of_a_real_run_merges_beside_the_simulation(tmp_path, capsys):
+    import json
+
+    from mpar.cli import main
+
+    trace = tmp_path / "trace"
+    config = {
+        "pipeline_parallel_degree": 2,
+        "microbatches": 4,
+        "pipeline": "zero_bubble",
+        "trace": str(trace),
+    }
+    run_distributed(train_ranks, 2, args=(config, "gpt", "sgd", 2), timeout=240)
+    assert sorted(p.name for p in trace.glob("rank*.timeline.json")) == [
+        "rank0.timeline.json",
+        "rank1.timeline.json",
+    ]
+    assert main(["schedule", "--trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert "step 1: measured" in out and "simulated" in out
+    events = json.loads((trace / "trace.json").read_text())["traceEvents"]  # Perfetto's format
+    measured = {(e["tid"], e["name"]) for e in events if e["pid"] == 0 and e.get("ph") == "X"}
+    assert {name for tid, name in measured if tid == 0} >= {"0F0", "0I3", "0W3"}
+    assert {name for tid, name in measured if tid == 1} >= {"1F0", "1I3", "1W3"}
+    assert all(e["dur"] >= 0 for e in events if e.get("ph") == "X")
+    assert any(e["pid"] == 1 and e.get("ph") == "X" for e in events)  # the simulated track
+    assert main(["schedule", "--trace", str(trace), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["measured_step_s"] > 0 and len(report["measured_bubble"]) == 2

@@ -1,0 +1,172 @@
+"""Measured timelines beside simulated ones: ``mpar schedule --trace DIR``.
+
+Each rank of a run with ``trace`` writes ``rank{R}.timeline.json``
+(:mod:`mpar.runtime._timeline`): for its latest steps, every action's start
+and end. :func:`compare` takes one pipeline's files (data-parallel replica
+0), picks the latest step all of them recorded, and gives
+
+* a Chrome/Perfetto trace with two processes: ``measured`` (one track per
+  pipeline rank, real seconds from the step's start) and ``simulated`` (the
+  same schedule through :func:`mpar.schedule.simulate`, each stage's F, B, I
+  and W costing the median of its measured durations);
+* per rank: busy time (the actions' time less what they spent blocked on a
+  receive from a peer) and bubble fraction, measured and simulated, and the
+  step time of both (measured: first action's start to last action's end over
+  the pipeline).
+
+The simulation has no communication cost, so measured / simulated above 1 is
+time lost to transfers, waits and the runtime's own work.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from mpar.errors import ScheduleError
+from mpar.schedule._csv import is_csv_path, read_csv
+from mpar.schedule._ir import Action, Kind, Schedule
+from mpar.schedule._registry import build_schedule
+from mpar.schedule._render import to_chrome_trace
+from mpar.schedule._simulate import SimulationResult, StageCosts, simulate
+
+__all__ = ["Comparison", "compare"]
+
+_COMPUTE = ("F", "B", "I", "W")
+
+
+@dataclass
+class Comparison:
+    """Measured and simulated step of one pipeline."""
+
+    step: int
+    measured_step_s: float
+    simulated_step_s: float
+    measured_busy_s: list[float]
+    simulated_busy_s: list[float]
+    trace: dict[str, Any] = field(repr=False)
+
+    def bubble(self, measured: bool = True) -> list[float]:
+        busy = self.measured_busy_s if measured else self.simulated_busy_s
+        total = self.measured_step_s if measured else self.simulated_step_s
+        return [1.0 - b / total if total > 0 else 0.0 for b in busy]
+
+    def report(self) -> str:
+        lines = [
+            f"step {self.step}: measured {self.measured_step_s * 1e3:.1f} ms, simulated "
+            f"{self.simulated_step_s * 1e3:.1f} ms (measured / simulated "
+            f"{self.measured_step_s / max(self.simulated_step_s, 1e-12):.2f})",
+            "rank  busy ms  bubble (measured)  bubble (simulated)",
+        ]
+        for r, (busy, mb, sb) in enumerate(
+            zip(self.measured_busy_s, self.bubble(True), self.bubble(False))
+        ):
+            lines.append(f"{r:<4}  {busy * 1e3:7.1f}  {mb:17.1%}  {sb:18.1%}")
+        return "\n".join(lines)
+
+
+def compare(files: list[dict[str, Any]]) -> Comparison:
+    """Merge the ranks' timeline files of one run (see the module docstring)."""
+    ranks = _replica(files)
+    step = _common_step(ranks)
+    steps = {r["pp_rank"]: next(s for s in r["steps"] if s["step"] == step) for r in ranks}
+    schedule = _schedule(ranks[0])
+    if sorted(steps) != list(range(schedule.num_ranks)):
+        raise ScheduleError(
+            f"the trace has timelines of pipeline ranks {sorted(steps)} for replica 0; "
+            f"expected 0..{schedule.num_ranks - 1}: was every rank's file written?"
+        )
+    result = simulate(schedule, _costs(steps, schedule.num_stages))
+    t0 = min(a[1] for s in steps.values() for a in s["actions"])
+    t1 = max(a[2] for s in steps.values() for a in s["actions"])
+    measured_busy = [_busy(steps[r]["actions"]) for r in range(schedule.num_ranks)]
+    simulated_busy = [float(b) for b in result.busy]
+    trace = _trace(steps, t0, result)
+    return Comparison(step, t1 - t0, result.makespan, measured_busy, simulated_busy, trace)
+
+
+def _replica(files: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    ranks = [f for f in files if f.get("dp_rank", 0) == 0]
+    if not ranks:
+        raise ScheduleError("no timeline of data-parallel replica 0 in the trace directory")
+    return sorted(ranks, key=lambda f: f["pp_rank"])
+
+
+def _common_step(ranks: list[dict[str, Any]]) -> int:
+    common = set.intersection(*({s["step"] for s in r["steps"]} for r in ranks))
+    if not common:
+        raise ScheduleError("the ranks' timelines share no step; were they written by one run?")
+    return max(common)
+
+
+def _schedule(meta: dict[str, Any]) -> Schedule:
+    if is_csv_path(meta["pipeline"]):
+        return read_csv(meta["pipeline"], forward_only=meta.get("forward_only", False))
+    return build_schedule(
+        meta["pipeline"],
+        meta["num_ranks"],
+        meta["microbatches"],
+        virtual_stages=meta["virtual_stages"],
+        active_microbatches=meta.get("active_microbatches"),
+        forward_only=meta.get("forward_only", False),
+    )
+
+
+def _costs(steps: dict[int, dict[str, Any]], num_stages: int) -> StageCosts:
+    durations: dict[tuple[int, str], list[float]] = {}
+    for step in steps.values():
+        for text, start, end, *waited in step["actions"]:
+            action = Action.parse(text)
+            if action.kind.value in _COMPUTE:
+                work = end - start - sum(waited)
+                durations.setdefault((action.stage, action.kind.value), []).append(work)
+
+    def median(s: int, kind: str, default: float) -> float:
+        values = durations.get((s, kind))
+        return statistics.median(values) if values else default
+
+    stages = range(num_stages)
+    input_backward = [median(s, "I", 0.0) for s in stages]
+    weight_backward = [median(s, "W", 0.0) for s in stages]
+    backward = [median(s, "B", i + w) for s, i, w in zip(stages, input_backward, weight_backward)]
+    return StageCosts(
+        [median(s, "F", 0.0) for s in stages],
+        backward,
+        input_backward=input_backward,
+        weight_backward=weight_backward,
+    )
+
+
+def _busy(actions: list[list[Any]]) -> float:
+    """Seconds of the rank's own compute: action time less its waits for peers."""
+    return sum(
+        end - start - sum(waited)
+        for text, start, end, *waited in actions
+        if Action.parse(text).kind.value in _COMPUTE
+    )
+
+
+def _trace(steps: dict[int, dict[str, Any]], t0: float, result: SimulationResult) -> dict[str, Any]:
+    events: list[dict[str, Any]] = [
+        {"ph": "M", "pid": 0, "name": "process_name", "args": {"name": "measured"}}
+    ]
+    for r, step in sorted(steps.items()):
+        events.append(
+            {"ph": "M", "pid": 0, "tid": r, "name": "thread_name", "args": {"name": f"rank {r}"}}
+        )
+        for text, start, end, *_waited in step["actions"]:
+            action = Action.parse(text)
+            event = {"name": text, "cat": action.kind.value, "pid": 0, "tid": r}
+            event["ts"] = (start - t0) * 1e6
+            if action.kind in (Kind.F, Kind.B, Kind.I, Kind.W):
+                event.update(ph="X", dur=(end - start) * 1e6)
+            else:
+                event.update(ph="i", s="t")
+            events.append(event)
+    for event in to_chrome_trace(result, time_unit_us=1e6)["traceEvents"]:
+        event = dict(event, pid=1)
+        if event.get("name") == "process_name":
+            event["args"] = {"name": "simulated"}
+        events.append(event)
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
