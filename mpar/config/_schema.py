@@ -144,7 +144,8 @@ class Config:
     pipeline: PipelineKind = "interleaved"
     """``"interleaved"``: backward-first 1F1B; ``"simple"``: all forwards, then all backwards
     (GPipe); ``"zero_bubble"``: 1F1B with the backward split into input (I) and weight (W)
-    parts, W deferred into the bubbles (ZB-H1; interleaved variant with virtual stages).
+    parts, W deferred into the bubbles (ZB-H1; interleaved variant with virtual stages);
+    ``"zbv"``: two stages per rank in a V (needs ``virtual_stages`` 2), split backward.
     The names come from ``mpar.schedule.PIPELINES``."""
 
     virtual_stages: int = 1
@@ -282,6 +283,11 @@ class Config:
         pp, v, m = self.pipeline_parallel_degree, self.virtual_stages, self.microbatches
         if is_csv_path(self.pipeline):
             self._check_schedule_file()
+        if self.pipeline == "zbv" and v != 2:
+            raise ConfigError(
+                f"config key 'virtual_stages' is {v}, but pipeline 'zbv' places two stages on "
+                "every rank in a V: set virtual_stages to 2"
+            )
         if self.pipeline in ("interleaved", "zero_bubble") and v > 1 and m % pp:
             fits = sorted({pp * max(1, m // pp), pp * (m // pp + 1)})
             raise ConfigError(

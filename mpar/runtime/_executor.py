@@ -199,8 +199,7 @@ class StepRun:
     # -- transfers ---------------------------------------------------------------
 
     def _rank_of(self, stage: int) -> int:
-        pp = self.st.grid.pp_size
-        return self.st.pp_ranks[stage % pp]
+        return self.st.pp_ranks[self.schedule.stage_to_rank(stage)]
 
     def _incoming_streams(self) -> dict[tuple[int, int], int]:
         """How many transfers this rank receives this step on each (source, tag) stream."""
@@ -224,7 +223,7 @@ class StepRun:
     def _output_ranks(self) -> list[int]:
         """Global rank of each data-parallel replica's last stage (where its outputs are)."""
         grid = self.st.grid
-        last = (self.num_stages - 1) % grid.pp_size
+        last = self.schedule.stage_to_rank(self.num_stages - 1)
         return [grid.rank_of(last, d) for d in range(grid.dp_size)]
 
     def _post_receives(self) -> None:

@@ -8,7 +8,7 @@ the parameters of the others.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,8 +130,8 @@ def build_local_stages(
     with preserved_state(module), _parameters_in(module, dtype):
         args, kwargs = cast_floats((args, kwargs), dtype)
         split = split_module(module, args, kwargs, boundaries, units=units)
-    pp, me = st.grid.pp_size, st.pp_rank
-    mine = {s: split.stages[s] for s in range(num_stages) if s % pp == me}
+    home = _placement(st)
+    mine = {s: split.stages[s] for s in range(num_stages) if home(s) == st.pp_rank}
     _free_unowned(module, list(mine.values()))
     for stage in mine.values():
         stage.to(st.device)
@@ -146,13 +146,22 @@ def build_local_stages(
     )
 
 
+def _placement(st: State) -> Callable[[int], int]:
+    """Stage -> pipeline rank, as the configured schedule places stages."""
+    from mpar.schedule import placement_of, stage_rank
+
+    placement = placement_of(st.config.pipeline)
+    num_stages, pp = st.config.num_stages, st.grid.pp_size
+    return lambda s: stage_rank(s, num_stages, pp, placement)
+
+
 def _tied_groups(
     tied: list[list[tuple[int, str]]], mine: dict[int, nn.Module], st: State
 ) -> list[tuple[Any, nn.Parameter]]:
     """Process groups summing the gradients of parameters tied across ranks."""
-    grid, out = st.grid, []
+    grid, out, home = st.grid, [], _placement(st)
     for group in tied:
-        pp_ranks = sorted({s % grid.pp_size for s, _ in group})
+        pp_ranks = sorted({home(s) for s, _ in group})
         if len(pp_ranks) < 2:
             continue  # every copy is the same Parameter object on one rank
         for d in range(grid.dp_size):  # every rank creates every group, in order

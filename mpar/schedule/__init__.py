@@ -14,9 +14,17 @@ from __future__ import annotations
 
 from mpar.schedule._csv import read_csv, schedule_from_csv, schedule_to_csv, write_csv
 from mpar.schedule._generators import interleaved, simple
-from mpar.schedule._ir import COMMUNICATION_KINDS, COMPUTE_KINDS, Action, Kind, Schedule
+from mpar.schedule._ir import (
+    COMMUNICATION_KINDS,
+    COMPUTE_KINDS,
+    PLACEMENTS,
+    Action,
+    Kind,
+    Schedule,
+    stage_rank,
+)
 from mpar.schedule._lower import lower_communication
-from mpar.schedule._registry import PIPELINES, SCHEDULE_HELP, build_schedule
+from mpar.schedule._registry import PIPELINES, SCHEDULE_HELP, build_schedule, placement_of
 from mpar.schedule._render import render_png, render_text, to_chrome_trace
 from mpar.schedule._shard_lower import lower_sharding
 from mpar.schedule._simulate import (
@@ -27,12 +35,13 @@ from mpar.schedule._simulate import (
     simulate,
 )
 from mpar.schedule._validate import validate
-from mpar.schedule._zero_bubble import zero_bubble
+from mpar.schedule._zero_bubble import zbv, zero_bubble
 
 __all__ = [
     "COMMUNICATION_KINDS",
     "COMPUTE_KINDS",
     "PIPELINES",
+    "PLACEMENTS",
     "SCHEDULE_HELP",
     "Action",
     "Kind",
@@ -45,6 +54,7 @@ __all__ = [
     "lower_communication",
     "lower_sharding",
     "peak_in_flight",
+    "placement_of",
     "read_csv",
     "render_png",
     "render_text",
@@ -52,8 +62,10 @@ __all__ = [
     "schedule_to_csv",
     "simple",
     "simulate",
+    "stage_rank",
     "to_chrome_trace",
     "validate",
     "write_csv",
+    "zbv",
     "zero_bubble",
 ]

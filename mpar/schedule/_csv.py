@@ -7,8 +7,8 @@ schedules move between the two (compute actions; mpar adds the communication
 and sharding actions itself when it lowers a schedule).
 
 ``"pipeline": "path/to/schedule.csv"`` in the config runs such a schedule: it
-is read, its placement checked (stage ``s`` on rank ``s % p``, the looped
-placement mpar's stages use) and validated before any process starts.
+is read, its placement recognised (stage ``s`` on rank ``s % p``, looped; or
+ZBV's V with two stages per rank) and validated before any process starts.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 
 from mpar.errors import ScheduleError
-from mpar.schedule._ir import COMPUTE_KINDS, Action, Kind, Schedule
+from mpar.schedule._ir import COMPUTE_KINDS, PLACEMENTS, Action, Kind, Schedule, stage_rank
 from mpar.schedule._validate import validate
 
 __all__ = ["is_csv_path", "read_csv", "schedule_from_csv", "schedule_to_csv", "write_csv"]
@@ -66,26 +66,34 @@ def schedule_from_csv(text: str, *, name: str = "csv") -> Schedule:
     p = len(rows)
     num_stages = max(a.stage for a in everything) + 1
     m = max(a.microbatch or 0 for a in everything) + 1
-    _check_placement(actions, p)
     if num_stages % p:
         raise ScheduleError(
             f"the schedule CSV has {num_stages} stages on {p} ranks; mpar places stage s on "
             f"rank s % {p}, so the number of stages must be a multiple of {p}"
         )
-    schedule = Schedule(num_stages, p, m, actions, name=name)
+    placement = _placement(actions, num_stages, p)
+    schedule = Schedule(num_stages, p, m, actions, name=name, placement=placement)
     validate(schedule)
     return schedule
 
 
-def _check_placement(actions: dict[int, list[Action]], p: int) -> None:
-    for r, row in actions.items():
-        for a in row:
-            if a.stage % p != r:
-                raise ScheduleError(
-                    f"rank {r} of the schedule CSV runs {a}, but mpar places stage {a.stage} on "
-                    f"rank {a.stage % p} (looped placement: stage s on rank s % {p}); other "
-                    "placements (such as ZBV's V shape) are not supported yet"
-                )
+def _placement(actions: dict[int, list[Action]], num_stages: int, p: int) -> str:
+    """The placement (``PLACEMENTS``) every action of the file agrees with."""
+    for placement in PLACEMENTS:
+        if placement == "v" and num_stages != 2 * p:
+            continue
+        if all(
+            stage_rank(a.stage, num_stages, p, placement) == r
+            for r, row in actions.items()
+            for a in row
+        ):
+            return placement
+    r, a = next((r, a) for r, row in actions.items() for a in row if a.stage % p != r)
+    raise ScheduleError(
+        f"rank {r} of the schedule CSV runs {a}: mpar places stage s on rank s % {p} (looped) "
+        f"or, with two stages per rank, in a V (stage s < {p} on rank s, else {2 * p - 1} - s); "
+        "this file follows neither"
+    )
 
 
 def read_csv(path: str | os.PathLike[str], *, forward_only: bool = False) -> Schedule:

@@ -17,7 +17,28 @@ from typing import Any
 from mpar.errors import ScheduleError
 from mpar.schedule._grid import format_grid
 
-__all__ = ["COMMUNICATION_KINDS", "COMPUTE_KINDS", "Action", "Kind", "Schedule"]
+__all__ = [
+    "COMMUNICATION_KINDS",
+    "COMPUTE_KINDS",
+    "PLACEMENTS",
+    "Action",
+    "Kind",
+    "Schedule",
+    "stage_rank",
+]
+
+PLACEMENTS = ("looped", "v")
+"""How stages map to ranks: ``looped`` puts stage ``s`` on rank ``s % p`` (rank ``r``
+holds ``r, r+p, r+2p, ...``); ``v`` (two chunks per rank, ZBV) puts stage ``s < p``
+on rank ``s`` and stage ``s >= p`` on rank ``2p-1-s``, so the last stage shares the
+first stage's rank and the model's path runs down the ranks and back up."""
+
+
+def stage_rank(stage: int, num_stages: int, num_ranks: int, placement: str = "looped") -> int:
+    """The rank that holds ``stage`` under ``placement`` (see ``PLACEMENTS``)."""
+    if placement == "v":
+        return stage if stage < num_ranks else num_stages - 1 - stage
+    return stage % num_ranks
 
 
 class Kind(str, Enum):
@@ -110,9 +131,10 @@ class Action:
 class Schedule:
     """For every rank, the ordered list of actions it executes.
 
-    Stage ``s`` lives on rank ``s % num_ranks`` (looped placement), so rank
-    ``r`` holds stages ``r, r + p, r + 2p, ...``. ``str(schedule)`` is a
-    rank x step grid.
+    With the default ``looped`` placement stage ``s`` lives on rank
+    ``s % num_ranks``, so rank ``r`` holds stages ``r, r + p, r + 2p, ...``;
+    ``placement="v"`` is ZBV's V shape (see ``PLACEMENTS``). ``str(schedule)``
+    is a rank x step grid.
     """
 
     num_stages: int
@@ -121,6 +143,8 @@ class Schedule:
     actions: dict[int, list[Action]]
     name: str = field(default="", compare=False)
     """A label for renderers, such as ``"interleaved"``."""
+    placement: str = "looped"
+    """``"looped"`` or ``"v"`` (``PLACEMENTS``)."""
 
     def __post_init__(self) -> None:
         for key in ("num_stages", "num_ranks", "num_microbatches"):
@@ -132,6 +156,13 @@ class Schedule:
                 f"num_stages ({self.num_stages}) must be a multiple of num_ranks "
                 f"({self.num_ranks}): every rank holds the same number of stages"
             )
+        if self.placement not in PLACEMENTS:
+            raise ScheduleError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.placement == "v" and self.num_stages != 2 * self.num_ranks:
+            raise ScheduleError(
+                f"the V placement has two stages per rank: {2 * self.num_ranks} stages on "
+                f"{self.num_ranks} ranks, got {self.num_stages}"
+            )
 
     @property
     def virtual_stages(self) -> int:
@@ -142,13 +173,13 @@ class Schedule:
         """The rank that holds ``stage`` (looped placement: ``stage % num_ranks``)."""
         if not 0 <= stage < self.num_stages:
             raise ScheduleError(f"stage {stage} out of range 0..{self.num_stages - 1}")
-        return stage % self.num_ranks
+        return stage_rank(stage, self.num_stages, self.num_ranks, self.placement)
 
     def stages_of(self, rank: int) -> list[int]:
         """The stages held by ``rank``, in chunk order."""
         if not 0 <= rank < self.num_ranks:
             raise ScheduleError(f"rank {rank} out of range 0..{self.num_ranks - 1}")
-        return list(range(rank, self.num_stages, self.num_ranks))
+        return [s for s in range(self.num_stages) if self.stage_to_rank(s) == rank]
 
     @property
     def is_forward_only(self) -> bool:
@@ -188,6 +219,7 @@ class Schedule:
             "num_stages": self.num_stages,
             "num_ranks": self.num_ranks,
             "num_microbatches": self.num_microbatches,
+            "placement": self.placement,
             "actions": {str(r): [str(a) for a in acts] for r, acts in self.actions.items()},
         }
 
@@ -201,6 +233,7 @@ class Schedule:
             int(data["num_microbatches"]),
             actions,
             name=str(data.get("name", "")),
+            placement=str(data.get("placement", "looped")),
         )
 
 

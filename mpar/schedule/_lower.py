@@ -30,12 +30,12 @@ def lower_communication(schedule: Schedule) -> Schedule:
 
 
 def _lower_rank(schedule: Schedule, actions: list[Action]) -> list[Action]:
-    p, last = schedule.num_ranks, schedule.num_stages - 1
+    last, home = schedule.num_stages - 1, schedule.stage_to_rank
     lowered: list[Action] = []
     for action in actions:
         s, j, kind = action.stage, action.microbatch, action.kind
-        crosses_prev = s > 0 and p > 1
-        crosses_next = s < last and p > 1
+        crosses_prev = s > 0 and home(s - 1) != home(s)
+        crosses_next = s < last and home(s + 1) != home(s)
         if kind == Kind.F and crosses_prev:
             lowered.append(Action(s, Kind.RECV_F, j))
         if kind in (Kind.B, Kind.I) and crosses_next:

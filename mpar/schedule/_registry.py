@@ -11,14 +11,15 @@ from mpar.errors import ScheduleError
 from mpar.schedule._csv import is_csv_path, read_csv
 from mpar.schedule._generators import _check_positive, interleaved, simple
 from mpar.schedule._ir import Schedule
-from mpar.schedule._zero_bubble import zero_bubble
+from mpar.schedule._zero_bubble import zbv, zero_bubble
 
-__all__ = ["PIPELINES", "SCHEDULE_HELP", "build_schedule", "check_csv_shape"]
+__all__ = ["PIPELINES", "SCHEDULE_HELP", "build_schedule", "check_csv_shape", "placement_of"]
 
 _GENERATORS: dict[str, Callable[..., Schedule]] = {
     "simple": simple,
     "interleaved": interleaved,
     "zero_bubble": zero_bubble,
+    "zbv": zbv,
 }
 PIPELINES = tuple(_GENERATORS)
 """Every schedule name ``"pipeline"`` accepts."""
@@ -26,6 +27,7 @@ SCHEDULE_HELP = {
     "simple": "GPipe: all forwards, then all backwards",
     "interleaved": "1F1B (Megatron's interleaved 1F1B with virtual stages)",
     "zero_bubble": "ZB-H1: 1F1B with the backward split into I and W, W deferred into bubbles",
+    "zbv": "ZBV: two chunks per rank in a V, split backward, near-zero bubble (virtual_stages 2)",
 }
 
 
@@ -81,3 +83,10 @@ def check_csv_shape(
             f"{found[2]} microbatches, but the config asks for {wanted[0]} x {wanted[1]} and "
             f"{wanted[2]}; set pipeline_parallel_degree, virtual_stages and microbatches to match"
         )
+
+
+def placement_of(pipeline: str) -> str:
+    """How the named schedule places stages on ranks (``mpar.schedule.PLACEMENTS``)."""
+    if is_csv_path(pipeline):
+        return read_csv(pipeline).placement
+    return "v" if pipeline == "zbv" else "looped"

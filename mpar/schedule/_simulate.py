@@ -279,7 +279,8 @@ class _State:
         """Wait on ``receive`` if the schedule has it, else directly on ``producer``."""
         if receive in self.position:
             return receive, 0.0
-        crosses = self.schedule.num_ranks > 1
+        home = self.schedule.stage_to_rank
+        crosses = home(receive.stage) != home(producer.stage)
         return producer, self.costs.comm if crosses else 0.0
 
     def _gradient(self, s: int, j: int | None) -> Action:

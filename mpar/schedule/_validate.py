@@ -27,7 +27,7 @@ def validate(schedule: Schedule) -> None:
     """Raise ``ScheduleError`` unless ``schedule`` is well formed.
 
     Checks, in this order: every rank is in ``0..p-1``; every action's stage
-    and microbatch are in range and the stage sits on rank ``stage % p``; no
+    and microbatch are in range and the stage sits on its rank (``Schedule.stage_to_rank``); no
     action appears twice; on its rank ``F(s,j)`` comes before ``B(s,j)`` (or
     ``I(s,j)``), ``I`` before ``W``, a send after the compute that produces
     its data and a receive before the compute that consumes it; every
@@ -68,10 +68,9 @@ def _placement_problems(schedule: Schedule) -> Iterator[_Problem]:
                 yield _Problem(text, rank, step)
             elif action.microbatch is not None and action.microbatch >= m:
                 yield _Problem(f"{action}: microbatch out of range 0..{m - 1}", rank, step)
-            elif action.stage % p != rank:
-                text = (
-                    f"{action}: stage {action.stage} belongs on rank {action.stage % p}, not {rank}"
-                )
+            elif schedule.stage_to_rank(action.stage) != rank:
+                home = schedule.stage_to_rank(action.stage)
+                text = f"{action}: stage {action.stage} belongs on rank {home}, not {rank}"
                 yield _Problem(text, rank, step)
 
 
@@ -99,14 +98,13 @@ def _order_problems(schedule: Schedule, seen: dict[_Key, tuple[int, int]]) -> It
 def _local_prerequisites(schedule: Schedule, action: Action, lowered: bool) -> list[list[_Key]]:
     """Alternatives that must precede ``action`` on its own rank."""
     s, j, kind = action.stage, action.microbatch, action.kind
-    last = schedule.num_stages - 1
-    p = schedule.num_ranks
+    last, home = schedule.num_stages - 1, schedule.stage_to_rank
     needs: list[list[_Key]] = []
     if kind in (Kind.B, Kind.I):
         needs.append([(Kind.F, s, j)])
-        if lowered and s < last and p > 1:
+        if lowered and s < last and home(s + 1) != home(s):
             needs.append([(Kind.RECV_B, s, j)])
-    elif kind == Kind.F and lowered and s > 0 and p > 1:
+    elif kind == Kind.F and lowered and s > 0 and home(s - 1) != home(s):
         needs.append([(Kind.RECV_F, s, j)])
     elif kind == Kind.W:
         needs.append([(Kind.I, s, j)])
@@ -120,7 +118,7 @@ def _local_prerequisites(schedule: Schedule, action: Action, lowered: bool) -> l
 def _count_problems(schedule: Schedule, seen: dict[_Key, tuple[int, int]]) -> Iterator[_Problem]:
     training = not schedule.is_forward_only
     for s in range(schedule.num_stages):
-        rank = s % schedule.num_ranks
+        rank = schedule.stage_to_rank(s)
         for j in range(schedule.num_microbatches):
             has = {kind for kind in (Kind.F, Kind.B, Kind.I, Kind.W) if (kind, s, j) in seen}
             missing = _missing(has, training)
@@ -145,14 +143,15 @@ def _missing(has: set[Kind], training: bool) -> str:
 
 def _edge_problems(schedule: Schedule, seen: dict[_Key, tuple[int, int]]) -> Iterator[_Problem]:
     """In a lowered schedule, every cross-rank edge has one send and one receive."""
-    p, last = schedule.num_ranks, schedule.num_stages - 1
+    last = schedule.num_stages - 1
+    home = schedule.stage_to_rank
     backward = not schedule.is_forward_only
     for (kind, s, j), (rank, step) in seen.items():
         target = {Kind.SEND_F: s + 1, Kind.RECV_F: s - 1, Kind.SEND_B: s - 1, Kind.RECV_B: s + 1}
-        if kind in target and not (0 <= target[kind] <= last and target[kind] % p != s % p):
+        if kind in target and not (0 <= target[kind] <= last and home(target[kind]) != home(s)):
             yield _Problem(f"{Action(s, kind, j)} has no peer on another rank", rank, step)
     for s in range(last):
-        if s % p == (s + 1) % p:
+        if home(s) == home(s + 1):
             continue
         for j in range(schedule.num_microbatches):
             pairs = [(Kind.SEND_F, s), (Kind.RECV_F, s + 1)]
@@ -161,4 +160,4 @@ def _edge_problems(schedule: Schedule, seen: dict[_Key, tuple[int, int]]) -> Ite
             for kind, stage in pairs:
                 if (kind, stage, j) not in seen:
                     text = f"lowered schedule lacks {Action(stage, kind, j)}"
-                    yield _Problem(text, stage % p)
+                    yield _Problem(text, home(stage))

@@ -27,11 +27,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from mpar.errors import ScheduleError
 from mpar.schedule._generators import interleaved
 from mpar.schedule._ir import Action, Kind, Schedule
 from mpar.schedule._simulate import peak_in_flight
 
-__all__ = ["zero_bubble"]
+__all__ = ["zbv", "zero_bubble"]
 
 
 def zero_bubble(
@@ -123,3 +124,107 @@ def _ready(action: Action, finished: dict[Action, int], t: int, num_stages: int)
     else:
         needed = Action(s + 1, Kind.I, j)
     return needed is None or finished.get(needed, t + 1) <= t
+
+
+def zbv(
+    num_stages: int,
+    num_ranks: int,
+    num_microbatches: int,
+    *,
+    active_microbatches: int | None = None,
+    forward_only: bool = False,
+) -> Schedule:
+    """ZBV: two chunks per rank in a V (stage ``s < p`` on rank ``s``, ``s >= p`` on
+    rank ``2p-1-s``), backward split into I and W, near-zero bubble at 1F1B's memory.
+
+    Built by a unit-cost simulation (F = I = W = 1 per chunk) in which every rank
+    starts, at each step, its most useful ready action: an I (the lowest
+    microbatch; the later stage first), else an F (its second chunk first, which
+    moves microbatches towards the loss), else its oldest deferred W. A rank holds
+    at most ``p`` microbatches in its first chunk until their W (``min(p, k)``
+    with ``active_microbatches=k``), and so at most ``2p`` chunk-microbatch pairs in
+    all: 1F1B's ``p`` microbatches of activations. With the V, the last stage is
+    on rank 0, so a microbatch's backward starts where its forward began. Rank x
+    step, ``p=2, m=4`` (unit-cost bubble 4%, against 20% for 1F1B)::
+
+        rank 0 0F0 0F1 3F0 3I0 3F1 3I1 0I0 3W0 0I1 3W1 0W0 0F2 0W1 0F3 3F2 ...
+        rank 1 1F0 2F0 1F1 2F1 2I0 1I0 2I1 1I1 2W0 1W0 2W1 1W1 1F2 2F2 1F3 ...
+    """
+    if num_stages != 2 * num_ranks:
+        raise ScheduleError(
+            f"zbv places two stages on each rank: it needs {2 * num_ranks} stages for "
+            f"{num_ranks} ranks (virtual_stages 2), got {num_stages}"
+        )
+    cap = num_ranks
+    if active_microbatches is not None:
+        if isinstance(active_microbatches, bool) or active_microbatches < 1:
+            raise ScheduleError(
+                f"active_microbatches must be a positive integer, got {active_microbatches!r}"
+            )
+        cap = min(cap, active_microbatches)
+    placement = _VPlacement(num_ranks, num_microbatches, cap, forward_only)
+    actions = placement.run()
+    return Schedule(num_stages, num_ranks, num_microbatches, actions, name="zbv", placement="v")
+
+
+class _VPlacement:
+    """The unit-cost simulation behind :func:`zbv`."""
+
+    def __init__(self, p: int, m: int, cap: int, forward_only: bool) -> None:
+        self.p, self.m, self.cap, self.forward_only = p, m, cap, forward_only
+        self.last = 2 * p - 1
+        self.finished: dict[Action, int] = {}
+        self.next_f = [0] * (2 * p)
+        self.next_i = [0] * (2 * p)
+        self.held = [0] * p  # first-chunk microbatches whose W has not run
+        self.deferred: list[deque[Action]] = [deque() for _ in range(p)]
+        self.out: dict[int, list[Action]] = {r: [] for r in range(p)}
+
+    def run(self) -> dict[int, list[Action]]:
+        per_rank = 2 * self.m * (1 if self.forward_only else 3)
+        t = 0
+        while any(len(actions) < per_rank for actions in self.out.values()):
+            chosen = [(r, self._choose(r, t)) for r in range(self.p)]
+            if all(action is None for _, action in chosen) and t > 4 * per_rank * self.p:
+                raise ScheduleError("internal: the zbv placement made no progress")
+            for r, action in chosen:
+                if action is not None:
+                    self.out[r].append(action)
+                    self.finished[action] = t + 1
+            t += 1
+        return self.out
+
+    def _done(self, action: Action, t: int) -> bool:
+        return self.finished.get(action, t + 1) <= t
+
+    def _choose(self, r: int, t: int) -> Action | None:
+        first, second = r, self.last - r
+        if not self.forward_only:
+            ready = [
+                (self.next_i[s], -s)
+                for s in (second, first)
+                if self.next_i[s] < self.m and self._input_grad_ready(s, self.next_i[s], t)
+            ]
+            if ready:
+                j, s = min(ready)
+                self.next_i[-s] += 1
+                self.deferred[r].append(Action(-s, Kind.W, j))
+                return Action(-s, Kind.I, j)
+        for s in (second, first):
+            j = self.next_f[s]
+            if j >= self.m or (s == first and not self.forward_only and self.held[r] >= self.cap):
+                continue
+            if s == 0 or self._done(Action(s - 1, Kind.F, j), t):
+                self.next_f[s] += 1
+                self.held[r] += s == first
+                return Action(s, Kind.F, j)
+        if self.deferred[r]:
+            weight = self.deferred[r].popleft()
+            self.held[r] -= weight.stage == first
+            return weight
+        return None
+
+    def _input_grad_ready(self, s: int, j: int, t: int) -> bool:
+        if not self._done(Action(s, Kind.F, j), t):
+            return False
+        return s == self.last or self._done(Action(s + 1, Kind.I, j), t)

@@ -117,8 +117,10 @@ def test_csv_in_torch_format_and_errors(tmp_path):
     schedule = schedule_from_csv(text)
     assert [str(a) for a in schedule.actions[1]] == ["1F0", "1B0", "1F1", "1B1"]
     assert schedule_to_csv(schedule) == "0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n"
-    with pytest.raises(ScheduleError, match="placement"):
-        schedule_from_csv("0F0,3F0,3B0,0B0\n1F0,2F0,2B0,1B0\n")  # V placement: refused
+    v_shaped = schedule_from_csv("0F0,3F0,3B0,0B0\n1F0,2F0,2B0,1B0\n")
+    assert v_shaped.placement == "v"
+    with pytest.raises(ScheduleError, match="follows neither"):
+        schedule_from_csv("1F0,1B0\n0F0,0B0\n")
     with pytest.raises(ScheduleError, match="only compute actions"):
         schedule_from_csv("0F0,0SEND_F0,0B0\n")
     with pytest.raises(ScheduleError):
@@ -146,3 +148,41 @@ def test_cli_schedule_csv_export_and_import(tmp_path, capsys):
     assert "from CSV" in out and "makespan 13" in out
     assert main(["schedule", "--pipeline", str(path), "--microbatches", "8"]) == 1
     assert "microbatches" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("p", "m"), [(1, 3), (2, 1), (2, 4), (2, 8), (3, 7), (4, 8)])
+def test_zbv_valid_v_placed_at_1f1b_memory(p, m):
+    from mpar.schedule import zbv
+
+    schedule = zbv(2 * p, p, m)
+    assert schedule.placement == "v"
+    assert [schedule.stages_of(r) for r in range(p)] == [[r, 2 * p - 1 - r] for r in range(p)]
+    validate(schedule)
+    validate(lower_communication(schedule))
+    validate(lower_sharding(schedule, 3))
+    assert max(peak_in_flight(schedule)) <= 2 * p  # p microbatches of two half-size chunks
+    if p > 1:  # less bubble than 1F1B (against ZB-H1 it depends on p and m)
+        assert simulate(schedule).bubble_fraction < simulate(interleaved(p, p, m)).bubble_fraction
+
+
+def test_zbv_p2_m4_bubble_and_lowering_skips_same_rank_edges():
+    from mpar.schedule import zbv
+
+    assert simulate(zbv(4, 2, 4)).bubble_fraction == pytest.approx(1 / 25)
+    lowered = [str(a) for a in lower_communication(zbv(4, 2, 1)).actions[1]]
+    assert "1SEND_F0" not in lowered and "2RECV_F0" not in lowered  # stages 1, 2 share rank 1
+    assert "1RECV_F0" in lowered and "2SEND_F0" in lowered
+
+
+def test_zbv_errors_config_and_csv(tmp_path):
+    from mpar.schedule import zbv
+
+    with pytest.raises(ScheduleError, match="two stages"):
+        zbv(6, 2, 4)
+    with pytest.raises(ConfigError, match="virtual_stages to 2"):
+        load_config({"pipeline": "zbv", "pipeline_parallel_degree": 2})
+    assert load_config({"pipeline": "zbv", "virtual_stages": 2}).pipeline == "zbv"
+    path = tmp_path / "zbv.csv"
+    write_csv(zbv(4, 2, 4), path)
+    back = read_csv(path)
+    assert back.placement == "v" and back.actions == zbv(4, 2, 4).actions
