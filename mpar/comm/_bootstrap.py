@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mpar import _device
 from mpar.comm import _abort
 from mpar.comm._layout import Layout, detect_layout
 from mpar.config import Config, load_config
@@ -59,31 +60,10 @@ def is_initialized() -> bool:
     return _STATE is not None
 
 
-def _pick_device(config: Config, layout: Layout) -> torch.device:
-    kind = config.device
-    if kind == "auto":
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
-    if kind == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("config key 'device' is 'cuda' but CUDA is not available here")
-        index = layout.local_rank % torch.cuda.device_count()
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-    if kind == "xla":
-        try:
-            import torch_xla.core.xla_model as xm
-        except ImportError:
-            raise ConfigError(
-                "config key 'device' is 'xla' but torch_xla is not installed"
-            ) from None
-        return torch.device(xm.xla_device())
-    return torch.device("cpu")
-
-
 def _pick_backend(config: Config, device: torch.device) -> str:
     if config.backend != "auto":
         return config.backend
-    return {"cuda": "nccl", "xla": "xla"}.get(device.type, "gloo")
+    return _device.default_backend(device)
 
 
 def _set_threads(layout: Layout) -> None:
@@ -163,12 +143,13 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
     layout = detect_layout()
     resolved.check_world_size(layout.world_size)
     grid = Grid(layout.world_size, resolved.pipeline_parallel_degree, resolved.placement_strategy)
-    device = _pick_device(resolved, layout)
+    device = _device.pick_device(resolved.device, layout.local_rank)
     backend = _pick_backend(resolved, device)
     _set_threads(layout)
     timeout = datetime.timedelta(seconds=resolved.timeout_s)
-    owns = _init_process_group(layout, backend, timeout)
-    pp_group, dp_group = _make_groups(grid, layout.rank, backend, timeout)
+    group_backend = _device.process_group_backend(backend)
+    owns = _init_process_group(layout, group_backend, timeout)
+    pp_group, dp_group = _make_groups(grid, layout.rank, group_backend, timeout)
     pp_rank, dp_rank = grid.coords(layout.rank)
     torch.manual_seed(resolved.seed)
     if layout.world_size > 1:

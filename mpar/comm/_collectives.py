@@ -7,6 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mpar.comm import _staging
 from mpar.comm._bootstrap import state
 
 __all__ = [
@@ -33,14 +34,14 @@ def all_reduce_dp(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """All-reduce ``tensor`` in place over this rank's data-parallel group."""
     st = state()
     if len(st.dp_ranks) > 1:
-        dist.all_reduce(tensor, op=_op(op), group=st.dp_group)
+        _staging.all_reduce(tensor, op=_op(op), group=st.dp_group)
     return tensor
 
 
 def world_all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """All-reduce ``tensor`` in place over every rank."""
     if state().layout.world_size > 1:
-        dist.all_reduce(tensor, op=_op(op))
+        _staging.all_reduce(tensor, op=_op(op), group=None)
     return tensor
 
 
@@ -74,7 +75,7 @@ def all_reduce_pp(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """All-reduce ``tensor`` in place over this rank's pipeline."""
     st = state()
     if len(st.pp_ranks) > 1:
-        dist.all_reduce(tensor, op=_op(op), group=st.pp_group)
+        _staging.all_reduce(tensor, op=_op(op), group=st.pp_group)
     return tensor
 
 
@@ -83,7 +84,7 @@ def all_reduce_dp_async(tensor: torch.Tensor) -> Any:
     st = state()
     if len(st.dp_ranks) == 1:
         return None
-    return dist.all_reduce(tensor, group=st.dp_group, async_op=True)
+    return _staging.all_reduce(tensor, op=_op("sum"), group=st.dp_group, async_op=True)
 
 
 def new_group(ranks: list[int]) -> Any:
@@ -96,7 +97,7 @@ def new_group(ranks: list[int]) -> Any:
 
 def all_reduce_group(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     """Sum all-reduce ``tensor`` in place over ``group``."""
-    dist.all_reduce(tensor, group=group)
+    _staging.all_reduce(tensor, op=_op("sum"), group=group)
     return tensor
 
 

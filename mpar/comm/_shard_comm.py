@@ -14,6 +14,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mpar import _device
+from mpar.comm import _staging
+
 __all__ = [
     "all_gather_flat",
     "all_gather_objects",
@@ -41,11 +44,10 @@ def all_gather_flat(
             f"{shard.numel()} make {shard.numel() * size}"
         )
     if size == 1:
-        if output.data_ptr() != shard.data_ptr():
+        if not _device.same_memory(output, shard):
             output.copy_(shard)
         return None
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(output, shard, group=group, async_op=async_op)
+    return _staging.all_gather_into(output, shard, group=group, async_op=async_op)
 
 
 class _SliceAfter:
@@ -91,27 +93,26 @@ def reduce_scatter_flat(
         output.copy_(flat)
         return None
     if _scatter_by_all_reduce(group):
-        work = dist.all_reduce(flat, group=group, async_op=True)
+        work = _staging.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
         handle = _SliceAfter(work, flat, output, dist.get_rank(group))
         if async_op:
             return handle
         handle.wait()
         return None
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return scatter(output, flat, group=group, async_op=async_op)
+    return _staging.reduce_scatter_into(output, flat, group=group, async_op=async_op)
 
 
 def all_reduce_flat(tensor: torch.Tensor, *, group: Any, size: int, async_op: bool = False) -> Any:
     """Sum ``tensor`` in place over the group."""
     if size == 1:
         return None
-    return dist.all_reduce(tensor, group=group, async_op=async_op)
+    return _staging.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def broadcast_flat(tensor: torch.Tensor, *, src: int, group: Any, size: int) -> None:
     """Overwrite ``tensor`` with global rank ``src``'s copy (``src`` is in the group)."""
     if size > 1:
-        dist.broadcast(tensor, src=src, group=group)
+        _staging.broadcast(tensor, src=src, group=group)
 
 
 def all_gather_objects(obj: Any, *, group: Any, size: int) -> list[Any]:

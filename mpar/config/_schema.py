@@ -160,7 +160,8 @@ class Config:
     """``auto`` picks cuda when available, else cpu."""
 
     backend: BackendKind = "auto"
-    """``auto`` picks nccl on cuda, xla on xla and gloo on cpu."""
+    """``auto`` picks nccl on cuda; on xla the XLA process group on TPU and Neuron, else
+    gloo with host staging (PJRT CPU); gloo on cpu (see docs/devices.md)."""
 
     seed: int = 0
     """One seed for every rank's initialisation."""

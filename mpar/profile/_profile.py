@@ -30,6 +30,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from mpar import _device
 from mpar.errors import PartitionError
 from mpar.partition._units import find_units
 
@@ -173,10 +174,8 @@ def _storage_keys(module: nn.Module) -> set[int]:
 
 
 def _synchronizer(module: nn.Module) -> Callable[[], None]:
-    devices = {p.device.type for p in module.parameters()}
-    if "cuda" in devices and torch.cuda.is_available():
-        return torch.cuda.synchronize
-    return lambda: None
+    devices = {p.device for p in module.parameters()}
+    return lambda: _device.synchronize(devices)
 
 
 def _time_calls(
@@ -288,7 +287,7 @@ def _check_options(module: nn.Module, optimizer: str, mode: str, repeats: int) -
         raise ValueError(f"mode must be 'measure' or 'meta', got {mode!r}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    real = [n for n, p in module.named_parameters() if p.device.type != "meta"]
+    real = [n for n, p in module.named_parameters() if not p.is_meta]
     if mode == "meta" and real:
         raise PartitionError(
             f"mode='meta' needs a model on the meta device, but parameter {real[0]!r} is on "

@@ -1,0 +1,80 @@
+"""Transparency on XLA devices: pp x dp training on XLA equals one CPU process.
+
+Every rank computes on its XLA device (``device: xla``); on PJRT's CPU device
+the ranks communicate through gloo, host-staged (see docs/devices.md). The
+oracle is the same model trained with plain torch on the CPU on the whole
+batch, in fp32. XLA's CPU kernels (Eigen) sum in another order than torch's,
+hence tolerances a little wider than the CPU transparency tests'.
+
+Skipped where torch_xla is not installed (the main suite); CI's XLA job
+(``.ci/xla``) runs it with torch_xla and ``PJRT_DEVICE=CPU``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("torch_xla", reason="needs torch_xla (run by CI's XLA job, .ci/xla)")
+
+from mpar._tree import tree_map
+from mpar.testing import run_distributed
+from tests.multiproc._pipeline_cases import reference, train_ranks
+
+STEPS = 3
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+OUT_TOL = {"rtol": 1e-4, "atol": 1e-4}
+ENV = {"PJRT_DEVICE": "CPU"}
+
+
+def _train_on_xla(config: dict[str, Any], optimizer: str) -> dict[str, Any]:
+    """Rank body: the CPU tests' training loop with ``device: xla``; every tensor
+    it returns is moved to the CPU."""
+    result = train_ranks({**config, "device": "xla"}, "mlp", optimizer, STEPS)
+    return tree_map(lambda t: t.detach().cpu(), result)
+
+
+def _check(results: list[dict[str, Any]], ref: dict[str, Any]) -> None:
+    for got in results:
+        assert got["param_devices"] == ["xla"], got["param_devices"]
+        assert "xla:0" in got["memory_devices"], got["memory_devices"]
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **TOL)
+        for out, want in zip(got["outputs"], ref["outputs"]):
+            torch.testing.assert_close(out, want, **OUT_TOL)
+        for name, tensor in ref["state"].items():
+            torch.testing.assert_close(got["state"][name], tensor, **TOL, msg=name)
+        for got_step, want_step in zip(got["grads"], ref["grads"]):
+            for name, grad in got_step.items():
+                torch.testing.assert_close(grad, want_step[name], **TOL, msg=name)
+
+
+def _pp2(**extra: Any) -> dict[str, Any]:
+    return {"pipeline_parallel_degree": 2, "microbatches": 4, **extra}
+
+
+CASES = {
+    # name: (config, world size, optimizer)
+    "pp2-m4-simple": (_pp2(pipeline="simple"), 2, "sgd"),
+    "pp2-m4-interleaved": (_pp2(pipeline="interleaved"), 2, "adamw"),
+    "pp2-v2-interleaved": (_pp2(virtual_stages=2), 2, "sgd"),
+    "pp2-v2-simple": (_pp2(pipeline="simple", virtual_stages=2), 2, "sgd"),
+    "pp2xdp2-ddp": (_pp2(microbatches=2), 4, "sgd"),
+    "pp2xdp2-zero1": (_pp2(microbatches=2, zero={"stage": 1}), 4, "sgd"),
+    "pp2xdp2-zero2": (_pp2(microbatches=2, zero={"stage": 2}), 4, "sgd"),
+    "pp2xdp2-zero3-offload": (
+        _pp2(
+            microbatches=2, zero={"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"}
+        ),
+        4,
+        "adamw",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_xla_pipeline_is_transparent(case):
+    config, world, optimizer = CASES[case]
+    results = run_distributed(_train_on_xla, world, args=(config, optimizer), env=ENV, timeout=240)
+    _check(results, reference("mlp", optimizer, STEPS))
