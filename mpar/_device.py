@@ -5,8 +5,9 @@ The rest of mpar asks this module instead of testing ``device.type``:
 * **placement**: :func:`pick_device` turns the ``device`` config value into this
   rank's ``torch.device`` (and makes it current on CUDA);
   :func:`to_device` moves (nested) tensors there.
-* **backend**: :func:`default_backend` resolves ``backend: auto``;
-  :func:`process_group_backend` is what ``init_process_group`` gets;
+* **backend**: :func:`default_backend` resolves ``backend: auto``,
+  :func:`check_backend` refuses one that would compute wrong sums,
+  :func:`group_backends` gives the world's and the data-parallel groups';
   :func:`wire_device` says where a collective's buffers must live for a backend
   (an XLA tensor on gloo is *host-staged*: copied to the CPU, communicated,
   copied back); :func:`p2p_device` does the same for pipeline transfers.
@@ -46,7 +47,9 @@ __all__ = [
     "after_action",
     "after_optimizer_step",
     "copy_",
+    "check_backend",
     "default_backend",
+    "group_backends",
     "host_buffer",
     "is_accelerator",
     "memory_stats",
@@ -55,7 +58,6 @@ __all__ = [
     "pick_device",
     "same_memory",
     "storage_key",
-    "process_group_backend",
     "synchronize",
     "to_device",
     "wait_copies",
@@ -151,45 +153,49 @@ def move_module(module: torch.nn.Module, device: torch.device) -> torch.nn.Modul
 # ---------------------------------------------------------------- backends
 
 
-def default_backend(device: torch.device) -> str:
-    """``backend: auto``: nccl on cuda; on xla the XLA process group where its
-    collectives work across processes (TPU, Neuron), else gloo (host-staged);
-    gloo on the CPU."""
+def default_backend(device: torch.device, pipeline_degree: int) -> str:
+    """``backend: auto``: nccl on cuda; gloo on the CPU; on xla, the XLA process
+    group where its collectives work — TPU and Neuron, without pipelining, so that
+    every rank runs the same program and the data-parallel group is the world —
+    else gloo with host staging (PJRT's CPU device, and any pipeline)."""
     if device.type == "cuda":
         return "nccl"
-    if device.type == "xla" and xla_runtime() in _XLA_COLLECTIVES:
+    if device.type == "xla" and pipeline_degree == 1 and xla_runtime() in _XLA_COLLECTIVES:
         return "xla"
     return "gloo"
 
 
-def process_group_backend(backend: str) -> str:
-    """The backend string for ``init_process_group`` / ``new_group``.
+def check_backend(device: torch.device, backend: str) -> None:
+    """Refuse a backend that would not carry this device's collectives correctly."""
+    if backend == "xla" and xla_runtime() not in _XLA_COLLECTIVES:
+        raise ConfigError(
+            f"config key 'backend' is 'xla' but PJRT's device is {xla_runtime()}: torch_xla's "
+            "process group does not reduce across processes there; use backend 'gloo' or "
+            "'auto' (collectives host-staged through gloo)"
+        )
 
-    torch_xla's process group has no point-to-point operations, so with
-    ``backend: xla`` the groups also get gloo for CPU tensors: collectives of
-    XLA tensors run on the XLA group, pipeline transfers (staged on the host)
-    and CPU bookkeeping on gloo.
+
+def group_backends(backend: str) -> tuple[str, str]:
+    """The backends of (the world and the pipeline groups, the data-parallel groups).
+
+    With ``backend: xla`` only data parallelism uses the XLA process group:
+    its point-to-point operations are collective permutes that every rank must
+    join in lockstep, not the independent ``isend``/``irecv`` of a pipeline, so
+    the world group (pipeline transfers, step outputs, object collectives) is
+    gloo, host-staged.
     """
     if backend == "xla":
         _xla()
         import torch_xla.distributed.xla_backend  # noqa: F401  (registers "xla")
 
-        return "cpu:gloo,xla:xla"
-    return backend
-
-
-def _backend_for(device_type: str, backend: str) -> str:
-    """The backend a tensor of ``device_type`` uses in a group created with ``backend``."""
-    if ":" not in backend:
-        return backend
-    pairs = dict(part.split(":", 1) for part in backend.split(","))
-    return pairs.get(device_type, pairs.get("cpu", backend))
+        return "gloo", "xla"
+    return backend, backend
 
 
 def wire_device(device: torch.device, backend: str) -> torch.device:
     """Where a collective over ``backend`` must find a tensor that lives on ``device``:
     ``device`` itself, or the CPU when the backend cannot take it (host staging)."""
-    native = _BACKEND_DEVICES.get(_backend_for(device.type, backend), "cpu")
+    native = _BACKEND_DEVICES.get(backend, "cpu")
     return device if native == device.type else _CPU
 
 
@@ -237,18 +243,15 @@ def activation_offload(device: torch.device) -> contextlib.AbstractContextManage
 
 
 def storage_key(tensor: torch.Tensor) -> int:
-    """An identity of ``tensor``'s storage, shared by its views. Not its data pointer:
-    XLA tensors have none (their ``data_ptr()`` is the view's byte offset)."""
+    """An identity of ``tensor``'s storage, shared by its views. Not a data pointer:
+    XLA storages have none (an XLA view's ``data_ptr()`` is its byte offset, and its
+    ``storage_offset()`` is 0)."""
     return int(tensor.untyped_storage()._cdata)
 
 
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` start at the same element of the same storage."""
-    return (
-        a.device == b.device
-        and storage_key(a) == storage_key(b)
-        and a.storage_offset() == b.storage_offset()
-    )
+    return storage_key(a) == storage_key(b) and a.data_ptr() == b.data_ptr()
 
 
 # ---------------------------------------------------------------- sync and hooks

@@ -61,9 +61,10 @@ def is_initialized() -> bool:
 
 
 def _pick_backend(config: Config, device: torch.device) -> str:
-    if config.backend != "auto":
-        return config.backend
-    return _device.default_backend(device)
+    if config.backend == "auto":
+        return _device.default_backend(device, config.pipeline_parallel_degree)
+    _device.check_backend(device, config.backend)
+    return config.backend
 
 
 def _set_threads(layout: Layout) -> None:
@@ -109,20 +110,26 @@ def _init_process_group(layout: Layout, backend: str, timeout: datetime.timedelt
 
 
 def _make_groups(
-    grid: Grid, rank: int, backend: str, timeout: datetime.timedelta
+    grid: Grid, rank: int, backends: tuple[str, str], timeout: datetime.timedelta
 ) -> tuple[Any, Any]:
-    """Create every pipeline group and every data-parallel group; return this rank's."""
+    """Create every pipeline group and every data-parallel group (``backends``: the
+    pipeline groups', the data-parallel groups'); return this rank's."""
     mine_pp = mine_dp = None
-    # Every rank must create every group, in the same order.
+    # Every rank must create every group, in the same order. A group of every rank
+    # is created as such (ranks None), as torch_xla's process group requires.
     for ranks in grid.pp_groups:
-        group = dist.new_group(ranks, timeout=timeout, backend=backend)
+        group = dist.new_group(_members(ranks, grid), timeout=timeout, backend=backends[0])
         if rank in ranks:
             mine_pp = group
     for ranks in grid.dp_groups:
-        group = dist.new_group(ranks, timeout=timeout, backend=backend)
+        group = dist.new_group(_members(ranks, grid), timeout=timeout, backend=backends[1])
         if rank in ranks:
             mine_dp = group
     return mine_pp, mine_dp
+
+
+def _members(ranks: list[int], grid: Grid) -> list[int] | None:
+    return None if len(ranks) == grid.world_size else ranks
 
 
 def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None) -> Config:
@@ -147,9 +154,9 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
     backend = _pick_backend(resolved, device)
     _set_threads(layout)
     timeout = datetime.timedelta(seconds=resolved.timeout_s)
-    group_backend = _device.process_group_backend(backend)
-    owns = _init_process_group(layout, group_backend, timeout)
-    pp_group, dp_group = _make_groups(grid, layout.rank, group_backend, timeout)
+    world_backend, dp_backend = _device.group_backends(backend)
+    owns = _init_process_group(layout, world_backend, timeout)
+    pp_group, dp_group = _make_groups(grid, layout.rank, (world_backend, dp_backend), timeout)
     pp_rank, dp_rank = grid.coords(layout.rank)
     torch.manual_seed(resolved.seed)
     if layout.world_size > 1:
