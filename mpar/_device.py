@@ -56,6 +56,7 @@ __all__ = [
     "move_module",
     "p2p_device",
     "pick_device",
+    "prepare_recompute",
     "same_memory",
     "storage_key",
     "synchronize",
@@ -232,6 +233,41 @@ def wait_copies(device: torch.device) -> None:
     """Block until non-blocking copies issued for ``device`` have landed in host memory."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
+
+
+class _XlaRandom:
+    """What ``torch.utils.checkpoint`` asks of a device module (``torch.xla``), for XLA:
+    save and restore the device's RNG so recomputation draws the same dropout masks
+    (torch_xla's own checkpoint is reentrant only)."""
+
+    _initialized = True
+
+    @staticmethod
+    def device(index: Any) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def get_rng_state(device: Any = None) -> int:
+        import torch_xla.core.xla_model as xm
+
+        return int(xm.get_rng_state())
+
+    @staticmethod
+    def set_rng_state(state: int, device: Any = None) -> None:
+        import torch_xla.core.xla_model as xm
+
+        xm.set_rng_state(int(state))
+
+
+def prepare_recompute(device: torch.device) -> None:
+    """Make ``torch.utils.checkpoint`` (non-reentrant) work on ``device``: on XLA it
+    needs a ``torch.xla`` device module, registered here once; nothing elsewhere."""
+    if device.type == "xla" and not hasattr(torch, "xla"):
+        torch._register_device_module("xla", _XlaRandom)
 
 
 def activation_offload(device: torch.device) -> contextlib.AbstractContextManager[Any]:

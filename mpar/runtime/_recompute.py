@@ -31,6 +31,7 @@ def run_stage(
     """``stage(*args, **kwargs)``, recomputed in backward when checkpointing is on."""
     if config.activation_checkpointing in (False, "none") or not torch.is_grad_enabled():
         return stage(*args, **kwargs)
+    _device.prepare_recompute(device)
     offload: Any = contextlib.nullcontext()
     if config.offload_activations:
         offload = _device.activation_offload(device)

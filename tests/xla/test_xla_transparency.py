@@ -12,6 +12,8 @@ Skipped where torch_xla is not installed (the main suite); CI's XLA job
 
 from __future__ import annotations
 
+import traceback
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,6 +22,7 @@ import torch
 pytest.importorskip("torch_xla", reason="needs torch_xla (run by CI's XLA job, .ci/xla)")
 
 from mpar._tree import tree_map
+from mpar.comm import free_port
 from mpar.testing import run_distributed
 from tests.multiproc._pipeline_cases import reference, train_ranks
 
@@ -30,14 +33,36 @@ ENV = {"PJRT_DEVICE": "CPU"}
 
 
 def _train_on_xla(config: dict[str, Any], optimizer: str) -> dict[str, Any]:
-    """Rank body: the CPU tests' training loop with ``device: xla``; every tensor
-    it returns is moved to the CPU."""
+    """The CPU tests' training loop with ``device: xla``; every tensor it returns is
+    moved to the CPU."""
     result = train_ranks({**config, "device": "xla"}, "mlp", optimizer, STEPS)
     return tree_map(lambda t: t.detach().cpu(), result)
 
 
+def _train_cases(cases: list[tuple[dict[str, Any], str]], ports: list[int]) -> list[dict[str, Any]]:
+    """Rank body: train every case in turn (``mpar.init`` ... ``mpar.shutdown``), in one
+    process, so that torch_xla starts once per rank, not once per case; each case
+    meets at a rendezvous port of its own. A case that fails returns its traceback
+    and the next one still runs."""
+    import os
+
+    import mpar
+
+    results = []
+    for (config, optimizer), port in zip(cases, ports):
+        os.environ["MASTER_PORT"] = str(port)
+        try:
+            results.append(_train_on_xla(config, optimizer))
+        except Exception:
+            results.append({"error": traceback.format_exc()})
+        finally:
+            mpar.shutdown()
+    return results
+
+
 def _check(results: list[dict[str, Any]], ref: dict[str, Any]) -> None:
     for got in results:
+        assert "error" not in got, got.get("error")
         assert got["param_devices"] == ["xla"], got["param_devices"]
         assert "xla:0" in got["memory_devices"], got["memory_devices"]
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **TOL)
@@ -60,6 +85,11 @@ CASES = {
     "pp2-m4-interleaved": (_pp2(pipeline="interleaved"), 2, "adamw"),
     "pp2-v2-interleaved": (_pp2(virtual_stages=2), 2, "sgd"),
     "pp2-v2-simple": (_pp2(pipeline="simple", virtual_stages=2), 2, "sgd"),
+    "pp2-recompute-offload": (
+        _pp2(activation_checkpointing=True, offload_activations=True),
+        2,
+        "sgd",
+    ),
     "pp2xdp2-ddp": (_pp2(microbatches=2), 4, "sgd"),
     "pp2xdp2-zero1": (_pp2(microbatches=2, zero={"stage": 1}), 4, "sgd"),
     "pp2xdp2-zero2": (_pp2(microbatches=2, zero={"stage": 2}), 4, "sgd"),
@@ -73,8 +103,25 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def trained() -> Callable[[str], list[dict[str, Any]]]:
+    """Each case's per-rank results; the cases of one world size train in one launch."""
+    done: dict[str, list[dict[str, Any]]] = {}
+
+    def results(case: str) -> list[dict[str, Any]]:
+        if case not in done:
+            world = CASES[case][1]
+            names = [name for name, (_, w, _) in CASES.items() if w == world]
+            cases = [(CASES[name][0], CASES[name][2]) for name in names]
+            ports = [free_port() for _ in cases]
+            ranks = run_distributed(_train_cases, world, args=(cases, ports), env=ENV, timeout=600)
+            for i, name in enumerate(names):
+                done[name] = [rank[i] for rank in ranks]
+        return done[case]
+
+    return results
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_xla_pipeline_is_transparent(case):
-    config, world, optimizer = CASES[case]
-    results = run_distributed(_train_on_xla, world, args=(config, optimizer), env=ENV, timeout=240)
-    _check(results, reference("mlp", optimizer, STEPS))
+def test_xla_pipeline_is_transparent(case, trained):
+    _check(trained(case), reference("mlp", CASES[case][2], STEPS))
