@@ -90,8 +90,8 @@ CASES = {
         2,
         "sgd",
     ),
-    "pp2xdp2-ddp": (_pp2(microbatches=2), 4, "sgd"),
-    "pp2xdp2-zero1": (_pp2(microbatches=2, zero={"stage": 1}), 4, "sgd"),
+    "dp2-ddp": ({"microbatches": 2}, 2, "sgd"),
+    "dp2-zero1": ({"microbatches": 2, "zero": {"stage": 1}}, 2, "adamw"),
     "pp2xdp2-zero2": (_pp2(microbatches=2, zero={"stage": 2}), 4, "sgd"),
     "pp2xdp2-zero3-offload": (
         _pp2(
