@@ -15,9 +15,13 @@ The rest of mpar asks this module instead of testing ``device.type``:
   copies can overlap compute), :func:`copy_` (non-blocking only where that is
   safe and useful), :func:`wait_copies` before the host reads what a
   non-blocking copy wrote, :func:`activation_offload` for ``offload_activations``.
+* **modules and recomputation**: :func:`move_module` (parameters stay the same
+  objects, so an optimizer built earlier keeps working), :func:`prepare_recompute`
+  (activation checkpointing's RNG handling on XLA).
 * **synchronisation and step hooks**: :func:`synchronize` (timing),
   :func:`after_action` and :func:`after_optimizer_step` (XLA graph cuts, see below).
-* **memory statistics**: :func:`memory_stats`.
+* **memory**: :func:`memory_stats`; :func:`storage_key` and :func:`same_memory`
+  (storage identity without data pointers, which XLA tensors lack).
 
 XLA graph cuts. torch_xla records operations lazily and compiles the pending
 graph when it is cut (``torch_xla.sync()``). mpar cuts after every forward or
@@ -51,7 +55,6 @@ __all__ = [
     "default_backend",
     "group_backends",
     "host_buffer",
-    "is_accelerator",
     "memory_stats",
     "move_module",
     "p2p_device",
@@ -115,11 +118,6 @@ def pick_device(kind: str, local_rank: int) -> torch.device:
     if kind == "cpu":
         return _CPU
     raise ConfigError(f"config key 'device' is {kind!r}; use 'auto', 'cpu', 'cuda' or 'xla'")
-
-
-def is_accelerator(device: torch.device) -> bool:
-    """Whether tensors on ``device`` are not plain host memory."""
-    return device.type != "cpu"
 
 
 def to_device(value: Any, device: torch.device) -> Any:
