@@ -157,10 +157,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 def _files(items: Sequence[WriteItem], buffer_bytes: int) -> Iterator[list[WriteItem]]:
     """``items`` grouped into files of at most ``buffer_bytes`` of tensors (a bigger
     tensor alone); non-tensor entries go into the first file."""
-    current: list[WriteItem] = [i for i in items if i.type == WriteItemType.BYTE_IO]
+    current: list[WriteItem] = [i for i in items if i.type is WriteItemType.BYTE_IO]
     size = 0
     for item in items:
-        if item.type == WriteItemType.BYTE_IO:
+        if item.type is WriteItemType.BYTE_IO:
             continue
         nbytes = item.tensor_storage_size() or 0
         if current and size + nbytes > buffer_bytes:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mpar import _device
 from mpar.comm import _abort, _watchdog
 from mpar.comm._consistency import check_same_config
 from mpar.comm._layout import Layout, detect_layout
@@ -73,31 +74,11 @@ def is_initialized() -> bool:
     return _STATE is not None
 
 
-def _pick_device(config: Config, layout: Layout) -> torch.device:
-    kind = config.device
-    if kind == "auto":
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
-    if kind == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("config key 'device' is 'cuda' but CUDA is not available here")
-        index = layout.local_rank % torch.cuda.device_count()
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-    if kind == "xla":
-        try:
-            import torch_xla.core.xla_model as xm
-        except ImportError:
-            raise ConfigError(
-                "config key 'device' is 'xla' but torch_xla is not installed"
-            ) from None
-        return torch.device(xm.xla_device())
-    return torch.device("cpu")
-
-
 def _pick_backend(config: Config, device: torch.device) -> str:
-    if config.backend != "auto":
-        return config.backend
-    return {"cuda": "nccl", "xla": "xla"}.get(device.type, "gloo")
+    if config.backend == "auto":
+        return _device.default_backend(device, config.pipeline_parallel_degree)
+    _device.check_backend(device, config.backend)
+    return config.backend
 
 
 def _set_threads(layout: Layout) -> None:
@@ -160,17 +141,19 @@ def _rendezvous_store(layout: Layout, timeout: datetime.timedelta) -> tuple[dist
 
 
 def _make_groups(
-    grid: Grid, rank: int, backend: str, timeout: datetime.timedelta
+    grid: Grid, rank: int, backends: tuple[str, str], timeout: datetime.timedelta
 ) -> tuple[Any, Any]:
-    """Create every pipeline group and every data-parallel group; return this rank's."""
+    """Create every pipeline group and every data-parallel group (``backends``: the
+    pipeline groups', the data-parallel groups'); return this rank's."""
     mine_pp = mine_dp = None
-    # Every rank must create every group, in the same order.
+    # Every rank must create every group, in the same order. A group of every rank
+    # is created as such (ranks None), as torch_xla's process group requires.
     for ranks in grid.pp_groups:
-        group = dist.new_group(ranks, timeout=timeout, backend=backend)
+        group = dist.new_group(_members(ranks, grid), timeout=timeout, backend=backends[0])
         if rank in ranks:
             mine_pp = group
     for ranks in grid.dp_groups:
-        group = dist.new_group(ranks, timeout=timeout, backend=backend)
+        group = dist.new_group(_members(ranks, grid), timeout=timeout, backend=backends[1])
         if rank in ranks:
             mine_dp = group
     return mine_pp, mine_dp
@@ -183,6 +166,10 @@ def _checked_same_config(config: Config, world_size: int, owns: bool) -> None:
         if owns:  # leave this process as it was, so that init can be called again
             dist.destroy_process_group()
         raise
+
+
+def _members(ranks: list[int], grid: Grid) -> list[int] | None:
+    return None if len(ranks) == grid.world_size else ranks
 
 
 def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None) -> Config:
@@ -203,13 +190,14 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
     layout = detect_layout()
     resolved.check_world_size(layout.world_size)
     grid = Grid(layout.world_size, resolved.pipeline_parallel_degree, resolved.placement_strategy)
-    device = _pick_device(resolved, layout)
+    device = _device.pick_device(resolved.device, layout.local_rank)
     backend = _pick_backend(resolved, device)
     _set_threads(layout)
     timeout = transport_timeout(resolved.timeout_s)  # the hang watchdog reports first
-    owns = _init_process_group(layout, backend, timeout)
+    world_backend, dp_backend = _device.group_backends(backend)
+    owns = _init_process_group(layout, world_backend, timeout)
     _checked_same_config(resolved, layout.world_size, owns)
-    pp_group, dp_group = _make_groups(grid, layout.rank, backend, timeout)
+    pp_group, dp_group = _make_groups(grid, layout.rank, (world_backend, dp_backend), timeout)
     pp_rank, dp_rank = grid.coords(layout.rank)
     torch.manual_seed(resolved.seed)
     PROGRESS.reset(RECENT if resolved.trace is None else 16 * RECENT)

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mpar.comm import _staging
 from mpar.comm._bootstrap import state
 from mpar.comm._progress import Waiting, watched
 from mpar.comm._watchdog import transport_timeout
@@ -37,7 +38,7 @@ def all_reduce_dp(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     st = state()
     if len(st.dp_ranks) > 1:
         with Waiting(("collective", "all_reduce", st.dp_group)):
-            dist.all_reduce(tensor, op=_op(op), group=st.dp_group)
+            _staging.all_reduce(tensor, op=_op(op), group=st.dp_group)
     return tensor
 
 
@@ -45,7 +46,7 @@ def world_all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """All-reduce ``tensor`` in place over every rank."""
     if state().layout.world_size > 1:
         with Waiting(("collective", "all_reduce", None)):
-            dist.all_reduce(tensor, op=_op(op))
+            _staging.all_reduce(tensor, op=_op(op), group=None)
     return tensor
 
 
@@ -82,7 +83,7 @@ def all_reduce_pp(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     st = state()
     if len(st.pp_ranks) > 1:
         with Waiting(("collective", "all_reduce", st.pp_group)):
-            dist.all_reduce(tensor, op=_op(op), group=st.pp_group)
+            _staging.all_reduce(tensor, op=_op(op), group=st.pp_group)
     return tensor
 
 
@@ -91,7 +92,7 @@ def all_reduce_dp_async(tensor: torch.Tensor) -> Any:
     st = state()
     if len(st.dp_ranks) == 1:
         return None
-    work = dist.all_reduce(tensor, group=st.dp_group, async_op=True)
+    work = _staging.all_reduce(tensor, op=_op("sum"), group=st.dp_group, async_op=True)
     return watched(work, "all_reduce", st.dp_group)
 
 
@@ -103,7 +104,7 @@ def new_group(ranks: list[int]) -> Any:
 def all_reduce_group(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     """Sum all-reduce ``tensor`` in place over ``group``."""
     with Waiting(("collective", "all_reduce", group)):
-        dist.all_reduce(tensor, group=group)
+        _staging.all_reduce(tensor, op=_op("sum"), group=group)
     return tensor
 
 

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mpar import _device
+from mpar.comm import _staging
 from mpar.comm._progress import Waiting, watched
 
 __all__ = [
@@ -43,14 +45,14 @@ def all_gather_flat(
             f"{shard.numel()} make {shard.numel() * size}"
         )
     if size == 1:
-        if output.data_ptr() != shard.data_ptr():
+        if not _device.same_memory(output, shard):
             output.copy_(shard)
         return None
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     if async_op:
-        return watched(gather(output, shard, group=group, async_op=True), "all_gather", group)
+        work = _staging.all_gather_into(output, shard, group=group, async_op=True)
+        return watched(work, "all_gather", group)
     with Waiting(("collective", "all_gather", group)):
-        return gather(output, shard, group=group)
+        return _staging.all_gather_into(output, shard, group=group, async_op=False)
 
 
 class _SliceAfter:
@@ -96,17 +98,21 @@ def reduce_scatter_flat(
         output.copy_(flat)
         return None
     if _scatter_by_all_reduce(group):
-        work = watched(dist.all_reduce(flat, group=group, async_op=True), "reduce_scatter", group)
+        work = watched(
+            _staging.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True),
+            "reduce_scatter",
+            group,
+        )
         handle = _SliceAfter(work, flat, output, dist.get_rank(group))
         if async_op:
             return handle
         handle.wait()
         return None
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     if async_op:
-        return watched(scatter(output, flat, group=group, async_op=True), "reduce_scatter", group)
+        work = _staging.reduce_scatter_into(output, flat, group=group, async_op=True)
+        return watched(work, "reduce_scatter", group)
     with Waiting(("collective", "reduce_scatter", group)):
-        return scatter(output, flat, group=group)
+        return _staging.reduce_scatter_into(output, flat, group=group, async_op=False)
 
 
 def all_reduce_flat(tensor: torch.Tensor, *, group: Any, size: int, async_op: bool = False) -> Any:
@@ -114,16 +120,17 @@ def all_reduce_flat(tensor: torch.Tensor, *, group: Any, size: int, async_op: bo
     if size == 1:
         return None
     if async_op:
-        return watched(dist.all_reduce(tensor, group=group, async_op=True), "all_reduce", group)
+        work = _staging.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        return watched(work, "all_reduce", group)
     with Waiting(("collective", "all_reduce", group)):
-        return dist.all_reduce(tensor, group=group)
+        return _staging.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=False)
 
 
 def broadcast_flat(tensor: torch.Tensor, *, src: int, group: Any, size: int) -> None:
     """Overwrite ``tensor`` with global rank ``src``'s copy (``src`` is in the group)."""
     if size > 1:
         with Waiting(("collective", "broadcast", group)):
-            dist.broadcast(tensor, src=src, group=group)
+            _staging.broadcast(tensor, src=src, group=group)
 
 
 def all_gather_objects(obj: Any, *, group: Any, size: int) -> list[Any]:

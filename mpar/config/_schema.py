@@ -192,7 +192,8 @@ class Config:
     """``auto`` picks cuda when available, else cpu."""
 
     backend: BackendKind = "auto"
-    """``auto`` picks nccl on cuda, xla on xla and gloo on cpu."""
+    """``auto`` picks nccl on cuda and gloo on cpu; on xla, the XLA process group on TPU
+    and Neuron without pipelining, else gloo with host staging (see docs/devices.md)."""
 
     seed: int = 0
     """One seed for every rank's initialisation."""
@@ -294,6 +295,17 @@ class Config:
                 f"config key 'microbatches' is {m}: the {self.pipeline} schedule with "
                 f"{v} virtual stages needs a multiple of pipeline_parallel_degree {pp}; "
                 f"use {' or '.join(map(str, fits))} (or pipeline 'simple')"
+            )
+        if self.backend == "xla" and self.device != "xla":
+            raise ConfigError(
+                f"config key 'backend' is 'xla' but 'device' is {self.device!r}; the XLA "
+                "process group carries XLA tensors: set device 'xla' (or backend 'auto')"
+            )
+        if self.backend == "xla" and pp > 1:
+            raise ConfigError(
+                f"config key 'backend' is 'xla' with pipeline_parallel_degree {pp}: XLA "
+                "collectives need every rank to run the same program, which pipeline stages "
+                "do not; use backend 'gloo' or 'auto' (host-staged, see docs/devices.md)"
             )
         if self.device == "cpu" and self.backend == "nccl":
             raise ConfigError(

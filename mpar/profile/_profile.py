@@ -35,6 +35,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from mpar import _device
 from mpar.errors import PartitionError
 from mpar.partition._units import find_units
 
@@ -256,10 +257,8 @@ def _storage_keys(module: nn.Module) -> set[int]:
 
 
 def _synchronizer(module: nn.Module) -> Callable[[], None]:
-    devices = {p.device.type for p in module.parameters()}
-    if "cuda" in devices and torch.cuda.is_available():
-        return torch.cuda.synchronize
-    return lambda: None
+    devices = {p.device for p in module.parameters()}
+    return lambda: _device.synchronize(devices)
 
 
 def _time_calls(
@@ -374,7 +373,7 @@ def _check_options(module: nn.Module, optimizer: str, mode: str, repeats: int) -
         raise ValueError(f"mode must be 'measure' or 'meta', got {mode!r}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    real = [n for n, p in module.named_parameters() if p.device.type != "meta"]
+    real = [n for n, p in module.named_parameters() if not p.is_meta]
     if mode == "meta" and real:
         raise PartitionError(
             f"mode='meta' needs a model on the meta device, but parameter {real[0]!r} is on "
@@ -395,7 +394,7 @@ def preserved_state(module: nn.Module) -> Iterator[None]:
     running statistics, counters) get their values back, and the random number
     generators (dropout) their states.
     """
-    saved = [(b, b.detach().clone()) for b in module.buffers() if b.device.type != "meta"]
+    saved = [(b, b.detach().clone()) for b in module.buffers() if not b.is_meta]
     with torch.random.fork_rng():
         try:
             yield

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mpar import _device
 from mpar._tree import tree_leaves, tree_map
 from mpar.comm import State
 from mpar.comm._p2p import Links, PendingSends, recv_payload, send_payload
@@ -136,6 +137,8 @@ class StepRun:
         """(stage, microbatch) -> the W still to run after its I."""
         self.pending = PendingSends()
         self.links: Links = st.extras.setdefault("p2p_links", Links())
+        self.wire = _device.p2p_device(st.device, st.backend)
+        """Where transfers are built and received (the host when they are staged)."""
         self.incoming = self._incoming_streams()
         self.held_bytes = 0
         """Bytes of the stage inputs and outputs now kept for backward."""
@@ -228,7 +231,7 @@ class StepRun:
 
     def _post_receives(self) -> None:
         for src, tag in self.incoming:
-            self.links.post(src, tag, self.st.device)
+            self.links.post(src, tag, self.wire)
 
     def _receive(self, stage: int, j: int, direction: int, from_stage: int) -> Any:
         key = (stage, j, direction)
@@ -236,13 +239,13 @@ class StepRun:
             return self.local.pop(key)
         stream = (self._rank_of(from_stage), 2 * stage + direction)
         started = time.time() if self.timeline is not None else 0.0
-        payload = recv_payload(*stream, (stage, j, direction), self.st.device, self.links)
+        payload = recv_payload(*stream, (stage, j, direction), self.wire, self.links)
         if self.timeline is not None:
             self.timeline.waited += time.time() - started
         self.incoming[stream] -= 1
         if self.incoming[stream] > 0:
-            self.links.post(*stream, self.st.device)
-        return payload
+            self.links.post(*stream, self.wire)
+        return _device.to_device(payload, self.st.device)
 
     def _deliver(self, stage: int, j: int, direction: int, payload: Any) -> None:
         dst = self._rank_of(stage)
@@ -250,7 +253,7 @@ class StepRun:
             self.local[(stage, j, direction)] = payload
         else:
             tag, label = 2 * stage + direction, (stage, j, direction)
-            send_payload(payload, dst, tag, label, self.pending, self.links)
+            send_payload(payload, dst, tag, label, self.pending, self.links, self.wire)
 
     def _stage_input(self, s: int, j: int) -> tuple[Any, ...]:
         payload = self._receive(s, j, _FORWARD, s - 1)
@@ -272,6 +275,7 @@ class StepRun:
         else:
             args, kwargs = self._stage_input(s, j), {}
         output = self._run(s, args, kwargs)
+        _device.after_action(self.st.device)
         if not isinstance(output, tuple):
             output = (output,)
         if self.training:
@@ -288,6 +292,7 @@ class StepRun:
         finally:
             self.model.active_run = None
             self.microbatch = None
+        _device.after_action(self.st.device)
         if not self.model_called:
             raise StepError(
                 f"step function {getattr(self.fn, '__name__', self.fn)!r} never called the model"
@@ -326,6 +331,7 @@ class StepRun:
         if work is None:
             raise StepError(f"internal: {s}W{j} runs before {s}I{j}")
         work()
+        _device.after_action(self.st.device)
         self._weights_done(s)
 
     def _weights_done(self, s: int) -> None:
@@ -359,6 +365,7 @@ class StepRun:
             grads = _input_grads(inputs)
         if split:
             self.weight_work[(s, j)] = work
+        _device.after_action(self.st.device)
         if s > 0:
             self._deliver(s - 1, j, _BACKWARD, grads)
 
@@ -416,7 +423,7 @@ class StepRun:
         for dst in range(st.layout.world_size):
             if dst != st.layout.rank:
                 send_payload(
-                    mine, dst, _OUTPUTS_TAG, (st.dp_rank,), self.pending, self.links, st.device
+                    mine, dst, _OUTPUTS_TAG, (st.dp_rank,), self.pending, self.links, self.wire
                 )
 
     def _gather_outputs(self) -> StepOutput:
@@ -429,7 +436,7 @@ class StepRun:
                 outs, replica_sizes = self.own_outputs
             else:
                 stream = (src, _OUTPUTS_TAG)
-                received = recv_payload(*stream, (d,), st.device, self.links)
+                received = recv_payload(*stream, (d,), self.wire, self.links)
                 self.incoming[stream] -= 1
                 outs, replica_sizes = detach_to_cpu(received)
             outputs.extend(outs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from mpar import _device
 from mpar.comm import state
 from mpar.runtime._model import live_models
 from mpar.runtime._optimizer import live_optimizers
@@ -39,7 +40,10 @@ def memory_report() -> dict[str, dict[str, int]]:
     the peak of stage inputs and outputs kept for backward during the last
     step (0 before the first step). ``gathered_peak`` (ZeRO-3) is the most
     bytes of gathered full parameters held at once during the last step, on
-    top of the shards counted under ``parameters`` (0 otherwise).
+    top of the shards counted under ``parameters`` (0 otherwise). On devices
+    whose allocator keeps statistics (CUDA; XLA on TPU/GPU) the device's row
+    also has ``device_allocated`` and ``device_peak``: the allocator's current
+    and peak bytes, everything included (not reset by mpar).
     """
     state()
     report: dict[str, dict[str, int]] = {}
@@ -57,4 +61,14 @@ def memory_report() -> dict[str, dict[str, int]]:
         report[device]["activations"] += model.activation_peak_bytes
         if model.sharded is not None:
             report[device]["gathered_peak"] += model.sharded.peak_gathered_bytes
+    _add_allocator_stats(report, state().device)
     return report
+
+
+def _add_allocator_stats(report: dict[str, dict[str, int]], device: torch.device) -> None:
+    """The device allocator's own counts, where it keeps them (CUDA; XLA on TPU/GPU)."""
+    stats = _device.memory_stats(device)
+    if stats:
+        row = report.setdefault(str(device), dict.fromkeys(_CATEGORIES, 0))
+        row["device_allocated"] = stats["allocated"]
+        row["device_peak"] = stats["peak"]

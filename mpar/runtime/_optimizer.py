@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from mpar import _device
 from mpar.comm import state
 from mpar.comm._collectives import (
     all_gather_object_pp,
@@ -121,8 +122,11 @@ class DistributedOptimizer:
                 scaler.update(found_inf=not finite)
                 if not finite:
                     return None  # skipped on every rank; the loss scale was lowered
-            return sharded.step()
-        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+            result = sharded.step()
+        else:
+            result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        _device.after_optimizer_step(self._st.device)
+        return result
 
     def _unscale(self, sharded: Any) -> bool:
         """fp16: once per step, check every rank's gradients and divide out the loss

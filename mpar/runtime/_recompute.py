@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from mpar import _device
 from mpar.config import Config
 
 __all__ = ["run_stage"]
@@ -30,8 +31,9 @@ def run_stage(
     """``stage(*args, **kwargs)``, recomputed in backward when checkpointing is on."""
     if config.activation_checkpointing in (False, "none") or not torch.is_grad_enabled():
         return stage(*args, **kwargs)
+    _device.prepare_recompute(device)
     offload: Any = contextlib.nullcontext()
-    if config.offload_activations and device.type != "cpu":
-        offload = torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
+    if config.offload_activations:
+        offload = _device.activation_offload(device)
     with offload:
         return checkpoint(stage, *args, use_reentrant=False, **kwargs)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mpar import _device
 from mpar.comm import State
 from mpar.comm._collectives import broadcast_object_world, new_group
 from mpar.errors import PartitionError
@@ -102,18 +103,28 @@ def _free_unowned(module: nn.Module, kept: list[nn.Module]) -> None:
             tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
 
 
+def _module_device(module: nn.Module) -> torch.device:
+    """Where ``module``'s parameters (else buffers) are; the CPU if it has none."""
+    for tensor in [*module.parameters(), *module.buffers()]:
+        return tensor.device
+    return torch.device("cpu")
+
+
 def build_local_stages(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], st: State
 ) -> LocalStages:
     """Partition ``module`` (identically on every rank) and keep this rank's stages."""
     num_stages = st.config.num_stages
     if num_stages == 1:
-        module.to(st.device)
+        _device.move_module(module, st.device)
         names = {n: n for n, _ in list(module.named_parameters()) + list(module.named_buffers())}
         return LocalStages(1, {0: module}, {0: names}, unit_names=[["<whole model>"]])
     from mpar.partition import find_units, split_module
     from mpar.profile import preserved_state
 
+    # The whole model is traced, profiled and split where the user built it (the
+    # host, usually: it need not fit on one device); only the stages move.
+    args, kwargs = _device.to_device((args, kwargs), _module_device(module))
     with torch.no_grad(), preserved_state(module):
         units = find_units(module, args, kwargs)
     decision: Any = None
@@ -134,7 +145,7 @@ def build_local_stages(
     mine = {s: split.stages[s] for s in range(num_stages) if home(s) == st.pp_rank}
     _free_unowned(module, list(mine.values()))
     for stage in mine.values():
-        stage.to(st.device)
+        _device.move_module(stage, st.device)
     return LocalStages(
         num_stages=num_stages,
         modules=mine,

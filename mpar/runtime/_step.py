@@ -10,7 +10,7 @@ from typing import Any, TypeVar, overload
 
 import torch
 
-from mpar._tree import tree_map
+from mpar import _device
 from mpar.comm import state
 from mpar.comm._abort import publish_failure
 from mpar.comm._progress import PROGRESS
@@ -53,13 +53,11 @@ def _prepare(
         non_split_inputs=non_split_inputs,
         input_split_axes=input_split_axes,
     )
-    if st.device.type != "cpu":
-        batches = Microbatches(
-            tree_map(lambda t: t.to(st.device, non_blocking=True), batches.args),
-            tree_map(lambda t: t.to(st.device, non_blocking=True), batches.kwargs),
-            batches.sizes,
-        )
-    return batches
+    return Microbatches(
+        _device.to_device(batches.args, st.device),
+        _device.to_device(batches.kwargs, st.device),
+        batches.sizes,
+    )
 
 
 def _execute(fn: Callable[..., Any], model: DistributedModel, batches: Microbatches) -> StepOutput:

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mpar import _device
 from mpar.comm._shard_comm import (
     all_gather_flat,
     all_reduce_flat,
@@ -72,10 +73,6 @@ class GroupInfo:
     @property
     def size(self) -> int:
         return len(self.ranks)
-
-
-def _host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pin)
 
 
 class FlatBucket:
@@ -110,7 +107,6 @@ class FlatBucket:
         self.lo, self.hi = spec.shard_range(comm.rank)
         self.offload_optimizer = offload_optimizer or offload_params
         self.offload_params = offload_params
-        self.pin = device.type == "cuda"
         self.full: torch.Tensor | None = None
         self.shard: torch.Tensor | None = None
         self.grad_full: torch.Tensor | None = None
@@ -162,7 +158,7 @@ class FlatBucket:
             return initial
         local = flat[self.lo : self.hi]
         if self.offload_params:
-            self.shard = _host_buffer(local.numel(), self.dtype, self.pin)
+            self.shard = _device.host_buffer(local.numel(), self.dtype, self.device)
             self.shard.copy_(local)
         else:
             self.shard = local.clone()
@@ -176,13 +172,13 @@ class FlatBucket:
         if self.mixed:
             device = "cpu" if self.offload_optimizer else self.device
             if device == "cpu":
-                master = _host_buffer(initial.numel(), self.master_dtype, self.pin)
+                master = _device.host_buffer(initial.numel(), self.master_dtype, self.device)
             else:
                 master = torch.empty(initial.numel(), dtype=self.master_dtype, device=device)
             return master.copy_(initial)
         if not self.offload_optimizer or (self.offload_params and self.zero_stage == 3):
             return local  # the optimizer updates the parameters' own storage
-        master = _host_buffer(local.numel(), self.dtype, self.pin)
+        master = _device.host_buffer(local.numel(), self.dtype, self.device)
         master.copy_(local)
         return master
 
@@ -198,7 +194,7 @@ class FlatBucket:
 
     def _device_shard(self) -> torch.Tensor:
         assert self.shard is not None
-        return self.shard.to(self.device, non_blocking=True)
+        return _device.to_device(self.shard, self.device)
 
     # ------------------------------------------------------- ZeRO-3 gathering
     def acquire(self, stage: int, *, wait: bool = True) -> None:
@@ -271,11 +267,11 @@ class FlatBucket:
         if self.full is None:
             return
         local = self.full[self.lo : self.hi]
-        if self.shard is not None and self.shard.data_ptr() != local.data_ptr():
+        if self.shard is not None and not _device.same_memory(self.shard, local):
             self.shard.copy_(local)
         lo, hi = self.opt_range
         source = self.full[lo:hi]
-        if self.master.data_ptr() != source.data_ptr():
+        if not _device.same_memory(self.master, source):
             self.master.copy_(source)
 
     # ------------------------------------------------------------ gradients
@@ -331,7 +327,7 @@ class FlatBucket:
             target = flat[slot.offset : slot.offset + slot.numel]
             if p.grad is None:
                 target.zero_()
-            elif p.grad.data_ptr() != target.data_ptr():
+            elif not _device.same_memory(p.grad, target):
                 target.copy_(p.grad.reshape(-1))
         flat[self.spec.numel :].zero_()  # padding: summed and scaled, so kept at zero
         return flat
@@ -403,11 +399,11 @@ class FlatBucket:
 
     def _to_cpu_grad(self, reduced: torch.Tensor) -> None:
         if self.cpu_grad is None:
-            self.cpu_grad = _host_buffer(reduced.numel(), self.master_dtype, self.pin)
+            self.cpu_grad = _device.host_buffer(reduced.numel(), self.master_dtype, self.device)
         if self.has_grad and self.zero_stage >= 1:
             self.cpu_grad.add_(reduced.to("cpu"))
         else:
-            self.cpu_grad.copy_(reduced, non_blocking=True)
+            _device.copy_(self.cpu_grad, reduced)
         if self.zero_stage >= 1:
             self.grad_shard = None  # the device copy is no longer needed
 
@@ -497,8 +493,8 @@ class FlatBucket:
         if self.zero_stage < 3:
             assert self.full is not None
             local = self.full[lo:hi]
-            if local.data_ptr() != self.master.data_ptr():
-                local.copy_(self.master, non_blocking=True)
+            if not _device.same_memory(local, self.master):
+                _device.copy_(local, self.master)
             if self.zero_stage == 0:
                 return None
             return all_gather_flat(
@@ -506,8 +502,8 @@ class FlatBucket:
             )
         self.wait_gathered()
         assert self.shard is not None
-        if self.shard.data_ptr() != self.master.data_ptr():
-            self.shard.copy_(self.master, non_blocking=True)
+        if not _device.same_memory(self.shard, self.master):
+            _device.copy_(self.shard, self.master)
         if self.full is None:
             return None
         return all_gather_flat(

@@ -6,6 +6,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from mpar import _device
+
 __all__ = ["count_bytes"]
 
 
@@ -23,7 +25,7 @@ def count_bytes(groups: Mapping[str, Sequence[torch.Tensor]]) -> dict[str, dict[
             storage = tensor.untyped_storage()
             device = str(tensor.device)
             row = report.setdefault(device, dict.fromkeys(groups, 0))
-            key = (device, storage.data_ptr())
+            key = (device, _device.storage_key(tensor))
             if storage.nbytes() == 0 or key in seen:
                 continue
             seen.add(key)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from mpar import _device
 from mpar.comm._collectives import group_size
 from mpar.config import ZeroConfig
 from mpar.shard._bucket import FlatBucket, GroupInfo
@@ -281,8 +282,7 @@ class ShardedStages:
 
     def synchronize(self) -> None:
         """Wait for non-blocking host/device copies (CUDA offload)."""
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        _device.wait_copies(self.device)
 
     # ------------------------------------------------------------ optimizer, report
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:

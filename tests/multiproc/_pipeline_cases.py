@@ -144,6 +144,8 @@ def train_ranks(
         "outputs": outputs,
         "pp": (mpar.pp_rank(), mpar.pp_size()),
         "dp": (dp_rank, dp),
+        "param_devices": sorted({p.device.type for p in dmodel.local_parameters()}),
+        "memory_devices": sorted(mpar.memory_report()),
     }
 
 

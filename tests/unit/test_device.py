@@ -1,0 +1,136 @@
+"""The device seam (``mpar._device``): what it decides, and that nothing else decides it."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from mpar import _device
+from mpar.config import load_config
+from mpar.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+HAS_XLA = importlib.util.find_spec("torch_xla") is not None
+CPU, XLA, CUDA = torch.device("cpu"), torch.device("xla", 0), torch.device("cuda", 0)
+
+
+def test_device_branches_live_only_in_the_seam():
+    """The acceptance check of the seam: no other module of mpar tests a device's
+    type, calls torch.cuda or torch_xla, pins memory or copies non-blocking."""
+    pattern = re.compile(
+        r"\.type\s*(==|!=|in\b)|torch\.cuda|torch_xla|pin_memory\s*=|is_pinned|non_blocking\s*="
+    )
+    hits = []
+    for path in sorted((ROOT / "mpar").rglob("*.py")):
+        if path.name == "_device.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if pattern.search(code):
+                hits.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not hits, "device branches outside mpar/_device.py:\n" + "\n".join(hits)
+
+
+@pytest.mark.parametrize(
+    ("device", "backend", "wire"),
+    [
+        (CPU, "gloo", CPU),
+        (CPU, "mpi", CPU),
+        (CUDA, "nccl", CUDA),
+        (CUDA, "gloo", CPU),  # host-staged
+        (XLA, "gloo", CPU),  # host-staged: PJRT CPU, and any pipeline
+        (XLA, "xla", XLA),  # the XLA process group takes XLA tensors
+    ],
+)
+def test_wire_device_stages_what_the_backend_cannot_take(device, backend, wire):
+    assert _device.wire_device(device, backend) == wire
+
+
+def test_pipeline_transfers_of_xla_always_go_through_the_host():
+    assert _device.p2p_device(XLA, "xla") == CPU
+    assert _device.p2p_device(XLA, "gloo") == CPU
+    assert _device.p2p_device(CUDA, "nccl") == CUDA
+    assert _device.p2p_device(CPU, "gloo") == CPU
+
+
+def test_group_backends():
+    assert _device.group_backends("gloo") == ("gloo", "gloo")
+    assert _device.group_backends("nccl") == ("nccl", "nccl")
+
+
+def test_cpu_and_cuda_backends_by_default():
+    assert _device.default_backend(CPU, 2) == "gloo"
+    assert _device.default_backend(CUDA, 1) == "nccl"
+    assert _device.default_backend(XLA, 2) == "gloo"  # pipelines never use XLA collectives
+
+
+def test_same_memory_and_storage_key_follow_views():
+    flat = torch.zeros(10)
+    assert _device.same_memory(flat[2:5], flat[2:4])
+    assert not _device.same_memory(flat[2:5], flat[3:5])
+    assert not _device.same_memory(flat, torch.zeros(10))
+    assert _device.storage_key(flat[4:]) == _device.storage_key(flat)
+    assert _device.storage_key(flat) != _device.storage_key(torch.zeros(10))
+
+
+def test_host_buffers_and_copies_on_the_cpu():
+    buffer = _device.host_buffer(6, torch.float32, CPU)
+    assert buffer.device == CPU and buffer.numel() == 6 and not buffer.is_pinned()
+    source = torch.arange(6.0)
+    assert torch.equal(_device.copy_(buffer, source), source)
+    moved = _device.to_device({"a": [source], "b": 3}, CPU)
+    assert moved["a"][0] is source and moved["b"] == 3
+    _device.wait_copies(CPU)
+    _device.after_action(CPU)
+    _device.after_optimizer_step(CPU)
+    _device.synchronize([CPU])
+    assert _device.memory_stats(CPU) == {}
+
+
+def test_activation_offload_is_nothing_on_the_cpu():
+    with _device.activation_offload(CPU) as ctx:
+        assert ctx is None
+
+
+def test_move_module_keeps_parameter_objects():
+    net = torch.nn.Linear(2, 2)
+    weight = net.weight
+    _device.move_module(net, CPU)
+    assert net.weight is weight
+
+
+def test_cpu_and_auto_devices():
+    assert _device.pick_device("cpu", 0) == CPU
+    if not torch.cuda.is_available():
+        assert _device.pick_device("auto", 3) == CPU
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_cuda_without_a_gpu_is_a_config_error():
+    with pytest.raises(ConfigError, match="'device' is 'cuda'.*use device 'cpu'"):
+        _device.pick_device("cuda", 0)
+
+
+@pytest.mark.skipif(HAS_XLA, reason="torch_xla is installed here")
+def test_xla_without_torch_xla_is_a_config_error():
+    with pytest.raises(ConfigError, match="torch_xla is not installed: pip install torch_xla"):
+        _device.pick_device("xla", 0)
+
+
+def test_unknown_device_kind_is_a_config_error():
+    with pytest.raises(ConfigError, match="'tpu'"):
+        _device.pick_device("tpu", 0)
+
+
+def test_xla_backend_needs_the_xla_device():
+    with pytest.raises(ConfigError, match="backend' is 'xla' but 'device' is 'cpu'"):
+        load_config({"device": "cpu", "backend": "xla"})
+
+
+def test_xla_backend_refuses_pipelines():
+    with pytest.raises(ConfigError, match="pipeline_parallel_degree 2"):
+        load_config({"device": "xla", "backend": "xla", "pipeline_parallel_degree": 2})
