@@ -147,6 +147,9 @@ def _endpoint(options: LaunchOptions, port: int) -> str:
 
 def _launch_config(options: LaunchOptions, port: int, listen_fd: int, log_dir: str) -> LaunchConfig:
     shutdown = None if "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in os.environ else _SHUTDOWN_TIMEOUT_S
+    extra: dict[str, Any] = {}
+    if shutdown is not None and "shutdown_timeout" in _launch_config_fields():
+        extra["shutdown_timeout"] = shutdown  # not in older torch (2.9): its default applies
     return LaunchConfig(
         min_nodes=options.nnodes,
         max_nodes=options.nnodes,
@@ -161,8 +164,14 @@ def _launch_config(options: LaunchOptions, port: int, listen_fd: int, log_dir: s
         monitor_interval=0.1,
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
-        shutdown_timeout=shutdown,
+        **extra,
     )
+
+
+def _launch_config_fields() -> set[str]:
+    import dataclasses
+
+    return {f.name for f in dataclasses.fields(LaunchConfig)}
 
 
 def _failure(global_rank: int, failure: ProcessFailure) -> RankFailure:
