@@ -59,6 +59,24 @@ def _check_number(key: str, value: object) -> None:
         )
 
 
+def _check_memory(value: object) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ConfigTypeError(
+            f"config key 'device_memory' must be bytes (an integer) or a size such as "
+            f"'16GiB', got {type(value).__name__} {value!r}"
+        )
+    from mpar.partition._plan import parse_bytes
+
+    try:
+        nbytes = parse_bytes(value)
+    except ValueError as exc:
+        raise ConfigError(f"config key 'device_memory': {exc}") from None
+    if nbytes <= 0:
+        raise ConfigError(f"config key 'device_memory' is {value!r}; it must be > 0")
+
+
 @dataclass(frozen=True)
 class ZeroConfig:
     """ZeRO sharding across each pipeline stage's data-parallel group."""
@@ -168,6 +186,9 @@ class Config:
     timeout_s: float = 300.0
     """Timeout in seconds of collectives and point-to-point transfers (a hang becomes an error)."""
 
+    device_memory: int | str | None = None
+    """Memory per rank (bytes, or "16GiB" / "40GB"): caps the partition and the "auto" planner."""
+
     def __post_init__(self) -> None:
         self._check_fields()
         self._check_combinations()
@@ -200,6 +221,7 @@ class Config:
         _fail_choice("device", self.device, ("auto", "cpu", "cuda", "xla"))
         _fail_choice("backend", self.backend, ("auto", "gloo", "nccl", "xla", "mpi"))
         _check_int("seed", self.seed, minimum=0)
+        _check_memory(self.device_memory)
         _check_number("timeout_s", self.timeout_s)
         if self.timeout_s <= 0:
             raise ConfigError(f"config key 'timeout_s' is {self.timeout_s}; it must be > 0")

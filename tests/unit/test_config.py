@@ -35,6 +35,7 @@ def test_accepted_keys_are_frozen():
         "backend",
         "seed",
         "timeout_s",
+        "device_memory",
         "shard_optimizer_state",
         "zero_optimization",
     }
