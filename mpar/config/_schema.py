@@ -189,6 +189,10 @@ class Config:
     device_memory: int | str | None = None
     """Memory per rank (bytes, or "16GiB" / "40GB"): caps the partition and the "auto" planner."""
 
+    auto_keys: tuple[str, ...] = ()
+    """Keys the user gave as "auto" (their fields hold placeholders until the planner
+    resolves them at the first step); set by the dict boundary, not a user key."""
+
     def __post_init__(self) -> None:
         self._check_fields()
         self._check_combinations()
@@ -242,7 +246,15 @@ class Config:
                 "config key 'offload_activations' is true but 'activation_checkpointing' is off; "
                 "offloading keeps checkpointed activations, so turn checkpointing on"
             )
-        if self.active_microbatches is not None and self.active_microbatches > self.microbatches:
+        if self.auto_keys and self.device_memory is None:
+            raise ConfigError(
+                f"config keys {list(self.auto_keys)} are 'auto' but 'device_memory' is not set"
+            )
+        if (
+            self.active_microbatches is not None
+            and "microbatches" not in self.auto_keys
+            and self.active_microbatches > self.microbatches
+        ):
             raise ConfigError(
                 f"config key 'active_microbatches' is {self.active_microbatches} but there are only "
                 f"{self.microbatches} microbatches; use a value <= {self.microbatches}"
@@ -275,6 +287,14 @@ class Config:
 
     def check_world_size(self, world_size: int) -> None:
         """Raise ConfigError if this layout cannot run on ``world_size`` processes."""
+        if "pipeline_parallel_degree" in self.auto_keys:
+            raise ConfigError(
+                "config key 'pipeline_parallel_degree' is 'auto', but the pipeline degree decides "
+                "the process grid at mpar.init, before the model is known; run `mpar plan --auto "
+                f"--world-size {world_size} ...` and put its pipeline_parallel_degree in the "
+                "config (microbatches, virtual_stages, zero.stage and activation_checkpointing "
+                "may stay 'auto': they are resolved at the first step)"
+            )
         pp = self.pipeline_parallel_degree
         if world_size % pp != 0:
             raise ConfigError(
@@ -291,8 +311,13 @@ class Config:
             )
 
     def to_dict(self) -> dict[str, Any]:
-        """The configuration as canonical keys (JSON-able)."""
-        return dataclasses.asdict(self)
+        """The configuration as canonical keys (JSON-able); unresolved keys read "auto"."""
+        data = dataclasses.asdict(self)
+        auto = data.pop("auto_keys")
+        for key in auto:
+            section, _, name = key.rpartition(".")
+            (data[section] if section else data)[name] = "auto"
+        return data
 
 
 def _divisors(n: int) -> list[int]:

@@ -66,6 +66,12 @@ class SearchSpace:
     offload: bool = True
     checkpointing: tuple[bool, ...] = (False, True)
     precisions: tuple[str, ...] = ("fp32", "bf16")
+    virtual_stage_choices: tuple[int, ...] | None = None
+    """Only these virtual-stage counts (None: 1 to ``max_virtual_stages``)."""
+    microbatch_choices: tuple[int, ...] | None = None
+    """Only these microbatch counts (None: every divisor of the per-replica batch)."""
+    offload_choices: tuple[tuple[bool, bool], ...] | None = None
+    """Only these (offload optimizer, offload params) pairs (None: what ``offload`` allows)."""
 
     def __post_init__(self) -> None:
         bad = [p for p in self.pipelines if p not in ("interleaved", "simple")]
@@ -197,10 +203,12 @@ def _knobs(
     """(zero stage, offload optimizer, offload params, checkpointing, precision) to try."""
     for zero in space.zero_stages:
         offloads = [(False, False)]
-        if space.offload and zero >= 1:
+        if (space.offload or space.offload_choices) and zero >= 1:
             offloads.append((True, False))
-        if space.offload and zero == 3:
+        if (space.offload or space.offload_choices) and zero == 3:
             offloads += [(False, True), (True, True)]
+        if space.offload_choices is not None:
+            offloads = [o for o in offloads if o in space.offload_choices]
         for opt, par in offloads:
             if dp == 1 and zero >= 1 and not (opt or par):
                 reject[NO_DP] += len(space.checkpointing) * len(space.precisions)
@@ -223,15 +231,23 @@ def _shapes(
         for m in _divisors(batch // dp):
             if space.max_microbatches is not None and m > space.max_microbatches:
                 continue
+            if space.microbatch_choices is not None and m not in space.microbatch_choices:
+                continue
             pipelines = space.pipelines[:1] if pp == 1 else space.pipelines
             for pipeline in pipelines:
-                for v in range(1, (space.max_virtual_stages if pp > 1 else 1) + 1):
+                for v in _virtual_choices(pp, space):
                     if pp * v > units:
                         reject[UNITS] += 1
                     elif pipeline == "interleaved" and v > 1 and m % pp:
                         reject[MULTIPLE] += 1
                     else:
                         yield pp, dp, m, pipeline, v
+
+
+def _virtual_choices(pp: int, space: SearchSpace) -> list[int]:
+    if space.virtual_stage_choices is not None:
+        return list(space.virtual_stage_choices)
+    return list(range(1, (space.max_virtual_stages if pp > 1 else 1) + 1))
 
 
 def _evaluate(

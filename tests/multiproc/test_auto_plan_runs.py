@@ -26,3 +26,36 @@ def test_auto_plan_config_runs_as_is():
     ref = reference("gpt", "sgd", 2)
     for got in ranks:
         torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=1e-6)
+
+
+def _train_auto(config):
+    import mpar
+
+    out = train_ranks(config, "gpt", "sgd", 2)
+    resolved = mpar.config()
+    out["resolved"] = (
+        resolved.microbatches,
+        resolved.zero.stage,
+        resolved.activation_checkpointing,
+        resolved.auto_keys,
+    )
+    return out
+
+
+@pytest.mark.slow
+def test_auto_values_resolve_at_the_first_step_and_train_transparently():
+    config = {
+        "pipeline_parallel_degree": 2,
+        "microbatches": "auto",
+        "zero": {"stage": "auto"},
+        "activation_checkpointing": "auto",
+        "device_memory": "256MiB",
+    }
+    ranks = run_distributed(_train_auto, world_size=2, args=(config,), timeout=180)
+    ref = reference("gpt", "sgd", 2)
+    resolved = {r["resolved"] for r in ranks}
+    assert len(resolved) == 1  # every rank runs the same choice
+    m, _zero, ckpt, auto = resolved.pop()
+    assert BATCH % m == 0 and isinstance(ckpt, bool) and auto == ()
+    for got in ranks:
+        torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=1e-6)
