@@ -4,12 +4,15 @@ Stages are laid out looped, as in Megatron-LM: with ``p`` ranks and ``v``
 virtual stages there are ``p * v`` stages and stage ``s`` runs on rank
 ``s % p`` as its chunk ``s // p``.
 
-Memory per stage = parameter + gradient + optimizer state of its units (tied
-replicas included; divided by the data-parallel degree for what ZeRO shards)
-plus saved activations of one microbatch times the microbatches in flight on
-its rank (from ``mpar.schedule``'s simulator, spread evenly over the rank's
-chunks). ``device_memory`` caps a rank; the solver caps each of its ``v`` stages
-at ``device_memory / v``.
+Memory per stage is its share of a rank's *peak* (``mpar.partition._memory``):
+parameters, gradients and optimizer state of its units by ZeRO stage, precision
+and offload (tied replicas included), saved activations per microbatch in
+flight on its rank (from ``mpar.schedule``'s ``peak_in_flight``, spread evenly
+over the rank's chunks; one microbatch's with activation checkpointing), and
+``extra_bytes``: kept boundary tensors, send/receive buffers, a gradient bucket
+and, on the last stage, the loss. ``device_memory`` caps a rank; the solver
+caps each of its ``v`` stages at ``device_memory / v`` (less a reserve for the
+cut-dependent extras) and the exact figures are reported.
 
 Communication: a stage that is not the last sends its last unit's output on
 in the forward pass and receives the gradient of the same size back, so it
@@ -24,7 +27,8 @@ profiled stage times (forward = 1/3, backward = 2/3 of the measured
 forward+backward time, each plus half the stage's ``comm``). Without ``mpar.schedule`` the plan falls back to
 ``step = m * W + (p - 1) * T`` and ``bubble = (p - 1) / (v * m + p - 1)`` for
 uniform chunks, where ``W`` is the busiest rank's time per microbatch and ``T``
-the slowest stage's.
+the slowest stage's. ``step_time_s`` adds ``overhead_s``: the busiest rank's
+data-parallel sync and offload time per step (``mpar.partition._cost``).
 """
 
 from __future__ import annotations
