@@ -160,6 +160,11 @@ def _read_config(path: str | None, world_size: int) -> Config:
     else:
         config = load_config(path)
     config.check_world_size(world_size)
+    if config.auto_keys:
+        raise ValueError(
+            f"the config has 'auto' values ({', '.join(config.auto_keys)}); plan them with "
+            "`mpar plan --auto` (or give every key a value)"
+        )
     return config
 
 
@@ -174,6 +179,11 @@ def _plan_options(config: Config, world_size: int) -> dict[str, Any]:
         "memory_weight": config.memory_weight,
         "data_parallel_degree": world_size // pp,
         "zero_stage": config.zero.stage,
+        "precision": "bf16" if config.bf16 else "fp16" if config.fp16 else "fp32",
+        "activation_checkpointing": config.activation_checkpointing not in (False, "none"),
+        "offload_optimizer": config.zero.offload_optimizer == "cpu",
+        "offload_params": config.zero.offload_params == "cpu",
+        "device_memory": config.device_memory,
     }
 
 
@@ -215,10 +225,9 @@ def _run_plan(args: argparse.Namespace) -> str:
 
     options = _plan_options(_read_config(args.config, args.world_size), args.world_size)
     profile, _ = _profile(args)
-    plan = make_plan(
-        profile, device_memory=args.device_memory, link_bandwidth=_link(args.link_bandwidth),
-        **options,
-    )  # fmt: skip
+    if args.device_memory is not None:
+        options["device_memory"] = args.device_memory
+    plan = make_plan(profile, link_bandwidth=_link(args.link_bandwidth), **options)
     return json.dumps(plan.to_dict(), indent=2) if args.json else str(plan)
 
 

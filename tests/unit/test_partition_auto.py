@@ -212,3 +212,20 @@ def test_cli_plan_auto_json_and_errors(tmp_path, monkeypatch, capsys):
     assert main([*argv, "--device-memory", "1KiB", "--global-batch", "8"]) == 2
     assert "no layout of 4 ranks fits" in capsys.readouterr().err
     monkeypatch.delitem(sys.modules, "auto_factory_mod", raising=False)
+
+
+def test_cli_plan_reads_knobs_and_refuses_auto_values(tmp_path, monkeypatch, capsys):
+    from mpar.cli import main
+
+    _factory(tmp_path, monkeypatch)
+    model = ["plan", "--model", "auto_factory_mod:make", "--meta", "--world-size", "2", "--json"]
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"partitions": 2, "activation_checkpointing": True}))
+    assert main([*model, "--config", str(cfg)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["layout"]["activation_checkpointing"] is True
+    auto = tmp_path / "auto.json"
+    auto.write_text(json.dumps({"microbatches": "auto", "device_memory": "1GiB"}))
+    assert main([*model, "--config", str(auto)]) == 2
+    assert "mpar plan --auto" in capsys.readouterr().err
+    monkeypatch.delitem(sys.modules, "auto_factory_mod", raising=False)
