@@ -188,7 +188,12 @@ def _plan_options(config: Config, world_size: int) -> dict[str, Any]:
 
 
 def _profile(args: argparse.Namespace) -> tuple[Any, int]:
-    """Profile the model once; returns the profile and its samples per microbatch."""
+    """Profile the model; returns the profile and its samples per microbatch.
+
+    With ``--auto`` on a measured (not meta) model whose example holds two or more
+    samples, a second profile at half of them fits each unit's per-call fixed
+    time (``fit_fixed_times``), so small microbatches are not predicted too fast.
+    """
     from mpar.profile import profile_model
 
     if args.hf_config is not None:
@@ -202,7 +207,26 @@ def _profile(args: argparse.Namespace) -> tuple[Any, int]:
         module, ex_args, ex_kwargs = _build(args.model, args.meta)
         meta, batch = args.meta, _batch_of((ex_args, ex_kwargs))
     profile = profile_model(module, ex_args, ex_kwargs, mode="meta" if meta else "measure")
+    if getattr(args, "auto", False) and not meta and batch >= 2:
+        from mpar.partition import fit_fixed_times
+
+        half_args, half_kwargs = _first_samples((ex_args, ex_kwargs), batch, batch // 2)
+        half = profile_model(module, half_args, half_kwargs, units=profile.names)
+        profile = fit_fixed_times(profile, batch, half, batch // 2)
     return profile, batch
+
+
+def _first_samples(inputs: Any, batch: int, keep: int) -> Any:
+    """The inputs with every tensor whose first dimension is ``batch`` cut to ``keep``."""
+    import torch
+    import torch.utils._pytree as pytree
+
+    def cut(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch:
+            return x[:keep]
+        return x
+
+    return pytree.tree_map(cut, inputs)
 
 
 def _batch_of(inputs: Any) -> int:

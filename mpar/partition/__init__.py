@@ -12,7 +12,7 @@ import sys
 import types
 from contextlib import AbstractContextManager
 
-from mpar.partition._auto import Candidate, SearchResult, SearchSpace, search
+from mpar.partition._auto import Candidate, SearchResult, SearchSpace, fit_fixed_times, search
 from mpar.partition._cost import CostModel
 from mpar.partition._manual import assigned_stage, manual_boundaries, partition
 from mpar.partition._memory import Layout
@@ -39,6 +39,7 @@ __all__ = [
     "StagePlan",
     "assigned_stage",
     "find_units",
+    "fit_fixed_times",
     "make_plan",
     "manual_boundaries",
     "memory_weight_for",

@@ -22,6 +22,7 @@ pipeline's makespan, so only candidates whose bound can still beat the
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 from collections import Counter
@@ -43,7 +44,7 @@ from mpar.partition._plan import (
 if TYPE_CHECKING:
     from mpar.profile import ModelProfile
 
-__all__ = ["Candidate", "SearchResult", "SearchSpace", "render", "search"]
+__all__ = ["Candidate", "SearchResult", "SearchSpace", "fit_fixed_times", "render", "search"]
 
 OVER_CAP = "over memory cap"
 BATCH = "global batch not divisible by the data-parallel degree"
@@ -191,6 +192,27 @@ class SearchResult:
             "fitting": self.fitting,
             "cost_model": asdict(self.cost),
         }
+
+
+def fit_fixed_times(
+    profile: ModelProfile, batch: int, other: ModelProfile, other_batch: int
+) -> ModelProfile:
+    """``profile`` with each unit's per-call fixed time fitted from a second profile.
+
+    Unit time is taken as ``fixed + per_sample * samples`` through the two
+    measurements (clamped to ``0 <= fixed <= time``); the search then scales only
+    the per-sample part with the microbatch size. Without it, time is linear.
+    """
+    if batch == other_batch or [u.name for u in profile.units] != other.names:
+        raise PartitionError(
+            "fit_fixed_times needs two profiles of the same units at different batch sizes"
+        )
+    units = []
+    for u, w in zip(profile.units, other.units):
+        slope = (w.time_s - u.time_s) / (other_batch - batch)
+        fixed = min(max(u.time_s - slope * batch, 0.0), u.time_s)
+        units.append(dataclasses.replace(u, fixed_time_s=fixed))
+    return dataclasses.replace(profile, units=units)
 
 
 def _divisors(n: int) -> list[int]:

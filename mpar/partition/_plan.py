@@ -355,7 +355,8 @@ def lay_out(
     cap = None if cap_rank is None else max(cap_rank / v - reserve, 0.0)
     comm = _comm(units, layout, cost.link_bandwidth)
     speed = cost.mixed_speedup if layout.mixed else 1.0
-    compute = [u.time_s * layout.microbatch_scale / speed for u in units]
+    k = layout.microbatch_scale
+    compute = [(u.fixed_time_s + (u.time_s - u.fixed_time_s) * k) / speed for u in units]
     starts = _boundaries(profile, method, p * v, memory, weight, cap, comm, compute)
     stages = _stage_plans(units, starts, p, in_flight, layout, comm, compute)
     rank_memory = [sum(s.memory_bytes for s in stages if s.rank == r) for r in range(p)]

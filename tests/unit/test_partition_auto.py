@@ -229,3 +229,36 @@ def test_cli_plan_reads_knobs_and_refuses_auto_values(tmp_path, monkeypatch, cap
     assert main([*model, "--config", str(auto)]) == 2
     assert "mpar plan --auto" in capsys.readouterr().err
     monkeypatch.delitem(sys.modules, "auto_factory_mod", raising=False)
+
+
+def test_fit_fixed_times_scales_only_the_per_sample_part():
+    import dataclasses
+
+    from mpar.partition import fit_fixed_times
+
+    at2 = _profile(4, time=3e-3)  # measured at 2 samples
+    at1 = _profile(4, time=2e-3)  # measured at 1 sample
+    fitted = fit_fixed_times(at2, 2, at1, 1)
+    assert [u.fixed_time_s for u in fitted.units] == pytest.approx([1e-3] * 4)
+    # a 1-sample microbatch from the 2-sample profile: 1 ms fixed + 2 ms * 0.5
+    plan = make_plan(fitted, num_ranks=2, microbatch_scale=0.5, memory_weight=0.0)
+    assert plan.stages[0].time_s == pytest.approx(2 * 2e-3)
+    linear = make_plan(at2, num_ranks=2, microbatch_scale=0.5, memory_weight=0.0)
+    assert linear.stages[0].time_s == pytest.approx(2 * 1.5e-3)
+    with pytest.raises(PartitionError, match="different batch sizes"):
+        fit_fixed_times(at2, 2, at1, 2)
+    renamed = dataclasses.replace(at1, units=[dataclasses.replace(at1.units[0], name="x")])
+    with pytest.raises(PartitionError):
+        fit_fixed_times(at2, 2, renamed, 1)
+
+
+def test_cli_plan_auto_measured_fits_fixed_times(tmp_path, monkeypatch, capsys):
+    from mpar.cli import main
+
+    _factory(tmp_path, monkeypatch)
+    argv = ["plan", "--auto", "--model", "auto_factory_mod:make", "--world-size", "2"]
+    assert main([*argv, "--device-memory", "1GiB", "--global-batch", "4", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    load_config(data["config"]).check_world_size(2)
+    assert data["predicted"]["step_time_s"] > 0
+    monkeypatch.delitem(sys.modules, "auto_factory_mod", raising=False)
