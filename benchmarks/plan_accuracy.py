@@ -352,6 +352,7 @@ def _markdown(report: dict[str, Any]) -> str:
         ]
     if report.get("auto"):
         lines += ["", "## Top candidates of one auto plan", "", *report["auto"]]
+    lines += ["", "What is off, and why: [docs/planning.md](../../docs/planning.md#calibration)."]
     return "\n".join(lines) + "\n"
 
 
