@@ -18,6 +18,18 @@ The config (JSON or YAML, read by ``mpar.config.load_config``; without
 world) gives ``pipeline_parallel_degree``, ``virtual_stages``,
 ``microbatches``, ``pipeline``, ``optimize``, ``memory_weight`` and
 ``zero.stage``; data parallelism is ``world-size / pipeline_parallel_degree``.
+
+With ``--auto`` the layout itself is searched (``mpar.partition.search``):
+
+    mpar plan --auto --hf-config config.json --seq-len 4096 --world-size 16 \\
+        --device-memory 80GiB --global-batch 64 [--json]
+
+pipeline degree, virtual stages, microbatches, schedule, ZeRO stage, offload,
+activation checkpointing and bf16, under the memory cap, fastest predicted step
+first. The model is profiled once (at ``--batch`` samples with ``--hf-config``,
+at the example inputs' first dimension with ``--model``) and scaled linearly to
+each candidate's microbatch size. ``--json`` prints ``{"config", "predicted",
+"candidates", "rejected", "plan"}``; ``config`` runs as is with ``mpar.init``.
 """
 
 from __future__ import annotations
@@ -66,8 +78,32 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--meta", action="store_true", help="build and profile on the meta device")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    _add_auto_arguments(parser)
     parser.set_defaults(run=run)
     return parser
+
+
+def _add_auto_arguments(parser: argparse.ArgumentParser) -> None:
+    auto = parser.add_argument_group("search the layout (--auto)")
+    auto.add_argument("--auto", action="store_true", help="search the whole layout")
+    auto.add_argument("--global-batch", type=int, help="samples per step over all replicas")
+    auto.add_argument("--host-bandwidth", default="10GB", help="device<->host bytes/s (10GB)")
+    auto.add_argument(
+        "--dp-bandwidth", help="bytes/s per rank in data-parallel collectives (link bandwidth)"
+    )
+    auto.add_argument(
+        "--bf16-speedup",
+        type=float,
+        default=2.0,
+        help="assumed compute speedup of bf16 over the fp32 profile (2.0)",
+    )
+    auto.add_argument("--no-bf16", action="store_true", help="keep fp32")
+    auto.add_argument("--no-offload", action="store_true", help="never offload to the host")
+    auto.add_argument(
+        "--no-checkpointing", action="store_true", help="never checkpoint activations"
+    )
+    auto.add_argument("--max-virtual-stages", type=int, default=4, help="(4)")
+    auto.add_argument("--top", type=int, default=10, help="candidates to rank (10)")
 
 
 def _load_factory(spec: str) -> Any:
@@ -124,6 +160,11 @@ def _read_config(path: str | None, world_size: int) -> Config:
     else:
         config = load_config(path)
     config.check_world_size(world_size)
+    if config.auto_keys:
+        raise ValueError(
+            f"the config has 'auto' values ({', '.join(config.auto_keys)}); plan them with "
+            "`mpar plan --auto` (or give every key a value)"
+        )
     return config
 
 
@@ -138,37 +179,95 @@ def _plan_options(config: Config, world_size: int) -> dict[str, Any]:
         "memory_weight": config.memory_weight,
         "data_parallel_degree": world_size // pp,
         "zero_stage": config.zero.stage,
+        "precision": "bf16" if config.bf16 else "fp16" if config.fp16 else "fp32",
+        "activation_checkpointing": config.activation_checkpointing not in (False, "none"),
+        "offload_optimizer": config.zero.offload_optimizer == "cpu",
+        "offload_params": config.zero.offload_params == "cpu",
+        "device_memory": config.device_memory,
     }
+
+
+def _profile(args: argparse.Namespace) -> tuple[Any, int]:
+    """Profile the model; returns the profile and its samples per microbatch.
+
+    With ``--auto`` on a measured (not meta) model whose example holds two or more
+    samples, a second profile at half of them fits each unit's per-call fixed
+    time (``fit_fixed_times``), so small microbatches are not predicted too fast.
+    """
+    from mpar.profile import profile_model
+
+    if args.hf_config is not None:
+        from mpar.cli._hf import build_hf_model
+        from mpar.runtime._adapt import disable_caches
+
+        module, ex_kwargs = build_hf_model(args.hf_config, seq_len=args.seq_len, batch=args.batch)
+        disable_caches(module)  # as DistributedModel does
+        ex_args, meta, batch = (), True, args.batch
+    else:
+        module, ex_args, ex_kwargs = _build(args.model, args.meta)
+        meta, batch = args.meta, _batch_of((ex_args, ex_kwargs))
+    profile = profile_model(module, ex_args, ex_kwargs, mode="meta" if meta else "measure")
+    if getattr(args, "auto", False) and not meta and batch >= 2:
+        from mpar.partition import fit_fixed_times
+
+        half_args, half_kwargs = _first_samples((ex_args, ex_kwargs), batch, batch // 2)
+        half = profile_model(module, half_args, half_kwargs, units=profile.names)
+        profile = fit_fixed_times(profile, batch, half, batch // 2)
+    return profile, batch
+
+
+def _first_samples(inputs: Any, batch: int, keep: int) -> Any:
+    """The inputs with every tensor whose first dimension is ``batch`` cut to ``keep``."""
+    import torch
+    import torch.utils._pytree as pytree
+
+    def cut(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch:
+            return x[:keep]
+        return x
+
+    return pytree.tree_map(cut, inputs)
+
+
+def _batch_of(inputs: Any) -> int:
+    """Samples in the example inputs: the first dimension of their first tensor."""
+    import torch
+    import torch.utils._pytree as pytree
+
+    for leaf in pytree.tree_leaves(inputs):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    return 1
+
+
+def _link(text: str) -> str | None:
+    return None if text.lower() == "none" else text
+
+
+def _run_plan(args: argparse.Namespace) -> str:
+    from mpar.partition import make_plan
+
+    options = _plan_options(_read_config(args.config, args.world_size), args.world_size)
+    profile, _ = _profile(args)
+    if args.device_memory is not None:
+        options["device_memory"] = args.device_memory
+    plan = make_plan(profile, link_bandwidth=_link(args.link_bandwidth), **options)
+    return json.dumps(plan.to_dict(), indent=2) if args.json else str(plan)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``mpar plan``; returns the exit status."""
     try:
-        from mpar.partition import make_plan
-        from mpar.profile import profile_model
-
         if args.world_size < 1:
             raise ValueError(f"--world-size must be a positive integer, got {args.world_size}")
-        options = _plan_options(_read_config(args.config, args.world_size), args.world_size)
-        bandwidth = None if args.link_bandwidth.lower() == "none" else args.link_bandwidth
-        if args.hf_config is not None:
-            from mpar.cli._hf import build_hf_model
-            from mpar.runtime._adapt import disable_caches
+        if args.auto:
+            from mpar.cli._plan_auto import run_auto
 
-            module, ex_kwargs = build_hf_model(
-                args.hf_config, seq_len=args.seq_len, batch=args.batch
-            )
-            disable_caches(module)  # as DistributedModel does
-            ex_args, meta = (), True
+            text = run_auto(args, _profile)
         else:
-            module, ex_args, ex_kwargs = _build(args.model, args.meta)
-            meta = args.meta
-        profile = profile_model(module, ex_args, ex_kwargs, mode="meta" if meta else "measure")
-        plan = make_plan(
-            profile, device_memory=args.device_memory, link_bandwidth=bandwidth, **options
-        )
+            text = _run_plan(args)
     except (ValueError, TypeError, ImportError, OSError) as exc:
         print(f"mpar plan: error: {exc}".splitlines()[0], file=sys.stderr)
         return 2
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan)
+    print(text)
     return 0

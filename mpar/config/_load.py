@@ -25,12 +25,27 @@ from typing import Any
 from mpar.config._schema import Config, ZeroConfig
 from mpar.errors import ConfigError, ConfigTypeError
 
-__all__ = ["ACCEPTED_KEYS", "ENV_VAR", "TRACE_ENV_VAR", "config_from_dict", "load_config"]
+__all__ = [
+    "ACCEPTED_KEYS",
+    "AUTO_KEYS",
+    "ENV_VAR",
+    "TRACE_ENV_VAR",
+    "config_from_dict",
+    "load_config",
+]
 
 ENV_VAR = "MPAR_CONFIG"
 TRACE_ENV_VAR = "MPAR_TRACE"
 
-_CANONICAL = tuple(f.name for f in Config.__dataclass_fields__.values())
+_CANONICAL = tuple(f.name for f in Config.__dataclass_fields__.values() if f.name != "auto_keys")
+#: Keys that accept "auto" (resolved by the planner at the first step; see Config.auto_keys).
+AUTO_KEYS = (
+    "pipeline_parallel_degree",
+    "microbatches",
+    "virtual_stages",
+    "zero.stage",
+    "activation_checkpointing",
+)
 _ALIASES = {"partitions": "pipeline_parallel_degree"}
 _TRANSLATED = ("shard_optimizer_state", "zero_optimization")
 #: Every top-level key ``mpar.init`` accepts (frozen by a test).
@@ -136,7 +151,27 @@ def _zero_from(raw: Mapping[str, Any]) -> ZeroConfig:
     merged: dict[str, Any] = {}
     for _, values in sources:
         merged.update(values)
+    if merged.get("stage") == "auto":  # a placeholder the offload settings allow
+        params = merged.get("offload_params") == "cpu"
+        merged["stage"] = 3 if params else 1 if merged.get("offload_optimizer") == "cpu" else 0
     return ZeroConfig(**merged)
+
+
+def _auto_requests(raw: Mapping[str, Any], values: dict[str, Any]) -> tuple[str, ...]:
+    """Keys given as "auto"; their values become placeholders until the planner runs."""
+    zero = raw.get("zero")
+    found = [k for k in AUTO_KEYS if "." not in k and values.get(k) == "auto"]
+    if isinstance(zero, Mapping) and zero.get("stage") == "auto":
+        found.append("zero.stage")
+    for key in found:
+        if key in values:
+            values[key] = False if key == "activation_checkpointing" else 1
+    if found and raw.get("device_memory") is None:
+        raise ConfigError(
+            f"config keys {found} are 'auto' but 'device_memory' is not set; the planner needs "
+            'the memory per rank, e.g. "device_memory": "16GiB"'
+        )
+    return tuple(found)
 
 
 def config_from_dict(raw: Mapping[str, Any] | None) -> Config:
@@ -159,12 +194,13 @@ def config_from_dict(raw: Mapping[str, Any] | None) -> Config:
                 f"config keys {canonical!r} and its alias {aliases[0]!r} are both given; keep one"
             )
         values[canonical] = value
+    auto = _auto_requests(raw, values)
     values["zero"] = _zero_from(raw)
     if values.get("trace") is None and os.environ.get(TRACE_ENV_VAR):
         values["trace"] = os.environ[TRACE_ENV_VAR]
     if isinstance(values.get("trace"), os.PathLike):
         values["trace"] = os.fspath(values["trace"])
-    return Config(**values)
+    return Config(**values, auto_keys=auto)
 
 
 def _read_file(path: Path) -> Any:

@@ -87,6 +87,24 @@ def _check_trace(value: object) -> None:
         raise ConfigError("config key 'trace' is an empty path; give a directory or null")
 
 
+def _check_memory(value: object) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ConfigTypeError(
+            f"config key 'device_memory' must be bytes (an integer) or a size such as "
+            f"'16GiB', got {type(value).__name__} {value!r}"
+        )
+    from mpar.partition._plan import parse_bytes
+
+    try:
+        nbytes = parse_bytes(value)
+    except ValueError as exc:
+        raise ConfigError(f"config key 'device_memory': {exc}") from None
+    if nbytes <= 0:
+        raise ConfigError(f"config key 'device_memory' is {value!r}; it must be > 0")
+
+
 @dataclass(frozen=True)
 class ZeroConfig:
     """ZeRO sharding across each pipeline stage's data-parallel group."""
@@ -208,6 +226,13 @@ class Config:
     times, its position and stacks) when the job hangs or its step raises, and the
     reporting rank the hang report; None: ``MPAR_TRACE`` if set, else nowhere."""
 
+    device_memory: int | str | None = None
+    """Memory per rank (bytes, or "16GiB" / "40GB"): caps the partition and the "auto" planner."""
+
+    auto_keys: tuple[str, ...] = ()
+    """Keys the user gave as "auto" (their fields hold placeholders until the planner
+    resolves them at the first step); set by the dict boundary, not a user key."""
+
     def __post_init__(self) -> None:
         self._check_fields()
         self._check_combinations()
@@ -257,6 +282,7 @@ class Config:
         _fail_choice("device", self.device, ("auto", "cpu", "cuda", "xla"))
         _fail_choice("backend", self.backend, ("auto", "gloo", "nccl", "xla", "mpi"))
         _check_int("seed", self.seed, minimum=0)
+        _check_memory(self.device_memory)
         _check_timeout(self.timeout_s)
         _check_trace(self.trace)
 
@@ -276,7 +302,15 @@ class Config:
                 "config key 'offload_activations' is true but 'activation_checkpointing' is off; "
                 "offloading keeps checkpointed activations, so turn checkpointing on"
             )
-        if self.active_microbatches is not None and self.active_microbatches > self.microbatches:
+        if self.auto_keys and self.device_memory is None:
+            raise ConfigError(
+                f"config keys {list(self.auto_keys)} are 'auto' but 'device_memory' is not set"
+            )
+        if (
+            self.active_microbatches is not None
+            and "microbatches" not in self.auto_keys
+            and self.active_microbatches > self.microbatches
+        ):
             raise ConfigError(
                 f"config key 'active_microbatches' is {self.active_microbatches} but there are only "
                 f"{self.microbatches} microbatches; use a value <= {self.microbatches}"
@@ -327,6 +361,14 @@ class Config:
 
     def check_world_size(self, world_size: int) -> None:
         """Raise ConfigError if this layout cannot run on ``world_size`` processes."""
+        if "pipeline_parallel_degree" in self.auto_keys:
+            raise ConfigError(
+                "config key 'pipeline_parallel_degree' is 'auto', but the pipeline degree decides "
+                "the process grid at mpar.init, before the model is known; run `mpar plan --auto "
+                f"--world-size {world_size} ...` and put its pipeline_parallel_degree in the "
+                "config (microbatches, virtual_stages, zero.stage and activation_checkpointing "
+                "may stay 'auto': they are resolved at the first step)"
+            )
         pp = self.pipeline_parallel_degree
         if world_size % pp != 0:
             raise ConfigError(
@@ -343,8 +385,13 @@ class Config:
             )
 
     def to_dict(self) -> dict[str, Any]:
-        """The configuration as canonical keys (JSON-able)."""
-        return dataclasses.asdict(self)
+        """The configuration as canonical keys (JSON-able); unresolved keys read "auto"."""
+        data = dataclasses.asdict(self)
+        auto = data.pop("auto_keys")
+        for key in auto:
+            section, _, name = key.rpartition(".")
+            (data[section] if section else data)[name] = "auto"
+        return data
 
 
 def _divisors(n: int) -> list[int]:

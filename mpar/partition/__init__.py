@@ -12,7 +12,10 @@ import sys
 import types
 from contextlib import AbstractContextManager
 
+from mpar.partition._auto import Candidate, SearchResult, SearchSpace, fit_fixed_times, search
+from mpar.partition._cost import CostModel
 from mpar.partition._manual import assigned_stage, manual_boundaries, partition
+from mpar.partition._memory import Layout
 from mpar.partition._methods import parameter_boundaries, uniform_boundaries
 from mpar.partition._plan import Plan, StagePlan, make_plan, parse_bytes
 from mpar.partition._solver import (
@@ -26,11 +29,17 @@ from mpar.partition._split import SplitModel, split_module
 from mpar.partition._units import find_units, unit_modules
 
 __all__ = [
+    "Candidate",
+    "CostModel",
+    "Layout",
     "Plan",
+    "SearchResult",
+    "SearchSpace",
     "SplitModel",
     "StagePlan",
     "assigned_stage",
     "find_units",
+    "fit_fixed_times",
     "make_plan",
     "manual_boundaries",
     "memory_weight_for",
@@ -39,6 +48,7 @@ __all__ = [
     "parameter_boundaries",
     "parse_bytes",
     "partition",
+    "search",
     "solve",
     "split_module",
     "stage_costs",

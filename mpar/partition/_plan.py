@@ -4,12 +4,15 @@ Stages are laid out looped, as in Megatron-LM: with ``p`` ranks and ``v``
 virtual stages there are ``p * v`` stages and stage ``s`` runs on rank
 ``s % p`` as its chunk ``s // p``.
 
-Memory per stage = parameter + gradient + optimizer state of its units (tied
-replicas included; divided by the data-parallel degree for what ZeRO shards)
-plus saved activations of one microbatch times the microbatches in flight on
-its rank (from ``mpar.schedule``'s simulator, spread evenly over the rank's
-chunks). ``device_memory`` caps a rank; the solver caps each of its ``v`` stages
-at ``device_memory / v``.
+Memory per stage is its share of a rank's *peak* (``mpar.partition._memory``):
+parameters, gradients and optimizer state of its units by ZeRO stage, precision
+and offload (tied replicas included), saved activations per microbatch in
+flight on its rank (from ``mpar.schedule``'s ``peak_in_flight``, spread evenly
+over the rank's chunks; one microbatch's with activation checkpointing), and
+``extra_bytes``: kept boundary tensors, send/receive buffers, a gradient bucket
+and, on the last stage, the loss. ``device_memory`` caps a rank; the solver
+caps each of its ``v`` stages at ``device_memory / v`` (less a reserve for the
+cut-dependent extras) and the exact figures are reported.
 
 Communication: a stage that is not the last sends its last unit's output on
 in the forward pass and receives the gradient of the same size back, so it
@@ -24,11 +27,14 @@ profiled stage times (forward = 1/3, backward = 2/3 of the measured
 forward+backward time, each plus half the stage's ``comm``). Without ``mpar.schedule`` the plan falls back to
 ``step = m * W + (p - 1) * T`` and ``bubble = (p - 1) / (v * m + p - 1)`` for
 uniform chunks, where ``W`` is the busiest rank's time per microbatch and ``T``
-the slowest stage's.
+the slowest stage's. ``step_time_s`` adds ``overhead_s``: the busiest rank's
+data-parallel sync and offload time per step (``mpar.partition._cost``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import re
 from collections.abc import Sequence
@@ -36,6 +42,14 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mpar.errors import PartitionError
+from mpar.partition._cost import CostModel, step_overhead_s
+from mpar.partition._memory import (
+    Layout,
+    boundary_bytes,
+    stage_extra_bytes,
+    unit_activation_bytes,
+    unit_state_bytes,
+)
 from mpar.partition._methods import parameter_boundaries, uniform_boundaries
 from mpar.partition._solver import _fmt, memory_weight_for, solve, stage_costs
 from mpar.schedule._csv import is_csv_path
@@ -44,7 +58,15 @@ from mpar.schedule._registry import PIPELINES
 if TYPE_CHECKING:
     from mpar.profile import ModelProfile, UnitProfile
 
-__all__ = ["Plan", "StagePlan", "make_plan", "parse_bytes"]
+__all__ = [
+    "Plan",
+    "StagePlan",
+    "lay_out",
+    "lower_bound_s",
+    "make_plan",
+    "parse_bytes",
+    "unit_memory",
+]
 
 _METHODS = ("profile", "uniform", "parameters")
 
@@ -75,6 +97,8 @@ class StagePlan:
     """Seconds per microbatch to send the output on and receive its gradient (0 for the last)."""
     outer_params: list[str] = field(default_factory=list)
     """Parameters outside every unit held by this stage (a root-level position table, say)."""
+    extra_bytes: int = 0
+    """Kept boundary tensors, send/receive buffers, a gradient bucket, the loss (last stage)."""
 
 
 @dataclass
@@ -99,6 +123,10 @@ class Plan:
     """True when step time and bubble come from ``mpar.schedule.simulate``."""
     link_bandwidth: float | None = None
     """Bytes per second between neighbouring stages; None when communication is not modelled."""
+    overhead_s: float = 0.0
+    """Data-parallel sync and offload seconds per step (in ``step_time_s``)."""
+    layout: dict[str, Any] = field(default_factory=dict)
+    """The ``Layout`` knobs (dp, ZeRO, precision, checkpointing, offload, microbatch scale)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -128,6 +156,7 @@ def parse_bytes(text: str | int | float) -> int:
     return int(value * base**power)
 
 
+@functools.lru_cache(maxsize=4096)
 def _in_flight(p: int, v: int, m: int, pipeline: str) -> tuple[list[int], Any]:
     """Per rank: microbatches in flight per chunk; and the schedule module or None."""
     sched: Any
@@ -146,28 +175,55 @@ def _in_flight(p: int, v: int, m: int, pipeline: str) -> tuple[list[int], Any]:
     return [min(m, math.ceil(w / v)) for w in warm], None
 
 
-def _predict(
-    stages: Sequence[StagePlan], p: int, v: int, m: int, pipeline: str, sched: Any
-) -> tuple[float, float, bool]:
-    """(step time, bubble fraction, simulated?) from per-stage fwd+bwd and comm times."""
+def _phase_times(
+    stages: Sequence[StagePlan], checkpointing: bool, cost: CostModel
+) -> tuple[list[float], list[float]]:
+    """Per stage: forward and backward seconds of one microbatch, comm included."""
     fwd = [s.time_s / 3 + s.comm_s / 2 for s in stages]
-    bwd = [2 * s.time_s / 3 + s.comm_s / 2 for s in stages]
-    times = [f + b for f, b in zip(fwd, bwd)]
+    extra = cost.recompute_fraction if checkpointing else 0.0
+    bwd = [(2 / 3 + extra) * s.time_s + s.comm_s / 2 for s in stages]
+    return fwd, bwd
+
+
+@functools.lru_cache(maxsize=8192)
+def _simulate(
+    pipeline: str, p: int, v: int, m: int, fwd: tuple[float, ...], bwd: tuple[float, ...]
+) -> tuple[float, float]:
+    sched: Any
+    from mpar import schedule as sched
+
+    result = sched.simulate(
+        sched.build_schedule(pipeline, p, m, virtual_stages=v), sched.StageCosts(fwd, bwd)
+    )
+    return float(result.makespan), float(result.bubble_fraction)
+
+
+def _predict(
+    stages: Sequence[StagePlan],
+    p: int,
+    v: int,
+    m: int,
+    pipeline: str,
+    sched: Any,
+    checkpointing: bool = False,
+    cost: CostModel | None = None,
+) -> tuple[float, float, bool]:
+    """(pipeline makespan, bubble fraction, simulated?) from per-stage times."""
+    fwd, bwd = _phase_times(stages, checkpointing, cost or CostModel())
     if sched is not None:
-        costs = sched.StageCosts(fwd, bwd)
-        result = sched.simulate(sched.build_schedule(pipeline, p, m, virtual_stages=v), costs)
-        return float(result.makespan), float(result.bubble_fraction), True
+        return (*_simulate(pipeline, p, v, m, tuple(fwd), tuple(bwd)), True)
+    times = [f + b for f, b in zip(fwd, bwd)]
     work = max(sum(times[r::p]) for r in range(p))
     step = m * work + (p - 1) * max(times)
     return step, (p - 1) / (v * m + p - 1), False
 
 
-def _state(unit: UnitProfile, dp: int, zero: int) -> float:
-    """Parameter+grad+optimizer bytes of a unit on one data-parallel rank under ZeRO."""
-    params = unit.param_bytes / (dp if zero >= 3 else 1)
-    grads = unit.grad_bytes / (dp if zero >= 2 else 1)
-    optim = unit.optimizer_bytes / (dp if zero >= 1 else 1)
-    return params + grads + optim
+def lower_bound_s(
+    stages: Sequence[StagePlan], p: int, m: int, checkpointing: bool, cost: CostModel
+) -> float:
+    """A lower bound of the makespan: the busiest rank's work for ``m`` microbatches."""
+    fwd, bwd = _phase_times(stages, checkpointing, cost)
+    return m * max(sum(f + b for f, b in zip(fwd[r::p], bwd[r::p])) for r in range(p))
 
 
 def _tied_replicas(units: Sequence[UnitProfile], names: set[str]) -> int:
@@ -180,21 +236,23 @@ def _tied_replicas(units: Sequence[UnitProfile], names: set[str]) -> int:
     return sum(extra.values())
 
 
-def _comm(units: Sequence[UnitProfile], bandwidth: float | None) -> list[float] | None:
+def _comm(
+    units: Sequence[UnitProfile], layout: Layout, bandwidth: float | None
+) -> list[float] | None:
     """Per unit: seconds to send its output on and its gradient back, per microbatch."""
     if bandwidth is None:
         return None
-    return [2 * u.output_bytes / bandwidth for u in units]
+    return [2 * boundary_bytes(u, layout) / bandwidth for u in units]
 
 
-def _bandwidth(value: float | str | None) -> float | None:
+def _bandwidth(value: float | str | None, name: str = "link_bandwidth") -> float | None:
     if value is None:
         return None
     text = value.strip().removesuffix("/s") if isinstance(value, str) else value
     bandwidth = float(parse_bytes(text))
     if not bandwidth > 0:
         raise PartitionError(
-            f"link_bandwidth must be a positive number of bytes per second (e.g. 10GB), "
+            f"{name} must be a positive number of bytes per second (e.g. 10GB), "
             f"got {value!r}; pass None to leave communication out"
         )
     return bandwidth
@@ -208,12 +266,12 @@ def _boundaries(
     weight: float,
     cap: float | None,
     comm: Sequence[float] | None,
+    compute: Sequence[float],
 ) -> list[int]:
     if method == "uniform":
         return uniform_boundaries(len(profile.units), num_stages)
     if method == "parameters":
         return parameter_boundaries([u.param_count for u in profile.units], num_stages)
-    compute = [u.time_s for u in profile.units]
     return solve(
         compute,
         num_stages,
@@ -245,6 +303,70 @@ def _check(
         )
 
 
+def unit_memory(
+    units: Sequence[UnitProfile], layout: Layout, in_flight: int
+) -> tuple[list[float], float]:
+    """Per-unit memory for the solver, and the bytes to reserve below the cap.
+
+    Additive parts go to the units (states, saved activations per microbatch in
+    flight or one microbatch's recomputed ones, the loss on the last unit); what
+    depends on where the cuts fall (kept boundary tensors, buffers) is bounded
+    by the largest boundary and reserved from the cap.
+    """
+    flight = 1 if layout.activation_checkpointing else in_flight
+    memory = [
+        unit_state_bytes(u, layout) + unit_activation_bytes(u, layout) * flight for u in units
+    ]
+    memory[-1] += stage_extra_bytes(units, len(units) - 1, len(units), in_flight, layout)
+    widest = max((boundary_bytes(u, layout) for u in units[:-1]), default=0.0)
+    copies = in_flight * (2 if layout.activation_checkpointing else 1) + 2
+    bucket = layout.bucket_bytes if layout.data_parallel_degree > 1 else 0
+    return memory, widest * copies + bucket
+
+
+@dataclass
+class _Laid:
+    """A partition with per-stage figures, before the schedule is simulated."""
+
+    starts: list[int]
+    stages: list[StagePlan]
+    in_flight: list[int]
+    sched: Any
+    memory: list[float]
+    comm: list[float] | None
+    compute: list[float]
+    rank_memory: list[int]
+
+
+def lay_out(
+    profile: ModelProfile,
+    p: int,
+    v: int,
+    m: int,
+    pipeline: str,
+    *,
+    layout: Layout,
+    cost: CostModel,
+    weight: float = 0.0,
+    cap_rank: int | None = None,
+    method: str = "profile",
+) -> _Laid:
+    """Partition for one layout and compute every stage's memory and time (no simulation)."""
+    in_flight, sched = _in_flight(p, v, m, pipeline)
+    units = profile.units
+    memory, reserve = unit_memory(units, layout, max(in_flight))
+    cap = None if cap_rank is None else max(cap_rank / v - reserve, 0.0)
+    comm = _comm(units, layout, cost.link_bandwidth)
+    speed = cost.mixed_speedup if layout.mixed else 1.0
+    k = layout.microbatch_scale
+    compute = [(u.fixed_time_s + (u.time_s - u.fixed_time_s) * k) / speed for u in units]
+    starts = _boundaries(profile, method, p * v, memory, weight, cap, comm, compute)
+    home = _placement(pipeline, p * v, p)
+    stages = _stage_plans(units, starts, home, in_flight, layout, comm, compute)
+    rank_memory = [sum(s.memory_bytes for s in stages if s.rank == r) for r in range(p)]
+    return _Laid(starts, stages, in_flight, sched, memory, comm, compute, rank_memory)
+
+
 def make_plan(
     profile: ModelProfile,
     *,
@@ -259,6 +381,12 @@ def make_plan(
     data_parallel_degree: int = 1,
     zero_stage: int = 0,
     link_bandwidth: float | str | None = "10GB",
+    precision: str = "fp32",
+    activation_checkpointing: bool = False,
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
+    microbatch_scale: float = 1.0,
+    cost: CostModel | None = None,
 ) -> Plan:
     """Partition a profiled model over ``num_ranks`` pipeline ranks and predict its cost.
 
@@ -278,27 +406,49 @@ def make_plan(
         link_bandwidth: bytes per second between neighbouring stages ("10GB", "100MB/s"
             or a number); each cut costs ``2 * output_bytes / link_bandwidth`` per
             microbatch. None leaves communication out.
+        precision: "fp32", "bf16" or "fp16" (mixed precision: compute-dtype parameters,
+            gradients and activations, fp32 master weights with the optimizer state).
+        activation_checkpointing: stages keep only their inputs and recompute.
+        offload_optimizer, offload_params: optimizer state / parameter shards on the host.
+        microbatch_scale: samples per microbatch over the profiled microbatch's samples.
+        cost: bandwidths and speed factors (``CostModel``); its ``link_bandwidth`` is
+            replaced by the ``link_bandwidth`` argument.
     """
     p, v, m = num_ranks, virtual_stages, microbatches
     _check(profile, p, v, m, pipeline, method)
     weight = memory_weight_for(optimize, memory_weight)
     cap_rank = None if device_memory is None else parse_bytes(device_memory)
-    in_flight, sched = _in_flight(p, v, m, pipeline)
-    units = profile.units
-    dp, zero = data_parallel_degree, zero_stage
-    worst = max(in_flight)
-    memory = [_state(u, dp, zero) + u.activation_bytes * worst for u in units]
+    cost = dataclasses.replace(cost or CostModel(), link_bandwidth=_bandwidth(link_bandwidth))
+    layout = Layout(
+        data_parallel_degree,
+        zero_stage,
+        precision,
+        activation_checkpointing,
+        offload_optimizer,
+        offload_params,
+        microbatch_scale,
+    )
+    laid = lay_out(
+        profile,
+        p,
+        v,
+        m,
+        pipeline,
+        layout=layout,
+        cost=cost,
+        weight=weight,
+        cap_rank=cap_rank,
+        method=method,
+    )
+    makespan, bubble, simulated = _predict(
+        laid.stages, p, v, m, pipeline, laid.sched, activation_checkpointing, cost
+    )
+    overhead = max(rank_overheads(laid.stages, p, v, pipeline, layout, cost, profile.units))
     cap = None if cap_rank is None else cap_rank / v
-    bandwidth = _bandwidth(link_bandwidth)
-    comm = _comm(units, bandwidth)
-    starts = _boundaries(profile, method, p * v, memory, weight, cap, comm)
-    stages = _stage_plans(units, starts, p, in_flight, dp, zero, comm)
-    step, bubble, simulated = _predict(stages, p, v, m, pipeline, sched)
-    rank_memory = [sum(s.memory_bytes for s in stages if s.rank == r) for r in range(p)]
-    binding = _bind(profile, stages, starts, memory, weight, cap, comm)
+    binding = _bind(laid, weight, cap)
     return Plan(
-        stages,
-        starts,
+        laid.stages,
+        laid.starts,
         p,
         v,
         m,
@@ -306,39 +456,75 @@ def make_plan(
         method,
         weight,
         cap_rank,
-        step,
+        makespan + overhead,
         bubble,
         binding,
-        rank_memory,
+        laid.rank_memory,
         simulated,
-        bandwidth,
+        cost.link_bandwidth,
+        overhead_s=overhead,
+        layout=dataclasses.asdict(layout),
     )
+
+
+def rank_overheads(
+    stages: Sequence[StagePlan],
+    p: int,
+    v: int,
+    pipeline: str,
+    layout: Layout,
+    cost: CostModel,
+    units: Sequence[UnitProfile],
+) -> list[float]:
+    """Per rank: data-parallel sync and offload seconds per step."""
+    by_name = {u.name: u for u in units}
+    return [
+        step_overhead_s(
+            [[by_name[n] for n in s.units] for s in stages if s.rank == r],
+            layout,
+            cost,
+            pipeline=pipeline,
+            virtual_stages=v,
+        )
+        for r in range(p)
+    ]
+
+
+def _placement(pipeline: str, num_stages: int, p: int) -> Any:
+    """Stage -> rank as the schedule places stages (looped, or zbv's V)."""
+    from mpar.schedule import placement_of, stage_rank
+
+    placement = placement_of(pipeline)
+    return lambda s: stage_rank(s, num_stages, p, placement)
 
 
 def _stage_plans(
     units: Sequence[UnitProfile],
     starts: Sequence[int],
-    p: int,
+    home: Any,
     in_flight: Sequence[int],
-    dp: int,
-    zero: int,
+    layout: Layout,
     comm: Sequence[float] | None,
+    compute: Sequence[float],
 ) -> list[StagePlan]:
-    total = math.fsum(u.time_s for u in units) or 1.0
+    total = math.fsum(compute) or 1.0
     plans = []
     ends = [*starts[1:], len(units)]
     for s, (a, b) in enumerate(zip(starts, ends)):
         group = units[a:b]
-        rank, flight = s % p, in_flight[s % p]
-        state = int(sum(_state(u, dp, zero) for u in group))
+        rank = home(s)
+        flight = in_flight[rank]
+        state = int(sum(unit_state_bytes(u, layout) for u in group))
         state += _tied_replicas(group, {u.name for u in group})
-        act = sum(u.activation_bytes for u in group) * flight
-        seconds = math.fsum(u.time_s for u in group)
+        saved = 1 if layout.activation_checkpointing else flight
+        act = int(sum(unit_activation_bytes(u, layout) for u in group) * saved)
+        extra = int(stage_extra_bytes(units, a, b, flight, layout))
+        seconds = math.fsum(compute[a:b])
         plans.append(
             StagePlan(
                 s,
                 rank,
-                s // p,
+                s // len(in_flight),
                 [u.name for u in group],
                 seconds,
                 seconds / total,
@@ -346,26 +532,19 @@ def _stage_plans(
                 state,
                 act,
                 flight,
-                state + act,
+                state + act + extra,
                 "",
                 comm[b - 1] if comm is not None and b < len(units) else 0.0,
                 [n for u in group for n in u.outer_params],
+                extra,
             )
         )
     return plans
 
 
-def _bind(
-    profile: ModelProfile,
-    stages: list[StagePlan],
-    starts: list[int],
-    memory: Sequence[float],
-    weight: float,
-    cap: float | None,
-    comm: Sequence[float] | None,
-) -> str:
+def _bind(laid: _Laid, weight: float, cap: float | None) -> str:
     """Label what binds each stage and the plan; returns the plan-level label."""
-    compute = [u.time_s for u in profile.units]
+    compute, memory, comm, starts = laid.compute, laid.memory, laid.comm, laid.starts
     costs = stage_costs(compute, starts, memory=memory, memory_weight=weight, comm=comm)
     top = max(costs)
     plan_binding = "compute"
@@ -374,14 +553,14 @@ def _bind(
         free_top = max(stage_costs(compute, free, memory=memory, memory_weight=weight, comm=comm))
         if top > free_top * (1 + 1e-9):
             plan_binding = "memory cap"
-    for stage, cost in zip(stages, costs):
+    for stage, cost in zip(laid.stages, costs):
         if cap is not None and stage.memory_bytes > cap:
             stage.binding = "over memory cap"
         elif cost >= top * (1 - 1e-9):
             stage.binding = "single unit" if len(stage.units) == 1 else plan_binding
         elif cap is not None and stage.memory_bytes >= 0.9 * cap:
             stage.binding = "memory cap"
-    bottleneck = next(s for s, c in zip(stages, costs) if c >= top * (1 - 1e-9))
+    bottleneck = next(s for s, c in zip(laid.stages, costs) if c >= top * (1 - 1e-9))
     if plan_binding == "compute" and len(bottleneck.units) == 1:
         plan_binding = "single unit"
     return plan_binding

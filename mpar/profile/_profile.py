@@ -75,6 +75,9 @@ class UnitProfile:
     calls: int = 1
     outer_params: list[str] = field(default_factory=list)
     """Parameters outside every unit that run with this unit (counted in its bytes above)."""
+    fixed_time_s: float = 0.0
+    """Part of ``time_s`` that does not grow with the microbatch size (per-call overhead);
+    0 unless fitted from two profiles (``mpar.partition.fit_fixed_times``)."""
 
     @property
     def state_bytes(self) -> int:

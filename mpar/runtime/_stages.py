@@ -69,6 +69,11 @@ def _decide_boundaries(
         optimize=cfg.optimize,
         data_parallel_degree=st.grid.dp_size,
         zero_stage=cfg.zero.stage,
+        device_memory=cfg.device_memory,
+        precision="bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32",
+        activation_checkpointing=cfg.activation_checkpointing not in (False, "none"),
+        offload_optimizer=cfg.zero.offload_optimizer == "cpu",
+        offload_params=cfg.zero.offload_params == "cpu",
     )
     return list(plan.boundaries), plan
 

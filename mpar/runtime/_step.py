@@ -45,6 +45,13 @@ def _prepare(
         )
     if model.active_run is not None:
         raise StepError("a @mpar.step function cannot be called from inside another step")
+    if st.config.auto_keys:
+        from mpar.runtime._auto import resolve_auto
+
+        resolve_auto(
+            fn, model, args, kwargs, st,
+            non_split_inputs=non_split_inputs, input_split_axes=input_split_axes,
+        )  # fmt: skip
     batches = split_microbatches(
         fn,
         (model, *args),

@@ -36,6 +36,7 @@ def test_accepted_keys_are_frozen():
         "seed",
         "timeout_s",
         "trace",
+        "device_memory",
         "shard_optimizer_state",
         "zero_optimization",
     }
@@ -189,3 +190,32 @@ def test_mixed_precision_keys_start_mpar(key):
         assert getattr(mpar.init({key: True}), key)
     finally:
         mpar.shutdown()
+
+
+def test_auto_values_need_device_memory_and_hold_placeholders():
+    cfg = load_config(
+        {
+            "microbatches": "auto",
+            "virtual_stages": "auto",
+            "zero": {"stage": "auto", "offload_optimizer": "cpu"},
+            "activation_checkpointing": "auto",
+            "device_memory": "16GiB",
+        }
+    )
+    assert set(cfg.auto_keys) == {
+        "microbatches",
+        "virtual_stages",
+        "zero.stage",
+        "activation_checkpointing",
+    }
+    assert cfg.zero.stage == 1  # the smallest stage its offload setting allows, until resolved
+    assert load_config(cfg.to_dict()) == cfg  # unresolved keys round-trip as "auto"
+    with pytest.raises(ConfigError, match="device_memory"):
+        load_config({"microbatches": "auto"})
+    pp_auto = load_config({"pipeline_parallel_degree": "auto", "device_memory": "16GiB"})
+    with pytest.raises(ConfigError, match="mpar plan --auto"):
+        pp_auto.check_world_size(4)
+    with pytest.raises(ConfigError, match="device_memory"):
+        load_config({"device_memory": "lots"})
+    with pytest.raises(ConfigTypeError, match="microbatches"):
+        load_config({"microbatches": "many", "device_memory": "16GiB"})

@@ -1,0 +1,496 @@
+"""Calibration of the planner: predicted vs measured peak memory per rank and step time.
+
+For each layout of a grid (pp x dp, ZeRO stage, activation checkpointing) one
+``mpar launch`` job trains a ``TinyGPT`` (Adam, fp32, a fixed batch) and every
+rank reports:
+
+* **measured peak**: a thread samples the process's resident set size
+  (``/proc/self/statm``) every ``--sample-ms`` ms; the ranks run with
+  ``MALLOC_MMAP_THRESHOLD_=65536`` so freed tensors leave RSS at once. The peak
+  over the timed steps (after ``--warmup`` steps: partitioning, profiling and
+  the optimizer's lazy state are done) minus the RSS *before the model is
+  built* (after imports, ``mpar.init`` and the lazy imports an optimizer and
+  partitioning trigger): what training adds to a process.
+* **predicted peak**: ``plan.rank_memory_bytes[pp_rank]`` of the plan the
+  runtime made (``DistributedModel.plan``; for pp=1, where the runtime makes
+  none, ``make_plan`` on the same kind of profile), with the layout's knobs.
+* **measured step**: median seconds of the ``@mpar.step`` call (forward,
+  backward, gradient sync; the optimizer update is outside, as in the plan);
+  **predicted step**: ``plan.step_time_s`` (profiled unit times, simulated schedule,
+  data-parallel sync at ``--link-bandwidth``).
+
+``--auto`` also runs the top candidates of one ``mpar plan --auto`` search on the
+same model and compares their predicted and measured step-time order.
+
+    python benchmarks/plan_accuracy.py                 # the grid, ~5 minutes on 2 cores
+    python benchmarks/plan_accuracy.py --auto          # + the top-3 order check
+    python benchmarks/plan_accuracy.py --quick --out /tmp/acc
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """The model and batch every layout trains."""
+
+    vocab: int = 8192
+    d_model: int = 256
+    layers: int = 6
+    heads: int = 4
+    seq: int = 64
+    batch: int = 16
+    """Global batch (all replicas)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int
+    dp: int
+    zero: int = 0
+    checkpointing: bool = False
+    microbatches: int = 4
+    pipeline: str = "interleaved"
+    virtual_stages: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def label(self) -> str:
+        ck = " ckpt" if self.checkpointing else ""
+        v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+        return f"pp{self.pp} x dp{self.dp} z{self.zero}{ck} m{self.microbatches}{v} {self.pipeline}"
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "pipeline_parallel_degree": self.pp,
+            "microbatches": self.microbatches,
+            "pipeline": self.pipeline,
+            "virtual_stages": self.virtual_stages,
+            "zero": {"stage": self.zero},
+            "activation_checkpointing": self.checkpointing,
+            "memory_weight": 0.0,
+            **self.extra,
+        }
+
+
+GRID = [
+    Layout(1, 2, 0),
+    Layout(1, 2, 1, True),
+    Layout(1, 4, 3),
+    Layout(2, 1, 0),
+    Layout(2, 1, 0, True),
+    Layout(2, 2, 1),
+    Layout(2, 2, 2, True),
+    Layout(2, 2, 3),
+    Layout(4, 1, 0),
+    Layout(4, 1, 0, True),
+]
+
+
+# -- worker side ---------------------------------------------------------------------
+
+
+class RssSampler:
+    """Samples this process's RSS every ``interval`` seconds; ``peak`` since ``reset``."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval, self.peak, self._stop = interval, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * PAGE
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.rss())
+            time.sleep(self.interval)
+
+    def start(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def reset(self) -> None:
+        self.peak = self.rss()
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def _model(spec: Spec) -> Any:
+    import torch
+
+    from mpar.testing_models import GPTConfig, TinyGPT
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(
+        vocab_size=spec.vocab,
+        d_model=spec.d_model,
+        num_layers=spec.layers,
+        num_heads=spec.heads,
+        d_ffn=4 * spec.d_model,
+        max_seq_len=spec.seq,
+        tie_embeddings=False,
+    )
+    return TinyGPT(cfg)
+
+
+def _data(spec: Spec) -> tuple[Any, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, spec.vocab, (spec.batch, spec.seq + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _pp1_plan(spec: Spec, layout: Layout, x: Any) -> Any:
+    """The runtime makes no plan for one stage: make the same one here."""
+    from mpar.partition import make_plan
+    from mpar.profile import profile_model
+
+    mb = spec.batch // layout.dp // layout.microbatches
+    profile = profile_model(_model(spec), (x[:mb],), repeats=3, warmup=1)
+    return make_plan(
+        profile,
+        num_ranks=1,
+        microbatches=layout.microbatches,
+        pipeline=layout.pipeline,
+        data_parallel_degree=layout.dp,
+        zero_stage=layout.zero,
+        activation_checkpointing=layout.checkpointing,
+    )
+
+
+def _warm_imports() -> None:
+    """Run what training runs once, lazily importing code, on a throwaway tiny model.
+
+    An optimizer pulls in torch._dynamo (~70 MiB); profiling and splitting a
+    model (torch.export, sympy, networkx, fx code in linecache) another ~60 MiB
+    of modules and interpreter state. That is code, the same for every layout;
+    doing it before the baseline leaves tensors and buffers in the peak.
+    """
+    import torch
+
+    from mpar.partition import split_module
+    from mpar.profile import profile_model
+    from mpar.testing_models import GPTConfig, TinyGPT
+
+    torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])
+    tiny = TinyGPT(GPTConfig(vocab_size=16, d_model=8, num_layers=2, num_heads=2, d_ffn=8))
+    x = torch.zeros(2, 4, dtype=torch.long)
+    profile_model(tiny, (x,), repeats=1, warmup=0)
+    stages = split_module(tiny, (x,), None, [0, 4]).stages
+    out = stages[1](*stages[0](x))
+    out.sum().backward()
+
+
+def _train(spec: Spec, layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from torch import nn
+
+    import mpar
+
+    mpar.init(layout.config())
+    _warm_imports()
+    sampler = RssSampler(args.sample_ms / 1e3).start()
+    baseline = RssSampler.rss()
+    model = mpar.DistributedModel(_model(spec))
+    opt = mpar.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4))
+
+    @mpar.step
+    def train_step(m: Any, x: Any, y: Any) -> Any:
+        logits = m(x)
+        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        m.backward(loss)
+        return loss
+
+    x, y = _data(spec)
+    share = slice(
+        mpar.dp_rank() * spec.batch // layout.dp, (mpar.dp_rank() + 1) * spec.batch // layout.dp
+    )
+    times = []
+    for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            mpar.barrier()
+            sampler.reset()
+        start = time.perf_counter()
+        train_step(model, x[share], y[share])
+        times.append(time.perf_counter() - start)
+        opt.step()
+        opt.zero_grad()
+    peak = sampler.stop()
+    plan = model.plan if layout.pp > 1 else _pp1_plan(spec, layout, x)
+    return {
+        "rank": mpar.rank(),
+        "pp_rank": mpar.pp_rank(),
+        "dp_rank": mpar.dp_rank(),
+        "measured_peak_bytes": peak - baseline,
+        "baseline_bytes": baseline,
+        "predicted_peak_bytes": plan.rank_memory_bytes[mpar.pp_rank()],
+        "measured_step_s": statistics.median(times[args.warmup :]),
+        "predicted_step_s": plan.step_time_s,
+        "boundaries": list(plan.boundaries),
+        "report": mpar.memory_report(),
+        "stages": [
+            {k: getattr(s, k) for k in ("stage", "state_bytes", "activation_bytes", "extra_bytes")}
+            for s in plan.stages
+            if s.rank == mpar.pp_rank()
+        ],
+    }
+
+
+def _worker(args: argparse.Namespace) -> None:
+    spec, raw = Spec(**json.loads(args.spec)), json.loads(args.worker)
+    result = _train(spec, Layout(**raw), args)
+    Path(args.result, f"rank{result['rank']}.json").write_text(json.dumps(result))
+
+
+# -- launching -----------------------------------------------------------------------
+
+
+def _launch(spec: Spec, layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
+    """One job; retried once (4-rank jobs on this 2-core machine now and then die of
+    SIGABRT, cause not found); a retry is recorded in the result."""
+    got = _launch_once(spec, layout, args)
+    if got["status"] != "ok":
+        print(f"{layout.label()}: failed, retrying once", flush=True)
+        again = _launch_once(spec, layout, args)
+        again["retried_after"] = got["reason"][-300:]
+        return again
+    return got
+
+
+def _launch_once(spec: Spec, layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
+    env = dict(os.environ)
+    env.update(
+        MALLOC_MMAP_THRESHOLD_="65536",
+        OMP_NUM_THREADS=str(args.threads),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH", "")])),
+    )
+    world = layout.pp * layout.dp
+    with tempfile.TemporaryDirectory(prefix="mpar-plan-acc-") as tmp:
+        cmd = [sys.executable, "-m", "mpar", "launch", "--nproc-per-node", str(world)]
+        cmd += [str(Path(__file__).resolve()), "--worker", json.dumps(asdict(layout))]
+        cmd += ["--spec", json.dumps(asdict(spec)), "--result", tmp]
+        cmd += ["--warmup", str(args.warmup), "--steps", str(args.steps)]
+        cmd += ["--sample-ms", str(args.sample_ms)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        files = sorted(Path(tmp).glob("rank*.json"))
+        if proc.returncode != 0 or len(files) != world:
+            return {"status": "failed", "reason": (proc.stderr or proc.stdout)[-1500:]}
+        ranks = sorted((json.loads(f.read_text()) for f in files), key=lambda r: r["rank"])
+    return {"status": "ok", "ranks": ranks}
+
+
+def _summary(layout: Layout, got: dict[str, Any]) -> dict[str, Any]:
+    row: dict[str, Any] = {"layout": layout.label(), **asdict(layout), "status": got["status"]}
+    if "retried_after" in got:
+        row["retried_after"] = got["retried_after"]
+    if got["status"] != "ok":
+        row["reason"] = got["reason"]
+        return row
+    ranks = got["ranks"]
+    row["ranks"] = [
+        {
+            "rank": r["rank"],
+            "pp_rank": r["pp_rank"],
+            "predicted_mib": r["predicted_peak_bytes"] / 2**20,
+            "measured_mib": r["measured_peak_bytes"] / 2**20,
+            "ratio": r["measured_peak_bytes"] / max(r["predicted_peak_bytes"], 1),
+            "memory_report": r["report"],
+            "plan_stages": r["stages"],
+        }
+        for r in ranks
+    ]
+    row["predicted_step_s"] = ranks[0]["predicted_step_s"]
+    row["measured_step_s"] = max(r["measured_step_s"] for r in ranks)
+    row["step_ratio"] = row["measured_step_s"] / row["predicted_step_s"]
+    row["boundaries"] = ranks[0]["boundaries"]
+    return row
+
+
+def _markdown(report: dict[str, Any]) -> str:
+    lines = [
+        "# Planner calibration: predicted vs measured",
+        "",
+        f"Model: TinyGPT {report['spec']}; Adam, fp32; {report['meta']['warmup']} warm-up + "
+        f"{report['meta']['steps']} timed steps; {report['meta']['threads']} thread(s) per rank; "
+        "the plans' default cost model (10 GB/s links). Peak = sampled RSS above the "
+        "process's RSS before the model was built (MALLOC_MMAP_THRESHOLD_=65536). "
+        "Ratio = measured / predicted.",
+        "",
+        "| layout | rank (pp) | predicted MiB | measured MiB | ratio | predicted step ms | "
+        "measured step ms | step ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in report["rows"]:
+        if row["status"] != "ok":
+            lines.append(f"| {row['layout']} | failed: {row['reason'][-120:]!r} | | | | | | |")
+            continue
+        for i, r in enumerate(row["ranks"]):
+            step = (
+                f"{row['predicted_step_s'] * 1e3:.1f} | {row['measured_step_s'] * 1e3:.1f} | "
+                f"{row['step_ratio']:.2f}"
+                if i == 0
+                else " | | "
+            )
+            lines.append(
+                f"| {row['layout'] if i == 0 else ''} | {r['rank']} ({r['pp_rank']}) | "
+                f"{r['predicted_mib']:.1f} | {r['measured_mib']:.1f} | {r['ratio']:.2f} | {step} |"
+            )
+    ratios = [r["ratio"] for row in report["rows"] if row["status"] == "ok" for r in row["ranks"]]
+    if ratios:
+        inside = sum(0.8 <= r <= 1.25 for r in ratios)
+        lines += [
+            "",
+            f"Peak ratios: min {min(ratios):.2f}, median {statistics.median(ratios):.2f}, "
+            f"max {max(ratios):.2f}; {inside} of {len(ratios)} ranks within 0.8-1.25x.",
+        ]
+    if report.get("auto"):
+        lines += ["", "## Top candidates of one auto plan", "", *report["auto"]]
+    lines += ["", "What is off, and why: [docs/planning.md](../../docs/planning.md#calibration)."]
+    return "\n".join(lines) + "\n"
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--sample-ms", type=float, default=2.0)
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--only", type=int, nargs="*", help="indices into the grid")
+    p.add_argument("--auto", action="store_true", help="also check one auto plan's top 3")
+    p.add_argument("--auto-only", action="store_true", help="only the top-3 check")
+    p.add_argument("--auto-repeats", type=int, default=3, help="runs per top-3 candidate")
+    p.add_argument("--quick", action="store_true", help="small model, 2 layouts")
+    p.add_argument("--out", type=Path, default=HERE / "results")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _ms(seconds: float | None) -> str:
+    return "failed" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def _auto_check(spec: Spec, args: argparse.Namespace) -> tuple[list[str], list[dict[str, Any]]]:
+    """Measure the top 3 of one auto search on 2 ranks (fp32, no offload, ZeRO-0)."""
+    import torch
+
+    from mpar.partition import SearchSpace, fit_fixed_times, search
+    from mpar.profile import profile_model
+
+    torch.set_num_threads(args.threads)
+    x, _ = _data(spec)
+    model = _model(spec)
+    one = profile_model(model, (x[:1],), repeats=3, warmup=1)
+    two = profile_model(model, (x[:2],), repeats=3, warmup=1)
+    profile = fit_fixed_times(two, 2, one, 1)
+    # ZeRO-0 only: ZeRO-1/2 predict the same time as ZeRO-0 (same traffic), and ties say
+    # nothing about order; what is left differs in pp, m, v, schedule and checkpointing.
+    space = SearchSpace(precisions=("fp32",), offload=False, zero_stages=(0,))
+    result = search(
+        profile, world_size=2, device_memory="1GiB", global_batch=spec.batch, space=space,
+        profile_batch=2, top=3,
+    )  # fmt: skip
+    layouts = [
+        Layout(
+            c.pipeline_parallel_degree,
+            c.data_parallel_degree,
+            c.zero_stage,
+            c.activation_checkpointing,
+            c.microbatches,
+            c.pipeline,
+            c.virtual_stages,
+        )
+        for c in result.ranked
+    ]
+    runs: list[list[float]] = [[] for _ in layouts]
+    for _ in range(args.auto_repeats):  # A B C A B C ...: the machine's drift hits all alike
+        for i, layout in enumerate(layouts):
+            got = _launch(spec, layout, args)
+            if got["status"] == "ok":
+                runs[i].append(max(r["measured_step_s"] for r in got["ranks"]))
+    out = [
+        {
+            "layout": layout.label(),
+            "search_predicted_s": c.step_time_s,
+            "measured_runs_s": times,
+            "measured_s": statistics.median(times) if times else None,
+        }
+        for layout, c, times in zip(layouts, result.ranked, runs)
+    ]
+    rows = [
+        f"| {o['layout']} | {(o['search_predicted_s'] or 0) * 1e3:.1f} | "
+        f"{_ms(o['measured_s'])} | "
+        f"{', '.join(f'{t * 1e3:.0f}' for t in o['measured_runs_s'])} |"
+        for o in out
+    ]
+    measured = [o["measured_s"] for o in out]
+    order_ok = None not in measured and measured == sorted(measured)
+    text = [
+        "| candidate (search rank order) | predicted step ms | measured step ms (median) | "
+        "runs ms |",
+        "|---|---|---|---|",
+        *rows,
+        "",
+        f"{args.auto_repeats} alternating runs per candidate. Measured order matches the "
+        f"predicted order: {'yes' if order_ok else 'no'}.",
+    ]
+    return text, out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if args.worker:
+        _worker(args)
+        return 0
+    spec = Spec(vocab=512, d_model=64, layers=4, heads=4, seq=32, batch=8) if args.quick else Spec()
+    grid = GRID[:2] if args.quick else [GRID[i] for i in args.only] if args.only else GRID
+    grid = [] if args.auto_only else grid
+    rows = []
+    for layout in grid:
+        got = _launch(spec, layout, args)
+        rows.append(_summary(layout, got))
+        shown = rows[-1].get("step_ratio", rows[-1].get("reason", "")[-200:])
+        print(f"{layout.label()}: {got['status']} {shown}", flush=True)
+    report: dict[str, Any] = {
+        "spec": asdict(spec),
+        "meta": {k: getattr(args, k) for k in ("warmup", "steps", "threads")},
+        "rows": rows,
+    }
+    if args.auto or args.auto_only:
+        report["auto"], report["auto_rows"] = _auto_check(spec, args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.auto_only and (args.out / "plan_accuracy.json").exists():  # keep the grid
+        old = json.loads((args.out / "plan_accuracy.json").read_text())
+        report["rows"], report["meta"] = old["rows"], old["meta"]
+    (args.out / "plan_accuracy.json").write_text(json.dumps(report, indent=2) + "\n")
+    text = _markdown(report)
+    (args.out / "plan_accuracy.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

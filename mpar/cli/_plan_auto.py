@@ -1,0 +1,86 @@
+"""``mpar plan --auto``: search the layout for a memory budget (a thin shell over
+``mpar.partition.search``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["run_auto"]
+
+
+def _options(args: argparse.Namespace) -> tuple[Any, Any]:
+    from mpar.partition import CostModel, SearchSpace
+    from mpar.partition._plan import _bandwidth
+
+    if args.device_memory is None:
+        raise ValueError("--auto needs --device-memory (bytes per rank, e.g. 80GiB)")
+    if args.global_batch is None:
+        raise ValueError("--auto needs --global-batch (samples per step over all replicas)")
+    if args.config is not None:
+        raise ValueError("--auto searches the layout itself; leave out --config")
+    link = None if args.link_bandwidth.lower() == "none" else _bandwidth(args.link_bandwidth)
+    dp = link if args.dp_bandwidth is None else _bandwidth(args.dp_bandwidth, "--dp-bandwidth")
+    host = _bandwidth(args.host_bandwidth, "--host-bandwidth")
+    cost = CostModel(
+        link_bandwidth=link,
+        dp_bandwidth=dp,
+        host_bandwidth=host or 10e9,
+        mixed_speedup=args.bf16_speedup,
+    )
+    space = SearchSpace(
+        max_virtual_stages=args.max_virtual_stages,
+        offload=not args.no_offload,
+        checkpointing=(False,) if args.no_checkpointing else (False, True),
+        precisions=("fp32",) if args.no_bf16 else ("fp32", "bf16"),
+    )
+    return space, cost
+
+
+def _best_plan(profile: Any, result: Any, scale: float) -> Any:
+    """``make_plan`` of the best candidate: its stages, with the same figures."""
+    from mpar.partition import make_plan
+
+    best = result.best
+    return make_plan(
+        profile,
+        num_ranks=best.pipeline_parallel_degree,
+        virtual_stages=best.virtual_stages,
+        microbatches=best.microbatches,
+        pipeline=best.pipeline,
+        memory_weight=0.0,
+        device_memory=result.device_memory,
+        data_parallel_degree=best.data_parallel_degree,
+        zero_stage=best.zero_stage,
+        link_bandwidth=result.cost.link_bandwidth,
+        precision=best.precision,
+        activation_checkpointing=best.activation_checkpointing,
+        offload_optimizer=best.offload_optimizer,
+        offload_params=best.offload_params,
+        microbatch_scale=scale,
+        cost=result.cost,
+    )
+
+
+def run_auto(args: argparse.Namespace, profile_fn: Callable[[argparse.Namespace], Any]) -> str:
+    """Profile once, search, and format the result (table or JSON)."""
+    from mpar.partition import search
+
+    space, cost = _options(args)
+    profile, batch = profile_fn(args)
+    result = search(
+        profile,
+        world_size=args.world_size,
+        device_memory=args.device_memory,
+        global_batch=args.global_batch,
+        profile_batch=batch,
+        space=space,
+        cost=cost,
+        top=args.top,
+    )
+    plan = _best_plan(profile, result, result.best.microbatch_size / batch)
+    if args.json:
+        return json.dumps({**result.to_dict(), "plan": plan.to_dict()}, indent=2)
+    return f"{result}\n\nbest layout, stage by stage:\n{plan}"

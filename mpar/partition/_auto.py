@@ -1,0 +1,463 @@
+"""The auto-planner: the whole layout for a memory budget, from one profile (pure).
+
+``search`` enumerates, for ``world_size`` ranks and a global batch:
+
+* pipeline degree ``pp``: the divisors of the world size (``dp = world / pp``;
+  the global batch must split evenly over the ``dp`` replicas);
+* microbatches ``m``: the divisors of the per-replica batch, so every microbatch
+  has the same whole number of samples;
+* schedule (``interleaved`` 1F1B, ``simple`` GPipe) and virtual stages ``v``
+  (interleaved with ``v > 1`` needs ``m`` a multiple of ``pp``);
+* ZeRO stage 0-3, optimizer offload (ZeRO >= 1), parameter offload (ZeRO-3),
+  activation checkpointing, bf16.
+
+Each candidate is laid out with the partition solver (fastest split under the
+per-rank cap, ``mpar.partition.make_plan``'s memory and time model) from the
+*one* profile, scaled linearly to the candidate's microbatch size. Candidates
+over the cap are rejected with the reason counted; the fitting ones are ranked
+by predicted step time: the busiest rank's work is a lower bound of the
+pipeline's makespan, so only candidates whose bound can still beat the
+``top``-th best are simulated. Ties go to the smaller per-rank peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from mpar.errors import PartitionError
+from mpar.partition._cost import CostModel
+from mpar.partition._memory import Layout
+from mpar.partition._plan import (
+    _predict,
+    lay_out,
+    lower_bound_s,
+    parse_bytes,
+    rank_overheads,
+)
+
+if TYPE_CHECKING:
+    from mpar.profile import ModelProfile
+
+__all__ = ["Candidate", "SearchResult", "SearchSpace", "fit_fixed_times", "render", "search"]
+
+OVER_CAP = "over memory cap"
+BATCH = "global batch not divisible by the data-parallel degree"
+UNITS = "more stages than units"
+MULTIPLE = "interleaved with virtual stages needs microbatches a multiple of pp"
+NO_DP = "ZeRO without data parallelism or offload shards nothing"
+SLOWER = "slower than the top candidates (not simulated)"
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Which values of each knob the search may pick."""
+
+    pipelines: tuple[str, ...] = ("interleaved", "simple")
+    pipeline_degrees: tuple[int, ...] | None = None
+    """None: every divisor of the world size."""
+    max_virtual_stages: int = 4
+    max_microbatches: int | None = None
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    offload: bool = True
+    checkpointing: tuple[bool, ...] = (False, True)
+    precisions: tuple[str, ...] = ("fp32", "bf16")
+    virtual_stage_choices: tuple[int, ...] | None = None
+    """Only these virtual-stage counts (None: 1 to ``max_virtual_stages``)."""
+    microbatch_choices: tuple[int, ...] | None = None
+    """Only these microbatch counts (None: every divisor of the per-replica batch)."""
+    offload_choices: tuple[tuple[bool, bool], ...] | None = None
+    """Only these (offload optimizer, offload params) pairs (None: what ``offload`` allows)."""
+
+    def __post_init__(self) -> None:
+        bad = [p for p in self.pipelines if p not in ("interleaved", "simple")]
+        if bad or not self.pipelines:
+            raise PartitionError(
+                f"pipelines must be a non-empty subset of interleaved, simple; got {self.pipelines}"
+            )
+        if self.max_virtual_stages < 1:
+            raise PartitionError(f"max_virtual_stages must be >= 1, got {self.max_virtual_stages}")
+        if not set(self.zero_stages) <= {0, 1, 2, 3} or not self.zero_stages:
+            raise PartitionError(f"zero_stages must be within 0-3, got {self.zero_stages}")
+        if not set(self.precisions) <= {"fp32", "bf16", "fp16"} or not self.precisions:
+            raise PartitionError(
+                f"precisions must be within fp32, bf16, fp16; got {self.precisions}"
+            )
+
+
+@dataclass
+class Candidate:
+    """One layout with its predicted cost (``step_time_s`` None until simulated)."""
+
+    pipeline_parallel_degree: int
+    data_parallel_degree: int
+    virtual_stages: int
+    microbatches: int
+    microbatch_size: int
+    pipeline: str
+    zero_stage: int
+    offload_optimizer: bool
+    offload_params: bool
+    activation_checkpointing: bool
+    precision: str
+    max_rank_memory_bytes: int
+    rank_memory_bytes: list[int]
+    boundaries: list[int]
+    lower_bound_s: float
+    overhead_s: float
+    step_time_s: float | None = None
+    bubble: float | None = None
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(
+            self.data_parallel_degree,
+            self.zero_stage,
+            self.precision,
+            self.activation_checkpointing,
+            self.offload_optimizer,
+            self.offload_params,
+        )
+
+    def config(self, device_memory: int | None = None) -> dict[str, Any]:
+        """The candidate as an mpar config dict (``mpar.config.load_config`` reads it)."""
+        zero: dict[str, Any] = {"stage": self.zero_stage}
+        if self.offload_optimizer:
+            zero["offload_optimizer"] = "cpu"
+        if self.offload_params:
+            zero["offload_params"] = "cpu"
+        config: dict[str, Any] = {
+            "pipeline_parallel_degree": self.pipeline_parallel_degree,
+            "microbatches": self.microbatches,
+            "pipeline": self.pipeline,
+            "virtual_stages": self.virtual_stages,
+            "ddp": True,
+            "zero": zero,
+            "activation_checkpointing": self.activation_checkpointing,
+            "bf16": self.precision == "bf16",
+            "fp16": self.precision == "fp16",
+            "memory_weight": 0.0,
+        }
+        if device_memory is not None:
+            config["device_memory"] = device_memory
+        return config
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class SearchResult:
+    """Fitting candidates ranked best first, and how many layouts were rejected and why."""
+
+    ranked: list[Candidate]
+    rejected: dict[str, int]
+    evaluated: int
+    fitting: int
+    world_size: int
+    global_batch: int
+    device_memory: int
+    profile_batch: int
+    cost: CostModel
+    space: SearchSpace
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> Candidate:
+        if not self.ranked:
+            raise PartitionError(_nothing_fits(self))
+        return self.ranked[0]
+
+    def __str__(self) -> str:
+        return render(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        best = self.best
+        return {
+            "config": best.config(self.device_memory),
+            "predicted": {
+                "step_time_s": best.step_time_s,
+                "bubble": best.bubble,
+                "max_rank_memory_bytes": best.max_rank_memory_bytes,
+                "rank_memory_bytes": best.rank_memory_bytes,
+            },
+            "candidates": [c.to_dict() for c in self.ranked],
+            "rejected": dict(self.rejected),
+            "evaluated": self.evaluated,
+            "fitting": self.fitting,
+            "cost_model": asdict(self.cost),
+        }
+
+
+def fit_fixed_times(
+    profile: ModelProfile, batch: int, other: ModelProfile, other_batch: int
+) -> ModelProfile:
+    """``profile`` with each unit's per-call fixed time fitted from a second profile.
+
+    Unit time is taken as ``fixed + per_sample * samples`` through the two
+    measurements (clamped to ``0 <= fixed <= time``); the search then scales only
+    the per-sample part with the microbatch size. Without it, time is linear.
+    """
+    if batch == other_batch or [u.name for u in profile.units] != other.names:
+        raise PartitionError(
+            "fit_fixed_times needs two profiles of the same units at different batch sizes"
+        )
+    units = []
+    for u, w in zip(profile.units, other.units):
+        slope = (w.time_s - u.time_s) / (other_batch - batch)
+        fixed = min(max(u.time_s - slope * batch, 0.0), u.time_s)
+        units.append(dataclasses.replace(u, fixed_time_s=fixed))
+    return dataclasses.replace(profile, units=units)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _knobs(
+    dp: int, space: SearchSpace, reject: Counter[str]
+) -> Iterator[tuple[int, bool, bool, bool, str]]:
+    """(zero stage, offload optimizer, offload params, checkpointing, precision) to try."""
+    for zero in space.zero_stages:
+        offloads = [(False, False)]
+        if (space.offload or space.offload_choices) and zero >= 1:
+            offloads.append((True, False))
+        if (space.offload or space.offload_choices) and zero == 3:
+            offloads += [(False, True), (True, True)]
+        if space.offload_choices is not None:
+            offloads = [o for o in offloads if o in space.offload_choices]
+        for opt, par in offloads:
+            if dp == 1 and zero >= 1 and not (opt or par):
+                reject[NO_DP] += len(space.checkpointing) * len(space.precisions)
+                continue
+            for ckpt, precision in itertools.product(space.checkpointing, space.precisions):
+                yield zero, opt, par, ckpt, precision
+
+
+def _shapes(
+    units: int, world: int, batch: int, space: SearchSpace, reject: Counter[str]
+) -> Iterator[tuple[int, int, int, str, int]]:
+    """(pp, dp, m, pipeline, v) to try; the rest counted in ``reject``."""
+    for pp in space.pipeline_degrees or _divisors(world):
+        if world % pp:
+            raise PartitionError(f"pipeline degree {pp} does not divide the world size {world}")
+        dp = world // pp
+        if batch % dp:
+            reject[BATCH] += 1
+            continue
+        for m in _divisors(batch // dp):
+            if space.max_microbatches is not None and m > space.max_microbatches:
+                continue
+            if space.microbatch_choices is not None and m not in space.microbatch_choices:
+                continue
+            pipelines = space.pipelines[:1] if pp == 1 else space.pipelines
+            for pipeline in pipelines:
+                for v in _virtual_choices(pp, space):
+                    if pp * v > units:
+                        reject[UNITS] += 1
+                    elif pipeline == "interleaved" and v > 1 and m % pp:
+                        reject[MULTIPLE] += 1
+                    else:
+                        yield pp, dp, m, pipeline, v
+
+
+def _virtual_choices(pp: int, space: SearchSpace) -> list[int]:
+    if space.virtual_stage_choices is not None:
+        return list(space.virtual_stage_choices)
+    return list(range(1, (space.max_virtual_stages if pp > 1 else 1) + 1))
+
+
+def _evaluate(
+    profile: ModelProfile,
+    shape: tuple[int, int, int, str, int],
+    knobs: tuple[int, bool, bool, bool, str],
+    scale: float,
+    cap: int,
+    cost: CostModel,
+) -> Candidate | None:
+    """Lay out one candidate; None when it does not fit the cap."""
+    pp, dp, m, pipeline, v = shape
+    zero, opt, par, ckpt, precision = knobs
+    layout = Layout(dp, zero, precision, ckpt, opt, par, scale)
+    try:
+        laid = lay_out(profile, pp, v, m, pipeline, layout=layout, cost=cost, cap_rank=cap)
+    except PartitionError:
+        return None
+    if max(laid.rank_memory) > cap:
+        return None
+    overhead = max(rank_overheads(laid.stages, pp, v, pipeline, layout, cost, profile.units))
+    bound = lower_bound_s(laid.stages, pp, m, ckpt, cost) + overhead
+    return Candidate(
+        pp, dp, v, m, 0, pipeline, zero, opt, par, ckpt, precision,
+        max(laid.rank_memory), laid.rank_memory, laid.starts, bound, overhead,
+    )  # fmt: skip
+
+
+def _simulate(profile: ModelProfile, c: Candidate, scale: float, cap: int, cost: CostModel) -> None:
+    layout = Layout(
+        c.data_parallel_degree, c.zero_stage, c.precision, c.activation_checkpointing,
+        c.offload_optimizer, c.offload_params, scale,
+    )  # fmt: skip
+    p, v, m = c.pipeline_parallel_degree, c.virtual_stages, c.microbatches
+    laid = lay_out(profile, p, v, m, c.pipeline, layout=layout, cost=cost, cap_rank=cap)
+    makespan, bubble, _ = _predict(
+        laid.stages, p, v, m, c.pipeline, laid.sched, c.activation_checkpointing, cost
+    )
+    c.step_time_s, c.bubble = makespan + c.overhead_s, bubble
+
+
+def _rank(
+    profile: ModelProfile,
+    fitting: list[tuple[Candidate, float]],
+    top: int,
+    cap: int,
+    cost: CostModel,
+) -> tuple[list[Candidate], int]:
+    """Simulate in lower-bound order until no remaining bound can enter the top ``top``."""
+    fitting.sort(key=lambda cs: (cs[0].lower_bound_s, cs[0].max_rank_memory_bytes))
+    best: list[tuple[float, int, int, Candidate]] = []  # max-heap of (-time, -mem, order)
+    skipped = 0
+    for order, (cand, scale) in enumerate(fitting):
+        if len(best) >= top and cand.lower_bound_s > -best[0][0]:
+            skipped = len(fitting) - order
+            break
+        _simulate(profile, cand, scale, cap, cost)
+        key = (-(cand.step_time_s or 0.0), -cand.max_rank_memory_bytes, -order, cand)
+        if len(best) < top:
+            heapq.heappush(best, key)
+        elif key[:3] > best[0][:3]:
+            heapq.heapreplace(best, key)
+    return sorted((k[3] for k in best), key=_preference), skipped
+
+
+def _preference(c: Candidate) -> tuple[float, ...]:
+    """Faster first; at equal time (to 1e-9) the smaller peak, then the simpler layout."""
+    time = float(f"{c.step_time_s or 0.0:.9g}")
+    features = (c.zero_stage, c.offload_optimizer + c.offload_params, c.activation_checkpointing)
+    return (time, c.max_rank_memory_bytes, *features, c.virtual_stages)
+
+
+def search(
+    profile: ModelProfile,
+    *,
+    world_size: int,
+    device_memory: int | str,
+    global_batch: int,
+    profile_batch: int = 1,
+    space: SearchSpace | None = None,
+    cost: CostModel | None = None,
+    top: int = 10,
+) -> SearchResult:
+    """Search every layout of ``world_size`` ranks for ``global_batch`` samples a step.
+
+    Args:
+        profile: one profile of the model at ``profile_batch`` samples per microbatch.
+        device_memory: bytes (or "80GiB") per rank.
+        space: the knobs' ranges (``SearchSpace``); cost: bandwidths and speed factors.
+        top: how many fitting candidates to simulate and rank.
+
+    Returns a ``SearchResult``; ``result.best`` raises ``PartitionError`` when nothing fits.
+    """
+    space, cost = space or SearchSpace(), cost or CostModel()
+    _check_inputs(world_size, global_batch, profile_batch, top)
+    cap = parse_bytes(device_memory)
+    reject: Counter[str] = Counter()
+    fitting: list[tuple[Candidate, float]] = []
+    evaluated = 0
+    for shape in _shapes(len(profile.units), world_size, global_batch, space, reject):
+        _pp, dp, m, _pipeline, _v = shape
+        size = global_batch // dp // m
+        for knobs in _knobs(dp, space, reject):
+            evaluated += 1
+            cand = _evaluate(profile, shape, knobs, size / profile_batch, cap, cost)
+            if cand is None:
+                reject[OVER_CAP] += 1
+                continue
+            cand.microbatch_size = size
+            fitting.append((cand, size / profile_batch))
+    count = len(fitting)
+    ranked, skipped = _rank(profile, fitting, top, cap, cost)
+    if skipped:
+        reject[SLOWER] += skipped
+    return SearchResult(
+        ranked, dict(reject), evaluated, count, world_size, global_batch, cap,
+        profile_batch, cost, space,
+    )  # fmt: skip
+
+
+def _check_inputs(world_size: int, global_batch: int, profile_batch: int, top: int) -> None:
+    for name, value in (
+        ("world_size", world_size),
+        ("global_batch", global_batch),
+        ("profile_batch", profile_batch),
+        ("top", top),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PartitionError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _nothing_fits(result: SearchResult) -> str:
+    reasons = ", ".join(f"{n} {r}" for r, n in sorted(result.rejected.items(), key=lambda x: -x[1]))
+    return (
+        f"no layout of {result.world_size} ranks fits {result.device_memory / 2**30:.2f} GiB per "
+        f"rank for a global batch of {result.global_batch} ({result.evaluated} layouts tried; "
+        f"rejected: {reasons}); use more or larger devices, a smaller batch or sequence, or "
+        "allow offload and activation checkpointing"
+    )
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f}"
+
+
+def _row(rank: int, c: Candidate) -> tuple[str, ...]:
+    offload = "+".join(
+        n for n, on in (("opt", c.offload_optimizer), ("param", c.offload_params)) if on
+    )
+    return (
+        str(rank),
+        f"{c.pipeline_parallel_degree}x{c.data_parallel_degree}",
+        str(c.virtual_stages),
+        f"{c.microbatches}x{c.microbatch_size}",
+        c.pipeline,
+        str(c.zero_stage),
+        offload or "-",
+        "yes" if c.activation_checkpointing else "-",
+        c.precision,
+        f"{(c.step_time_s or 0.0) * 1e3:.4g}",
+        f"{(c.bubble or 0.0):.1%}",
+        _gib(c.max_rank_memory_bytes),
+    )
+
+
+def render(result: SearchResult) -> str:
+    """The ranked candidates as a table, with the rejection counts."""
+    head = (
+        f"auto plan: {result.world_size} ranks x {_gib(result.device_memory)} GiB, global batch "
+        f"{result.global_batch}; {result.evaluated} layouts evaluated, {result.fitting} fit"
+    )
+    rows = [
+        ("#", "pp x dp", "v", "m x size", "schedule", "zero", "offload", "ckpt", "precision",
+         "step ms", "bubble", "peak GiB"),
+        *(_row(i + 1, c) for i, c in enumerate(result.ranked)),
+    ]  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [head, ""]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    if not result.ranked:
+        lines.append("(nothing fits)")
+    lines += ["", "rejected:"]
+    lines += [f"  {n:>6}  {r}" for r, n in sorted(result.rejected.items(), key=lambda x: -x[1])]
+    cost = result.cost
+    lines += [
+        "",
+        f"cost model: links {cost.link_bandwidth}, dp {cost.dp_bandwidth}, host "
+        f"{cost.host_bandwidth} B/s; bf16 speedup x{cost.mixed_speedup:g}; profiled at "
+        f"{result.profile_batch} sample(s) per microbatch, scaled linearly",
+    ]
+    return "\n".join(lines)

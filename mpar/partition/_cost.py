@@ -1,0 +1,99 @@
+"""Time knobs of the plan's cost model: links, host transfers, mixed precision (pure).
+
+Times come from the profile (measured, or FLOPs over an assumed rate on the
+meta device) and are scaled, per layout, by:
+
+* the microbatch size (linearly, like activations);
+* mixed precision: compute divided by ``mixed_speedup`` (default 2: an
+  assumption about the accelerator, nothing the CPU runtime measures);
+* activation checkpointing: one more forward in every backward
+  (``recompute_fraction`` = 1/3 of forward+backward);
+* communication between neighbouring stages: ``2 * output_bytes /
+  link_bandwidth`` per microbatch (activation forward, gradient back);
+* data parallelism, once per step per rank, not overlapped with compute: a ring
+  all-reduce of the gradients (ZeRO-0) or its reduce-scatter + all-gather (ZeRO-1/2,
+  the same ``2 (dp - 1) / dp`` bytes per byte), and for ZeRO-3 a reduce-scatter of
+  the gradients plus an all-gather of the parameters per gather of a chunk;
+* offload, over ``host_bandwidth``: gradients to the host and parameters back
+  (optimizer offload) plus the host optimizer at ``host_optimizer_rate``
+  parameters per second; parameter shards copied in at every gather.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from mpar.errors import PartitionError
+
+if TYPE_CHECKING:
+    from mpar.partition._memory import Layout
+    from mpar.profile import UnitProfile
+
+__all__ = ["CostModel", "step_overhead_s"]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Bandwidths and speed factors (bytes per second, parameters per second)."""
+
+    link_bandwidth: float | None = 10e9
+    """Between neighbouring pipeline stages; None leaves p2p communication out."""
+    dp_bandwidth: float | None = 10e9
+    """Per rank in data-parallel collectives; None leaves them out."""
+    host_bandwidth: float = 10e9
+    """Device <-> host copies of offloaded state."""
+    host_optimizer_rate: float = 1e9
+    """Parameters per second the host optimizer updates (offload_optimizer)."""
+    mixed_speedup: float = 2.0
+    """Compute speed of bf16/fp16 relative to the fp32 profile."""
+    recompute_fraction: float = 1 / 3
+    """Share of forward+backward time one recomputed forward costs."""
+
+    def __post_init__(self) -> None:
+        for name in ("host_bandwidth", "host_optimizer_rate", "mixed_speedup"):
+            if not getattr(self, name) > 0:
+                raise PartitionError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("link_bandwidth", "dp_bandwidth"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise PartitionError(f"{name} must be > 0 or None, got {value!r}")
+        if not 0 <= self.recompute_fraction <= 1:
+            raise PartitionError(
+                f"recompute_fraction must be in [0, 1], got {self.recompute_fraction!r}"
+            )
+
+
+def _gathers(pipeline: str, virtual_stages: int) -> int:
+    """ZeRO-3 gathers of a chunk per step (twice when it is freed between phases)."""
+    return 2 if pipeline == "simple" and virtual_stages > 1 else 1
+
+
+def step_overhead_s(
+    groups: Sequence[Sequence[UnitProfile]],
+    layout: Layout,
+    cost: CostModel,
+    *,
+    pipeline: str = "interleaved",
+    virtual_stages: int = 1,
+) -> float:
+    """Seconds one rank spends per step on data-parallel sync and offload (its stages' units)."""
+    units = [u for group in groups for u in group]
+    c, dp, z = layout.dtype_factor, layout.data_parallel_degree, layout.zero_stage
+    grads = c * sum(u.grad_bytes for u in units)
+    params = c * sum(u.param_bytes for u in units)
+    gathers = _gathers(pipeline, virtual_stages) if z == 3 else 0
+    seconds = 0.0
+    if dp > 1 and cost.dp_bandwidth is not None:
+        share = (dp - 1) / dp
+        moved = share * (grads + gathers * params) if z == 3 else 2 * share * grads
+        seconds += moved / cost.dp_bandwidth
+    if layout.offload_optimizer:
+        shard_grads, shard_params = grads / layout.shards, params / layout.shards
+        seconds += (shard_grads + shard_params) / cost.host_bandwidth
+        trainable = sum(u.grad_bytes for u in units) / 4 / layout.shards
+        seconds += trainable / cost.host_optimizer_rate
+    if layout.offload_params:
+        seconds += gathers * params / dp / cost.host_bandwidth
+    return seconds

@@ -1,0 +1,264 @@
+"""The auto-planner (``mpar.partition.search``), its memory model, and ``mpar plan --auto``."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import pytest
+
+from mpar.config import load_config
+from mpar.errors import PartitionError
+from mpar.partition import CostModel, Layout, SearchSpace, make_plan, search
+from mpar.partition._memory import loss_bytes, stage_extra_bytes, unit_state_bytes
+from mpar.profile import ModelProfile, UnitProfile
+
+MiB = 2**20
+
+
+def _unit(i, *, params=4 * MiB, act=8 * MiB, out=MiB, time=1e-3):
+    return UnitProfile(
+        name=f"u{i}",
+        param_count=params // 4,
+        param_bytes=params,
+        grad_bytes=params,
+        optimizer_bytes=2 * params,
+        flops=0,
+        time_s=time,
+        activation_bytes=act,
+        output_bytes=out,
+    )
+
+
+def _profile(n=8, **kw):
+    units = [_unit(i, **kw) for i in range(n)]
+    return ModelProfile(units, "measure", "adam", sum(u.param_count for u in units))
+
+
+def test_unit_state_follows_zero_precision_and_offload():
+    u = _unit(0, params=400)  # P = G = 400, adam O = 800
+    assert unit_state_bytes(u, Layout()) == 400 + 400 + 800
+    assert unit_state_bytes(u, Layout(4, 1)) == 400 + 400 + 800 / 4
+    # gradients stay full-size during the backward at ZeRO-2 (the runtime's staging buffer)
+    assert unit_state_bytes(u, Layout(4, 2)) == unit_state_bytes(u, Layout(4, 1))
+    # ZeRO-3: the gathered chunk plus this rank's shard
+    assert unit_state_bytes(u, Layout(4, 3)) == 400 + 100 + 400 + 200
+    assert unit_state_bytes(u, Layout(4, 3, offload_params=True)) == 400 + 400 + 200
+    assert unit_state_bytes(u, Layout(4, 1, offload_optimizer=True)) == 800
+    # bf16: half-size parameters and gradients, fp32 master copy sharded with the optimizer
+    assert unit_state_bytes(u, Layout(4, 1, "bf16")) == 200 + 200 + (800 + 400) / 4
+    with pytest.raises(PartitionError, match="offload_params needs zero_stage 3"):
+        Layout(2, 1, offload_params=True)
+    with pytest.raises(PartitionError, match="precision"):
+        Layout(precision="int8")
+
+
+def test_last_stage_holds_the_loss_and_checkpointing_keeps_boundaries():
+    units = [_unit(i, out=100, act=1000) for i in range(4)]
+    plain = Layout()
+    assert loss_bytes(units[-1], plain, in_flight=3) == 100 * 4
+    assert loss_bytes(units[-1], Layout(precision="bf16"), in_flight=3) == 100 * 5
+    # a middle stage: output kept per microbatch in flight + one send and one receive
+    assert stage_extra_bytes(units, 1, 3, 2, plain) == 100 * 2 + 100 + 100
+    ckpt = Layout(activation_checkpointing=True)
+    assert stage_extra_bytes(units, 1, 3, 2, ckpt) == (100 + 100) * 2 + 100 + 100
+    last = stage_extra_bytes(units, 2, 4, 1, plain)
+    assert last == 100 + 100 + 100 + loss_bytes(units[-1], plain, 1)
+
+
+def test_make_plan_checkpointing_trades_memory_for_time():
+    prof = _profile(8, act=64 * MiB)
+    plain = make_plan(prof, num_ranks=2, microbatches=8, memory_weight=0.0)
+    ckpt = make_plan(
+        prof, num_ranks=2, microbatches=8, memory_weight=0.0, activation_checkpointing=True
+    )
+    assert ckpt.stages[0].activation_bytes == plain.stages[0].activation_bytes // 2  # 2 in flight
+    assert max(ckpt.rank_memory_bytes) < max(plain.rank_memory_bytes)
+    assert ckpt.step_time_s > plain.step_time_s
+    assert plain.stages[-1].extra_bytes > plain.stages[0].extra_bytes  # the loss
+    half = make_plan(prof, num_ranks=2, microbatches=8, memory_weight=0.0, microbatch_scale=0.5)
+    assert half.stages[0].activation_bytes == plain.stages[0].activation_bytes // 2
+    assert half.step_time_s == pytest.approx(plain.step_time_s / 2, rel=0.01)
+
+
+def test_make_plan_adds_data_parallel_sync_to_the_step():
+    prof = _profile(4, params=400 * MiB)
+    one = make_plan(prof, num_ranks=2, microbatches=4, data_parallel_degree=1)
+    four = make_plan(
+        prof, num_ranks=2, microbatches=4, data_parallel_degree=4, cost=CostModel(dp_bandwidth=1e9)
+    )
+    assert one.overhead_s == 0.0
+    # a ring all-reduce moves 2 (dp-1)/dp of the rank's 800 MiB of gradients at 1 GB/s
+    assert four.overhead_s == pytest.approx(2 * 0.75 * 800 * MiB / 1e9)
+    assert four.step_time_s == pytest.approx(one.step_time_s + four.overhead_s)
+
+
+def test_search_ranks_fitting_layouts_fastest_first():
+    prof = _profile(8)
+    result = search(prof, world_size=4, device_memory="1GiB", global_batch=8)
+    assert result.ranked and result.fitting >= len(result.ranked)
+    times = [c.step_time_s for c in result.ranked]
+    assert times == sorted(times)
+    for c in result.ranked:
+        assert c.max_rank_memory_bytes <= 2**30
+        assert c.microbatches * c.microbatch_size * c.data_parallel_degree == 8
+        assert c.pipeline_parallel_degree * c.data_parallel_degree == 4
+    assert sum(result.rejected.values()) + result.fitting >= result.evaluated
+    text = str(result)
+    assert "rejected:" in text and "step ms" in text
+
+
+def test_search_turns_on_checkpointing_only_when_memory_needs_it():
+    prof = _profile(8, act=256 * MiB)
+    space = SearchSpace(precisions=("fp32",), offload=False)
+    roomy = search(prof, world_size=2, device_memory="64GiB", global_batch=8, space=space)
+    assert not roomy.best.activation_checkpointing
+    tight = search(prof, world_size=2, device_memory="1200MiB", global_batch=8, space=space)
+    assert tight.best.activation_checkpointing
+    assert tight.rejected["over memory cap"] > 0
+    assert tight.best.step_time_s > roomy.best.step_time_s
+
+
+def test_search_pruning_matches_exhaustive_ranking():
+    prof = _profile(8, act=32 * MiB)
+    kwargs = {"world_size": 4, "device_memory": "2GiB", "global_batch": 16}
+    pruned = search(prof, top=3, **kwargs)
+    everything = search(prof, top=10_000, **kwargs)
+    assert "slower than the top candidates (not simulated)" in pruned.rejected
+    assert [c.step_time_s for c in pruned.ranked] == pytest.approx(
+        [c.step_time_s for c in everything.ranked[:3]]
+    )
+
+
+def test_search_rejects_indivisible_batches_and_reports_nothing_fits():
+    prof = _profile(8)
+    result = search(prof, world_size=4, device_memory="4GiB", global_batch=6)
+    assert result.rejected["global batch not divisible by the data-parallel degree"] == 1  # dp=4
+    assert {c.data_parallel_degree for c in result.ranked} <= {1, 2}
+    nothing = search(prof, world_size=2, device_memory="1MiB", global_batch=2)
+    assert nothing.ranked == []
+    with pytest.raises(PartitionError, match="no layout of 2 ranks fits"):
+        nothing.best  # noqa: B018
+    with pytest.raises(PartitionError, match="global_batch"):
+        search(prof, world_size=2, device_memory="1GiB", global_batch=0)
+
+
+def test_search_best_config_loads_and_matches_make_plan():
+    prof = _profile(8)
+    result = search(prof, world_size=4, device_memory="1GiB", global_batch=8)
+    best = result.best
+    config = load_config(best.config("1GiB"))
+    config.check_world_size(4)
+    assert config.pipeline_parallel_degree == best.pipeline_parallel_degree
+    assert config.microbatches == best.microbatches and config.zero.stage == best.zero_stage
+    plan = make_plan(
+        prof,
+        num_ranks=best.pipeline_parallel_degree,
+        virtual_stages=best.virtual_stages,
+        microbatches=best.microbatches,
+        pipeline=best.pipeline,
+        memory_weight=0.0,
+        device_memory="1GiB",
+        data_parallel_degree=best.data_parallel_degree,
+        zero_stage=best.zero_stage,
+        precision=best.precision,
+        activation_checkpointing=best.activation_checkpointing,
+        offload_optimizer=best.offload_optimizer,
+        offload_params=best.offload_params,
+        microbatch_scale=best.microbatch_size,
+    )
+    assert plan.step_time_s == pytest.approx(best.step_time_s)
+    assert max(plan.rank_memory_bytes) == best.max_rank_memory_bytes
+    data = result.to_dict()
+    assert data["config"]["device_memory"] == 2**30
+    assert data["predicted"]["step_time_s"] == best.step_time_s
+
+
+def _factory(tmp_path, monkeypatch):
+    (tmp_path / "auto_factory_mod.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from mpar.testing_models import GPTConfig, TinyGPT
+
+            def make():
+                return TinyGPT(GPTConfig(num_layers=2)), torch.zeros(2, 8, dtype=torch.long)
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_cli_plan_auto_json_and_errors(tmp_path, monkeypatch, capsys):
+    from mpar.cli import main
+
+    _factory(tmp_path, monkeypatch)
+    argv = ["plan", "--auto", "--model", "auto_factory_mod:make", "--meta", "--world-size", "4"]
+    assert main([*argv, "--device-memory", "256MiB", "--global-batch", "8", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data) >= {"config", "predicted", "candidates", "rejected", "plan"}
+    config = load_config(data["config"])
+    config.check_world_size(4)
+    assert data["predicted"]["max_rank_memory_bytes"] <= 256 * MiB
+    assert data["plan"]["step_time_s"] == pytest.approx(data["predicted"]["step_time_s"])
+    # profiled at the example's 2 samples: microbatch sizes are scaled from there
+    assert data["candidates"][0]["microbatch_size"] * data["config"]["microbatches"] in (2, 4, 8)
+    assert main([*argv, "--device-memory", "256MiB", "--global-batch", "8", "--no-bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "bf16" not in out.split("rejected:")[0].split("precision")[1]
+    assert main([*argv, "--device-memory", "256MiB"]) == 2
+    assert "--global-batch" in capsys.readouterr().err
+    assert main([*argv, "--device-memory", "1KiB", "--global-batch", "8"]) == 2
+    assert "no layout of 4 ranks fits" in capsys.readouterr().err
+    monkeypatch.delitem(sys.modules, "auto_factory_mod", raising=False)
+
+
+def test_cli_plan_reads_knobs_and_refuses_auto_values(tmp_path, monkeypatch, capsys):
+    from mpar.cli import main
+
+    _factory(tmp_path, monkeypatch)
+    model = ["plan", "--model", "auto_factory_mod:make", "--meta", "--world-size", "2", "--json"]
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"partitions": 2, "activation_checkpointing": True}))
+    assert main([*model, "--config", str(cfg)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["layout"]["activation_checkpointing"] is True
+    auto = tmp_path / "auto.json"
+    auto.write_text(json.dumps({"microbatches": "auto", "device_memory": "1GiB"}))
+    assert main([*model, "--config", str(auto)]) == 2
+    assert "mpar plan --auto" in capsys.readouterr().err
+    monkeypatch.delitem(sys.modules, "auto_factory_mod", raising=False)
+
+
+def test_fit_fixed_times_scales_only_the_per_sample_part():
+    import dataclasses
+
+    from mpar.partition import fit_fixed_times
+
+    at2 = _profile(4, time=3e-3)  # measured at 2 samples
+    at1 = _profile(4, time=2e-3)  # measured at 1 sample
+    fitted = fit_fixed_times(at2, 2, at1, 1)
+    assert [u.fixed_time_s for u in fitted.units] == pytest.approx([1e-3] * 4)
+    # a 1-sample microbatch from the 2-sample profile: 1 ms fixed + 2 ms * 0.5
+    plan = make_plan(fitted, num_ranks=2, microbatch_scale=0.5, memory_weight=0.0)
+    assert plan.stages[0].time_s == pytest.approx(2 * 2e-3)
+    linear = make_plan(at2, num_ranks=2, microbatch_scale=0.5, memory_weight=0.0)
+    assert linear.stages[0].time_s == pytest.approx(2 * 1.5e-3)
+    with pytest.raises(PartitionError, match="different batch sizes"):
+        fit_fixed_times(at2, 2, at1, 2)
+    renamed = dataclasses.replace(at1, units=[dataclasses.replace(at1.units[0], name="x")])
+    with pytest.raises(PartitionError):
+        fit_fixed_times(at2, 2, renamed, 1)
+
+
+def test_cli_plan_auto_measured_fits_fixed_times(tmp_path, monkeypatch, capsys):
+    from mpar.cli import main
+
+    _factory(tmp_path, monkeypatch)
+    argv = ["plan", "--auto", "--model", "auto_factory_mod:make", "--world-size", "2"]
+    assert main([*argv, "--device-memory", "1GiB", "--global-batch", "4", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    load_config(data["config"]).check_world_size(2)
+    assert data["predicted"]["step_time_s"] > 0
+    monkeypatch.delitem(sys.modules, "auto_factory_mod", raising=False)
