@@ -61,6 +61,7 @@ CASES = [
     ("mpar", "interleaved", 2, "interleaved"),
     ("mpar", "zero_bubble", 1, "zero_bubble"),
     ("mpar", "zero_bubble", 2, "zero_bubble"),
+    ("mpar", "zbv", 2, "zbv"),
     ("torch", "ScheduleGPipe", 1, "simple"),
     ("torch", "Schedule1F1B", 1, "interleaved"),
     ("torch", "ScheduleInterleaved1F1B", 2, "interleaved"),
