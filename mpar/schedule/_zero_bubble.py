@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from mpar.errors import ScheduleError
-from mpar.schedule._generators import interleaved
+from mpar.schedule._generators import _check_positive, interleaved
 from mpar.schedule._ir import Action, Kind, Schedule
 from mpar.schedule._simulate import peak_in_flight
 
@@ -157,11 +157,7 @@ def zbv(
         )
     cap = num_ranks
     if active_microbatches is not None:
-        if isinstance(active_microbatches, bool) or active_microbatches < 1:
-            raise ScheduleError(
-                f"active_microbatches must be a positive integer, got {active_microbatches!r}"
-            )
-        cap = min(cap, active_microbatches)
+        cap = min(cap, _check_positive("active_microbatches", active_microbatches))
     placement = _VPlacement(num_ranks, num_microbatches, cap, forward_only)
     actions = placement.run()
     return Schedule(num_stages, num_ranks, num_microbatches, actions, name="zbv", placement="v")
@@ -194,16 +190,14 @@ class _VPlacement:
             t += 1
         return self.out
 
-    def _done(self, action: Action, t: int) -> bool:
-        return self.finished.get(action, t + 1) <= t
-
     def _choose(self, r: int, t: int) -> Action | None:
         first, second = r, self.last - r
         if not self.forward_only:
             ready = [
                 (self.next_i[s], -s)
                 for s in (second, first)
-                if self.next_i[s] < self.m and self._input_grad_ready(s, self.next_i[s], t)
+                if self.next_i[s] < self.m
+                and _ready(Action(s, Kind.I, self.next_i[s]), self.finished, t, self.last + 1)
             ]
             if ready:
                 j, s = min(ready)
@@ -214,7 +208,7 @@ class _VPlacement:
             j = self.next_f[s]
             if j >= self.m or (s == first and not self.forward_only and self.held[r] >= self.cap):
                 continue
-            if s == 0 or self._done(Action(s - 1, Kind.F, j), t):
+            if _ready(Action(s, Kind.F, j), self.finished, t, self.last + 1):
                 self.next_f[s] += 1
                 self.held[r] += s == first
                 return Action(s, Kind.F, j)
@@ -223,8 +217,3 @@ class _VPlacement:
             self.held[r] -= weight.stage == first
             return weight
         return None
-
-    def _input_grad_ready(self, s: int, j: int, t: int) -> bool:
-        if not self._done(Action(s, Kind.F, j), t):
-            return False
-        return s == self.last or self._done(Action(s + 1, Kind.I, j), t)
