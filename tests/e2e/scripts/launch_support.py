@@ -127,10 +127,12 @@ def assert_no_orphans(token: str, result: Result, grace: float = 3.0) -> None:
 def rank_lines(text: str) -> dict[int, dict[str, str]]:
     """``rank=R key=value ...`` lines printed by the test scripts, by rank.
 
-    mpiexec may glue two ranks' lines together, so chunks start at ``rank=``.
+    Ranks share the launcher's stdout, so two ranks' lines may be glued together
+    (``...dp_size=2rank=2 ...``): chunks start at every ``rank=`` that is not the
+    tail of a longer key such as ``pp_rank=``.
     """
     ranks = {}
-    for chunk in re.split(r"(?<![\w])(?=rank=\d+ )", text):
+    for chunk in re.split(r"(?<![A-Za-z_])(?=rank=\d+ )", text):
         if chunk.startswith("rank="):
             fields = dict(re.findall(r"(\w+)=(\S+)", chunk.split("\n")[0]))
             ranks[int(fields["rank"])] = fields
