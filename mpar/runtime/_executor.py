@@ -39,7 +39,6 @@ from mpar.comm import State
 from mpar.comm._p2p import Links, PendingSends, recv_payload, send_payload
 from mpar.comm._progress import PROGRESS
 from mpar.errors import StepError
-from mpar.runtime._grads import GradReducer
 from mpar.runtime._microbatch import Microbatches
 from mpar.runtime._output import StepOutput, check_gatherable, detach_to_cpu
 from mpar.runtime._precision import cast_floats, compute_dtype
@@ -105,6 +104,22 @@ def _input_grads(inputs: Any) -> Any:
     return None
 
 
+def _unshard_phases(actions: list[Any]) -> dict[int, list[bool]]:
+    """Per stage, for each of its UNSHARD actions in order: whether the stage's next
+    computation after it is a backward."""
+    out: dict[int, list[bool]] = {}
+    for i, action in enumerate(actions):
+        if action.kind.value != "UNSHARD":
+            continue
+        following = (
+            a.kind.value
+            for a in actions[i + 1 :]
+            if a.stage == action.stage and a.kind.value in ("F", "B", "I", "W")
+        )
+        out.setdefault(action.stage, []).append(next(following, "F") != "F")
+    return out
+
+
 class StepRun:
     """One step of one rank: its schedule actions, transfers and results."""
 
@@ -149,8 +164,6 @@ class StepRun:
         self.dtype = compute_dtype(st.config)
         """Mixed precision: stage 0 casts float inputs to it, the last stage casts back."""
         self.loss_scale = 1.0 if self.sharded is None else self.sharded.loss_scale
-        use_reducer = self.training and self.sharded is None
-        self.reducer = GradReducer(self.stages, st) if use_reducer else None
 
     # -- the user's step function ------------------------------------------------
 
@@ -262,9 +275,14 @@ class StepRun:
     # -- actions -----------------------------------------------------------------
 
     def _run(self, s: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self.sharded is not None:
-            self.sharded.wait_unsharded(s)  # a prefetched gather must land first
-        return run_stage(self.stages.modules[s], args, kwargs, self.st.config, self.st.device)
+        sharded = self.sharded
+        if sharded is None:
+            return run_stage(self.stages.modules[s], args, kwargs, self.st.config, self.st.device)
+        sharded.wait_unsharded(s)  # a prefetched gather must land first
+        try:
+            return run_stage(self.stages.modules[s], args, kwargs, self.st.config, self.st.device)
+        finally:
+            sharded.after_forward(s)
 
     def forward(self, s: int, j: int) -> None:
         if s == self.num_stages - 1:
@@ -336,8 +354,6 @@ class StepRun:
 
     def _weights_done(self, s: int) -> None:
         self.backward_done[s] = self.backward_done.get(s, 0) + 1
-        if self.backward_done[s] == len(self.batches) and self.reducer is not None:
-            self.reducer.start(s)
 
     def _backward_input(self, s: int, j: int, *, split: bool) -> None:
         inputs, outputs = self.saved.pop((s, j))
@@ -361,7 +377,11 @@ class StepRun:
                 stage = self.stages.modules[s]
                 work = split_backward(roots, root_grads, inputs, stage, self.st.config)
             else:
-                torch.autograd.backward(roots, root_grads)
+                try:
+                    torch.autograd.backward(roots, root_grads)
+                finally:
+                    if self.sharded is not None:
+                        self.sharded.after_backward(s)
             grads = _input_grads(inputs)
         if split:
             self.weight_work[(s, j)] = work
@@ -382,7 +402,15 @@ class StepRun:
         if self.sharded is not None:
             for kind, method in _SHARD_ACTIONS.items():
                 handlers[kind] = _stage_wide(getattr(self.sharded, method))
+            handlers["UNSHARD"] = self._unshard
         return handlers
+
+    def _unshard(self, action: Any) -> None:
+        """UNSHARD: start the stage's gathers (with unit groups, the group its next
+        computation starts with: the first for a forward, the last for a backward)."""
+        assert self.sharded is not None
+        backward = self.unshard_for_backward.get(action.stage, [])
+        self.sharded.start_unshard(action.stage, backward=backward.pop(0) if backward else False)
 
     def run(self) -> StepOutput:
         stages_here = set(self.stages.modules)
@@ -392,6 +420,7 @@ class StepRun:
         if 0 in stages_here and self.num_stages > 1:
             self.capture_inputs()
         handlers = self._handlers()
+        self.unshard_for_backward = _unshard_phases(self.schedule.actions[self.st.pp_rank])
         timeline = self.timeline
         for action in self.schedule.actions[self.st.pp_rank]:
             PROGRESS.begin(action)  # the hang watchdog's view of this rank; ~free
@@ -408,8 +437,6 @@ class StepRun:
         # Outputs first: their senders wait for this receive before any collective below.
         outputs = self._gather_outputs()
         self.pending.wait()
-        if self.reducer is not None:
-            self.reducer.finish()
         if self.sharded is not None and self.training:
             self.sharded.finish_grads()
         self.model.activation_peak_bytes = self.peak_activation_bytes

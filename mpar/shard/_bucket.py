@@ -6,7 +6,8 @@ Tensors a bucket may hold (``P`` padded elements, ``n`` group size, ``S = P/n``)
 name           what                                     stages
 =============  ======================================  =====================
 ``full``       all ``P`` parameters; the module's       0-2 always, 3 while
-               parameters are views into it             gathered
+               parameters are views into it             gathered (its storage
+                                                        is freed in between)
 ``shard``      this rank's ``S`` parameters (CPU with   3
                ``offload_params``)
 ``grad_full``  reduced gradients of all ``P``; the      0
@@ -32,6 +33,19 @@ parameters' original dtype (fp32), the only one the optimizer updates, and
 parameters. The optimizer reads an fp32 copy of the reduced gradient made at
 step time (:meth:`FlatBucket.opt_grad`), multiplied by ``grad_factor`` (loss
 unscaling and clipping), so low-precision gradients are never rescaled in place.
+
+ZeRO-3 gathers reuse one ``full`` tensor per bucket: releasing it frees its
+storage (and points the parameters at empty tensors), gathering grows the
+storage back and refills it. Views of the parameters that autograd saved in a
+forward (``t(weight)`` for a matrix product, say) are views of that storage:
+they hold no memory while the bucket is released, and read the re-gathered
+values in the backward, which must gather the bucket first.
+
+*Unit buckets* (``unit_grads``, ZeRO 2 and 3 with unit-granular gathering) hold
+one partition unit's parameters and reduce-scatter their gradients after every
+backward of the unit (:meth:`FlatBucket.begin_backward`), so only the unit
+being differentiated has a full-size gradient buffer; the other buckets reduce
+once per step, after the stage's last backward.
 
 Stages 1 and 2 keep the same gradient state: the paper's stage 1 holds the
 full reduced gradients (4 bytes per parameter) until the next step; here, as
@@ -131,6 +145,10 @@ class FlatBucket:
         self.tied_group: Any = None
         """Tied parameter (the bucket's only one): the group of ranks holding its copies."""
         self.tied_size = 1
+        self.gathered = zero_stage < 3
+        """Whether ``full`` holds the parameters now (always below ZeRO-3)."""
+        self.unit_grads = False
+        """A unit bucket: gradients reduced after every backward (see the module docstring)."""
         self.master = self._make_master(self._init_storage())
 
     # ---------------------------------------------------------------- storage
@@ -197,7 +215,7 @@ class FlatBucket:
         return _device.to_device(self.shard, self.device)
 
     # ------------------------------------------------------- ZeRO-3 gathering
-    def acquire(self, stage: int, *, wait: bool = True) -> None:
+    def acquire(self, stage: Any, *, wait: bool = True) -> None:
         """Gather the full parameters for ``stage`` (ZeRO-3; no-op if gathered).
 
         With ``wait=False`` the gather only starts (a prefetch): the parameters
@@ -205,19 +223,22 @@ class FlatBucket:
         before they are read.
         """
         self.users.add(stage)
-        if self.zero_stage < 3 or self.full is not None:
+        if self.gathered:
             if wait:
                 self.wait_gathered()
             return
-        full = torch.empty(self.spec.padded, dtype=self.dtype, device=self.device)
+        if self.full is None or not _device.can_free_storage(self.device):
+            self.full = torch.empty(self.spec.padded, dtype=self.dtype, device=self.device)
+        else:
+            _device.restore_storage(self.full)
         self.gathering = all_gather_flat(
-            full,
+            self.full,
             self._device_shard(),
             group=self.comm.group,
             size=self.comm.size,
             async_op=True,
         )
-        self.full = full
+        self.gathered = True
         self._bind_params()
         if wait:
             self.wait_gathered()
@@ -228,13 +249,19 @@ class FlatBucket:
         if work is not None:
             work.wait()
 
-    def release(self, stage: int) -> None:
-        """Drop ``stage``'s use; free the gathered copy when no local stage uses it."""
+    def release(self, stage: Any) -> None:
+        """Drop ``stage``'s use (a stage index, or any key a caller acquired with);
+        free the gathered copy when nothing uses it any more."""
         self.users.discard(stage)
-        if self.zero_stage < 3 or self.users or self.full is None:
+        if self.zero_stage < 3 or self.users or not self.gathered:
             return
         self.wait_gathered()  # never free a buffer a collective is still writing
-        self.full = None
+        assert self.full is not None
+        if _device.can_free_storage(self.device):
+            _device.free_storage(self.full)
+        else:
+            self.full = None
+        self.gathered = False
         self._release_params()
 
     def load_values(self, flat: torch.Tensor) -> None:
@@ -245,7 +272,8 @@ class FlatBucket:
         lo, hi = self.opt_range
         with torch.no_grad():
             self.master.copy_(flat[lo:hi])
-            if self.full is not None:
+            if self.gathered:
+                assert self.full is not None
                 self.full.copy_(flat)
             if self.shard is not None:
                 self.shard.copy_(flat[self.lo : self.hi])
@@ -264,7 +292,7 @@ class FlatBucket:
         """After the gathered parameters were overwritten in place (e.g. by
         ``load_state_dict``): refresh this rank's shard and master copy from them."""
         self.wait_gathered()
-        if self.full is None:
+        if not self.gathered or self.full is None:
             return
         local = self.full[self.lo : self.hi]
         if self.shard is not None and not _device.same_memory(self.shard, local):
@@ -298,8 +326,35 @@ class FlatBucket:
 
     def reduce(self) -> None:
         """``reduce_grads``: start the reduction unless the backward already did."""
+        if self.unit_grads:
+            self.end_backward()
+            return
         self.disarm()
         if not self.started_in_backward:
+            self.start_reduce()
+        self.started_in_backward = False
+
+    def begin_backward(self) -> None:
+        """Unit bucket, before a backward through its unit: the gradients of this
+        backward accumulate into a fresh flat buffer (``.grad`` views into it), and
+        its reduce-scatter starts as soon as the last of them has arrived.
+
+        The reduction of the previous backward is finished first (its result is
+        added to ``grad_shard``), so at most one of them is in flight.
+        """
+        if self.staging is not None:
+            return  # this backward already bound them (a unit called twice)
+        self.finish_reduce()
+        self.staging = torch.zeros(self.spec.padded, dtype=self.dtype, device=self.device)
+        for slot, p, shape in zip(self.spec.slots, self.params, self.shapes):
+            p.grad = self.staging[slot.offset : slot.offset + slot.numel].view(shape)
+        self.arm()
+
+    def end_backward(self) -> None:
+        """Unit bucket, after a backward: start the reduction if some of its
+        parameters got no gradient in it (the hooks never saw them all arrive)."""
+        if self.staging is not None:
+            self.disarm()
             self.start_reduce()
         self.started_in_backward = False
 
@@ -504,7 +559,7 @@ class FlatBucket:
         assert self.shard is not None
         if not _device.same_memory(self.shard, self.master):
             _device.copy_(self.shard, self.master)
-        if self.full is None:
+        if not self.gathered:
             return None
         return all_gather_flat(
             self.full,
@@ -521,8 +576,9 @@ class FlatBucket:
         grads += [p.grad for p in self.params]
         if self.pending is not None:
             grads += [self.pending[1], self.pending[2]]
+        full = self.full if self.gathered else None
         return {
-            "parameters": [t for t in (self.full, self.shard) if t is not None],
+            "parameters": [t for t in (full, self.shard) if t is not None],
             "gradients": [t for t in grads if t is not None],
             "optimizer": [self.master],
         }
