@@ -132,6 +132,8 @@ class FlatBucket:
         self.cpu_grad: torch.Tensor | None = None
         self.has_grad = False
         """True once a reduction has landed since the last ``zero_grad``."""
+        self.cpu_valid = False
+        """Offload: ``cpu_grad`` holds gradients of this step (added to, not overwritten)."""
         self.pending: tuple[Any, torch.Tensor, torch.Tensor] | None = None
         self.users: set[int] = set()
         """Local stages that currently hold this (ZeRO-3) bucket gathered."""
@@ -344,7 +346,7 @@ class FlatBucket:
         """
         if self.staging is not None:
             return  # this backward already bound them (a unit called twice)
-        self.finish_reduce()
+        self.finish_reduce(to_host=False)
         self.staging = torch.zeros(self.spec.padded, dtype=self.dtype, device=self.device)
         for slot, p, shape in zip(self.spec.slots, self.params, self.shapes):
             p.grad = self.staging[slot.offset : slot.offset + slot.numel].view(shape)
@@ -428,9 +430,17 @@ class FlatBucket:
             return flat
         return torch.empty(self.spec.padded, dtype=self.dtype, device=self.device)
 
-    def finish_reduce(self) -> None:
-        """Wait for the reduction and store its result (and its CPU copy if offloaded)."""
+    def finish_reduce(self, *, to_host: bool = True) -> None:
+        """Wait for the reduction and store its result (and its CPU copy if offloaded).
+
+        ``to_host=False`` (a unit bucket between two backwards of a step) keeps
+        the sum on the device, in the gradients' dtype as the reductions of a
+        whole step would; the copy to the offloaded optimizer happens once, at
+        the end of the step.
+        """
         if self.pending is None:
+            if to_host and self.offload_optimizer and self.grad_shard is not None:
+                self._to_cpu_grad(self.grad_shard)
             return
         work, out, _ = self.pending
         self.pending = None
@@ -448,17 +458,18 @@ class FlatBucket:
                 out = self.grad_shard.add_(out)
             self.grad_shard = out
             reduced = out
-        if self.offload_optimizer:
+        if self.offload_optimizer and to_host:
             self._to_cpu_grad(reduced)
         self.has_grad = True
 
     def _to_cpu_grad(self, reduced: torch.Tensor) -> None:
         if self.cpu_grad is None:
             self.cpu_grad = _device.host_buffer(reduced.numel(), self.master_dtype, self.device)
-        if self.has_grad and self.zero_stage >= 1:
+        if self.cpu_valid and self.zero_stage >= 1:
             self.cpu_grad.add_(reduced.to("cpu"))
         else:
             _device.copy_(self.cpu_grad, reduced)
+        self.cpu_valid = True
         if self.zero_stage >= 1:
             self.grad_shard = None  # the device copy is no longer needed
 
@@ -521,7 +532,7 @@ class FlatBucket:
                 grad.mul_(factor)
 
     def zero_grad(self, set_to_none: bool) -> None:
-        self.has_grad = False
+        self.has_grad = self.cpu_valid = False
         self.grad_factor = 1.0
         if set_to_none:
             if self.grad_full is not None:

@@ -101,6 +101,7 @@ class ShardedStages:
         """Trainable local parameters, each once, in stage then module order."""
         self._tied_ids = {id(p): group for group, p in tied}
         self._unit_of = self._unit_index(owned, units or {})
+        self._group_counts = {s: len(groups) for s, groups in (units or {}).items()}
         self.buckets = self._make_buckets(owned)
         self.tied_buckets = [self._bucket_of(p) for _, p in tied]
         """Buckets of tied parameters, in the order of ``tied`` (the same on every rank)."""
@@ -148,8 +149,9 @@ class ShardedStages:
                 continue
             bucket.unit_grads = self.zero.stage >= 2
             by_stage.setdefault(place[0], {}).setdefault(place[1], []).append(bucket)
-        for s, groups in by_stage.items():
-            ordered = [groups.get(g, []) for g in range(max(groups) + 1)]
+        for s, count in self._group_counts.items():
+            groups = by_stage.get(s, {})
+            ordered = [groups.get(g, []) for g in range(count)]
             out[s] = UnitGather(
                 s,
                 ordered,
