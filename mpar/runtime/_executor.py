@@ -27,11 +27,13 @@ collective of its own.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from mpar import _device
 from mpar._tree import tree_leaves, tree_map
@@ -77,6 +79,14 @@ def _nothing() -> None:
     pass
 
 
+def _parameter_storages(model: Any) -> set[int]:
+    """Storage keys of every parameter and flat parameter buffer of this rank's stages."""
+    keys = {_device.storage_key(p) for m in model.stages.modules.values() for p in m.parameters()}
+    if model.sharded is not None:
+        keys |= {_device.storage_key(b.full) for b in model.sharded.buckets if b.full is not None}
+    return keys
+
+
 def _stage_wide(method: Callable[[int], None]) -> Callable[[Any], None]:
     """A handler for UNSHARD / RESHARD / REDUCE_GRAD: ``method(stage)``."""
     return lambda action: method(action.stage)
@@ -120,6 +130,30 @@ def _unshard_phases(actions: list[Any]) -> dict[int, list[bool]]:
     return out
 
 
+class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Counts the distinct storages autograd saves for backward inside a stage's
+    forward (parameters and gathered parameter buffers excluded)."""
+
+    def __init__(self, excluded: set[int]) -> None:
+        self.bytes = 0
+        seen: set[int] = set()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+                return t
+            key = _device.storage_key(t)
+            if key not in seen and key not in excluded:
+                seen.add(key)
+                self.bytes += t.untyped_storage().nbytes()
+            return t
+
+        super().__init__(pack, _identity)
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 class StepRun:
     """One step of one rank: its schedule actions, transfers and results."""
 
@@ -156,7 +190,13 @@ class StepRun:
         """Where transfers are built and received (the host when they are staged)."""
         self.incoming = self._incoming_streams()
         self.held_bytes = 0
-        """Bytes of the stage inputs and outputs now kept for backward."""
+        """Bytes now kept for backward: stage inputs and outputs, and what autograd
+        saved inside the stages."""
+        self.saved_inside: dict[tuple[int, int], int] = {}
+        """(stage, microbatch) -> bytes autograd saved inside its forward."""
+        self.current: dict[int, int] = {}
+        """Stage -> the microbatch its forward is running (for ``saved_inside``)."""
+        self.excluded_storages = _parameter_storages(model)
         self.peak_activation_bytes = 0
         self.microbatch: int | None = None
         self.model_called = False
@@ -192,6 +232,7 @@ class StepRun:
         if self.training:
             self.saved[(s, j)] = (stage_args, None)
             self.held_bytes += _tensor_bytes(stage_args)
+            self.peak_activation_bytes = max(self.peak_activation_bytes, self.held_bytes)
         return output
 
     def record_loss(self, loss: torch.Tensor) -> None:
@@ -276,15 +317,24 @@ class StepRun:
 
     def _run(self, s: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         sharded = self.sharded
-        if sharded is None:
-            return run_stage(self.stages.modules[s], args, kwargs, self.st.config, self.st.device)
-        sharded.wait_unsharded(s)  # a prefetched gather must land first
+        if sharded is not None:
+            sharded.wait_unsharded(s)  # a prefetched gather must land first
+        counter = _SavedBytes(self.excluded_storages) if torch.is_grad_enabled() else None
         try:
-            return run_stage(self.stages.modules[s], args, kwargs, self.st.config, self.st.device)
+            with counter or contextlib.nullcontext():
+                output = run_stage(
+                    self.stages.modules[s], args, kwargs, self.st.config, self.st.device
+                )
         finally:
-            sharded.after_forward(s)
+            if sharded is not None:
+                sharded.after_forward(s)
+        if counter is not None and self.training:
+            self.saved_inside[(s, self.current[s])] = counter.bytes
+            self.held_bytes += counter.bytes
+        return output
 
     def forward(self, s: int, j: int) -> None:
+        self.current[s] = j
         if s == self.num_stages - 1:
             self._last_stage_forward(j)
             return
@@ -357,7 +407,7 @@ class StepRun:
 
     def _backward_input(self, s: int, j: int, *, split: bool) -> None:
         inputs, outputs = self.saved.pop((s, j))
-        self.held_bytes -= _tensor_bytes((inputs, outputs))
+        self.held_bytes -= _tensor_bytes((inputs, outputs)) + self.saved_inside.pop((s, j), 0)
         roots: list[torch.Tensor] = []
         root_grads: list[torch.Tensor] | None = None
         if s == self.num_stages - 1:

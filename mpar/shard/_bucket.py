@@ -43,9 +43,9 @@ values in the backward, which must gather the bucket first.
 
 *Unit buckets* (``unit_grads``, ZeRO 2 and 3 with unit-granular gathering) hold
 one partition unit's parameters and reduce-scatter their gradients after every
-backward of the unit (:meth:`FlatBucket.begin_backward`), so only the unit
-being differentiated has a full-size gradient buffer; the other buckets reduce
-once per step, after the stage's last backward.
+backward of the unit (:meth:`FlatBucket.reduce_unit`), so only the unit being
+differentiated has full-size gradients; the other buckets reduce once per
+step, after the stage's last backward.
 
 Stages 1 and 2 keep the same gradient state: the paper's stage 1 holds the
 full reduced gradients (4 bytes per parameter) until the next step; here, as
@@ -329,36 +329,22 @@ class FlatBucket:
     def reduce(self) -> None:
         """``reduce_grads``: start the reduction unless the backward already did."""
         if self.unit_grads:
-            self.end_backward()
+            self.reduce_unit()
             return
         self.disarm()
         if not self.started_in_backward:
             self.start_reduce()
         self.started_in_backward = False
 
-    def begin_backward(self) -> None:
-        """Unit bucket, before a backward through its unit: the gradients of this
-        backward accumulate into a fresh flat buffer (``.grad`` views into it), and
-        its reduce-scatter starts as soon as the last of them has arrived.
-
-        The reduction of the previous backward is finished first (its result is
-        added to ``grad_shard``), so at most one of them is in flight.
-        """
-        if self.staging is not None:
-            return  # this backward already bound them (a unit called twice)
+    def reduce_unit(self) -> None:
+        """Unit bucket: start reduce-scattering the gradients its parameters got since
+        the last call (``.grad`` as autograd allocated them), to be added to
+        ``grad_shard``. The previous reduction is finished first, so at most one is
+        in flight; no-op when no parameter has a gradient."""
+        if all(p.grad is None for p in self.params):
+            return
         self.finish_reduce(to_host=False)
-        self.staging = torch.zeros(self.spec.padded, dtype=self.dtype, device=self.device)
-        for slot, p, shape in zip(self.spec.slots, self.params, self.shapes):
-            p.grad = self.staging[slot.offset : slot.offset + slot.numel].view(shape)
-        self.arm()
-
-    def end_backward(self) -> None:
-        """Unit bucket, after a backward: start the reduction if some of its
-        parameters got no gradient in it (the hooks never saw them all arrive)."""
-        if self.staging is not None:
-            self.disarm()
-            self.start_reduce()
-        self.started_in_backward = False
+        self.start_reduce()
 
     def bind_grads(self) -> None:
         """Before the stage's first backward of a step: make every parameter's

@@ -123,6 +123,9 @@ class ShardedStages:
         self.peak_gathered_bytes = 0
         """ZeRO-3: the most bytes of gathered (full) parameters held at once since the
         last :meth:`reset_peak` (the runtime resets it at the start of each step)."""
+        self.peak_grad_bytes = 0
+        """The most bytes of gradient buffers (flat buffers being accumulated into or
+        reduced, reduced shards) held at once since the last :meth:`reset_peak`."""
 
     def _unit_index(
         self,
@@ -158,11 +161,33 @@ class ShardedStages:
                 gather=self.zero.stage == 3,
                 reshard_after_forward=self.zero.reshard_after_forward,
                 on_gather=self._note_gathered,
+                on_grads=self._note_grads,
             )
         return out
 
     def _note_gathered(self) -> None:
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._gathered_bytes())
+
+    def _note_grads(self) -> None:
+        self.peak_grad_bytes = max(self.peak_grad_bytes, self._grad_bytes())
+
+    def _grad_bytes(self) -> int:
+        """Bytes of the gradient buffers held now (each storage once)."""
+        seen: set[int] = set()
+        total = 0
+        for b in self.buckets:
+            tensors = [b.staging, b.grad_full, b.grad_shard]
+            if b.unit_grads:  # gradients autograd allocated, not yet flattened
+                tensors += [p.grad for p in b.params]
+            if b.pending is not None:
+                tensors += [b.pending[1], b.pending[2]]
+            for t in tensors:
+                if t is not None:
+                    key = _device.storage_key(t)
+                    if key not in seen:
+                        seen.add(key)
+                        total += t.untyped_storage().nbytes()
+        return total
 
     def _make_buckets(self, owned: dict[int, list[nn.Parameter]]) -> list[FlatBucket]:
         index = {id(p): i for i, p in enumerate(self.params)}
@@ -283,6 +308,7 @@ class ShardedStages:
 
     def after_backward(self, s: int) -> None:
         """After a backward of stage ``s`` (see :meth:`UnitGather.after_backward`)."""
+        self._note_grads()
         units = self.units.get(s)
         if units is not None:
             units.after_backward()
@@ -304,6 +330,7 @@ class ShardedStages:
         for bucket in self._owned[self._stage(s)]:
             if not bucket.unit_grads:
                 bucket.bind_grads()
+        self._note_grads()
 
     def reduce_grads_in_backward(self, s: int) -> None:
         """Let stage ``s``'s next backward start its reductions bucket by bucket.
@@ -360,8 +387,10 @@ class ShardedStages:
             bucket.load_values(flat)
 
     def reset_peak(self) -> None:
-        """Start counting ``peak_gathered_bytes`` afresh (from what is gathered now)."""
+        """Start counting ``peak_gathered_bytes`` and ``peak_grad_bytes`` afresh
+        (from what is held now)."""
         self.peak_gathered_bytes = self._gathered_bytes()
+        self.peak_grad_bytes = self._grad_bytes()
 
     def _gathered_bytes(self) -> int:
         """Bytes of the full (gathered) parameter buffers held now (ZeRO-3)."""

@@ -13,10 +13,9 @@ the unit submodules, or gates inserted into a traced stage's graph):
 * ``pre_forward(g)``: gather group ``g`` (waiting for a prefetch if one is in
   flight) and start gathering ``g + 1``;
 * ``post_forward(g)``: free ``g`` (``reshard_after_forward``);
-* ``pre_backward(g)``: gather ``g`` again, start ``g - 1``; point its
-  parameters' ``.grad`` into a fresh flat buffer whose reduce-scatter starts
-  as soon as the last gradient of the group has arrived (ZeRO 2 and 3);
-* ``post_backward(g)``: free ``g``.
+* ``pre_backward(g)``: gather ``g`` again, start ``g - 1``;
+* ``post_backward(g)``: free ``g``, then (ZeRO 2 and 3) flatten the gradients
+  autograd gave its parameters into one buffer and start its reduce-scatter.
 
 The reasons a group is gathered are counted (*holds*: forward, backward,
 prefetch), so activation checkpointing, which reruns a stage's forward inside
@@ -29,8 +28,9 @@ parameters did not all get a gradient.
 
 Peak parameter memory of a stage at ZeRO-3 is then its shard, its stage-wide
 buckets, and at most two groups gathered (the current one and the prefetched
-one); peak gradient memory is one group's flat buffer plus the reduce-scatter
-in flight of the previous one.
+one); peak gradient memory is the reduced shards plus one group's full-size
+gradients (briefly also their flat copy, after the group's parameters were
+freed), as with FSDP2.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ class UnitGather:
         gather: bool,
         reshard_after_forward: bool,
         on_gather: object = None,
+        on_grads: object = None,
     ) -> None:
         self.stage = stage
         self.groups = [UnitGroup(stage, g, list(b)) for g, b in enumerate(groups)]
@@ -79,6 +80,11 @@ class UnitGather:
         self.reshard_after_forward = reshard_after_forward
         self.on_gather = on_gather
         """Called with no argument after each gather starts (peak accounting)."""
+        self.on_grads = on_grads
+        """Called with no argument after a group's gradient buffers are bound."""
+        self.reducing: list[UnitGroup] = []
+        """Groups whose gradients were bound in a backward, oldest first: their
+        reductions are in flight or about to start."""
 
     # ------------------------------------------------------------------ holds
     def _hold(self, group: UnitGroup, reason: str, *, wait: bool) -> None:
@@ -102,39 +108,66 @@ class UnitGather:
             for bucket in group.buckets:
                 bucket.release(group.key)
 
-    def _prefetch(self, g: int) -> None:
-        if 0 <= g < len(self.groups) and self.gather:
+    def _prefetch(self, g: int, step: int) -> None:
+        """Start gathering the nearest group from ``g`` on (``step`` +1 or -1) that has
+        parameters: groups without any (an activation function) are skipped."""
+        while self.gather and 0 <= g < len(self.groups):
             group = self.groups[g]
-            if not group.holds:
-                self._hold(group, _PREFETCH, wait=False)
+            if group.buckets:
+                if not group.holds:
+                    self._hold(group, _PREFETCH, wait=False)
+                return
+            g += step
 
     # ------------------------------------------------------------------ hooks
     def pre_forward(self, g: int) -> None:
         group = self.groups[g]
         self._hold(group, _FORWARD, wait=True)
         group.holds.discard(_PREFETCH)
-        self._prefetch(g + 1)
+        self._prefetch(g + 1, 1)
 
     def post_forward(self, g: int) -> None:
         if self.reshard_after_forward:
             self._drop(self.groups[g], _FORWARD)
 
     def pre_backward(self, g: int) -> None:
-        group = self.groups[g]
-        self._hold(group, _BACKWARD, wait=True)
-        group.holds.discard(_PREFETCH)
-        for bucket in group.buckets:
-            if bucket.unit_grads:
-                bucket.begin_backward()
-        self._prefetch(g - 1)
+        # Reductions started by later groups finish before this group's gradients
+        # exist: one unit's full-size gradients at a time, as FSDP2. (They started
+        # when those groups' backward ended, right before this hook.)
+        self._finish_reductions()
+        self._hold(self.groups[g], _BACKWARD, wait=True)
+        self.groups[g].holds.discard(_PREFETCH)
+        self._prefetch(g - 1, -1)
 
     def post_backward(self, g: int) -> None:
-        self._drop(self.groups[g], _BACKWARD, _FORWARD)
+        group = self.groups[g]
+        self._drop(group, _BACKWARD, _FORWARD)  # free the parameters first, then
+        self._reduce(group)  # flatten and reduce-scatter the gradients
+
+    def _reduce(self, group: UnitGroup) -> None:
+        units = [b for b in group.buckets if b.unit_grads]
+        if not units:
+            return
+        if callable(self.on_grads):
+            self.on_grads()
+        for bucket in units:
+            bucket.reduce_unit()
+        self.reducing.append(group)
+        if callable(self.on_grads):
+            self.on_grads()
+
+    def _finish_reductions(self) -> None:
+        while self.reducing:
+            for bucket in self.reducing.pop(0).buckets:
+                bucket.finish_reduce(to_host=False)
 
     # --------------------------------------------------------- stage-level ends
     def start(self, backward: bool) -> None:
         """The stage's UNSHARD: prefetch the group its next computation starts with."""
-        self._prefetch(len(self.groups) - 1 if backward else 0)
+        if backward:
+            self._prefetch(len(self.groups) - 1, -1)
+        else:
+            self._prefetch(0, 1)
 
     def after_forward(self) -> None:
         """After a forward of the stage: drop unused prefetches (and, with
@@ -147,12 +180,12 @@ class UnitGather:
     def after_backward(self) -> None:
         """After a backward of the stage: free every group and start the
         reductions its hooks did not start."""
-        for group in self.groups:
-            for bucket in group.buckets:
-                if bucket.unit_grads:
-                    bucket.end_backward()
+        for group in reversed(self.groups):
             if group.holds:
                 self._drop(group, _PREFETCH, _FORWARD, _BACKWARD)
+            if any(p.grad is not None for b in group.buckets if b.unit_grads for p in b.params):
+                self._finish_reductions()
+                self._reduce(group)
 
     def release_all(self) -> None:
         """The stage's RESHARD: nothing of it stays gathered."""
