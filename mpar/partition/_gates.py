@@ -164,9 +164,15 @@ def gate_graph(graph: fx.Graph, groups: Sequence[Sequence[str]]) -> fx.Graph:
     return new
 
 
-def _unpack(graph: fx.Graph, call: fx.Node, count: int) -> list[fx.Node]:
+def _unpack(graph: fx.Graph, call: fx.Node, sources: Sequence[fx.Node]) -> list[fx.Node]:
+    """getitem nodes for ``call``'s results, one per source, with the sources' metadata
+    (later groups recognise them as tensors)."""
+    items = []
     with graph.inserting_after(call):
-        items = [graph.call_function(operator.getitem, (call, i)) for i in range(count)]
+        for i, source in enumerate(sources):
+            item = graph.call_function(operator.getitem, (call, i))
+            item.meta = {k: v for k, v in source.meta.items() if k == "val"}
+            items.append(item)
     return items
 
 
@@ -188,7 +194,7 @@ def _gate_group(
                 inputs[i] = None
     with graph.inserting_before(first):
         call = graph.call_function(enter, (gate, g, *inputs))
-    for old, new in zip(inputs, _unpack(graph, call, len(inputs))):
+    for old, new in zip(inputs, _unpack(graph, call, list(inputs))):
         for node in members:
             node.replace_input_with(old, new)
     # Outputs: the group's tensors read outside it, early (before the group ends) or late.
@@ -201,7 +207,7 @@ def _gate_group(
         if early:
             with graph.inserting_after(node):
                 marked = graph.call_function(mark, (gate, g, node))
-            (item,) = _unpack(graph, marked, 1)
+            (item,) = _unpack(graph, marked, [node])
             for u in early:
                 u.replace_input_with(node, item)
         rest = [u for u in users if u not in early]
@@ -209,6 +215,6 @@ def _gate_group(
             late[node] = rest
     with graph.inserting_after(last):
         call = graph.call_function(leave, (gate, g, *late))
-    for (old, users), new in zip(late.items(), _unpack(graph, call, len(late))):
+    for (old, users), new in zip(late.items(), _unpack(graph, call, list(late))):
         for u in users:
             u.replace_input_with(old, new)
