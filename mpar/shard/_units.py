@@ -28,7 +28,8 @@ parameters did not all get a gradient.
 
 Peak parameter memory of a stage at ZeRO-3 is then its shard, its stage-wide
 buckets, and at most two groups gathered (the current one and the prefetched
-one); peak gradient memory is the reduced shards plus one group's full-size
+one; three under activation checkpointing, whose recomputed forward runs
+inside a group's backward); peak gradient memory is the reduced shards plus one group's full-size
 gradients (briefly also their flat copy, after the group's parameters were
 freed), as with FSDP2.
 """
@@ -124,7 +125,11 @@ class UnitGather:
         group = self.groups[g]
         self._hold(group, _FORWARD, wait=True)
         group.holds.discard(_PREFETCH)
-        self._prefetch(g + 1, 1)
+        if not any(_BACKWARD in other.holds for other in self.groups):
+            self._prefetch(g + 1, 1)
+        # else: a forward recomputed inside a backward (activation checkpointing): the
+        # group in backward and its prefetched neighbour stay gathered, so no prefetch
+        # here keeps the count at three groups
 
     def post_forward(self, g: int) -> None:
         if self.reshard_after_forward:
