@@ -134,3 +134,101 @@ def test_without_split_I_runs_the_whole_backward(monkeypatch):
     torch.testing.assert_close(stage.wpe.weight.grad, want["wpe.weight"])  # before W
     weights()
     torch.testing.assert_close(stage.wpe.weight.grad, want["wpe.weight"])
+
+
+# -- whole models cut into stages, in one process ----------------------------------
+
+
+def _chain_grads(split, args, kwargs, loss_of, *, use_split):
+    """Run the stages in a chain (each on fresh leaves, as the runtime does), then the
+    backward from the last stage to the first: whole (oracle) or as I, with every W
+    at the end. Returns each parameter's gradient, by name in the original model."""
+    from mpar._tree import tree_leaves
+
+    for stage in split.stages:
+        stage.zero_grad(set_to_none=True)
+    saved, out = [((), split.stages[0](*args, **kwargs))], None
+    out = saved[0][1]
+    for stage in split.stages[1:]:
+        leaves = tuple(
+            t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+            for t in out
+        )
+        out = stage(*leaves)
+        saved.append((leaves, out))
+    weights, grads = [], None
+    for s in reversed(range(len(split.stages))):
+        leaves, out = saved.pop()
+        if s == len(split.stages) - 1:
+            roots, root_grads = [loss_of(out)], None
+        else:
+            pairs = [
+                (o, g)
+                for o, g in zip(tree_leaves(out), grads)
+                if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
+            ]
+            roots, root_grads = [o for o, _ in pairs], [g for _, g in pairs]
+        if use_split:
+            weights.append(split_backward(roots, root_grads, leaves, split.stages[s], CONFIG))
+        else:
+            torch.autograd.backward(roots, root_grads)
+        grads = [t.grad if isinstance(t, torch.Tensor) else None for t in leaves]
+        del roots, root_grads, out
+    for w in weights:
+        w()
+    result = {}
+    for s, stage in enumerate(split.stages):
+        for name, p in stage.named_parameters():
+            result[split.qualnames[s][name]] = None if p.grad is None else p.grad.clone()
+    return result
+
+
+def _check_split_model(module, args, kwargs, loss_of, boundaries):
+    from mpar.partition import find_units, split_module
+
+    units = find_units(module, args, kwargs)
+    split = split_module(module, args, kwargs, boundaries(len(units)), units=units)
+    want = _chain_grads(split, args, kwargs, loss_of, use_split=False)
+    got = _chain_grads(split, args, kwargs, loss_of, use_split=True)
+    assert got.keys() == want.keys()
+    for name, grad in want.items():
+        if grad is None:
+            assert got[name] is None, name
+        else:
+            torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _one_unit_per_stage(n):
+    return list(range(n))
+
+
+def _two_stages(n):
+    return [0, n // 2]
+
+
+@pytest.mark.parametrize("boundaries", [_one_unit_per_stage, _two_stages])
+def test_tiny_gpt_cut_into_stages(boundaries):
+    """TinyGPT with its head tied to the token embedding (one Parameter in one
+    process: the first and last stage both accumulate into it, as on zbv's rank 0)."""
+    from tests.multiproc._pipeline_cases import batch, loss_fn, tiny_gpt
+
+    x, y = batch("gpt", 0, size=4)
+    _check_split_model(tiny_gpt(), (x,), {}, lambda out: loss_fn(out, y), boundaries)
+
+
+HF = ["gpt2", "llama", "t5", "bert", "vit"]
+
+
+@pytest.mark.parametrize(
+    "family", [pytest.param(f, marks=() if f == "gpt2" else pytest.mark.slow) for f in HF]
+)
+def test_hugging_face_models_cut_one_unit_per_stage(family):
+    pytest.importorskip("transformers")
+    from tests.multiproc import _hf_cases
+
+    inputs = {k: v[:2] for k, v in _hf_cases.batch(family, 0).items()}
+    from mpar.runtime._adapt import disable_caches
+
+    model = _hf_cases.build(family)
+    disable_caches(model)  # as DistributedModel does
+    _check_split_model(model, (), inputs, lambda out: out["loss"], _one_unit_per_stage)
