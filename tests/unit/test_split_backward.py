@@ -4,7 +4,9 @@ Each case builds a small stage, runs it twice from the same inputs: once with
 ``torch.autograd.backward`` (the oracle), once as I (``split_backward``) and
 then W. The input gradients must be there after I, and the weight gradients
 after W must equal the oracle's, also when ``.grad`` already holds a value
-(accumulation over microbatches) or is a view into a flat buffer (ZeRO).
+(accumulation over microbatches) or is a view into a flat buffer (ZeRO); then
+whole models cut into stages (TinyGPT by default, Hugging Face families with
+``-m slow``), backpropagated stage by stage in one process.
 """
 
 from __future__ import annotations
@@ -206,7 +208,9 @@ def _two_stages(n):
     return [0, n // 2]
 
 
-@pytest.mark.parametrize("boundaries", [_one_unit_per_stage, _two_stages])
+@pytest.mark.parametrize(
+    "boundaries", [_one_unit_per_stage, pytest.param(_two_stages, marks=pytest.mark.slow)]
+)
 def test_tiny_gpt_cut_into_stages(boundaries):
     """TinyGPT with its head tied to the token embedding (one Parameter in one
     process: the first and last stage both accumulate into it, as on zbv's rank 0)."""
@@ -219,9 +223,8 @@ def test_tiny_gpt_cut_into_stages(boundaries):
 HF = ["gpt2", "llama", "t5", "bert", "vit"]
 
 
-@pytest.mark.parametrize(
-    "family", [pytest.param(f, marks=() if f == "gpt2" else pytest.mark.slow) for f in HF]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("family", HF)
 def test_hugging_face_models_cut_one_unit_per_stage(family):
     pytest.importorskip("transformers")
     from tests.multiproc import _hf_cases
