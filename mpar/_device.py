@@ -299,7 +299,7 @@ def free_storage(tensor: torch.Tensor) -> None:
 def restore_storage(tensor: torch.Tensor) -> None:
     """Grow a storage freed by :func:`free_storage` back to ``tensor``'s size
     (contents uninitialised)."""
-    nbytes = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
+    nbytes = int((tensor.storage_offset() + tensor.numel()) * tensor.element_size())
     storage = tensor.untyped_storage()
     if storage.size() < nbytes:
         storage.resize_(nbytes)

@@ -147,7 +147,7 @@ def gate_graph(graph: fx.Graph, groups: Sequence[Sequence[str]]) -> fx.Graph:
     """A copy of ``graph`` with the gates of ``groups`` (unit names per group) inserted."""
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    new.output(new.graph_copy(graph, env))  # type: ignore[arg-type]
+    new.output(new.graph_copy(graph, env))
     output = next(n for n in new.nodes if n.op == "output")
     unit_group = {name: g for g, names in enumerate(groups) for name in names}
     assign = _assign(new, unit_group)

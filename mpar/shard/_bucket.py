@@ -556,7 +556,7 @@ class FlatBucket:
         assert self.shard is not None
         if not _device.same_memory(self.shard, self.master):
             _device.copy_(self.shard, self.master)
-        if not self.gathered:
+        if not self.gathered or self.full is None:
             return None
         return all_gather_flat(
             self.full,

@@ -59,7 +59,7 @@ def _split() -> tuple[TinyGPT, torch.Tensor, object]:
 
 
 def test_gates_fire_around_every_group_in_forward_and_backward() -> None:
-    model, idx, split = _split()
+    _, idx, split = _split()
     stage = split.stages[1]
     groups = group_units(split.units[1], "unit")
     x = split.stages[0](idx)
@@ -90,7 +90,7 @@ def test_gates_fire_around_every_group_in_forward_and_backward() -> None:
 
 
 def test_owners_leave_shared_parameters_to_no_group() -> None:
-    model, idx, split = _split()
+    _, _, split = _split()
     stage = split.stages[0]
     groups = group_units(split.units[0], "unit")
     program = stage.programs[stage.training]
