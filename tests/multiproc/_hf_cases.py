@@ -134,8 +134,18 @@ def train_family(family: str, steps: int) -> dict[str, Any]:
         losses.append(float(train_step(model, inputs).reduce_mean()))
         opt.step()
         opt.zero_grad()
-    counts = [stage.param_count for stage in model.plan.stages]
-    return {"losses": losses, "state": model.state_dict(), "plan_param_counts": counts}
+    state = model.state_dict()
+    if hasattr(model.plan, "stages"):
+        counts = [stage.param_count for stage in model.plan.stages]
+    else:  # one stage, not profiled: the whole model
+        counts = [
+            sum(
+                p.numel()
+                for name, p in state.items()
+                if name in dict(build(family).named_parameters())
+            )
+        ]
+    return {"losses": losses, "state": state, "plan_param_counts": counts}
 
 
 def train_ranks(families: list[str], config: dict[str, Any], steps: int) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 The loss is computed inside the model from ``labels``; caches (``use_cache``)
 stay at their defaults. The default suite runs every family at pp=2 x dp=2
 (4 microbatches of one sample, and ZeRO-3 with 2 microbatches) in sets of four
-processes; ``-m slow`` adds pp=2 alone, pp=4, virtual stages, ZeRO 1/2
+processes; ``-m slow`` adds pp=1 with ZeRO-3 (unit hooks on the model's own modules), pp=2 alone, pp=4, virtual stages, ZeRO 1/2
 and offload.
 """
 
@@ -59,6 +59,7 @@ def test_every_family_pp2_dp2(config):
 
 
 SLOW_GRID = [
+    (2, {"microbatches": 2, "zero": {"stage": 3}}),  # pp=1: ZeRO-3 hooks on HF modules
     (2, {"pipeline_parallel_degree": 2, "microbatches": 4}),
     (4, {"pipeline_parallel_degree": 4, "microbatches": 4}),
     (2, {"pipeline_parallel_degree": 2, "microbatches": 4, "virtual_stages": 2}),
