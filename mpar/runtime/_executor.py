@@ -130,24 +130,32 @@ def _unshard_phases(actions: list[Any]) -> dict[int, list[bool]]:
     return out
 
 
+def _outer_saved_tensor_hooks() -> tuple[Any, Any] | None:
+    """The ``saved_tensors_hooks`` active around the stage (the user's ``save_on_cpu``,
+    say), which :class:`_SavedBytes` must keep applying."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return None if top is None else top(False)
+
+
 class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
     """Counts the distinct storages autograd saves for backward inside a stage's
-    forward (parameters and gathered parameter buffers excluded)."""
+    forward (parameters and gathered parameter buffers excluded); hooks already
+    active outside still pack and unpack every tensor."""
 
     def __init__(self, excluded: set[int]) -> None:
         self.bytes = 0
         seen: set[int] = set()
+        outer = _outer_saved_tensor_hooks()
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
-                return t
-            key = _device.storage_key(t)
-            if key not in seen and key not in excluded:
-                seen.add(key)
-                self.bytes += t.untyped_storage().nbytes()
-            return t
+        def pack(t: torch.Tensor) -> Any:
+            if not (isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)):
+                key = _device.storage_key(t)
+                if key not in seen and key not in excluded:
+                    seen.add(key)
+                    self.bytes += t.untyped_storage().nbytes()
+            return t if outer is None else outer[0](t)
 
-        super().__init__(pack, _identity)
+        super().__init__(pack, _identity if outer is None else outer[1])
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
