@@ -30,6 +30,7 @@ same model and compares their predicted and measured step-time order.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -106,20 +107,34 @@ GRID = [
 
 
 class RssSampler:
-    """Samples this process's RSS every ``interval`` seconds; ``peak`` since ``reset``."""
+    """Samples this process's resident memory every ``interval`` seconds; peaks since ``reset``.
+
+    Two figures from one read of ``/proc/self/statm``: the resident set (``rss``) and its
+    anonymous part (``anon``: resident minus file-backed and shared pages, i.e. without the
+    code pages of torch's libraries that a step touches for the first time).
+    """
 
     def __init__(self, interval: float) -> None:
-        self.interval, self.peak, self._stop = interval, 0, threading.Event()
+        self.interval, self._stop = interval, threading.Event()
+        self.peak, self.peak_anon = 0, 0
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     @staticmethod
-    def rss() -> int:
+    def read() -> tuple[int, int]:
+        """(resident bytes, anonymous resident bytes) now."""
         with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * PAGE
+            fields = f.read().split()
+        resident, shared = int(fields[1]) * PAGE, int(fields[2]) * PAGE
+        return resident, resident - shared
+
+    @staticmethod
+    def rss() -> int:
+        return RssSampler.read()[0]
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, self.rss())
+            rss, anon = self.read()
+            self.peak, self.peak_anon = max(self.peak, rss), max(self.peak_anon, anon)
             time.sleep(self.interval)
 
     def start(self) -> RssSampler:
@@ -127,12 +142,33 @@ class RssSampler:
         return self
 
     def reset(self) -> None:
-        self.peak = self.rss()
+        self.peak, self.peak_anon = self.read()
 
-    def stop(self) -> int:
+    def stop(self) -> tuple[int, int]:
         self._stop.set()
         self._thread.join()
-        return self.peak
+        return self.peak, self.peak_anon
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of the distinct CPU storages of every tensor the interpreter can reach."""
+    import gc
+
+    import torch
+
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not obj.is_meta and obj.device.type == "cpu":
+            grad = obj.grad if isinstance(obj, torch.nn.Parameter) else None
+            for t in (obj, grad):
+                try:  # fake tensors (profiling's) have no data pointer
+                    storage = t.untyped_storage() if t is not None else None
+                    if storage is not None:
+                        seen[storage.data_ptr()] = storage.nbytes()
+                except RuntimeError:
+                    pass
+    seen.pop(0, None)
+    return sum(seen.values())
 
 
 def _model(spec: Spec) -> Any:
@@ -210,8 +246,10 @@ def _train(spec: Spec, layout: Layout, args: argparse.Namespace) -> dict[str, An
 
     mpar.init(layout.config())
     _warm_imports()
+    gc.collect()
     sampler = RssSampler(args.sample_ms / 1e3).start()
-    baseline = RssSampler.rss()
+    baseline, baseline_anon = RssSampler.read()
+    baseline_tensors = live_tensor_bytes()
     model = mpar.DistributedModel(_model(spec))
     opt = mpar.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4))
 
@@ -236,14 +274,22 @@ def _train(spec: Spec, layout: Layout, args: argparse.Namespace) -> dict[str, An
         times.append(time.perf_counter() - start)
         opt.step()
         opt.zero_grad()
-    peak = sampler.stop()
+    peak, peak_anon = sampler.stop()
+    gc.collect()  # at rest: what a process holds between steps besides tensors
+    rest, rest_anon = RssSampler.read()
+    rest_tensors = live_tensor_bytes() - baseline_tensors
     plan = model.plan if layout.pp > 1 else _pp1_plan(spec, layout, x)
     return {
         "rank": mpar.rank(),
         "pp_rank": mpar.pp_rank(),
         "dp_rank": mpar.dp_rank(),
-        "measured_peak_bytes": peak - baseline,
+        "measured_peak_bytes": peak_anon - baseline_anon,
+        "measured_rss_peak_bytes": peak - baseline,
         "baseline_bytes": baseline,
+        "baseline_anon_bytes": baseline_anon,
+        "rest_anon_bytes": rest_anon - baseline_anon,
+        "rest_rss_bytes": rest - baseline,
+        "rest_tensor_bytes": rest_tensors,
         "predicted_peak_bytes": plan.rank_memory_bytes[mpar.pp_rank()],
         "measured_step_s": statistics.median(times[args.warmup :]),
         "predicted_step_s": plan.step_time_s,
@@ -261,6 +307,9 @@ def _worker(args: argparse.Namespace) -> None:
     spec, raw = Spec(**json.loads(args.spec)), json.loads(args.worker)
     result = _train(spec, Layout(**raw), args)
     Path(args.result, f"rank{result['rank']}.json").write_text(json.dumps(result))
+    import mpar
+
+    mpar.shutdown()
 
 
 # -- launching -----------------------------------------------------------------------
@@ -314,6 +363,9 @@ def _summary(layout: Layout, got: dict[str, Any]) -> dict[str, Any]:
             "pp_rank": r["pp_rank"],
             "predicted_mib": r["predicted_peak_bytes"] / 2**20,
             "measured_mib": r["measured_peak_bytes"] / 2**20,
+            "measured_rss_mib": r["measured_rss_peak_bytes"] / 2**20,
+            "rest_anon_mib": r["rest_anon_bytes"] / 2**20,
+            "rest_tensor_mib": r["rest_tensor_bytes"] / 2**20,
             "ratio": r["measured_peak_bytes"] / max(r["predicted_peak_bytes"], 1),
             "memory_report": r["report"],
             "plan_stages": r["stages"],
