@@ -50,11 +50,27 @@ class CostModel:
     """Compute speed of bf16/fp16 relative to the fp32 profile."""
     recompute_fraction: float = 1 / 3
     """Share of forward+backward time one recomputed forward costs."""
+    process_bytes: float = 5 * 2**20
+    """Memory every training process holds besides tensors, counted in each rank's peak:
+    the framework's kernel workspaces and allocator state after a step. The default is
+    what the CPU runtime measures (anonymous RSS at rest minus live tensor bytes: 4.3-4.8
+    MiB on every rank of the calibration grid at pp=1, 4.8 MiB in a plain torch training
+    loop). On CUDA set it to what the device holds outside your allocator's figure."""
+    pipeline_process_bytes: float = 6 * 2**20
+    """More per rank of a pipeline (pp > 1): the interpreter objects of the traced and
+    split stage graphs (torch.fx nodes with their metadata) and the heap they leave;
+    measured 5.5-6.4 MiB on every pipeline rank of the calibration grid (a 6-layer GPT:
+    it grows with the traced graph, not with tensor sizes)."""
 
     def __post_init__(self) -> None:
         for name in ("host_bandwidth", "host_optimizer_rate", "mixed_speedup"):
             if not getattr(self, name) > 0:
                 raise PartitionError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("process_bytes", "pipeline_process_bytes"):
+            if not getattr(self, name) >= 0:
+                raise PartitionError(
+                    f"{name} must be >= 0 bytes (0 leaves it out), got {getattr(self, name)!r}"
+                )
         for name in ("link_bandwidth", "dp_bandwidth"):
             value = getattr(self, name)
             if value is not None and not value > 0:

@@ -202,7 +202,8 @@ def stage_extra_bytes(
     checkpointing; the last stage keeps no output: the loss holds what it needs),
     pipeline message buffers (``transfers``; default: one of each kind where a
     neighbour exists), the ZeRO-2/3 working set, one gradient bucket under data
-    parallelism at ZeRO-0/1, and the loss when it is the last stage.
+    parallelism at ZeRO-0 (the all-reduce's flat buffer; at ZeRO >= 1 the reduction
+    reads the gradient buffer itself), and the loss when it is the last stage.
     """
     last = end == len(units)
     out = 0.0 if last else boundary_bytes(units[end - 1], layout)
@@ -211,7 +212,7 @@ def stage_extra_bytes(
     extra = kept * in_flight + transfer_bytes(inp, out, transfers or Transfers())
     group = units[start:end]
     extra += zero_working_set_bytes(group, layout)
-    if layout.data_parallel_degree > 1 and layout.zero_stage < 2:
+    if layout.data_parallel_degree > 1 and layout.zero_stage == 0:
         grads = sum(u.grad_bytes for u in group) * layout.dtype_factor
         extra += min(layout.bucket_bytes, grads)
     if last:

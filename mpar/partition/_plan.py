@@ -128,6 +128,8 @@ class Plan:
     """Bytes per second between neighbouring stages; None when communication is not modelled."""
     overhead_s: float = 0.0
     """Data-parallel sync and offload seconds per step (in ``step_time_s``)."""
+    process_bytes: int = 0
+    """Memory each rank's process holds besides tensors (in ``rank_memory_bytes``)."""
     layout: dict[str, Any] = field(default_factory=dict)
     """The ``Layout`` knobs (dp, ZeRO, precision, checkpointing, offload, microbatch scale)."""
 
@@ -378,6 +380,12 @@ def unit_memory(
     return memory, widest * copies + bucket + zero_working_set_bytes(units, layout)
 
 
+def process_bytes(p: int, cost: CostModel) -> float:
+    """Memory a rank's process holds besides tensors (``CostModel.process_bytes``, plus
+    ``pipeline_process_bytes`` when the model is split into a pipeline)."""
+    return cost.process_bytes + (cost.pipeline_process_bytes if p > 1 else 0.0)
+
+
 @dataclass
 class _Laid:
     """A partition with per-stage figures, before the schedule is simulated."""
@@ -410,7 +418,8 @@ def lay_out(
     transfers = _transfers(p, v, m, pipeline) if sched is not None else ()
     units = profile.units
     memory, reserve = unit_memory(units, layout, max(in_flight), transfers)
-    cap = None if cap_rank is None else max(cap_rank / v - reserve, 0.0)
+    process = process_bytes(p, cost)
+    cap = None if cap_rank is None else max((cap_rank - process) / v - reserve, 0.0)
     comm = _comm(units, layout, cost.link_bandwidth)
     speed = cost.mixed_speedup if layout.mixed else 1.0
     k = layout.microbatch_scale
@@ -418,7 +427,9 @@ def lay_out(
     starts = _boundaries(profile, method, p * v, memory, weight, cap, comm, compute)
     home = _placement(pipeline, p * v, p)
     stages = _stage_plans(units, starts, home, in_flight, layout, comm, compute, transfers)
-    rank_memory = [sum(s.memory_bytes for s in stages if s.rank == r) for r in range(p)]
+    rank_memory = [
+        int(process) + sum(s.memory_bytes for s in stages if s.rank == r) for r in range(p)
+    ]
     return _Laid(starts, stages, in_flight, sched, memory, comm, compute, rank_memory)
 
 
@@ -518,6 +529,7 @@ def make_plan(
         simulated,
         cost.link_bandwidth,
         overhead_s=overhead,
+        process_bytes=int(process_bytes(p, cost)),
         layout=dataclasses.asdict(layout),
     )
 
@@ -681,7 +693,8 @@ def _render(plan: Plan) -> str:
     lines += [
         "",
         f"predicted step time {plan.step_time_s * 1e3:.4g} ms, bubble {plan.bubble:.1%} ({source}); "
-        f"busiest rank memory {_fmt(peak)} (cap {cap}); bound by {plan.binding}; "
+        f"busiest rank memory {_fmt(peak)} (process {_fmt(plan.process_bytes)} included; "
+        f"cap {cap}); bound by {plan.binding}; "
         f"links {link}",
     ]
     return "\n".join(lines)

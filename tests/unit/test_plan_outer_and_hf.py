@@ -189,9 +189,11 @@ def test_cli_plan_auto_hf_config_small_llama(tmp_path, monkeypatch, capsys):
     config.to_json_file(str(tmp_path / "config.json"))
     monkeypatch.delenv("MPAR_CONFIG", raising=False)
     argv = ["--auto", "--hf-config", str(tmp_path), "--seq-len", "32", "--world-size", "2"]
-    argv += ["--no-offload", "--max-virtual-stages", "1", "--device-memory", "8MiB"]
+    argv += ["--no-offload", "--max-virtual-stages", "1", "--device-memory", "20MiB"]
     assert _run_cli([*argv, "--global-batch", "8", "--json"]) == 0
-    _check_auto_output(json.loads(capsys.readouterr().out), 2, 8 * 2**20, 8)
+    _check_auto_output(json.loads(capsys.readouterr().out), 2, 20 * 2**20, 8)
+    # the process's own memory counts: 19 MiB of it leaves too little for any layout
+    assert _run_cli([*argv, "--global-batch", "8", "--process-memory", "19MiB"]) == 2
 
 
 @pytest.mark.slow
