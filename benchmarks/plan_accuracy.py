@@ -445,25 +445,44 @@ def _ms(seconds: float | None) -> str:
     return "failed" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
-def _auto_check(spec: Spec, args: argparse.Namespace) -> tuple[list[str], list[dict[str, Any]]]:
-    """Measure the top 3 of one auto search on 2 ranks (fp32, no offload, ZeRO-0)."""
+def _auto_profile(spec: Spec, args: argparse.Namespace, small: int, large: int) -> Any:
+    """Profile at ``large`` samples with per-call fixed times fitted against ``small``:
+    the candidates' microbatch sizes lie between the two, so their times interpolate."""
     import torch
 
-    from mpar.partition import SearchSpace, fit_fixed_times, search
+    from mpar.partition import fit_fixed_times
     from mpar.profile import profile_model
 
     torch.set_num_threads(args.threads)
     x, _ = _data(spec)
     model = _model(spec)
-    one = profile_model(model, (x[:1],), repeats=3, warmup=1)
-    two = profile_model(model, (x[:2],), repeats=3, warmup=1)
-    profile = fit_fixed_times(two, 2, one, 1)
+    low = profile_model(model, (x[:small],), repeats=5, warmup=2)
+    high = profile_model(model, (x[:large],), repeats=5, warmup=2)
+    return fit_fixed_times(high, large, low, small)
+
+
+def _ratio_medians(runs: list[list[float | None]]) -> list[float | None]:
+    """Per candidate: the median over rounds of its time / the first candidate's time in
+    the same round (rounds where either failed are left out)."""
+    out: list[float | None] = []
+    for times in runs:
+        ratios = [t / t0 for t, t0 in zip(times, runs[0]) if t is not None and t0 is not None]
+        out.append(statistics.median(ratios) if ratios else None)
+    return out
+
+
+def _auto_check(spec: Spec, args: argparse.Namespace) -> tuple[list[str], list[dict[str, Any]]]:
+    """Measure the top 3 of one auto search on 2 ranks (fp32, no offload, ZeRO-0)."""
+    from mpar.partition import SearchSpace, search
+
+    per_replica = spec.batch // 2
+    profile = _auto_profile(spec, args, 2, per_replica)
     # ZeRO-0 only: ZeRO-1/2 predict the same time as ZeRO-0 (same traffic), and ties say
     # nothing about order; what is left differs in pp, m, v, schedule and checkpointing.
     space = SearchSpace(precisions=("fp32",), offload=False, zero_stages=(0,))
     result = search(
         profile, world_size=2, device_memory="1GiB", global_batch=spec.batch, space=space,
-        profile_batch=2, top=3,
+        profile_batch=per_replica, top=3,
     )  # fmt: skip
     layouts = [
         Layout(
@@ -477,37 +496,47 @@ def _auto_check(spec: Spec, args: argparse.Namespace) -> tuple[list[str], list[d
         )
         for c in result.ranked
     ]
-    runs: list[list[float]] = [[] for _ in layouts]
+    runs: list[list[float | None]] = [[] for _ in layouts]
+    loads = []
     for _ in range(args.auto_repeats):  # A B C A B C ...: the machine's drift hits all alike
+        loads.append(os.getloadavg()[0])
         for i, layout in enumerate(layouts):
             got = _launch(spec, layout, args)
-            if got["status"] == "ok":
-                runs[i].append(max(r["measured_step_s"] for r in got["ranks"]))
+            ok = got["status"] == "ok"
+            runs[i].append(max(r["measured_step_s"] for r in got["ranks"]) if ok else None)
+    ratios = _ratio_medians(runs)
+    first = result.ranked[0].step_time_s or 1.0
     out = [
         {
             "layout": layout.label(),
             "search_predicted_s": c.step_time_s,
+            "predicted_ratio": (c.step_time_s or 0.0) / first,
             "measured_runs_s": times,
-            "measured_s": statistics.median(times) if times else None,
+            "measured_s": statistics.median([t for t in times if t is not None] or [0.0]),
+            "measured_ratio": ratio,
         }
-        for layout, c, times in zip(layouts, result.ranked, runs)
+        for layout, c, times, ratio in zip(layouts, result.ranked, runs, ratios)
     ]
     rows = [
         f"| {o['layout']} | {(o['search_predicted_s'] or 0) * 1e3:.1f} | "
-        f"{_ms(o['measured_s'])} | "
-        f"{', '.join(f'{t * 1e3:.0f}' for t in o['measured_runs_s'])} |"
+        f"{o['predicted_ratio']:.3f} | {_ms(o['measured_s'])} | "
+        f"{'failed' if o['measured_ratio'] is None else format(o['measured_ratio'], '.3f')} | "
+        f"{', '.join(_ms(t) for t in o['measured_runs_s'])} |"
         for o in out
     ]
-    measured = [o["measured_s"] for o in out]
-    order_ok = None not in measured and measured == sorted(measured)
+    order_ok = None not in ratios and ratios == sorted(ratios)  # type: ignore[type-var]
     text = [
-        "| candidate (search rank order) | predicted step ms | measured step ms (median) | "
-        "runs ms |",
-        "|---|---|---|---|",
+        "| candidate (search rank order) | predicted step ms | predicted / first | "
+        "measured step ms (median) | measured / first (median of per-round ratios) | runs ms |",
+        "|---|---|---|---|---|---|",
         *rows,
         "",
-        f"{args.auto_repeats} alternating runs per candidate. Measured order matches the "
-        f"predicted order: {'yes' if order_ok else 'no'}.",
+        f"{args.auto_repeats} rounds, candidates alternating within each round (A B C A B C "
+        f"...); 1-minute load average at the start of each round: "
+        f"{', '.join(f'{x:.1f}' for x in loads)} (2 cores). Profile at {per_replica} samples, "
+        "per-call fixed times fitted against 2 samples (the candidates' microbatch sizes lie "
+        "between). Measured order (by the median of per-round ratios to the first "
+        f"candidate) matches the predicted order: {'yes' if order_ok else 'no'}.",
     ]
     return text, out
 

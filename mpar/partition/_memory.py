@@ -7,21 +7,25 @@ The functions here turn a profile's per-unit figures into device bytes at the
 *peak* of a step, following what the runtime allocates:
 
 * parameters in the compute dtype (2 bytes an element under bf16/fp16); ZeRO-3
-  keeps a ``1/dp`` shard (on the host with ``offload_params``) and gathers a
-  whole chunk's parameters while it runs, so its peak holds shard + full chunk;
+  keeps a ``1/dp`` shard (on the host with ``offload_params``);
 * gradients: a full-size buffer in the compute dtype from a stage's first
-  backward to its once-per-step reduction, at every ZeRO stage (microbatches
-  accumulate into it; ZeRO-2 shards what survives the reduction only);
+  backward to its once-per-step reduction at ZeRO-0/1 (microbatches accumulate
+  into it); at ZeRO-2/3 the ``1/dp`` shard;
+* the ZeRO-2/3 working set (:func:`zero_working_set_bytes`): two units' gathered
+  parameters at ZeRO-3 and one unit's gradients before their reduce-scatter;
 * optimizer state (and the fp32 master copy under mixed precision) divided by
   ``dp`` at ZeRO >= 1, nothing on the device with ``offload_optimizer``;
 * activations saved for backward per microbatch in flight, plus the stage's
   output kept for its backward; with activation checkpointing only the stage's
   input and output per microbatch in flight, plus one microbatch's full
   activations while it is recomputed;
-* the last stage's loss: the log-softmax of the logits (fp32) per microbatch in
-  flight, the logits' gradient, and under mixed precision their fp32 copy;
-* communication: one boundary activation received and one sent per stage, and
-  one gradient bucket when ``dp > 1``.
+* the last stage's loss (:func:`loss_bytes`);
+* pipeline messages (:class:`Transfers`): sends kept until the step ends and
+  one posted receive per incoming stream; one gradient bucket at ZeRO-0 when
+  ``dp > 1``.
+
+What a process holds besides tensors is added per rank by ``mpar.partition._plan``
+(``CostModel.process_bytes``).
 
 Profiles are taken in fp32 at one microbatch size; activations, outputs and
 time scale linearly with ``microbatch_scale`` (samples per microbatch over the

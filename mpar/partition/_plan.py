@@ -9,10 +9,12 @@ parameters, gradients and optimizer state of its units by ZeRO stage, precision
 and offload (tied replicas included), saved activations per microbatch in
 flight on its rank (from ``mpar.schedule``'s ``peak_in_flight``, spread evenly
 over the rank's chunks; one microbatch's with activation checkpointing), and
-``extra_bytes``: kept boundary tensors, send/receive buffers, a gradient bucket
-and, on the last stage, the loss. ``device_memory`` caps a rank; the solver
-caps each of its ``v`` stages at ``device_memory / v`` (less a reserve for the
-cut-dependent extras) and the exact figures are reported.
+``extra_bytes``: kept boundary tensors, pipeline message buffers (counted from
+the schedule, ``_transfers``), the ZeRO-2/3 working set, a gradient bucket
+and, on the last stage, the loss; each rank adds its process's memory besides
+tensors (``CostModel.process_bytes``). ``device_memory`` caps a rank; the solver
+caps each of its ``v`` stages at ``(device_memory - process) / v`` (less a
+reserve for the cut-dependent extras) and the exact figures are reported.
 
 Communication: a stage that is not the last sends its last unit's output on
 in the forward pass and receives the gradient of the same size back, so it
