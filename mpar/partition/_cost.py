@@ -13,7 +13,8 @@ meta device) and are scaled, per layout, by:
 * data parallelism, once per step per rank, not overlapped with compute: a ring
   all-reduce of the gradients (ZeRO-0) or its reduce-scatter + all-gather (ZeRO-1/2,
   the same ``2 (dp - 1) / dp`` bytes per byte), and for ZeRO-3 a reduce-scatter of
-  the gradients plus an all-gather of the parameters per gather of a chunk;
+  the gradients plus an all-gather of each unit's parameters for every forward and
+  every backward of every microbatch (:func:`zero3_gathers_per_step`);
 * offload, over ``host_bandwidth``: gradients to the host and parameters back
   (optimizer offload) plus the host optimizer at ``host_optimizer_rate``
   parameters per second; parameter shards copied in at every gather.
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from mpar.partition._memory import Layout
     from mpar.profile import UnitProfile
 
-__all__ = ["CostModel", "step_overhead_s"]
+__all__ = ["CostModel", "step_overhead_s", "zero3_gathers_per_step"]
 
 
 @dataclass(frozen=True)
@@ -81,9 +82,15 @@ class CostModel:
             )
 
 
-def _gathers(pipeline: str, virtual_stages: int) -> int:
-    """ZeRO-3 gathers of a chunk per step (twice when it is freed between phases)."""
-    return 2 if pipeline == "simple" and virtual_stages > 1 else 1
+def zero3_gathers_per_step(microbatches: int) -> int:
+    """ZeRO-3 all-gathers of each unit's parameters per step.
+
+    The unit-granular design (``_memory.zero_working_set_bytes``: at most two units
+    gathered at once) cannot keep a stage's parameters between its actions, so every
+    forward and every backward of every microbatch gathers each unit again. Change
+    this with the runtime's gather granularity.
+    """
+    return 2 * microbatches
 
 
 def step_overhead_s(
@@ -93,13 +100,18 @@ def step_overhead_s(
     *,
     pipeline: str = "interleaved",
     virtual_stages: int = 1,
+    microbatches: int = 1,
 ) -> float:
-    """Seconds one rank spends per step on data-parallel sync and offload (its stages' units)."""
+    """Seconds one rank spends per step on data-parallel sync and offload (its stages' units).
+
+    ``pipeline`` and ``virtual_stages`` are accepted for schedules whose gathers differ;
+    the unit-granular ZeRO-3 gathers per action (:func:`zero3_gathers_per_step`).
+    """
     units = [u for group in groups for u in group]
     c, dp, z = layout.dtype_factor, layout.data_parallel_degree, layout.zero_stage
     grads = c * sum(u.grad_bytes for u in units)
     params = c * sum(u.param_bytes for u in units)
-    gathers = _gathers(pipeline, virtual_stages) if z == 3 else 0
+    gathers = zero3_gathers_per_step(microbatches) if z == 3 else 0
     seconds = 0.0
     if dp > 1 and cost.dp_bandwidth is not None:
         share = (dp - 1) / dp

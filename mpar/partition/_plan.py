@@ -511,7 +511,9 @@ def make_plan(
     makespan, bubble, simulated = _predict(
         laid.stages, p, v, m, pipeline, laid.sched, activation_checkpointing, cost
     )
-    overhead = max(rank_overheads(laid.stages, p, v, pipeline, layout, cost, profile.units))
+    overhead = max(
+        rank_overheads(laid.stages, p, v, pipeline, layout, cost, profile.units, microbatches=m)
+    )
     cap = None if cap_rank is None else cap_rank / v
     binding = _bind(laid, weight, cap)
     return Plan(
@@ -544,6 +546,8 @@ def rank_overheads(
     layout: Layout,
     cost: CostModel,
     units: Sequence[UnitProfile],
+    *,
+    microbatches: int = 1,
 ) -> list[float]:
     """Per rank: data-parallel sync and offload seconds per step."""
     by_name = {u.name: u for u in units}
@@ -554,6 +558,7 @@ def rank_overheads(
             cost,
             pipeline=pipeline,
             virtual_stages=v,
+            microbatches=microbatches,
         )
         for r in range(p)
     ]

@@ -129,6 +129,13 @@ def test_make_plan_adds_data_parallel_sync_to_the_step():
     # a ring all-reduce moves 2 (dp-1)/dp of the rank's 800 MiB of gradients at 1 GB/s
     assert four.overhead_s == pytest.approx(2 * 0.75 * 800 * MiB / 1e9)
     assert four.step_time_s == pytest.approx(one.step_time_s + four.overhead_s)
+    # ZeRO-3 (unit-granular): gradients reduce-scattered once, parameters gathered for
+    # every forward and every backward of each of the 4 microbatches
+    z3 = make_plan(
+        prof, num_ranks=2, microbatches=4, data_parallel_degree=4, zero_stage=3,
+        cost=CostModel(dp_bandwidth=1e9),
+    )  # fmt: skip
+    assert z3.overhead_s == pytest.approx(0.75 * (800 + 2 * 4 * 800) * MiB / 1e9)
 
 
 def test_search_ranks_fitting_layouts_fastest_first():
