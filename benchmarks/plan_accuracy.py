@@ -503,9 +503,18 @@ def _ms(seconds: float | None) -> str:
     return "failed" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
-def _auto_profile(spec: Spec, args: argparse.Namespace, small: int, large: int) -> Any:
+def _auto_profile(
+    spec: Spec, args: argparse.Namespace, small: int, large: int, rounds: int = 3
+) -> Any:
     """Profile at ``large`` samples with per-call fixed times fitted against ``small``:
-    the candidates' microbatch sizes lie between the two, so their times interpolate."""
+    the candidates' microbatch sizes lie between the two, so their times interpolate.
+
+    The fit takes a difference of two timings, so load that changes between them would
+    land in it: the two sizes are profiled alternately, ``rounds`` times each, and every
+    unit keeps its fastest time per size (interference only ever adds time).
+    """
+    import dataclasses
+
     import torch
 
     from mpar.partition import fit_fixed_times
@@ -514,9 +523,17 @@ def _auto_profile(spec: Spec, args: argparse.Namespace, small: int, large: int) 
     torch.set_num_threads(args.threads)
     x, _ = _data(spec)
     model = _model(spec)
-    low = profile_model(model, (x[:small],), repeats=5, warmup=2)
-    high = profile_model(model, (x[:large],), repeats=5, warmup=2)
-    return fit_fixed_times(high, large, low, small)
+    best: dict[int, Any] = {}
+    for _ in range(rounds):
+        for n in (small, large):
+            got = profile_model(model, (x[:n],), repeats=3, warmup=1)
+            if n in best:
+                fastest = [
+                    min(a, b, key=lambda u: u.time_s) for a, b in zip(best[n].units, got.units)
+                ]
+                got = dataclasses.replace(got, units=fastest)
+            best[n] = got
+    return fit_fixed_times(best[large], large, best[small], small)
 
 
 def _ratio_medians(runs: list[list[float | None]]) -> list[float | None]:
