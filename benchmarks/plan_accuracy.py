@@ -4,8 +4,9 @@ For each layout of a grid (pp x dp, ZeRO stage, activation checkpointing) one
 ``mpar launch`` job trains a ``TinyGPT`` (Adam, fp32, a fixed batch) and every
 rank reports:
 
-* **measured peak**: a thread samples the process's resident set size
-  (``/proc/self/statm``) every ``--sample-ms`` ms; the ranks run with
+* **measured peak**: a thread samples the process's anonymous resident memory
+  (``/proc/self/statm``: resident less file-backed pages, i.e. without library
+  code; the whole RSS is reported beside it) every ``--sample-ms`` ms; the ranks run with
   ``MALLOC_MMAP_THRESHOLD_=65536`` so freed tensors leave RSS at once. The peak
   over the timed steps (after ``--warmup`` steps: partitioning, profiling and
   the optimizer's lazy state are done) minus the RSS *before the model is
