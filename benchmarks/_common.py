@@ -14,8 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -180,21 +178,8 @@ def set_threads() -> int:
 def time_steps(
     step: Callable[[], None], barrier: Callable[[], None], warmup: int, steps: int
 ) -> dict[str, Any]:
-    """Run ``warmup`` untimed steps, then time ``steps`` steps between two barriers."""
-    for _ in range(warmup):
-        step()
-    barrier()
-    per_step = []
-    start = time.perf_counter()
-    for _ in range(steps):
-        t = time.perf_counter()
-        step()
-        per_step.append(time.perf_counter() - t)
-    barrier()
-    elapsed = time.perf_counter() - start
-    return {
-        "elapsed_s": elapsed,
-        "step_s": elapsed / steps,
-        "per_step_s": per_step,
-        "median_step_s": statistics.median(per_step),
-    }
+    """Run ``warmup`` untimed steps, then time ``steps`` steps between two barriers,
+    sampling this rank's RSS (``_harness.measured_steps``)."""
+    from _harness import measured_steps
+
+    return measured_steps(step, barrier, warmup, steps)

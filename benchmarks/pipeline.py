@@ -36,15 +36,12 @@ efficiency = bound / measured step time (``_bound.py``).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -53,6 +50,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _common import Case, ModelSpec  # noqa: E402
+from _harness import launch_job, missing_module  # noqa: E402
 
 # (framework, schedule, virtual_stages, mpar schedule whose simulation is the bound)
 CASES = [
@@ -98,48 +96,11 @@ def _worker(case: Case, out: Path) -> None:
 # -- launching -----------------------------------------------------------------------
 
 
-def _env(threads: int) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        OMP_NUM_THREADS=str(threads),
-        MKL_NUM_THREADS=str(threads),
-        DS_ACCELERATOR="cpu",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH", "")])),
-    )
-    return env
-
-
-def _launcher(framework: str, nproc: int) -> list[str]:
-    if framework == "mpar":
-        return [sys.executable, "-m", "mpar", "launch", "--nproc-per-node", str(nproc)]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-    ]
-
-
 def _launch(
     framework: str, nproc: int, worker_args: list[str], threads: int, timeout: float
 ) -> dict[str, Any]:
     """Start one job; its rank 0 writes the result to a file we read back."""
-    with tempfile.TemporaryDirectory(prefix="mpar-bench-") as tmp:
-        out = Path(tmp) / "result.json"
-        cmd = [*_launcher(framework, nproc), str(HERE / "pipeline.py"), *worker_args]
-        cmd += ["--result", str(out)]
-        try:
-            proc = subprocess.run(
-                cmd, env=_env(threads), capture_output=True, text=True, timeout=timeout
-            )
-        except subprocess.TimeoutExpired as exc:
-            return {"status": "failed", "reason": f"timed out after {timeout:.0f} s: {exc.cmd}"}
-        if proc.returncode != 0 or not out.exists():
-            tail = (proc.stderr or proc.stdout)[-3000:]
-            return {"status": "failed", "reason": f"exit {proc.returncode}\n{tail}"}
-        return {"status": "ok", **json.loads(out.read_text())}
+    return launch_job(framework, nproc, HERE / "pipeline.py", worker_args, threads, timeout)
 
 
 def _run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
@@ -155,17 +116,6 @@ def _run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
     got["load_before"] = load
     got["load_after"] = os.getloadavg()[0]
     return got
-
-
-def _skip_reason(framework: str) -> str | None:
-    module = PEER_MODULES.get(framework)
-    if module is None:
-        return None
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        found = False
-    return None if found else f"{module} is not installed"
 
 
 # -- orchestration -------------------------------------------------------------------
@@ -426,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(cases))}
     for repeat in range(args.repeats):
         for i, (case, _) in enumerate(cases):
-            reason = _skip_reason(case.framework)
+            reason = missing_module(PEER_MODULES.get(case.framework))
             if reason is not None:
                 runs[i].append({"status": "skipped", "reason": reason})
                 continue

@@ -34,11 +34,9 @@ with each peer at the same stage.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
-import re
 import shlex
 import statistics
 import subprocess
@@ -51,6 +49,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from _harness import launch_job, missing_module  # noqa: E402
 from zero_peers.common import MLPSpec, ZeroCase  # noqa: E402
 
 FRAMEWORKS = ("mpar", "deepspeed", "fsdp2", "torch_zero")
@@ -103,70 +102,10 @@ def _worker(case: ZeroCase, out: Path) -> None:
 # -- launching -----------------------------------------------------------------------
 
 
-def _env(threads: int) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        OMP_NUM_THREADS=str(threads),
-        MKL_NUM_THREADS=str(threads),
-        DS_ACCELERATOR="cpu",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH", "")])),
-    )
-    return env
-
-
-def _launcher(framework: str, nproc: int) -> list[str]:
-    if framework == "mpar":
-        return [sys.executable, "-m", "mpar", "launch", "--nproc-per-node", str(nproc)]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-    ]
-
-
 def _launch(case: ZeroCase, threads: int, timeout: float) -> dict[str, Any]:
     """Start one job; its rank 0 writes the result to a file we read back."""
-    with tempfile.TemporaryDirectory(prefix="mpar-zero-bench-") as tmp:
-        out = Path(tmp) / "result.json"
-        cmd = [*_launcher(case.framework, case.dp), str(HERE / "zero.py")]
-        cmd += ["--worker", case.to_json(), "--result", str(out)]
-        start = time.perf_counter()
-        try:
-            proc = subprocess.run(
-                cmd, env=_env(threads), capture_output=True, text=True, timeout=timeout
-            )
-        except subprocess.TimeoutExpired as exc:
-            return {"status": "failed", "reason": f"timed out after {timeout:.0f} s: {exc.cmd}"}
-        if proc.returncode != 0 or not out.exists():
-            return {"status": "failed", "reason": f"exit {proc.returncode}\n{_error(proc)}"}
-        wall = time.perf_counter() - start
-        return {"status": "ok", "job_wall_s": wall, **json.loads(out.read_text())}
-
-
-def _error(proc: subprocess.CompletedProcess[str]) -> str:
-    """The failing job's error lines (the workers' own, not the launcher's summary)."""
-    text = (proc.stderr or "") + (proc.stdout or "")
-    pattern = re.compile(r"Error|error:|terminate called|exitcode|Signal \d+")
-    keep = [
-        line.strip()
-        for line in text.splitlines()
-        if pattern.search(line) and "Warning" not in line and "ChildFailedError" not in line
-    ]
-    return "\n".join(list(dict.fromkeys(keep))[:6]) or text[-2000:]
-
-
-def _skip_reason(framework: str) -> str | None:
-    module = PEER_MODULES.get(framework)
-    if module is None:
-        return None
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        found = False
-    return None if found else f"{module} is not installed"
+    worker = ["--worker", case.to_json()]
+    return launch_job(case.framework, case.dp, HERE / "zero.py", worker, threads, timeout)
 
 
 # -- cases and reference -------------------------------------------------------------
@@ -176,7 +115,7 @@ def _cases(args: argparse.Namespace, spec: MLPSpec) -> list[ZeroCase]:
     cases = []
     for dp in args.dps:
         for stage in args.stages:
-            for offload in (False, True):
+            for offload in (False,) if args.no_offload else (False, True):
                 rows = ["mpar", "deepspeed"]
                 if stage == 3:
                     rows.append("fsdp2")
@@ -187,7 +126,16 @@ def _cases(args: argparse.Namespace, spec: MLPSpec) -> list[ZeroCase]:
                         continue
                     if fw in args.frameworks:
                         cases.append(
-                            ZeroCase(fw, stage, offload, dp, spec, args.warmup, args.steps)
+                            ZeroCase(
+                                fw,
+                                stage,
+                                offload,
+                                dp,
+                                spec,
+                                args.warmup,
+                                args.steps,
+                                gather=args.zero_gather,
+                            )
                         )
     return cases
 
@@ -276,6 +224,7 @@ def _summarise(case: ZeroCase, runs: list[dict[str, Any]]) -> dict[str, Any]:
     samples = [case.model.batch / r["median_step_s"] for r in ok]
     memory = ok[0]["memory_per_rank"]
     totals = [sum(m.values()) for m in memory]
+    peaks = [max(p["peak_above_baseline_bytes"] for p in r["peak_per_rank"]) for r in ok]
     row.update(
         status="ok",
         samples_per_s=statistics.median(samples),
@@ -283,6 +232,10 @@ def _summarise(case: ZeroCase, runs: list[dict[str, Any]]) -> dict[str, Any]:
         step_ms=1000 * statistics.median(r["median_step_s"] for r in ok),
         memory_per_rank=memory,
         model_state_bytes_max=max(totals),
+        peak_above_baseline_bytes=statistics.median(peaks),
+        peak_above_baseline_runs=peaks,
+        rss_peak_bytes_max=max(p["rss_peak_bytes"] for p in ok[0]["peak_per_rank"]),
+        reported_peaks_per_rank=ok[0].get("reported_peaks_per_rank"),
         failed_runs=len(runs) - len(ok),
         extra={k: v for k, v in ok[0].items() if k == "zero_optimizer"},
         retried_after=ok[0].get("retried_after", []),
@@ -307,6 +260,8 @@ def _ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         "ratio": mine["samples_per_s"] / peer["samples_per_s"],
                         "memory_ratio": mine["model_state_bytes_max"]
                         / peer["model_state_bytes_max"],
+                        "peak_ratio": mine["peak_above_baseline_bytes"]
+                        / max(1, peer["peak_above_baseline_bytes"]),
                     }
                 )
     return out
@@ -348,11 +303,13 @@ def _markdown(report: dict[str, Any]) -> str:
         f"included) per rank, {unit}, distinct storages, measured after a forward + backward; "
         "shown as the largest rank's `params / grads / optimizer = total`. "
         "ZeRO formula: the paper's fp32 AdamW per-rank bytes (4/4/8 bytes per parameter, "
-        "sharded by stage).",
+        "sharded by stage). Step peak = the busiest rank's RSS peak during the timed steps "
+        "above its RSS right before them (sampled every 2 ms, `MALLOC_MMAP_THRESHOLD_=65536`; "
+        "median of the runs): what a step holds beyond the state kept between steps.",
         "",
         "| dp | stage | offload | framework | samples/s (median) | runs | step ms "
-        f"| model state {unit} (p / g / o = total) | ZeRO formula {unit} |",
-        "|---|---|---|---|---:|---|---:|---|---:|",
+        f"| model state {unit} (p / g / o = total) | ZeRO formula {unit} | step peak {unit} |",
+        "|---|---|---|---|---:|---|---:|---|---:|---:|",
     ]
     for r in report["rows"]:
         head = (
@@ -373,17 +330,19 @@ def _markdown(report: dict[str, Any]) -> str:
         )
         lines.append(
             head + f"| {r['samples_per_s']:.0f} | {runs} | {r['step_ms']:.1f} | {mem} "
-            f"| {size(r['expected_model_state_bytes'])} |"
+            f"| {size(r['expected_model_state_bytes'])} "
+            f"| {size(r['peak_above_baseline_bytes'])} |"
         )
     lines += [
         "",
-        "| dp | stage | offload | peer | mpar / peer samples/s | mpar / peer model state |",
-        "|---|---|---|---|---:|---:|",
+        "| dp | stage | offload | peer | mpar / peer samples/s | mpar / peer model state "
+        "| mpar / peer step peak |",
+        "|---|---|---|---|---:|---:|---:|",
     ]
     for q in report["ratios"]:
         lines.append(
             f"| {q['dp']} | {q['stage']} | {'cpu' if q['offload'] else '-'} | {_name(q['peer'])} "
-            f"| {q['ratio']:.2f} | {q['memory_ratio']:.2f} |"
+            f"| {q['ratio']:.2f} | {q['memory_ratio']:.2f} | {q['peak_ratio']:.2f} |"
         )
     retried = [r for r in report["rows"] if r.get("retried_after")]
     if retried:
@@ -394,6 +353,29 @@ def _markdown(report: dict[str, Any]) -> str:
                 lines.append(
                     f"- {_name(r['framework'])} {label}: `{_first_line(reason.split(chr(10), 1)[-1])}`"
                 )
+    accounted = [
+        r for r in report["rows"] if r["status"] == "ok" and r.get("reported_peaks_per_rank")
+    ]
+    if accounted:
+        lines += [
+            "",
+            "mpar's step peak, counted (`memory_report()`: gathered parameters + gradient "
+            f"buffers + activations saved for backward, busiest rank, {unit}) against measured:",
+            "",
+            "| dp | stage | offload | gathered | gradients | activations | counted total "
+            "| measured step peak | measured / counted |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in accounted:
+            big = max(r["reported_peaks_per_rank"], key=lambda m: sum(m.values()))
+            total = sum(big.values())
+            measured = r["peak_above_baseline_bytes"]
+            lines.append(
+                f"| {r['dp']} | {r['stage']} | {'cpu' if r['offload'] else '-'} "
+                f"| {size(big['gathered_peak'])} | {size(big['gradients_peak'])} "
+                f"| {size(big['activations'])} | {size(total)} | {size(measured)} "
+                f"| {measured / max(1, total):.2f} |"
+            )
     lines += ["", *(f"- {note}" for note in NOTES)]
     if report["correctness"]:
         lines += [
@@ -483,12 +465,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    p.add_argument(
+        "--zero-gather", default="unit", help="mpar's zero.gather (unit, chunk or an int)"
+    )
     p.add_argument("--d-in", type=int, default=256)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=4, help="hidden-to-hidden Linear layers")
     p.add_argument("--classes", type=int, default=256)
     p.add_argument("--batch", type=int, default=64, help="global batch")
     p.add_argument("--no-check", action="store_true", help="skip the parameter comparison")
+    p.add_argument("--no-offload", action="store_true", help="only the rows without offload")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
     p.add_argument(
         "--quick", action="store_true", help="tiny model, dp 2, 5 jobs, 1 repeat: a smoke run"
@@ -511,7 +497,7 @@ def _run_all(args: argparse.Namespace, cases: list[ZeroCase], tmp: Path) -> tupl
         for i, case in enumerate(cases):
             if len(runs[i]) > repeat:
                 continue  # failed or skipped in the first repeat: recorded once
-            reason = _skip_reason(case.framework)
+            reason = missing_module(PEER_MODULES.get(case.framework))
             if reason is not None:
                 runs[i] += [{"status": "skipped", "reason": reason}] * args.repeats
                 continue

@@ -48,17 +48,20 @@ from mpar.errors import ConfigError
 
 __all__ = [
     "activation_offload",
+    "can_free_storage",
     "after_action",
     "after_optimizer_step",
     "copy_",
     "check_backend",
     "default_backend",
+    "free_storage",
     "group_backends",
     "host_buffer",
     "memory_stats",
     "move_module",
     "p2p_device",
     "pick_device",
+    "restore_storage",
     "prepare_recompute",
     "same_memory",
     "storage_key",
@@ -274,6 +277,32 @@ def activation_offload(device: torch.device) -> contextlib.AbstractContextManage
     if device.type == "cpu":
         return contextlib.nullcontext()
     return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
+
+
+def can_free_storage(device: torch.device) -> bool:
+    """Whether a buffer's storage on ``device`` can be freed and re-grown in place
+    (:func:`free_storage`, :func:`restore_storage`). XLA tensors have no storage to
+    resize: their gathered buffers are reallocated instead."""
+    return device.type != "xla"
+
+
+def free_storage(tensor: torch.Tensor) -> None:
+    """Release ``tensor``'s memory but keep the tensor and its views (as FSDP does):
+    views autograd saved in a forward stay valid objects, and see the data again once
+    :func:`restore_storage` has grown the storage and it was refilled. Reading any of
+    them in between is undefined: callers refill first."""
+    storage = tensor.untyped_storage()
+    if storage.size() != 0:
+        storage.resize_(0)
+
+
+def restore_storage(tensor: torch.Tensor) -> None:
+    """Grow a storage freed by :func:`free_storage` back to ``tensor``'s size
+    (contents uninitialised)."""
+    nbytes = int((tensor.storage_offset() + tensor.numel()) * tensor.element_size())
+    storage = tensor.untyped_storage()
+    if storage.size() < nbytes:
+        storage.resize_(nbytes)
 
 
 def storage_key(tensor: torch.Tensor) -> int:

@@ -64,6 +64,8 @@ class ZeroCase:
     model: MLPSpec
     warmup: int = 3
     steps: int = 10
+    gather: str = "unit"
+    """mpar's ``zero.gather`` (``unit``, ``chunk`` or a number of units)."""
     params_out: str = ""
     """If set, rank 0 saves the trained parameters (full, module order) there."""
 
@@ -135,6 +137,7 @@ def report(
     all_gather_object: Callable[[list[Any], Any], None],
     rank: int,
     world: int,
+    step_peaks: Callable[[], dict[str, int]] | None = None,
 ) -> dict[str, Any]:
     """Rank 0's result: timing, every rank's model-state bytes, and (optionally)
     the trained parameters saved to ``case.params_out``. Collective.
@@ -146,6 +149,9 @@ def report(
     params = full_params()
     memories: list[Any] = [None] * world
     all_gather_object(memories, measure_memory())
+    peaks: list[Any] = [None] * world
+    if step_peaks is not None:  # the framework's own account of the last step's peaks
+        all_gather_object(peaks, step_peaks())
     if rank == 0 and case.params_out:
         flat = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params])
         torch.save(flat, case.params_out)
@@ -153,6 +159,7 @@ def report(
         **timing,
         "threads": torch.get_num_threads(),
         "memory_per_rank": memories,
+        "reported_peaks_per_rank": peaks if step_peaks is not None else None,
         "world": world,
         "pid_env_rank": int(os.environ.get("RANK", "0")),
         "params_saved": bool(case.params_out) and Path(case.params_out).exists(),

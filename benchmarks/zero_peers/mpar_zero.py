@@ -13,7 +13,8 @@ from zero_peers.common import ZeroCase, batch_slice, loss_fn, make_mlp, make_opt
 def run(case: ZeroCase) -> dict[str, Any]:
     import mpar
 
-    zero: dict[str, Any] = {"stage": case.stage}
+    gather = int(case.gather) if case.gather.isdigit() else case.gather
+    zero: dict[str, Any] = {"stage": case.stage, "gather": gather}
     if case.offload:
         zero["offload_optimizer"] = "cpu"
         if case.stage == 3:
@@ -46,6 +47,11 @@ def run(case: ZeroCase) -> dict[str, Any]:
         cats = ("parameters", "gradients", "optimizer")
         return {k: sum(row[k] for row in mpar.memory_report().values()) for k in cats}
 
+    def step_peaks() -> dict[str, int]:
+        """The last step's peaks as mpar.memory_report() counts them."""
+        cats = ("gathered_peak", "gradients_peak", "activations")
+        return {k: sum(row[k] for row in mpar.memory_report().values()) for k in cats}
+
     import torch.distributed as dist
 
     result = report(
@@ -56,6 +62,7 @@ def run(case: ZeroCase) -> dict[str, Any]:
         dist.all_gather_object,
         mpar.rank(),
         mpar.size(),
+        step_peaks,
     )
     mpar.shutdown()
     return result

@@ -129,8 +129,22 @@ class ZeroConfig:
     gathered from its first to its last action of the step: one gather instead
     of two, more memory."""
 
+    gather: str | int = "unit"
+    """ZeRO 2 and 3 inside a stage: ``"unit"`` gathers (at 3) and reduce-scatters one
+    partition unit at a time, the next one prefetched; an int ``n`` works on groups of
+    ``n`` consecutive units; ``"chunk"`` on the whole stage at once (fewer, larger
+    collectives; the chunk's full parameters and gradients in memory)."""
+
     def __post_init__(self) -> None:
         _check_int("zero.stage", self.stage, minimum=0, maximum=3)
+        if self.gather not in ("unit", "chunk") and (
+            isinstance(self.gather, bool) or not isinstance(self.gather, int) or self.gather < 1
+        ):
+            raise ConfigError(
+                f"config key 'zero.gather' is {self.gather!r}; use \"unit\" (one partition "
+                'unit at a time), "chunk" (a whole stage at once) or an int >= 1 '
+                "(that many consecutive units at a time)"
+            )
         _fail_choice("zero.offload_optimizer", self.offload_optimizer, ("none", "cpu"))
         _fail_choice("zero.offload_params", self.offload_params, ("none", "cpu"))
         _check_number("zero.bucket_mb", self.bucket_mb)

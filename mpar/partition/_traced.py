@@ -60,6 +60,8 @@ class _Program:
     """Stage 0 only."""
     out_spec: pytree.TreeSpec | None = None
     """The final stage only."""
+    graph: fx.Graph | None = None
+    """The graph ``fn`` was generated from (without unit gates)."""
 
 
 def _compile(graph: fx.Graph, name: str) -> tuple[Callable[..., Any], str]:
@@ -147,6 +149,30 @@ class TracedStage(nn.Module):
         self._root = weakref.ref(root)
         self._root_training = root.training
         self.training = root.training
+
+    def install_unit_gates(
+        self, groups: Sequence[Sequence[str]], gate: Any
+    ) -> dict[int, int | None]:
+        """Regenerate every mode's code with unit gates (:mod:`mpar.partition._gates`)
+        calling ``gate`` at the edges of ``groups`` (unit names per group, in
+        execution order). Returns ``id(parameter) -> group`` for this stage's
+        parameters: the group that alone reads it in every mode, else None."""
+        from mpar.partition._gates import GATE_ATTR, gate_graph, owners
+
+        found: dict[int, int | None] = {}
+        for training, program in self.programs.items():
+            assert program.graph is not None
+            for target, group in owners(program.graph, groups).items():
+                obj = _lookup(self, target)
+                if isinstance(obj, nn.Parameter):
+                    previous = found.get(id(obj), -1)
+                    found[id(obj)] = group if previous in (-1, group) else None
+            gated = gate_graph(program.graph, groups)
+            program.fn, program.source = _compile(gated, f"stage {self.index} {_MODES[training]}")
+        object.__setattr__(self, GATE_ATTR, gate)
+        for p in self.parameters():
+            found.setdefault(id(p), None)
+        return found
 
     @property
     def code(self) -> str:
@@ -336,7 +362,7 @@ def _add_mode(
     for k, (stage, part) in enumerate(zip(stages, parts)):
         _install(stage, part, mode, persistent)
         fn, source = _compile(part.graph, f"stage {k} {mode}")
-        program = _Program(fn, source, len(part.inputs))
+        program = _Program(fn, source, len(part.inputs), graph=part.graph)
         if k == 0:
             program.inputs = _input_spec(ep, part.inputs)
         if k == last:

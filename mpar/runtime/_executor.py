@@ -27,11 +27,13 @@ collective of its own.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from mpar import _device
 from mpar._tree import tree_leaves, tree_map
@@ -39,7 +41,6 @@ from mpar.comm import State
 from mpar.comm._p2p import Links, PendingSends, recv_payload, send_payload
 from mpar.comm._progress import PROGRESS
 from mpar.errors import StepError
-from mpar.runtime._grads import GradReducer
 from mpar.runtime._microbatch import Microbatches
 from mpar.runtime._output import StepOutput, check_gatherable, detach_to_cpu
 from mpar.runtime._precision import cast_floats, compute_dtype
@@ -78,6 +79,14 @@ def _nothing() -> None:
     pass
 
 
+def _parameter_storages(model: Any) -> set[int]:
+    """Storage keys of every parameter and flat parameter buffer of this rank's stages."""
+    keys = {_device.storage_key(p) for m in model.stages.modules.values() for p in m.parameters()}
+    if model.sharded is not None:
+        keys |= {_device.storage_key(b.full) for b in model.sharded.buckets if b.full is not None}
+    return keys
+
+
 def _stage_wide(method: Callable[[int], None]) -> Callable[[Any], None]:
     """A handler for UNSHARD / RESHARD / REDUCE_GRAD: ``method(stage)``."""
     return lambda action: method(action.stage)
@@ -103,6 +112,46 @@ def _input_grads(inputs: Any) -> Any:
     if isinstance(inputs, dict):
         return type(inputs)((k, _input_grads(v)) for k, v in inputs.items())
     return None
+
+
+def _unshard_phases(actions: list[Any]) -> dict[int, list[bool]]:
+    """Per stage, for each of its UNSHARD actions in order: whether the stage's next
+    computation after it is a backward."""
+    out: dict[int, list[bool]] = {}
+    for i, action in enumerate(actions):
+        if action.kind.value != "UNSHARD":
+            continue
+        following = (
+            a.kind.value
+            for a in actions[i + 1 :]
+            if a.stage == action.stage and a.kind.value in ("F", "B", "I", "W")
+        )
+        out.setdefault(action.stage, []).append(next(following, "F") != "F")
+    return out
+
+
+class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Counts the distinct storages autograd saves for backward inside a stage's
+    forward (parameters and gathered parameter buffers excluded)."""
+
+    def __init__(self, excluded: set[int]) -> None:
+        self.bytes = 0
+        seen: set[int] = set()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+                return t
+            key = _device.storage_key(t)
+            if key not in seen and key not in excluded:
+                seen.add(key)
+                self.bytes += t.untyped_storage().nbytes()
+            return t
+
+        super().__init__(pack, _identity)
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 class StepRun:
@@ -141,7 +190,13 @@ class StepRun:
         """Where transfers are built and received (the host when they are staged)."""
         self.incoming = self._incoming_streams()
         self.held_bytes = 0
-        """Bytes of the stage inputs and outputs now kept for backward."""
+        """Bytes now kept for backward: stage inputs and outputs, and what autograd
+        saved inside the stages."""
+        self.saved_inside: dict[tuple[int, int], int] = {}
+        """(stage, microbatch) -> bytes autograd saved inside its forward."""
+        self.current: dict[int, int] = {}
+        """Stage -> the microbatch its forward is running (for ``saved_inside``)."""
+        self.excluded_storages = _parameter_storages(model)
         self.peak_activation_bytes = 0
         self.microbatch: int | None = None
         self.model_called = False
@@ -149,8 +204,6 @@ class StepRun:
         self.dtype = compute_dtype(st.config)
         """Mixed precision: stage 0 casts float inputs to it, the last stage casts back."""
         self.loss_scale = 1.0 if self.sharded is None else self.sharded.loss_scale
-        use_reducer = self.training and self.sharded is None
-        self.reducer = GradReducer(self.stages, st) if use_reducer else None
 
     # -- the user's step function ------------------------------------------------
 
@@ -179,6 +232,7 @@ class StepRun:
         if self.training:
             self.saved[(s, j)] = (stage_args, None)
             self.held_bytes += _tensor_bytes(stage_args)
+            self.peak_activation_bytes = max(self.peak_activation_bytes, self.held_bytes)
         return output
 
     def record_loss(self, loss: torch.Tensor) -> None:
@@ -262,11 +316,25 @@ class StepRun:
     # -- actions -----------------------------------------------------------------
 
     def _run(self, s: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self.sharded is not None:
-            self.sharded.wait_unsharded(s)  # a prefetched gather must land first
-        return run_stage(self.stages.modules[s], args, kwargs, self.st.config, self.st.device)
+        sharded = self.sharded
+        if sharded is not None:
+            sharded.wait_unsharded(s)  # a prefetched gather must land first
+        counter = _SavedBytes(self.excluded_storages) if torch.is_grad_enabled() else None
+        try:
+            with counter or contextlib.nullcontext():
+                output = run_stage(
+                    self.stages.modules[s], args, kwargs, self.st.config, self.st.device
+                )
+        finally:
+            if sharded is not None:
+                sharded.after_forward(s)
+        if counter is not None and self.training:
+            self.saved_inside[(s, self.current[s])] = counter.bytes
+            self.held_bytes += counter.bytes
+        return output
 
     def forward(self, s: int, j: int) -> None:
+        self.current[s] = j
         if s == self.num_stages - 1:
             self._last_stage_forward(j)
             return
@@ -336,12 +404,10 @@ class StepRun:
 
     def _weights_done(self, s: int) -> None:
         self.backward_done[s] = self.backward_done.get(s, 0) + 1
-        if self.backward_done[s] == len(self.batches) and self.reducer is not None:
-            self.reducer.start(s)
 
     def _backward_input(self, s: int, j: int, *, split: bool) -> None:
         inputs, outputs = self.saved.pop((s, j))
-        self.held_bytes -= _tensor_bytes((inputs, outputs))
+        self.held_bytes -= _tensor_bytes((inputs, outputs)) + self.saved_inside.pop((s, j), 0)
         roots: list[torch.Tensor] = []
         root_grads: list[torch.Tensor] | None = None
         if s == self.num_stages - 1:
@@ -361,7 +427,11 @@ class StepRun:
                 stage = self.stages.modules[s]
                 work = split_backward(roots, root_grads, inputs, stage, self.st.config)
             else:
-                torch.autograd.backward(roots, root_grads)
+                try:
+                    torch.autograd.backward(roots, root_grads)
+                finally:
+                    if self.sharded is not None:
+                        self.sharded.after_backward(s)
             grads = _input_grads(inputs)
         if split:
             self.weight_work[(s, j)] = work
@@ -382,7 +452,15 @@ class StepRun:
         if self.sharded is not None:
             for kind, method in _SHARD_ACTIONS.items():
                 handlers[kind] = _stage_wide(getattr(self.sharded, method))
+            handlers["UNSHARD"] = self._unshard
         return handlers
+
+    def _unshard(self, action: Any) -> None:
+        """UNSHARD: start the stage's gathers (with unit groups, the group its next
+        computation starts with: the first for a forward, the last for a backward)."""
+        assert self.sharded is not None
+        backward = self.unshard_for_backward.get(action.stage, [])
+        self.sharded.start_unshard(action.stage, backward=backward.pop(0) if backward else False)
 
     def run(self) -> StepOutput:
         stages_here = set(self.stages.modules)
@@ -392,6 +470,7 @@ class StepRun:
         if 0 in stages_here and self.num_stages > 1:
             self.capture_inputs()
         handlers = self._handlers()
+        self.unshard_for_backward = _unshard_phases(self.schedule.actions[self.st.pp_rank])
         timeline = self.timeline
         for action in self.schedule.actions[self.st.pp_rank]:
             PROGRESS.begin(action)  # the hang watchdog's view of this rank; ~free
@@ -408,8 +487,6 @@ class StepRun:
         # Outputs first: their senders wait for this receive before any collective below.
         outputs = self._gather_outputs()
         self.pending.wait()
-        if self.reducer is not None:
-            self.reducer.finish()
         if self.sharded is not None and self.training:
             self.sharded.finish_grads()
         self.model.activation_peak_bytes = self.peak_activation_bytes

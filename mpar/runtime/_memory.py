@@ -12,7 +12,14 @@ from mpar.shard._memory import count_bytes
 
 __all__ = ["memory_report"]
 
-_CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "gathered_peak")
+_CATEGORIES = (
+    "parameters",
+    "gradients",
+    "optimizer",
+    "activations",
+    "gathered_peak",
+    "gradients_peak",
+)
 
 
 def _plain_groups(local: list[torch.nn.Parameter]) -> dict[str, list[torch.Tensor]]:
@@ -36,11 +43,16 @@ def memory_report() -> dict[str, dict[str, int]]:
     Returns ``{device: {"parameters", "gradients", "optimizer", "activations": bytes}}``.
     Each storage is counted once (a parameter that is a view of a flat ZeRO
     buffer counts with that buffer). Parameters of stages held by other
-    ranks are not counted (their storage was released). ``activations`` is
-    the peak of stage inputs and outputs kept for backward during the last
-    step (0 before the first step). ``gathered_peak`` (ZeRO-3) is the most
-    bytes of gathered full parameters held at once during the last step, on
-    top of the shards counted under ``parameters`` (0 otherwise). On devices
+    ranks are not counted (their storage was released). The last step's
+    peaks (0 before the first step): ``activations``, the most bytes kept for
+    backward at once: stage inputs and outputs, and every tensor autograd
+    saved inside the stages (parameters excepted; with activation
+    checkpointing only what the checkpoints keep); ``gathered_peak`` (ZeRO-3),
+    the most bytes of gathered full parameters held at once, on top of the
+    shards counted under ``parameters``; ``gradients_peak``, the most bytes of
+    gradient buffers (flat buffers accumulated into or in reduction, reduced
+    shards) held at once — with unit-granular ZeRO 2/3 about one unit's
+    gradients, else the stage's. On devices
     whose allocator keeps statistics (CUDA; XLA on TPU/GPU) the device's row
     also has ``device_allocated`` and ``device_peak``: the allocator's current
     and peak bytes, everything included (not reset by mpar).
@@ -61,6 +73,7 @@ def memory_report() -> dict[str, dict[str, int]]:
         report[device]["activations"] += model.activation_peak_bytes
         if model.sharded is not None:
             report[device]["gathered_peak"] += model.sharded.peak_gathered_bytes
+            report[device]["gradients_peak"] += model.sharded.peak_grad_bytes
     _add_allocator_stats(report, state().device)
     return report
 

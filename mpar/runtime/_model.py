@@ -87,7 +87,7 @@ class DistributedModel:
         self.stages = build_local_stages(self.module, args, kwargs, self._st)
         for stage in self.stages.modules.values():
             stage.train(self.module.training)
-        self.sharded = make_sharded(self.stages, self._st)
+        self.sharded = make_sharded(self.stages, self._st, (args, kwargs))
 
     def ensure_partitioned(self, fn: Callable[..., Any], batches: Microbatches) -> None:
         if self.stages is None:

@@ -4,25 +4,48 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
+import torch
+from torch import nn
+
+from mpar import _device
 from mpar.comm import State
 from mpar.runtime._precision import compute_dtype
 from mpar.runtime._stages import LocalStages
+from mpar.runtime._unit_hooks import group_units, install_groups
 from mpar.shard import ShardedStages
 
 __all__ = ["gathered", "make_sharded"]
 
 
-def make_sharded(stages: LocalStages, st: State) -> ShardedStages | None:
+def make_sharded(
+    stages: LocalStages, st: State, example: tuple[Any, dict[str, Any]] | None = None
+) -> ShardedStages | None:
     """ZeRO sharding of this rank's stages over its data-parallel group.
 
-    Needed at ZeRO stage >= 1 and under mixed precision (fp32 master copies);
-    otherwise None, and the plain data-parallel reducer serves.
+    Every training layout goes through it (ZeRO stage 0 is plain data
+    parallelism over the same flat buckets); None only without data parallelism,
+    ZeRO, mixed precision or parameters tied across pipeline ranks: nothing to
+    reduce or shard. ``example``
+    (the first microbatch's model inputs) finds the units of a stage that is
+    the whole model (``pipeline_parallel_degree`` 1) for unit-granular ZeRO.
     """
     zero, dtype = st.config.zero, compute_dtype(st.config)
-    if zero.stage == 0 and dtype is None:
+    if zero.stage == 0 and dtype is None and st.grid.dp_size == 1 and not stages.tied_groups:
         return None
-    return ShardedStages(
+    groups = _unit_groups(stages, st, example)
+    owners: dict[int, list[list[nn.Parameter]]] = {}
+    connect: dict[int, Any] = {}
+    for s, names in groups.items():
+        connect[s], owner = install_groups(stages.modules[s], names)
+        params: list[list[nn.Parameter]] = [[] for _ in names]
+        for p in stages.modules[s].parameters():
+            g = owner.get(id(p))
+            if g is not None and _single_stage(p, s, stages):
+                params[g].append(p)
+        owners[s] = params
+    sharded = ShardedStages(
         stages.modules,
         zero,
         group=st.dp_group,
@@ -31,7 +54,45 @@ def make_sharded(stages: LocalStages, st: State) -> ShardedStages | None:
         device=st.device,
         compute_dtype=dtype,
         tied=stages.tied_groups,
+        units=owners,
     )
+    for s, install in connect.items():
+        install(sharded.unit_gather(s))
+    return sharded
+
+
+def _single_stage(p: nn.Parameter, s: int, stages: LocalStages) -> bool:
+    """Whether ``p`` is used by stage ``s`` only among this rank's stages."""
+    return not any(any(q is p for q in m.parameters()) for t, m in stages.modules.items() if t != s)
+
+
+def _split_backward(pipeline: str) -> bool:
+    """Schedules that may split the backward into I and W actions."""
+    return pipeline in ("zero_bubble", "zbv") or str(pipeline).endswith(".csv")
+
+
+def _unit_groups(
+    stages: LocalStages, st: State, example: tuple[Any, dict[str, Any]] | None
+) -> dict[int, list[list[str]]]:
+    """Stage -> its unit groups, where ZeRO works unit by unit (see ``_unit_hooks``)."""
+    cfg = st.config
+    if cfg.zero.stage < 2 or cfg.zero.gather == "chunk" or _split_backward(cfg.pipeline):
+        return {}
+    out: dict[int, list[list[str]]] = {}
+    for s, module in stages.modules.items():
+        names = stages.unit_names[s] if s < len(stages.unit_names) else []
+        if names == ["<whole model>"]:
+            if example is None:
+                continue
+            from mpar.partition import find_units
+            from mpar.profile import preserved_state
+
+            args, kwargs = _device.to_device(example, st.device)
+            with torch.no_grad(), preserved_state(module):
+                names = find_units(module, args, kwargs)
+        if len(names) > 1:
+            out[s] = group_units(names, cfg.zero.gather)
+    return out
 
 
 @contextmanager

@@ -7,30 +7,35 @@ the gradients that reach the nodes where the weight gradients branch off; W
 starts from those and accumulates into ``param.grad`` (views into ZeRO's flat
 buffers, when sharded). Both parts together cost one ordinary backward.
 
-The graph analysis is torch.distributed.pipelining's
-(``stage_backward_input`` / ``stage_backward_weight``). Where it does not
-apply, the split degrades without changing any gradient:
+The graph analysis is torch.distributed.pipelining's (``_backward.py``:
+``get_param_groups`` finds the nodes where weight paths join the input's
+path, ``stage_backward_weight`` is W). I is written here rather than taken
+from ``stage_backward_input`` for two reasons found in testing:
+
+* **Outputs that do not depend on the stage's inputs.** The analysis only
+  keeps weight paths that join the input's path; an output computed from
+  weights alone (a position embedding ``wpe(arange(T))`` that a stage
+  returns for the next one to add) is never reached from the inputs, so its
+  weight gradient was silently lost (found with TinyGPT cut one unit per
+  stage: ``wpe`` never learned, so losses matched in the first step and
+  drifted from the second on). Such outputs are all weight work: W
+  backpropagates them whole, before the groups.
+* **Outputs that are views.** ``stage_backward_input`` detaches its outputs
+  in place, which torch refuses for views (a stage ending in ``reshape``).
+  Here the outputs are left alone; their graph goes when the executor drops
+  them.
+
+A value the stage passes on unchanged (a carried input, also one of its
+outputs) depends on the input trivially and takes the same path as any
+other output. Where the analysis does not apply, the split degrades without
+changing any gradient:
 
 * a stage whose inputs need no gradient (the first stage: token ids) has no I
   to compute, so W runs the whole backward;
 * with activation checkpointing the forward is recomputed inside the backward,
   which the analysis cannot see through, so I runs the whole backward and W
   has nothing left to do;
-* a torch without the helpers does the same.
-
-An input the stage passes on unchanged (a value carried to a later stage) is
-also one of its outputs; its gradient is added to the input directly, outside
-the analysis (which detaches the outputs it is given: it would detach that
-input too, and the input's gradient would never be sent back — the cause of a
-wrong tied-embedding gradient found at one unit per stage).
-
-**Off by default; ``MPAR_SPLIT_BACKWARD=1`` turns it on.** Without it I runs
-the whole backward and W has nothing left: zero-bubble schedules run in their
-order and at their memory with exact gradients, but without the compute
-split. With it, a GPT with tied embeddings cut one unit per stage (pp 4 x 2
-virtual stages) gets exact gradients in its first step but not in later ones;
-until that is understood the split stays opt-in (the case is a strict
-expected-failure test).
+* so does a torch without the helpers, or ``MPAR_SPLIT_BACKWARD=0``.
 """
 
 from __future__ import annotations
@@ -45,24 +50,33 @@ from torch import nn
 from mpar._tree import tree_leaves
 from mpar.config import Config
 
-__all__ = ["SPLIT_ENV", "split_backward"]
+__all__ = ["SPLIT_ENV", "split_backward", "split_enabled"]
 
 
 SPLIT_ENV = "MPAR_SPLIT_BACKWARD"
-"""Set to 1 to split the backward (experimental, see above)."""
+"""Set to 0 to run the whole backward in I (W empty): an escape hatch, same gradients."""
 
 
-def _helpers() -> tuple[Any, Any] | None:
-    if os.environ.get(SPLIT_ENV, "0").strip().lower() not in ("1", "true", "yes", "on"):
+def split_enabled() -> bool:
+    """Whether I/W actions split the backward (on unless ``MPAR_SPLIT_BACKWARD=0``)."""
+    return os.environ.get(SPLIT_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _torch_analysis() -> Any:
+    if not split_enabled():
         return None
     try:
-        from torch.distributed.pipelining._backward import (
-            stage_backward_input,
-            stage_backward_weight,
-        )
+        from torch.distributed.pipelining import _backward
     except ImportError:
         return None
-    return stage_backward_input, stage_backward_weight
+    needed = (
+        "_get_grad_fn_or_grad_acc",
+        "construct_reverse_graph",
+        "reverse_closure",
+        "get_param_groups",
+        "stage_backward_weight",
+    )
+    return _backward if all(hasattr(_backward, n) for n in needed) else None
 
 
 def split_backward(
@@ -80,31 +94,85 @@ def split_backward(
 
     if not leaves:
         return whole  # nothing upstream waits: all of the backward is weight work
-    helpers = _helpers()
-    if helpers is None or config.activation_checkpointing not in (False, "none"):
+    analysis = _torch_analysis()
+    if analysis is None or config.activation_checkpointing not in (False, "none"):
         whole()
         return _nothing
-    backward_input, backward_weight = helpers
     params = [p for p in stage.parameters() if p.requires_grad]
-    # An input the stage passes on unchanged (a carried value) is one of its own
-    # outputs: its gradient is the received one. Kept out of the analysis, which
-    # detaches the outputs it is given (and would so detach that input).
-    inputs_by_id = {id(t) for t in leaves}
-    grads = root_grads if root_grads is not None else [None] * len(roots)
-    through = [(r, g) for r, g in zip(roots, grads) if id(r) in inputs_by_id]
-    rest = [(r, g) for r, g in zip(roots, grads) if id(r) not in inputs_by_id]
-    groups: Any = []
-    if rest:
-        rest_grads = None if root_grads is None else [g for _, g in rest]
-        _, groups = backward_input([r for r, _ in rest], rest_grads, leaves, iter(params))
-    for leaf, grad in through:
-        if grad is not None:
-            leaf.grad = grad if leaf.grad is None else leaf.grad + grad
-    return lambda: _weights(backward_weight, params, groups)
+    grads = list(root_grads) if root_grads is not None else [torch.ones_like(r) for r in roots]
+    weight_only, groups = _backward_input(analysis, roots, grads, leaves, params)
+    return lambda: _weights(analysis, params, groups, weight_only)
 
 
-def _weights(backward_weight: Any, params: list[nn.Parameter], groups: Any) -> None:
-    backward_weight(iter(params), groups)
+def _backward_input(
+    analysis: Any,
+    roots: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    leaves: list[torch.Tensor],
+    params: list[nn.Parameter],
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[dict[str, Any]]]:
+    """I: the input leaves' gradients; returns what W needs (weight-only roots
+    with their gradients, and the parameter groups with the gradients that
+    reached their intermediate nodes)."""
+    node_of = analysis._get_grad_fn_or_grad_acc
+    root_nodes = [node_of(r) for r in roots]
+    reverse = analysis.construct_reverse_graph(root_nodes)
+    input_nodes = [node_of(t) for t in leaves]
+    reached, _ = analysis.reverse_closure(input_nodes, set(), reverse)
+    through = [(r, g) for r, g, n in zip(roots, grads, root_nodes) if n in reached]
+    weight_only = [(r, g) for r, g, n in zip(roots, grads, root_nodes) if n not in reached]
+    param_nodes = [node_of(p) for p in params]
+    groups = analysis.get_param_groups(input_nodes, param_nodes, reverse)
+    handles = []
+    try:
+        for group in groups:
+            group["intermediates"] = list(group["intermediates"])
+            for i, node in enumerate(group["intermediates"]):
+                handles.append(node.register_prehook(_keeper(group, i)))
+        if through:
+            dinputs = torch.autograd.grad(
+                [r for r, _ in through],
+                leaves,
+                [g for _, g in through],
+                retain_graph=True,  # W walks the weight branches from the kept nodes
+                allow_unused=True,
+            )
+            for leaf, grad in zip(leaves, dinputs):
+                if grad is not None:
+                    leaf.grad = grad if leaf.grad is None else leaf.grad + grad
+    finally:
+        for handle in handles:
+            handle.remove()
+    return weight_only, groups
+
+
+def _keeper(group: dict[str, Any], i: int) -> Callable[[Any], None]:
+    """A pre-hook keeping the gradient that reaches ``group``'s ``i``-th intermediate."""
+
+    def keep(grad_outputs: Any) -> None:
+        if group.get("grads") is None:
+            group["grads"] = [None] * len(group["intermediates"])
+        group["grads"][i] = grad_outputs
+
+    return keep
+
+
+def _weights(
+    analysis: Any,
+    params: list[nn.Parameter],
+    groups: list[dict[str, Any]],
+    weight_only: list[tuple[torch.Tensor, torch.Tensor]],
+) -> None:
+    """W: outputs made from weights alone first (their graph may share nodes with
+    the groups' branches, which the groups' pass frees), then the groups."""
+    if weight_only:
+        torch.autograd.backward(
+            [r for r, _ in weight_only], [g for _, g in weight_only], retain_graph=bool(groups)
+        )
+        weight_only.clear()
+    groups = [g for g in groups if g.get("grads") is not None]
+    if groups:
+        analysis.stage_backward_weight(iter(params), groups)
 
 
 def _nothing() -> None:

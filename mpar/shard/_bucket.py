@@ -6,7 +6,8 @@ Tensors a bucket may hold (``P`` padded elements, ``n`` group size, ``S = P/n``)
 name           what                                     stages
 =============  ======================================  =====================
 ``full``       all ``P`` parameters; the module's       0-2 always, 3 while
-               parameters are views into it             gathered
+               parameters are views into it             gathered (its storage
+                                                        is freed in between)
 ``shard``      this rank's ``S`` parameters (CPU with   3
                ``offload_params``)
 ``grad_full``  reduced gradients of all ``P``; the      0
@@ -32,6 +33,19 @@ parameters' original dtype (fp32), the only one the optimizer updates, and
 parameters. The optimizer reads an fp32 copy of the reduced gradient made at
 step time (:meth:`FlatBucket.opt_grad`), multiplied by ``grad_factor`` (loss
 unscaling and clipping), so low-precision gradients are never rescaled in place.
+
+ZeRO-3 gathers reuse one ``full`` tensor per bucket: releasing it frees its
+storage (and points the parameters at empty tensors), gathering grows the
+storage back and refills it. Views of the parameters that autograd saved in a
+forward (``t(weight)`` for a matrix product, say) are views of that storage:
+they hold no memory while the bucket is released, and read the re-gathered
+values in the backward, which must gather the bucket first.
+
+*Unit buckets* (``unit_grads``, ZeRO 2 and 3 with unit-granular gathering) hold
+one partition unit's parameters and reduce-scatter their gradients after every
+backward of the unit (:meth:`FlatBucket.reduce_unit`), so only the unit being
+differentiated has full-size gradients; the other buckets reduce once per
+step, after the stage's last backward.
 
 Stages 1 and 2 keep the same gradient state: the paper's stage 1 holds the
 full reduced gradients (4 bytes per parameter) until the next step; here, as
@@ -118,6 +132,8 @@ class FlatBucket:
         self.cpu_grad: torch.Tensor | None = None
         self.has_grad = False
         """True once a reduction has landed since the last ``zero_grad``."""
+        self.cpu_valid = False
+        """Offload: ``cpu_grad`` holds gradients of this step (added to, not overwritten)."""
         self.pending: tuple[Any, torch.Tensor, torch.Tensor] | None = None
         self.users: set[int] = set()
         """Local stages that currently hold this (ZeRO-3) bucket gathered."""
@@ -131,6 +147,10 @@ class FlatBucket:
         self.tied_group: Any = None
         """Tied parameter (the bucket's only one): the group of ranks holding its copies."""
         self.tied_size = 1
+        self.gathered = zero_stage < 3
+        """Whether ``full`` holds the parameters now (always below ZeRO-3)."""
+        self.unit_grads = False
+        """A unit bucket: gradients reduced after every backward (see the module docstring)."""
         self.master = self._make_master(self._init_storage())
 
     # ---------------------------------------------------------------- storage
@@ -197,7 +217,7 @@ class FlatBucket:
         return _device.to_device(self.shard, self.device)
 
     # ------------------------------------------------------- ZeRO-3 gathering
-    def acquire(self, stage: int, *, wait: bool = True) -> None:
+    def acquire(self, stage: Any, *, wait: bool = True) -> None:
         """Gather the full parameters for ``stage`` (ZeRO-3; no-op if gathered).
 
         With ``wait=False`` the gather only starts (a prefetch): the parameters
@@ -205,19 +225,22 @@ class FlatBucket:
         before they are read.
         """
         self.users.add(stage)
-        if self.zero_stage < 3 or self.full is not None:
+        if self.gathered:
             if wait:
                 self.wait_gathered()
             return
-        full = torch.empty(self.spec.padded, dtype=self.dtype, device=self.device)
+        if self.full is None or not _device.can_free_storage(self.device):
+            self.full = torch.empty(self.spec.padded, dtype=self.dtype, device=self.device)
+        else:
+            _device.restore_storage(self.full)
         self.gathering = all_gather_flat(
-            full,
+            self.full,
             self._device_shard(),
             group=self.comm.group,
             size=self.comm.size,
             async_op=True,
         )
-        self.full = full
+        self.gathered = True
         self._bind_params()
         if wait:
             self.wait_gathered()
@@ -228,13 +251,19 @@ class FlatBucket:
         if work is not None:
             work.wait()
 
-    def release(self, stage: int) -> None:
-        """Drop ``stage``'s use; free the gathered copy when no local stage uses it."""
+    def release(self, stage: Any) -> None:
+        """Drop ``stage``'s use (a stage index, or any key a caller acquired with);
+        free the gathered copy when nothing uses it any more."""
         self.users.discard(stage)
-        if self.zero_stage < 3 or self.users or self.full is None:
+        if self.zero_stage < 3 or self.users or not self.gathered:
             return
         self.wait_gathered()  # never free a buffer a collective is still writing
-        self.full = None
+        assert self.full is not None
+        if _device.can_free_storage(self.device):
+            _device.free_storage(self.full)
+        else:
+            self.full = None
+        self.gathered = False
         self._release_params()
 
     def load_values(self, flat: torch.Tensor) -> None:
@@ -245,7 +274,8 @@ class FlatBucket:
         lo, hi = self.opt_range
         with torch.no_grad():
             self.master.copy_(flat[lo:hi])
-            if self.full is not None:
+            if self.gathered:
+                assert self.full is not None
                 self.full.copy_(flat)
             if self.shard is not None:
                 self.shard.copy_(flat[self.lo : self.hi])
@@ -264,7 +294,7 @@ class FlatBucket:
         """After the gathered parameters were overwritten in place (e.g. by
         ``load_state_dict``): refresh this rank's shard and master copy from them."""
         self.wait_gathered()
-        if self.full is None:
+        if not self.gathered or self.full is None:
             return
         local = self.full[self.lo : self.hi]
         if self.shard is not None and not _device.same_memory(self.shard, local):
@@ -298,10 +328,23 @@ class FlatBucket:
 
     def reduce(self) -> None:
         """``reduce_grads``: start the reduction unless the backward already did."""
+        if self.unit_grads:
+            self.reduce_unit()
+            return
         self.disarm()
         if not self.started_in_backward:
             self.start_reduce()
         self.started_in_backward = False
+
+    def reduce_unit(self) -> None:
+        """Unit bucket: start reduce-scattering the gradients its parameters got since
+        the last call (``.grad`` as autograd allocated them), to be added to
+        ``grad_shard``. The previous reduction is finished first, so at most one is
+        in flight; no-op when no parameter has a gradient."""
+        if all(p.grad is None for p in self.params):
+            return
+        self.finish_reduce(to_host=False)
+        self.start_reduce()
 
     def bind_grads(self) -> None:
         """Before the stage's first backward of a step: make every parameter's
@@ -373,9 +416,17 @@ class FlatBucket:
             return flat
         return torch.empty(self.spec.padded, dtype=self.dtype, device=self.device)
 
-    def finish_reduce(self) -> None:
-        """Wait for the reduction and store its result (and its CPU copy if offloaded)."""
+    def finish_reduce(self, *, to_host: bool = True) -> None:
+        """Wait for the reduction and store its result (and its CPU copy if offloaded).
+
+        ``to_host=False`` (a unit bucket between two backwards of a step) keeps
+        the sum on the device, in the gradients' dtype as the reductions of a
+        whole step would; the copy to the offloaded optimizer happens once, at
+        the end of the step.
+        """
         if self.pending is None:
+            if to_host and self.offload_optimizer and self.grad_shard is not None:
+                self._to_cpu_grad(self.grad_shard)
             return
         work, out, _ = self.pending
         self.pending = None
@@ -393,17 +444,18 @@ class FlatBucket:
                 out = self.grad_shard.add_(out)
             self.grad_shard = out
             reduced = out
-        if self.offload_optimizer:
+        if self.offload_optimizer and to_host:
             self._to_cpu_grad(reduced)
         self.has_grad = True
 
     def _to_cpu_grad(self, reduced: torch.Tensor) -> None:
         if self.cpu_grad is None:
             self.cpu_grad = _device.host_buffer(reduced.numel(), self.master_dtype, self.device)
-        if self.has_grad and self.zero_stage >= 1:
+        if self.cpu_valid and self.zero_stage >= 1:
             self.cpu_grad.add_(reduced.to("cpu"))
         else:
             _device.copy_(self.cpu_grad, reduced)
+        self.cpu_valid = True
         if self.zero_stage >= 1:
             self.grad_shard = None  # the device copy is no longer needed
 
@@ -466,7 +518,7 @@ class FlatBucket:
                 grad.mul_(factor)
 
     def zero_grad(self, set_to_none: bool) -> None:
-        self.has_grad = False
+        self.has_grad = self.cpu_valid = False
         self.grad_factor = 1.0
         if set_to_none:
             if self.grad_full is not None:
@@ -504,7 +556,7 @@ class FlatBucket:
         assert self.shard is not None
         if not _device.same_memory(self.shard, self.master):
             _device.copy_(self.shard, self.master)
-        if self.full is None:
+        if not self.gathered or self.full is None:
             return None
         return all_gather_flat(
             self.full,
@@ -521,8 +573,9 @@ class FlatBucket:
         grads += [p.grad for p in self.params]
         if self.pending is not None:
             grads += [self.pending[1], self.pending[2]]
+        full = self.full if self.gathered else None
         return {
-            "parameters": [t for t in (self.full, self.shard) if t is not None],
+            "parameters": [t for t in (full, self.shard) if t is not None],
             "gradients": [t for t in grads if t is not None],
             "optimizer": [self.master],
         }

@@ -15,6 +15,7 @@ from mpar.shard._bucket import FlatBucket, GroupInfo
 from mpar.shard._layout import plan_buckets
 from mpar.shard._memory import count_bytes
 from mpar.shard._scaler import LossScaler
+from mpar.shard._units import UnitGather
 
 if TYPE_CHECKING:
     from mpar.shard._optimizer import ShardedOptimizer
@@ -57,6 +58,12 @@ class ShardedStages:
     pipeline ranks hold a copy of (same data-parallel index): each gets a
     bucket of its own, so every copy has the same layout, and its reduced
     gradient is summed over the group before the optimizer sees it.
+
+    ``units`` (ZeRO 2 and 3) maps a stage to its groups of partition units, each
+    the list of parameters that group alone uses, in execution order: those get
+    buckets of their own, gathered and reduced group by group
+    (:mod:`mpar.shard._units`; the runtime calls :meth:`unit_gather`'s hooks).
+    Parameters of the stage in no group stay stage-wide.
     """
 
     def __init__(
@@ -70,6 +77,7 @@ class ShardedStages:
         device: torch.device | str,
         compute_dtype: torch.dtype | None = None,
         tied: Sequence[tuple[Any, nn.Parameter]] = (),
+        units: Mapping[int, Sequence[Sequence[nn.Parameter]]] | None = None,
     ) -> None:
         if not stages:
             raise ValueError("ShardedStages needs at least one stage module, got an empty dict")
@@ -92,6 +100,8 @@ class ShardedStages:
         self.params = [p for s in sorted(owned) for p in owned[s]]
         """Trainable local parameters, each once, in stage then module order."""
         self._tied_ids = {id(p): group for group, p in tied}
+        self._unit_of = self._unit_index(owned, units or {})
+        self._group_counts = {s: len(groups) for s, groups in (units or {}).items()}
         self.buckets = self._make_buckets(owned)
         self.tied_buckets = [self._bucket_of(p) for _, p in tied]
         """Buckets of tied parameters, in the order of ``tied`` (the same on every rank)."""
@@ -102,10 +112,82 @@ class ShardedStages:
             self._cast_rest(compute_dtype)
         self._owned = {s: [b for b in self.buckets if b.spec.stage == s] for s in self.stages}
         self._used = {s: self._buckets_used_by(m) for s, m in self.stages.items()}
+        self.units: dict[int, UnitGather] = self._make_units()
+        """Stage -> its unit-granular gathering and reduction (stages with ``units``)."""
+        unit_buckets = {id(b) for u in self.units.values() for g in u.groups for b in g.buckets}
+        self._wide = {
+            s: [b for b in self._used[s] if id(b) not in unit_buckets] for s in self.stages
+        }
+        """Stage -> the buckets it gathers as a whole (all of them without ``units``)."""
         self.optimizer: ShardedOptimizer | None = None
         self.peak_gathered_bytes = 0
         """ZeRO-3: the most bytes of gathered (full) parameters held at once since the
         last :meth:`reset_peak` (the runtime resets it at the start of each step)."""
+        self.peak_grad_bytes = 0
+        """The most bytes of gradient buffers (flat buffers being accumulated into or
+        reduced, reduced shards) held at once since the last :meth:`reset_peak`."""
+
+    def _unit_index(
+        self,
+        owned: dict[int, list[nn.Parameter]],
+        units: Mapping[int, Sequence[Sequence[nn.Parameter]]],
+    ) -> dict[int, tuple[int, int]]:
+        """``id(param) -> (stage, group)`` for the parameters one group of their
+        own stage owns (tied ones excepted: they keep buckets of their own)."""
+        out: dict[int, tuple[int, int]] = {}
+        for s, groups in units.items():
+            mine = {id(p) for p in owned.get(s, [])}
+            for g, params in enumerate(groups):
+                for p in params:
+                    if id(p) in mine and id(p) not in self._tied_ids:
+                        out[id(p)] = (s, g)
+        return out
+
+    def _make_units(self) -> dict[int, UnitGather]:
+        out: dict[int, UnitGather] = {}
+        by_stage: dict[int, dict[int, list[FlatBucket]]] = {}
+        for bucket in self.buckets:
+            place = self._unit_of.get(id(bucket.params[0]))
+            if place is None:
+                continue
+            bucket.unit_grads = self.zero.stage >= 2
+            by_stage.setdefault(place[0], {}).setdefault(place[1], []).append(bucket)
+        for s, count in self._group_counts.items():
+            groups = by_stage.get(s, {})
+            ordered = [groups.get(g, []) for g in range(count)]
+            out[s] = UnitGather(
+                s,
+                ordered,
+                gather=self.zero.stage == 3,
+                reshard_after_forward=self.zero.reshard_after_forward,
+                on_gather=self._note_gathered,
+                on_grads=self._note_grads,
+            )
+        return out
+
+    def _note_gathered(self) -> None:
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._gathered_bytes())
+
+    def _note_grads(self) -> None:
+        self.peak_grad_bytes = max(self.peak_grad_bytes, self._grad_bytes())
+
+    def _grad_bytes(self) -> int:
+        """Bytes of the gradient buffers held now (each storage once)."""
+        seen: set[int] = set()
+        total = 0
+        for b in self.buckets:
+            tensors = [b.staging, b.grad_full, b.grad_shard]
+            if b.unit_grads:  # gradients autograd allocated, not yet flattened
+                tensors += [p.grad for p in b.params]
+            if b.pending is not None:
+                tensors += [b.pending[1], b.pending[2]]
+            for t in tensors:
+                if t is not None:
+                    key = _device.storage_key(t)
+                    if key not in seen:
+                        seen.add(key)
+                        total += t.untyped_storage().nbytes()
+        return total
 
     def _make_buckets(self, owned: dict[int, list[nn.Parameter]]) -> list[FlatBucket]:
         index = {id(p): i for i, p in enumerate(self.params)}
@@ -116,8 +198,10 @@ class ShardedStages:
         bucket_elems = max(1, int(self.zero.bucket_mb * 2**20) // itemsize)
 
         def kind(p: nn.Parameter) -> object:
-            # A tied parameter's kind is its own: it gets a bucket to itself.
-            return (p.dtype, p.device, index[id(p)] if id(p) in self._tied_ids else None)
+            # A tied parameter's kind is its own: it gets a bucket to itself; a
+            # unit group's parameters never share a bucket with another group's.
+            tied = index[id(p)] if id(p) in self._tied_ids else None
+            return (p.dtype, p.device, tied, self._unit_of.get(id(p)))
 
         specs = plan_buckets(
             {s: [(index[id(p)], p.numel(), kind(p)) for p in ps] for s, ps in owned.items()},
@@ -172,29 +256,62 @@ class ShardedStages:
         return s
 
     # ------------------------------------------------------------ schedule actions
-    def unshard(self, s: int, *, wait: bool = True) -> None:
+    def unshard(self, s: int, *, wait: bool = True, whole: bool = True) -> None:
         """ZeRO-3: gather stage ``s``'s parameters into its module (no-op otherwise).
 
         ``wait=False`` only starts the gathers (the lowered schedule's UNSHARD,
         a prefetch); :meth:`wait_unsharded` completes them before ``s`` computes.
+        With unit groups, ``whole=False`` gathers only the stage-wide buckets (the
+        groups are gathered by their hooks); ``whole=True`` also holds every group
+        until :meth:`reshard` (for work outside a step: state dicts, checkpoints).
         """
-        for bucket in self._used[self._stage(s)]:
+        for bucket in self._wide[self._stage(s)]:
             bucket.acquire(s, wait=wait)
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._gathered_bytes())
+        units = self.units.get(s)
+        if units is not None and whole:
+            for group in units.groups:
+                for bucket in group.buckets:
+                    bucket.acquire(s, wait=wait)
+        self._note_gathered()
 
-    def start_unshard(self, s: int) -> None:
-        """The UNSHARD action: start gathering stage ``s``'s parameters."""
-        self.unshard(s, wait=False)
+    def start_unshard(self, s: int, *, backward: bool = False) -> None:
+        """The UNSHARD action: start gathering stage ``s``'s parameters (with unit
+        groups: its stage-wide ones, and the group its next computation starts
+        with: the first for a forward, the last for a ``backward``)."""
+        self.unshard(s, wait=False, whole=False)
+        units = self.units.get(s)
+        if units is not None:
+            units.start(backward)
 
     def wait_unsharded(self, s: int) -> None:
         """Wait for stage ``s``'s gathers started by :meth:`start_unshard`."""
-        for bucket in self._used[s]:
+        for bucket in self._wide[s]:
             bucket.wait_gathered()
 
     def reshard(self, s: int) -> None:
         """ZeRO-3: free stage ``s``'s gathered parameters, keeping the local shard."""
         for bucket in self._used[self._stage(s)]:
             bucket.release(s)
+        units = self.units.get(s)
+        if units is not None:
+            units.release_all()
+
+    def unit_gather(self, s: int) -> UnitGather | None:
+        """Stage ``s``'s unit-group hooks (None when it gathers as a whole)."""
+        return self.units.get(s)
+
+    def after_forward(self, s: int) -> None:
+        """After a forward of stage ``s`` (see :meth:`UnitGather.after_forward`)."""
+        units = self.units.get(s)
+        if units is not None:
+            units.after_forward()
+
+    def after_backward(self, s: int) -> None:
+        """After a backward of stage ``s`` (see :meth:`UnitGather.after_backward`)."""
+        self._note_grads()
+        units = self.units.get(s)
+        if units is not None:
+            units.after_backward()
 
     def sync_from_params(self, s: int) -> None:
         """Stage ``s``'s (gathered) parameters were overwritten in place: update the
@@ -211,7 +328,9 @@ class ShardedStages:
         """Before stage ``s``'s first backward of the step: its parameters' ``.grad``
         become views into the flat buffers their reduction sends (no copies)."""
         for bucket in self._owned[self._stage(s)]:
-            bucket.bind_grads()
+            if not bucket.unit_grads:
+                bucket.bind_grads()
+        self._note_grads()
 
     def reduce_grads_in_backward(self, s: int) -> None:
         """Let stage ``s``'s next backward start its reductions bucket by bucket.
@@ -224,7 +343,8 @@ class ShardedStages:
         buckets whose parameters got no gradient.
         """
         for bucket in self._owned[self._stage(s)]:
-            bucket.arm()
+            if not bucket.unit_grads:
+                bucket.arm()
 
     def finish_grads(self) -> None:
         """Wait for every pending reduction (end of the step's schedule); tied
@@ -267,14 +387,16 @@ class ShardedStages:
             bucket.load_values(flat)
 
     def reset_peak(self) -> None:
-        """Start counting ``peak_gathered_bytes`` afresh (from what is gathered now)."""
+        """Start counting ``peak_gathered_bytes`` and ``peak_grad_bytes`` afresh
+        (from what is held now)."""
         self.peak_gathered_bytes = self._gathered_bytes()
+        self.peak_grad_bytes = self._grad_bytes()
 
     def _gathered_bytes(self) -> int:
         """Bytes of the full (gathered) parameter buffers held now (ZeRO-3)."""
         if self.zero.stage < 3:
             return 0
-        return sum(b.full.nbytes for b in self.buckets if b.full is not None)
+        return sum(b.full.nbytes for b in self.buckets if b.gathered and b.full is not None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for bucket in self.buckets:

@@ -83,12 +83,14 @@ def start_training(
     return model, opt, train
 
 
-def reference(model: str, optimizer: str, steps: int, clip: float | None = None) -> dict[str, Any]:
+def reference(
+    model: str, optimizer: str, steps: int, clip: float | None = None, batch_size: int = BATCH
+) -> dict[str, Any]:
     net = MODELS[model]()
     opt = make_optimizer(optimizer, net.parameters())
     losses, grads, outputs = [], [], []
     for s in range(steps):
-        x, y = batch(model, s)
+        x, y = batch(model, s, batch_size)
         out = net(x)
         loss = loss_fn(out, y)
         loss.backward()
@@ -104,9 +106,15 @@ def reference(model: str, optimizer: str, steps: int, clip: float | None = None)
 
 
 def train_ranks(
-    config: dict[str, Any], model: str, optimizer: str, steps: int, clip: float | None = None
+    config: dict[str, Any],
+    model: str,
+    optimizer: str,
+    steps: int,
+    clip: float | None = None,
+    batch_size: int = BATCH,
 ) -> dict[str, Any]:
-    """Rank body: train with mpar on this replica's shard of each global batch."""
+    """Rank body: train with mpar on this replica's shard of each global batch
+    (``batch_size`` samples, ``BATCH`` unless more microbatches need more)."""
     import mpar
 
     mpar.init(config)
@@ -124,8 +132,8 @@ def train_ranks(
     dp, dp_rank = mpar.dp_size(), mpar.dp_rank()
     losses, grads, outputs = [], [], []
     for s in range(steps):
-        x, y = batch(model, s)
-        shard = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
+        x, y = batch(model, s, batch_size)
+        shard = slice(dp_rank * batch_size // dp, (dp_rank + 1) * batch_size // dp)
         result = train_step(dmodel, x[shard], y[shard])
         if clip is not None:
             opt.clip_grad_norm_(clip)

@@ -1,0 +1,199 @@
+"""What the side-by-side benchmarks share: starting one job per case, and its peak memory.
+
+``benchmarks/pipeline.py`` and ``benchmarks/zero.py`` start every case as its own
+job (``mpar launch`` for mpar, ``torchrun`` for the peers), with the same thread
+and allocator settings, and read back what rank 0 wrote to a result file.
+
+Peak memory (DESIGN.md, performance method): each rank samples its own RSS from
+``/proc/self/statm`` every ``RssSampler.interval`` seconds on a thread while the
+timed steps run; jobs run with ``MALLOC_MMAP_THRESHOLD_=65536`` so large tensors
+are mmapped and leave RSS as soon as they are freed. ``peak_above_baseline`` is
+the peak over the timed steps minus the RSS right before them (model, optimizer
+state and caches of the warm-up steps are in the baseline): what one step
+gathers, reduces and saves for backward beyond the state kept between steps.
+On CUDA the same numbers come from ``torch.cuda.max_memory_allocated``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+__all__ = [
+    "RssSampler",
+    "job_env",
+    "launch_job",
+    "launcher",
+    "measured_steps",
+    "missing_module",
+]
+
+
+class RssSampler:
+    """This process's RSS, sampled on a thread every ``interval`` s; ``peak`` since ``reset``."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def current() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * PAGE
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.current())
+            time.sleep(self.interval)
+
+    def reset(self) -> int:
+        """Start a new peak from now; returns the current RSS."""
+        now = self.current()
+        self.peak = now
+        return now
+
+    def __enter__(self) -> RssSampler:
+        self.reset()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.current())
+
+
+def job_env(threads: int) -> dict[str, str]:
+    """The environment of every benchmark job."""
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS=str(threads),
+        MKL_NUM_THREADS=str(threads),
+        MALLOC_MMAP_THRESHOLD_="65536",
+        DS_ACCELERATOR="cpu",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH", "")])),
+    )
+    return env
+
+
+def launcher(framework: str, nproc: int) -> list[str]:
+    """``mpar launch`` for mpar, ``torchrun --standalone`` for the peers."""
+    if framework == "mpar":
+        return [sys.executable, "-m", "mpar", "launch", "--nproc-per-node", str(nproc)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+    ]
+
+
+def _error(proc: subprocess.CompletedProcess[str]) -> str:
+    """The failing job's error lines (the workers' own, not the launcher's summary)."""
+    text = (proc.stderr or "") + (proc.stdout or "")
+    pattern = re.compile(r"Error|error:|terminate called|exitcode|Signal \d+")
+    keep = [
+        line.strip()
+        for line in text.splitlines()
+        if pattern.search(line) and "Warning" not in line and "ChildFailedError" not in line
+    ]
+    return "\n".join(list(dict.fromkeys(keep))[:6]) or text[-2000:]
+
+
+def launch_job(
+    framework: str,
+    nproc: int,
+    script: Path,
+    worker_args: list[str],
+    threads: int,
+    timeout: float,
+) -> dict[str, Any]:
+    """Run ``script`` as one job; its rank 0 writes the result to ``--result FILE``."""
+    with tempfile.TemporaryDirectory(prefix="mpar-bench-") as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [*launcher(framework, nproc), str(script), *worker_args, "--result", str(out)]
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(
+                cmd, env=job_env(threads), capture_output=True, text=True, timeout=timeout
+            )
+        except subprocess.TimeoutExpired as exc:
+            return {"status": "failed", "reason": f"timed out after {timeout:.0f} s: {exc.cmd}"}
+        if proc.returncode != 0 or not out.exists():
+            return {"status": "failed", "reason": f"exit {proc.returncode}\n{_error(proc)}"}
+        wall = time.perf_counter() - start
+        return {"status": "ok", "job_wall_s": wall, **json.loads(out.read_text())}
+
+
+def missing_module(module: str | None) -> str | None:
+    """Why a peer cannot run here (its module is not installed), or None."""
+    if module is None:
+        return None
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        found = False
+    return None if found else f"{module} is not installed"
+
+
+def measured_steps(
+    step: Callable[[], None], barrier: Callable[[], None], warmup: int, steps: int
+) -> dict[str, Any]:
+    """``warmup`` untimed steps, then ``steps`` timed ones between two barriers, with
+    this rank's RSS baseline (before them) and peak (during them)."""
+    import statistics
+
+    for _ in range(warmup):
+        step()
+    barrier()
+    per_step = []
+    with RssSampler() as rss:
+        baseline = rss.reset()
+        start = time.perf_counter()
+        for _ in range(steps):
+            t = time.perf_counter()
+            step()
+            per_step.append(time.perf_counter() - t)
+        barrier()
+        elapsed = time.perf_counter() - start
+    mine = {
+        "rss_baseline_bytes": baseline,
+        "rss_peak_bytes": rss.peak,
+        "peak_above_baseline_bytes": rss.peak - baseline,
+    }
+    return {
+        "elapsed_s": elapsed,
+        "step_s": elapsed / steps,
+        "per_step_s": per_step,
+        "median_step_s": statistics.median(per_step),
+        **mine,
+        "peak_per_rank": _every_rank(mine),
+    }
+
+
+def _every_rank(value: dict[str, int]) -> list[dict[str, int]]:
+    """``value`` of every rank, in rank order (just this one without a process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out

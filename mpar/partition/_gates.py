@@ -1,0 +1,220 @@
+"""Unit gates: calls inserted into a traced stage's graph at its units' edges.
+
+A traced stage (:class:`~mpar.partition._traced.TracedStage`) is one flat ATen
+graph, so module hooks on its units cannot fire. :func:`gate_graph` inserts
+them as calls instead. For every group ``g`` of units (in graph order):
+
+* ``enter(gate, g, *inputs)`` right before the group's first node, over the
+  tensors the group reads from outside it: ``gate.pre_forward(g)`` runs, and
+  the inputs come back through an identity autograd function whose backward
+  calls ``gate.post_backward(g)`` (all of the group's backward is then done);
+* ``leave(gate, g, *outputs)`` right after its last node, over the tensors it
+  hands to later nodes: ``gate.post_forward(g)`` runs, and the outputs come
+  back through an identity function whose backward calls
+  ``gate.pre_backward(g)`` before any of the group's backward runs;
+* ``mark(gate, g, out)`` right after a group's output that a node *before*
+  the group's end already reads (glue interleaved with the unit): the same
+  backward hook, no forward hook. Every gradient that reaches the group's
+  nodes therefore passes a ``pre_backward`` first.
+
+``gate`` is read from the stage's attribute ``mpar_unit_gate`` (any object
+with the four methods, see :class:`mpar.shard._units.UnitGather`).
+:func:`owners` says which group alone uses each parameter: parameters read
+by glue or by two groups belong to none (the runtime keeps them gathered for
+the whole stage).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+
+from mpar.partition._graph import is_symbolic
+
+__all__ = ["GATE_ATTR", "enter", "gate_graph", "leave", "mark", "owners"]
+
+GATE_ATTR = "mpar_unit_gate"
+
+
+class _AfterBackward(torch.autograd.Function):
+    """Identity; its backward tells the gate that group ``g``'s backward is done."""
+
+    @staticmethod
+    def forward(ctx: Any, gate: Any, g: int, *tensors: torch.Tensor) -> Any:
+        ctx.gate, ctx.g = gate, g
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        ctx.gate.post_backward(ctx.g)
+        return (None, None, *grads)
+
+
+class _BeforeBackward(torch.autograd.Function):
+    """Identity; its backward has the gate prepare group ``g``'s backward."""
+
+    @staticmethod
+    def forward(ctx: Any, gate: Any, g: int, *tensors: torch.Tensor) -> Any:
+        ctx.gate, ctx.g = gate, g
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        ctx.gate.pre_backward(ctx.g)
+        return (None, None, *grads)
+
+
+def _through(fn: Any, gate: Any, g: int, tensors: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``tensors``, those that take part in autograd passed through ``fn``."""
+    picked = [i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not picked or not torch.is_grad_enabled():
+        return tensors
+    out = list(tensors)
+    for i, t in zip(picked, fn.apply(gate, g, *(tensors[i] for i in picked))):
+        out[i] = t
+    return tuple(out)
+
+
+def enter(gate: Any, g: int, *tensors: Any) -> tuple[Any, ...]:
+    """Before group ``g`` (called from the generated code)."""
+    gate.pre_forward(g)
+    return _through(_AfterBackward, gate, g, tensors)
+
+
+def leave(gate: Any, g: int, *tensors: Any) -> tuple[Any, ...]:
+    """After group ``g`` (called from the generated code)."""
+    gate.post_forward(g)
+    return _through(_BeforeBackward, gate, g, tensors)
+
+
+def mark(gate: Any, g: int, *tensors: Any) -> tuple[Any, ...]:
+    """An output of group ``g`` read before the group ends (called from the generated code)."""
+    return _through(_BeforeBackward, gate, g, tensors)
+
+
+# ------------------------------------------------------------------ the graph pass
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor) and not is_symbolic(node)
+
+
+def _group_of(node: fx.Node, unit_group: Mapping[str, int]) -> int | None:
+    stack = node.meta.get("nn_module_stack") or {}
+    for fqn, _type in stack.values():
+        if fqn in unit_group:
+            return unit_group[fqn]
+    return None
+
+
+def _assign(graph: fx.Graph, unit_group: Mapping[str, int]) -> dict[fx.Node, int]:
+    """The group of every compute node that belongs to one (getitems follow their op)."""
+    out: dict[fx.Node, int] = {}
+    for node in graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        source = node.args[0] if node.target is operator.getitem and node.args else None
+        if isinstance(source, fx.Node) and source in out:
+            out[node] = out[source]
+            continue
+        g = _group_of(node, unit_group)
+        if g is not None:
+            out[node] = g
+    return out
+
+
+def owners(graph: fx.Graph, groups: Sequence[Sequence[str]]) -> dict[str, int | None]:
+    """``get_attr`` target -> the group that alone reads it (None: glue or several)."""
+    unit_group = {name: g for g, names in enumerate(groups) for name in names}
+    assign = _assign(graph, unit_group)
+    out: dict[str, int | None] = {}
+    for node in graph.nodes:
+        if node.op != "get_attr":
+            continue
+        found = {assign.get(user) for user in node.users}
+        target = str(node.target)
+        previous = out.get(target, -1)
+        group = found.pop() if len(found) == 1 else None
+        out[target] = group if previous in (-1, group) else None
+    return out
+
+
+def gate_graph(graph: fx.Graph, groups: Sequence[Sequence[str]]) -> fx.Graph:
+    """A copy of ``graph`` with the gates of ``groups`` (unit names per group) inserted."""
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    new.output(new.graph_copy(graph, env))
+    output = next(n for n in new.nodes if n.op == "output")
+    unit_group = {name: g for g, names in enumerate(groups) for name in names}
+    assign = _assign(new, unit_group)
+    if not assign:
+        return new
+    first_compute = next(n for n in new.nodes if n.op not in ("placeholder", "get_attr"))
+    with new.inserting_before(first_compute):
+        gate = new.get_attr(GATE_ATTR)
+    for g in sorted(set(assign.values())):
+        members = [n for n in new.nodes if assign.get(n) == g]
+        order = {n: i for i, n in enumerate(new.nodes)}
+        _gate_group(new, gate, g, members, order, output)
+    new.lint()
+    return new
+
+
+def _unpack(graph: fx.Graph, call: fx.Node, sources: Sequence[fx.Node]) -> list[fx.Node]:
+    """getitem nodes for ``call``'s results, one per source, with the sources' metadata
+    (later groups recognise them as tensors)."""
+    items = []
+    with graph.inserting_after(call):
+        for i, source in enumerate(sources):
+            item = graph.call_function(operator.getitem, (call, i))
+            item.meta = {k: v for k, v in source.meta.items() if k == "val"}
+            items.append(item)
+    return items
+
+
+def _gate_group(
+    graph: fx.Graph,
+    gate: fx.Node,
+    g: int,
+    members: list[fx.Node],
+    order: dict[fx.Node, int],
+    output: fx.Node,
+) -> None:
+    inside = set(members)
+    first, last = members[0], members[-1]
+    # Inputs: tensors from outside the group that exist before it starts.
+    inputs: dict[fx.Node, None] = {}
+    for node in members:
+        for i in node.all_input_nodes:
+            if i not in inside and i.op != "get_attr" and _is_tensor(i) and order[i] < order[first]:
+                inputs[i] = None
+    with graph.inserting_before(first):
+        call = graph.call_function(enter, (gate, g, *inputs))
+    for old, new in zip(inputs, _unpack(graph, call, list(inputs))):
+        for node in members:
+            node.replace_input_with(old, new)
+    # Outputs: the group's tensors read outside it, early (before the group ends) or late.
+    late: dict[fx.Node, list[fx.Node]] = {}
+    for node in members:
+        if not _is_tensor(node):
+            continue
+        users = [u for u in node.users if u not in inside]
+        early = [u for u in users if u is not output and order.get(u, -1) < order[last]]
+        if early:
+            with graph.inserting_after(node):
+                marked = graph.call_function(mark, (gate, g, node))
+            (item,) = _unpack(graph, marked, [node])
+            for u in early:
+                u.replace_input_with(node, item)
+        rest = [u for u in users if u not in early]
+        if rest:
+            late[node] = rest
+    with graph.inserting_after(last):
+        call = graph.call_function(leave, (gate, g, *late))
+    for (old, users), new in zip(late.items(), _unpack(graph, call, list(late))):
+        for u in users:
+            u.replace_input_with(old, new)

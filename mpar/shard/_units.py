@@ -1,0 +1,202 @@
+"""Unit-granular ZeRO-3 gathering and per-unit gradient reduction inside a stage.
+
+A stage's parameters are split into *groups* of partition units (by default
+one unit each: a transformer block, the embedding, the head). Each group has
+buckets of its own (:class:`~mpar.shard._bucket.FlatBucket` with
+``unit_grads``); parameters that no single group owns (tied weights, a
+position table on the root module, anything used outside its unit) stay in
+*stage-wide* buckets, gathered for the stage as a whole.
+
+The stage calls four hooks per group (placed by the runtime: module hooks on
+the unit submodules, or gates inserted into a traced stage's graph):
+
+* ``pre_forward(g)``: gather group ``g`` (waiting for a prefetch if one is in
+  flight) and start gathering ``g + 1``;
+* ``post_forward(g)``: free ``g`` (``reshard_after_forward``);
+* ``pre_backward(g)``: gather ``g`` again, start ``g - 1``;
+* ``post_backward(g)``: free ``g``, then (ZeRO 2 and 3) flatten the gradients
+  autograd gave its parameters into one buffer and start its reduce-scatter.
+
+The reasons a group is gathered are counted (*holds*: forward, backward,
+prefetch), so activation checkpointing, which reruns a stage's forward inside
+its backward, never frees a group that the backward still reads. After each
+forward and backward of the stage the runtime calls :meth:`UnitGather.after_forward`
+/ :meth:`UnitGather.after_backward`, which drop what the hooks left (a prefetch
+no forward used, a group whose inputs took no gradient, so its
+``post_backward`` never ran) and start the reductions of groups whose
+parameters did not all get a gradient.
+
+Peak parameter memory of a stage at ZeRO-3 is then its shard, its stage-wide
+buckets, and at most two groups gathered (the current one and the prefetched
+one; three under activation checkpointing, whose recomputed forward runs
+inside a group's backward); peak gradient memory is the reduced shards plus one group's full-size
+gradients (briefly also their flat copy, after the group's parameters were
+freed), as with FSDP2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from mpar.shard._bucket import FlatBucket
+
+__all__ = ["UnitGather", "UnitGroup"]
+
+_FORWARD, _BACKWARD, _PREFETCH = "forward", "backward", "prefetch"
+
+
+@dataclass
+class UnitGroup:
+    """One group of units of one stage and the buckets holding their parameters."""
+
+    stage: int
+    index: int
+    buckets: list[FlatBucket]
+    holds: set[str] = field(default_factory=set)
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        """What the buckets record as their user while this group holds them."""
+        return ("unit", self.stage, self.index)
+
+
+class UnitGather:
+    """The per-group hooks of one stage (see the module docstring)."""
+
+    def __init__(
+        self,
+        stage: int,
+        groups: Sequence[list[FlatBucket]],
+        *,
+        gather: bool,
+        reshard_after_forward: bool,
+        on_gather: object = None,
+        on_grads: object = None,
+    ) -> None:
+        self.stage = stage
+        self.groups = [UnitGroup(stage, g, list(b)) for g, b in enumerate(groups)]
+        self.gather = gather
+        """ZeRO-3: gather and free the groups' parameters (else only reduce per group)."""
+        self.reshard_after_forward = reshard_after_forward
+        self.on_gather = on_gather
+        """Called with no argument after each gather starts (peak accounting)."""
+        self.on_grads = on_grads
+        """Called with no argument after a group's gradient buffers are bound."""
+        self.reducing: list[UnitGroup] = []
+        """Groups whose gradients were bound in a backward, oldest first: their
+        reductions are in flight or about to start."""
+
+    # ------------------------------------------------------------------ holds
+    def _hold(self, group: UnitGroup, reason: str, *, wait: bool) -> None:
+        if self.gather:
+            first = not group.holds
+            group.holds.add(reason)
+            if first:
+                for bucket in group.buckets:
+                    bucket.acquire(group.key, wait=False)
+                if callable(self.on_gather):
+                    self.on_gather()
+            if wait:
+                for bucket in group.buckets:
+                    bucket.wait_gathered()
+        else:
+            group.holds.add(reason)
+
+    def _drop(self, group: UnitGroup, *reasons: str) -> None:
+        group.holds.difference_update(reasons)
+        if self.gather and not group.holds:
+            for bucket in group.buckets:
+                bucket.release(group.key)
+
+    def _prefetch(self, g: int, step: int) -> None:
+        """Start gathering the nearest group from ``g`` on (``step`` +1 or -1) that has
+        parameters: groups without any (an activation function) are skipped."""
+        while self.gather and 0 <= g < len(self.groups):
+            group = self.groups[g]
+            if group.buckets:
+                if not group.holds:
+                    self._hold(group, _PREFETCH, wait=False)
+                return
+            g += step
+
+    # ------------------------------------------------------------------ hooks
+    def pre_forward(self, g: int) -> None:
+        group = self.groups[g]
+        self._hold(group, _FORWARD, wait=True)
+        group.holds.discard(_PREFETCH)
+        if not any(_BACKWARD in other.holds for other in self.groups):
+            self._prefetch(g + 1, 1)
+        # else: a forward recomputed inside a backward (activation checkpointing): the
+        # group in backward and its prefetched neighbour stay gathered, so no prefetch
+        # here keeps the count at three groups
+
+    def post_forward(self, g: int) -> None:
+        if self.reshard_after_forward:
+            self._drop(self.groups[g], _FORWARD)
+
+    def pre_backward(self, g: int) -> None:
+        # Reductions started by later groups finish before this group's gradients
+        # exist: one unit's full-size gradients at a time, as FSDP2. (They started
+        # when those groups' backward ended, right before this hook.)
+        self._finish_reductions()
+        self._hold(self.groups[g], _BACKWARD, wait=True)
+        self.groups[g].holds.discard(_PREFETCH)
+        self._prefetch(g - 1, -1)
+
+    def post_backward(self, g: int) -> None:
+        group = self.groups[g]
+        self._drop(group, _BACKWARD, _FORWARD)  # free the parameters first, then
+        self._reduce(group)  # flatten and reduce-scatter the gradients
+
+    def _reduce(self, group: UnitGroup) -> None:
+        units = [b for b in group.buckets if b.unit_grads]
+        if not units:
+            return
+        if callable(self.on_grads):
+            self.on_grads()
+        for bucket in units:
+            bucket.reduce_unit()
+        self.reducing.append(group)
+        if callable(self.on_grads):
+            self.on_grads()
+
+    def _finish_reductions(self) -> None:
+        while self.reducing:
+            for bucket in self.reducing.pop(0).buckets:
+                bucket.finish_reduce(to_host=False)
+
+    # --------------------------------------------------------- stage-level ends
+    def start(self, backward: bool) -> None:
+        """The stage's UNSHARD: prefetch the group its next computation starts with."""
+        if backward:
+            self._prefetch(len(self.groups) - 1, -1)
+        else:
+            self._prefetch(0, 1)
+
+    def after_forward(self) -> None:
+        """After a forward of the stage: drop unused prefetches (and, with
+        ``reshard_after_forward``, any forward hold a hook did not drop)."""
+        for group in self.groups:
+            reasons = (_PREFETCH, _FORWARD) if self.reshard_after_forward else (_PREFETCH,)
+            if group.holds & set(reasons):
+                self._drop(group, *reasons)
+
+    def after_backward(self) -> None:
+        """After a backward of the stage: free every group and start the
+        reductions its hooks did not start."""
+        for group in reversed(self.groups):
+            if group.holds:
+                self._drop(group, _PREFETCH, _FORWARD, _BACKWARD)
+            if any(p.grad is not None for b in group.buckets if b.unit_grads for p in b.params):
+                self._finish_reductions()
+                self._reduce(group)
+
+    def release_all(self) -> None:
+        """The stage's RESHARD: nothing of it stays gathered."""
+        for group in self.groups:
+            if group.holds:
+                self._drop(group, _PREFETCH, _FORWARD, _BACKWARD)
+
+    def gathered_groups(self) -> int:
+        return sum(1 for group in self.groups if group.holds)
