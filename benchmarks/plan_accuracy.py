@@ -4,8 +4,9 @@ For each layout of a grid (pp x dp, ZeRO stage, activation checkpointing) one
 ``mpar launch`` job trains a ``TinyGPT`` (Adam, fp32, a fixed batch) and every
 rank reports:
 
-* **measured peak**: a thread samples the process's resident set size
-  (``/proc/self/statm``) every ``--sample-ms`` ms; the ranks run with
+* **measured peak**: a thread samples the process's anonymous resident memory
+  (``/proc/self/statm``: resident less file-backed pages, i.e. without library
+  code; the whole RSS is reported beside it) every ``--sample-ms`` ms; the ranks run with
   ``MALLOC_MMAP_THRESHOLD_=65536`` so freed tensors leave RSS at once. The peak
   over the timed steps (after ``--warmup`` steps: partitioning, profiling and
   the optimizer's lazy state are done) minus the RSS *before the model is
@@ -30,6 +31,7 @@ same model and compares their predicted and measured step-time order.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -106,20 +108,34 @@ GRID = [
 
 
 class RssSampler:
-    """Samples this process's RSS every ``interval`` seconds; ``peak`` since ``reset``."""
+    """Samples this process's resident memory every ``interval`` seconds; peaks since ``reset``.
+
+    Two figures from one read of ``/proc/self/statm``: the resident set (``rss``) and its
+    anonymous part (``anon``: resident minus file-backed and shared pages, i.e. without the
+    code pages of torch's libraries that a step touches for the first time).
+    """
 
     def __init__(self, interval: float) -> None:
-        self.interval, self.peak, self._stop = interval, 0, threading.Event()
+        self.interval, self._stop = interval, threading.Event()
+        self.peak, self.peak_anon = 0, 0
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     @staticmethod
-    def rss() -> int:
+    def read() -> tuple[int, int]:
+        """(resident bytes, anonymous resident bytes) now."""
         with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * PAGE
+            fields = f.read().split()
+        resident, shared = int(fields[1]) * PAGE, int(fields[2]) * PAGE
+        return resident, resident - shared
+
+    @staticmethod
+    def rss() -> int:
+        return RssSampler.read()[0]
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, self.rss())
+            rss, anon = self.read()
+            self.peak, self.peak_anon = max(self.peak, rss), max(self.peak_anon, anon)
             time.sleep(self.interval)
 
     def start(self) -> RssSampler:
@@ -127,12 +143,33 @@ class RssSampler:
         return self
 
     def reset(self) -> None:
-        self.peak = self.rss()
+        self.peak, self.peak_anon = self.read()
 
-    def stop(self) -> int:
+    def stop(self) -> tuple[int, int]:
         self._stop.set()
         self._thread.join()
-        return self.peak
+        return self.peak, self.peak_anon
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of the distinct CPU storages of every tensor the interpreter can reach."""
+    import gc
+
+    import torch
+
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not obj.is_meta and obj.device.type == "cpu":
+            grad = obj.grad if isinstance(obj, torch.nn.Parameter) else None
+            for t in (obj, grad):
+                try:  # fake tensors (profiling's) have no data pointer
+                    storage = t.untyped_storage() if t is not None else None
+                    if storage is not None:
+                        seen[storage.data_ptr()] = storage.nbytes()
+                except RuntimeError:
+                    pass
+    seen.pop(0, None)
+    return sum(seen.values())
 
 
 def _model(spec: Spec) -> Any:
@@ -179,6 +216,36 @@ def _pp1_plan(spec: Spec, layout: Layout, x: Any) -> Any:
     )
 
 
+def _chunk_granular_extra(spec: Spec, layout: Layout, stages: list[Any]) -> int:
+    """Bytes the runtime holds beyond the plan at ZeRO-2/3 with dp > 1 when it runs
+    chunk-granular (``zero.gather: "chunk"``, or a runtime from before unit gathering).
+
+    The plan models the unit-granular ZeRO (two units gathered, one unit's gradients
+    before their reduce-scatter, ``zero_working_set_bytes``); chunk-granular ZeRO-3
+    gathers a stage's whole chunk and ZeRO-2/3 keep a full-size gradient buffer
+    during the backward. Parameters are fp32 here, gradients as large as parameters.
+    """
+    import mpar
+
+    gather = getattr(mpar.config().zero, "gather", "chunk")
+    if layout.zero < 2 or layout.dp == 1 or gather != "chunk":
+        return 0
+    model = _model(spec)
+    extra = 0
+    for stage in stages:
+        sizes = []
+        for name in stage.units:
+            try:
+                sizes.append(sum(p.numel() * 4 for p in model.get_submodule(name).parameters()))
+            except AttributeError:  # a unit that is a parameter, not a module
+                sizes.append(model.get_parameter(name).numel() * 4)
+        chunk = stage.param_count * 4
+        extra += chunk - chunk // layout.dp - max(sizes)  # full gradients vs shard + one unit
+        if layout.zero == 3:
+            extra += chunk - sum(sorted(sizes)[-2:])  # whole chunk vs two units gathered
+    return extra
+
+
 def _warm_imports() -> None:
     """Run what training runs once, lazily importing code, on a throwaway tiny model.
 
@@ -210,8 +277,10 @@ def _train(spec: Spec, layout: Layout, args: argparse.Namespace) -> dict[str, An
 
     mpar.init(layout.config())
     _warm_imports()
+    gc.collect()
     sampler = RssSampler(args.sample_ms / 1e3).start()
-    baseline = RssSampler.rss()
+    baseline, baseline_anon = RssSampler.read()
+    baseline_tensors = live_tensor_bytes()
     model = mpar.DistributedModel(_model(spec))
     opt = mpar.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4))
 
@@ -236,15 +305,26 @@ def _train(spec: Spec, layout: Layout, args: argparse.Namespace) -> dict[str, An
         times.append(time.perf_counter() - start)
         opt.step()
         opt.zero_grad()
-    peak = sampler.stop()
+    peak, peak_anon = sampler.stop()
+    gc.collect()  # at rest: what a process holds between steps besides tensors
+    rest, rest_anon = RssSampler.read()
+    rest_tensors = live_tensor_bytes() - baseline_tensors
     plan = model.plan if layout.pp > 1 else _pp1_plan(spec, layout, x)
     return {
         "rank": mpar.rank(),
         "pp_rank": mpar.pp_rank(),
         "dp_rank": mpar.dp_rank(),
-        "measured_peak_bytes": peak - baseline,
+        "measured_peak_bytes": peak_anon - baseline_anon,
+        "measured_rss_peak_bytes": peak - baseline,
         "baseline_bytes": baseline,
+        "baseline_anon_bytes": baseline_anon,
+        "rest_anon_bytes": rest_anon - baseline_anon,
+        "rest_rss_bytes": rest - baseline,
+        "rest_tensor_bytes": rest_tensors,
         "predicted_peak_bytes": plan.rank_memory_bytes[mpar.pp_rank()],
+        "chunk_granular_extra_bytes": _chunk_granular_extra(
+            spec, layout, [s for s in plan.stages if s.rank == mpar.pp_rank()]
+        ),
         "measured_step_s": statistics.median(times[args.warmup :]),
         "predicted_step_s": plan.step_time_s,
         "boundaries": list(plan.boundaries),
@@ -261,6 +341,9 @@ def _worker(args: argparse.Namespace) -> None:
     spec, raw = Spec(**json.loads(args.spec)), json.loads(args.worker)
     result = _train(spec, Layout(**raw), args)
     Path(args.result, f"rank{result['rank']}.json").write_text(json.dumps(result))
+    import mpar
+
+    mpar.shutdown()
 
 
 # -- launching -----------------------------------------------------------------------
@@ -314,7 +397,12 @@ def _summary(layout: Layout, got: dict[str, Any]) -> dict[str, Any]:
             "pp_rank": r["pp_rank"],
             "predicted_mib": r["predicted_peak_bytes"] / 2**20,
             "measured_mib": r["measured_peak_bytes"] / 2**20,
+            "measured_rss_mib": r["measured_rss_peak_bytes"] / 2**20,
+            "rest_anon_mib": r["rest_anon_bytes"] / 2**20,
+            "rest_tensor_mib": r["rest_tensor_bytes"] / 2**20,
             "ratio": r["measured_peak_bytes"] / max(r["predicted_peak_bytes"], 1),
+            "today_predicted_mib": (r["predicted_peak_bytes"] + r["chunk_granular_extra_bytes"])
+            / 2**20,
             "memory_report": r["report"],
             "plan_stages": r["stages"],
         }
@@ -327,23 +415,40 @@ def _summary(layout: Layout, got: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def _today(r: dict[str, Any]) -> str:
+    if abs(r["today_predicted_mib"] - r["predicted_mib"]) < 0.05:
+        return " | "
+    return f"{r['today_predicted_mib']:.1f} | {r['measured_mib'] / r['today_predicted_mib']:.2f}"
+
+
 def _markdown(report: dict[str, Any]) -> str:
+    meta = report["meta"]
+    loads = meta.get("load", [])
     lines = [
         "# Planner calibration: predicted vs measured",
         "",
-        f"Model: TinyGPT {report['spec']}; Adam, fp32; {report['meta']['warmup']} warm-up + "
-        f"{report['meta']['steps']} timed steps; {report['meta']['threads']} thread(s) per rank; "
-        "the plans' default cost model (10 GB/s links). Peak = sampled RSS above the "
-        "process's RSS before the model was built (MALLOC_MMAP_THRESHOLD_=65536). "
-        "Ratio = measured / predicted.",
+        f"Model: TinyGPT {report['spec']}; Adam, fp32; {meta['warmup']} warm-up + "
+        f"{meta['steps']} timed steps; {meta['threads']} thread(s) per rank; the plans' "
+        "default cost model (10 GB/s links, process memory 5 MiB + 6 MiB on pipeline ranks). "
+        "Measured = peak of the sampled *anonymous* resident memory (RSS less file-backed "
+        "code pages) above its value before the model was built "
+        "(MALLOC_MMAP_THRESHOLD_=65536); RSS = the same for the whole resident set. "
+        "Non-tensor = anonymous RSS at rest after the last step minus the bytes of every live "
+        "tensor. Chunk-granular: the prediction plus what ZeRO-2/3 hold with zero.gather "
+        "'chunk' (a stage's whole chunk gathered, a full-size gradient buffer), filled in "
+        "only for such runs (the model is unit-granular, the runtime's default). "
+        "Ratio = measured / predicted."
+        + (f" 1-minute load average (2 cores): {loads[0]:.1f} at the start, "
+           f"{loads[-1]:.1f} at the end." if loads else ""),
         "",
-        "| layout | rank (pp) | predicted MiB | measured MiB | ratio | predicted step ms | "
-        "measured step ms | step ratio |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+        "| layout | rank (pp) | predicted MiB | measured MiB | ratio | RSS MiB | non-tensor "
+        "MiB | chunk-granular MiB | its ratio | predicted step ms | measured step ms | "
+        "step ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
     for row in report["rows"]:
         if row["status"] != "ok":
-            lines.append(f"| {row['layout']} | failed: {row['reason'][-120:]!r} | | | | | | |")
+            lines.append(f"| {row['layout']} | failed: {row['reason'][-120:]!r} |" + " |" * 10)
             continue
         for i, r in enumerate(row["ranks"]):
             step = (
@@ -354,20 +459,29 @@ def _markdown(report: dict[str, Any]) -> str:
             )
             lines.append(
                 f"| {row['layout'] if i == 0 else ''} | {r['rank']} ({r['pp_rank']}) | "
-                f"{r['predicted_mib']:.1f} | {r['measured_mib']:.1f} | {r['ratio']:.2f} | {step} |"
+                f"{r['predicted_mib']:.1f} | {r['measured_mib']:.1f} | {r['ratio']:.2f} | "
+                f"{r['measured_rss_mib']:.1f} | {r['rest_anon_mib'] - r['rest_tensor_mib']:.1f} | "
+                f"{_today(r)} | {step} |"
             )
-    ratios = [r["ratio"] for row in report["rows"] if row["status"] == "ok" for r in row["ranks"]]
-    if ratios:
-        inside = sum(0.8 <= r <= 1.25 for r in ratios)
-        lines += [
-            "",
-            f"Peak ratios: min {min(ratios):.2f}, median {statistics.median(ratios):.2f}, "
-            f"max {max(ratios):.2f}; {inside} of {len(ratios)} ranks within 0.8-1.25x.",
-        ]
+    ok = [r for row in report["rows"] if row["status"] == "ok" for r in row["ranks"]]
+    if ok:
+        ratios = [r["ratio"] for r in ok]
+        today = [r["measured_mib"] / r["today_predicted_mib"] for r in ok]
+        lines += ["", _ratio_line("Peak ratios", ratios)]
+        if today != ratios:
+            lines.append(_ratio_line("Against the chunk-granular figures", today))
     if report.get("auto"):
         lines += ["", "## Top candidates of one auto plan", "", *report["auto"]]
     lines += ["", "What is off, and why: [docs/planning.md](../../docs/planning.md#calibration)."]
     return "\n".join(lines) + "\n"
+
+
+def _ratio_line(what: str, ratios: list[float]) -> str:
+    inside = sum(0.8 <= r <= 1.25 for r in ratios)
+    return (
+        f"{what}: min {min(ratios):.2f}, median {statistics.median(ratios):.2f}, "
+        f"max {max(ratios):.2f}; {inside} of {len(ratios)} ranks within 0.8-1.25x."
+    )
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -393,25 +507,61 @@ def _ms(seconds: float | None) -> str:
     return "failed" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
-def _auto_check(spec: Spec, args: argparse.Namespace) -> tuple[list[str], list[dict[str, Any]]]:
-    """Measure the top 3 of one auto search on 2 ranks (fp32, no offload, ZeRO-0)."""
+def _auto_profile(
+    spec: Spec, args: argparse.Namespace, small: int, large: int, rounds: int = 3
+) -> Any:
+    """Profile at ``large`` samples with per-call fixed times fitted against ``small``:
+    the candidates' microbatch sizes lie between the two, so their times interpolate.
+
+    The fit takes a difference of two timings, so load that changes between them would
+    land in it: the two sizes are profiled alternately, ``rounds`` times each, and every
+    unit keeps its fastest time per size (interference only ever adds time).
+    """
+    import dataclasses
+
     import torch
 
-    from mpar.partition import SearchSpace, fit_fixed_times, search
+    from mpar.partition import fit_fixed_times
     from mpar.profile import profile_model
 
     torch.set_num_threads(args.threads)
     x, _ = _data(spec)
     model = _model(spec)
-    one = profile_model(model, (x[:1],), repeats=3, warmup=1)
-    two = profile_model(model, (x[:2],), repeats=3, warmup=1)
-    profile = fit_fixed_times(two, 2, one, 1)
+    best: dict[int, Any] = {}
+    for _ in range(rounds):
+        for n in (small, large):
+            got = profile_model(model, (x[:n],), repeats=3, warmup=1)
+            if n in best:
+                fastest = [
+                    min(a, b, key=lambda u: u.time_s) for a, b in zip(best[n].units, got.units)
+                ]
+                got = dataclasses.replace(got, units=fastest)
+            best[n] = got
+    return fit_fixed_times(best[large], large, best[small], small)
+
+
+def _ratio_medians(runs: list[list[float | None]]) -> list[float | None]:
+    """Per candidate: the median over rounds of its time / the first candidate's time in
+    the same round (rounds where either failed are left out)."""
+    out: list[float | None] = []
+    for times in runs:
+        ratios = [t / t0 for t, t0 in zip(times, runs[0]) if t is not None and t0 is not None]
+        out.append(statistics.median(ratios) if ratios else None)
+    return out
+
+
+def _auto_check(spec: Spec, args: argparse.Namespace) -> tuple[list[str], list[dict[str, Any]]]:
+    """Measure the top 3 of one auto search on 2 ranks (fp32, no offload, ZeRO-0)."""
+    from mpar.partition import SearchSpace, search
+
+    per_replica = spec.batch // 2
+    profile = _auto_profile(spec, args, 2, per_replica)
     # ZeRO-0 only: ZeRO-1/2 predict the same time as ZeRO-0 (same traffic), and ties say
     # nothing about order; what is left differs in pp, m, v, schedule and checkpointing.
     space = SearchSpace(precisions=("fp32",), offload=False, zero_stages=(0,))
     result = search(
         profile, world_size=2, device_memory="1GiB", global_batch=spec.batch, space=space,
-        profile_batch=2, top=3,
+        profile_batch=per_replica, top=3,
     )  # fmt: skip
     layouts = [
         Layout(
@@ -425,37 +575,47 @@ def _auto_check(spec: Spec, args: argparse.Namespace) -> tuple[list[str], list[d
         )
         for c in result.ranked
     ]
-    runs: list[list[float]] = [[] for _ in layouts]
+    runs: list[list[float | None]] = [[] for _ in layouts]
+    loads = []
     for _ in range(args.auto_repeats):  # A B C A B C ...: the machine's drift hits all alike
+        loads.append(os.getloadavg()[0])
         for i, layout in enumerate(layouts):
             got = _launch(spec, layout, args)
-            if got["status"] == "ok":
-                runs[i].append(max(r["measured_step_s"] for r in got["ranks"]))
+            ok = got["status"] == "ok"
+            runs[i].append(max(r["measured_step_s"] for r in got["ranks"]) if ok else None)
+    ratios = _ratio_medians(runs)
+    first = result.ranked[0].step_time_s or 1.0
     out = [
         {
             "layout": layout.label(),
             "search_predicted_s": c.step_time_s,
+            "predicted_ratio": (c.step_time_s or 0.0) / first,
             "measured_runs_s": times,
-            "measured_s": statistics.median(times) if times else None,
+            "measured_s": statistics.median([t for t in times if t is not None] or [0.0]),
+            "measured_ratio": ratio,
         }
-        for layout, c, times in zip(layouts, result.ranked, runs)
+        for layout, c, times, ratio in zip(layouts, result.ranked, runs, ratios)
     ]
     rows = [
         f"| {o['layout']} | {(o['search_predicted_s'] or 0) * 1e3:.1f} | "
-        f"{_ms(o['measured_s'])} | "
-        f"{', '.join(f'{t * 1e3:.0f}' for t in o['measured_runs_s'])} |"
+        f"{o['predicted_ratio']:.3f} | {_ms(o['measured_s'])} | "
+        f"{'failed' if o['measured_ratio'] is None else format(o['measured_ratio'], '.3f')} | "
+        f"{', '.join(_ms(t) for t in o['measured_runs_s'])} |"
         for o in out
     ]
-    measured = [o["measured_s"] for o in out]
-    order_ok = None not in measured and measured == sorted(measured)
+    order_ok = None not in ratios and ratios == sorted(ratios)  # type: ignore[type-var]
     text = [
-        "| candidate (search rank order) | predicted step ms | measured step ms (median) | "
-        "runs ms |",
-        "|---|---|---|---|",
+        "| candidate (search rank order) | predicted step ms | predicted / first | "
+        "measured step ms (median) | measured / first (median of per-round ratios) | runs ms |",
+        "|---|---|---|---|---|---|",
         *rows,
         "",
-        f"{args.auto_repeats} alternating runs per candidate. Measured order matches the "
-        f"predicted order: {'yes' if order_ok else 'no'}.",
+        f"{args.auto_repeats} rounds, candidates alternating within each round (A B C A B C "
+        f"...); 1-minute load average at the start of each round: "
+        f"{', '.join(f'{x:.1f}' for x in loads)} (2 cores). Profile at {per_replica} samples, "
+        "per-call fixed times fitted against 2 samples (the candidates' microbatch sizes lie "
+        "between). Measured order (by the median of per-round ratios to the first "
+        f"candidate) matches the predicted order: {'yes' if order_ok else 'no'}.",
     ]
     return text, out
 
@@ -468,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = Spec(vocab=512, d_model=64, layers=4, heads=4, seq=32, batch=8) if args.quick else Spec()
     grid = GRID[:2] if args.quick else [GRID[i] for i in args.only] if args.only else GRID
     grid = [] if args.auto_only else grid
-    rows = []
+    rows, load = [], [os.getloadavg()[0]]
     for layout in grid:
         got = _launch(spec, layout, args)
         rows.append(_summary(layout, got))
@@ -476,7 +636,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{layout.label()}: {got['status']} {shown}", flush=True)
     report: dict[str, Any] = {
         "spec": asdict(spec),
-        "meta": {k: getattr(args, k) for k in ("warmup", "steps", "threads")},
+        "meta": {
+            **{k: getattr(args, k) for k in ("warmup", "steps", "threads")},
+            "load": [*load, os.getloadavg()[0]],
+        },
         "rows": rows,
     }
     if args.auto or args.auto_only:

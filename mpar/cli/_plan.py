@@ -89,6 +89,11 @@ def _add_auto_arguments(parser: argparse.ArgumentParser) -> None:
     auto.add_argument("--global-batch", type=int, help="samples per step over all replicas")
     auto.add_argument("--host-bandwidth", default="10GB", help="device<->host bytes/s (10GB)")
     auto.add_argument(
+        "--process-memory",
+        help="bytes each rank's process holds besides tensors (default: the CPU runtime's "
+        "measured 5MiB, plus 6MiB per pipeline rank); set it for your device, e.g. 1GiB",
+    )
+    auto.add_argument(
         "--dp-bandwidth", help="bytes/s per rank in data-parallel collectives (link bandwidth)"
     )
     auto.add_argument(

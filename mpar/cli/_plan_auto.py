@@ -13,7 +13,7 @@ __all__ = ["run_auto"]
 
 def _options(args: argparse.Namespace) -> tuple[Any, Any]:
     from mpar.partition import CostModel, SearchSpace
-    from mpar.partition._plan import _bandwidth
+    from mpar.partition._plan import _bandwidth, parse_bytes
 
     if args.device_memory is None:
         raise ValueError("--auto needs --device-memory (bytes per rank, e.g. 80GiB)")
@@ -24,11 +24,15 @@ def _options(args: argparse.Namespace) -> tuple[Any, Any]:
     link = None if args.link_bandwidth.lower() == "none" else _bandwidth(args.link_bandwidth)
     dp = link if args.dp_bandwidth is None else _bandwidth(args.dp_bandwidth, "--dp-bandwidth")
     host = _bandwidth(args.host_bandwidth, "--host-bandwidth")
+    process = {}
+    if args.process_memory is not None:  # one figure for every rank, pipelined or not
+        process = {"process_bytes": parse_bytes(args.process_memory), "pipeline_process_bytes": 0}
     cost = CostModel(
         link_bandwidth=link,
         dp_bandwidth=dp,
         host_bandwidth=host or 10e9,
         mixed_speedup=args.bf16_speedup,
+        **process,
     )
     space = SearchSpace(
         max_virtual_stages=args.max_virtual_stages,

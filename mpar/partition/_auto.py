@@ -290,7 +290,9 @@ def _evaluate(
         return None
     if max(laid.rank_memory) > cap:
         return None
-    overhead = max(rank_overheads(laid.stages, pp, v, pipeline, layout, cost, profile.units))
+    overhead = max(
+        rank_overheads(laid.stages, pp, v, pipeline, layout, cost, profile.units, microbatches=m)
+    )
     bound = lower_bound_s(laid.stages, pp, m, ckpt, cost) + overhead
     return Candidate(
         pp, dp, v, m, 0, pipeline, zero, opt, par, ckpt, precision,

@@ -13,7 +13,8 @@ meta device) and are scaled, per layout, by:
 * data parallelism, once per step per rank, not overlapped with compute: a ring
   all-reduce of the gradients (ZeRO-0) or its reduce-scatter + all-gather (ZeRO-1/2,
   the same ``2 (dp - 1) / dp`` bytes per byte), and for ZeRO-3 a reduce-scatter of
-  the gradients plus an all-gather of the parameters per gather of a chunk;
+  the gradients plus an all-gather of each unit's parameters for every forward and
+  every backward of every microbatch (:func:`zero3_gathers_per_step`);
 * offload, over ``host_bandwidth``: gradients to the host and parameters back
   (optimizer offload) plus the host optimizer at ``host_optimizer_rate``
   parameters per second; parameter shards copied in at every gather.
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from mpar.partition._memory import Layout
     from mpar.profile import UnitProfile
 
-__all__ = ["CostModel", "step_overhead_s"]
+__all__ = ["CostModel", "step_overhead_s", "zero3_gathers_per_step"]
 
 
 @dataclass(frozen=True)
@@ -50,11 +51,27 @@ class CostModel:
     """Compute speed of bf16/fp16 relative to the fp32 profile."""
     recompute_fraction: float = 1 / 3
     """Share of forward+backward time one recomputed forward costs."""
+    process_bytes: float = 5 * 2**20
+    """Memory every training process holds besides tensors, counted in each rank's peak:
+    the framework's kernel workspaces and allocator state after a step. The default is
+    what the CPU runtime measures (anonymous RSS at rest minus live tensor bytes: 4.3-4.8
+    MiB on every rank of the calibration grid at pp=1, 4.8 MiB in a plain torch training
+    loop). On CUDA set it to what the device holds outside your allocator's figure."""
+    pipeline_process_bytes: float = 6 * 2**20
+    """More per rank of a pipeline (pp > 1): the interpreter objects of the traced and
+    split stage graphs (torch.fx nodes with their metadata) and the heap they leave;
+    measured 5.5-6.4 MiB on every pipeline rank of the calibration grid (a 6-layer GPT:
+    it grows with the traced graph, not with tensor sizes)."""
 
     def __post_init__(self) -> None:
         for name in ("host_bandwidth", "host_optimizer_rate", "mixed_speedup"):
             if not getattr(self, name) > 0:
                 raise PartitionError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("process_bytes", "pipeline_process_bytes"):
+            if not getattr(self, name) >= 0:
+                raise PartitionError(
+                    f"{name} must be >= 0 bytes (0 leaves it out), got {getattr(self, name)!r}"
+                )
         for name in ("link_bandwidth", "dp_bandwidth"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -65,9 +82,15 @@ class CostModel:
             )
 
 
-def _gathers(pipeline: str, virtual_stages: int) -> int:
-    """ZeRO-3 gathers of a chunk per step (twice when it is freed between phases)."""
-    return 2 if pipeline == "simple" and virtual_stages > 1 else 1
+def zero3_gathers_per_step(microbatches: int) -> int:
+    """ZeRO-3 all-gathers of each unit's parameters per step.
+
+    The unit-granular design (``_memory.zero_working_set_bytes``: at most two units
+    gathered at once) cannot keep a stage's parameters between its actions, so every
+    forward and every backward of every microbatch gathers each unit again. Change
+    this with the runtime's gather granularity.
+    """
+    return 2 * microbatches
 
 
 def step_overhead_s(
@@ -77,13 +100,18 @@ def step_overhead_s(
     *,
     pipeline: str = "interleaved",
     virtual_stages: int = 1,
+    microbatches: int = 1,
 ) -> float:
-    """Seconds one rank spends per step on data-parallel sync and offload (its stages' units)."""
+    """Seconds one rank spends per step on data-parallel sync and offload (its stages' units).
+
+    ``pipeline`` and ``virtual_stages`` are accepted for schedules whose gathers differ;
+    the unit-granular ZeRO-3 gathers per action (:func:`zero3_gathers_per_step`).
+    """
     units = [u for group in groups for u in group]
     c, dp, z = layout.dtype_factor, layout.data_parallel_degree, layout.zero_stage
     grads = c * sum(u.grad_bytes for u in units)
     params = c * sum(u.param_bytes for u in units)
-    gathers = _gathers(pipeline, virtual_stages) if z == 3 else 0
+    gathers = zero3_gathers_per_step(microbatches) if z == 3 else 0
     seconds = 0.0
     if dp > 1 and cost.dp_bandwidth is not None:
         share = (dp - 1) / dp

@@ -7,21 +7,25 @@ The functions here turn a profile's per-unit figures into device bytes at the
 *peak* of a step, following what the runtime allocates:
 
 * parameters in the compute dtype (2 bytes an element under bf16/fp16); ZeRO-3
-  keeps a ``1/dp`` shard (on the host with ``offload_params``) and gathers a
-  whole chunk's parameters while it runs, so its peak holds shard + full chunk;
+  keeps a ``1/dp`` shard (on the host with ``offload_params``);
 * gradients: a full-size buffer in the compute dtype from a stage's first
-  backward to its once-per-step reduction, at every ZeRO stage (microbatches
-  accumulate into it; ZeRO-2 shards what survives the reduction only);
+  backward to its once-per-step reduction at ZeRO-0/1 (microbatches accumulate
+  into it); at ZeRO-2/3 the ``1/dp`` shard;
+* the ZeRO-2/3 working set (:func:`zero_working_set_bytes`): two units' gathered
+  parameters at ZeRO-3 and one unit's gradients before their reduce-scatter;
 * optimizer state (and the fp32 master copy under mixed precision) divided by
   ``dp`` at ZeRO >= 1, nothing on the device with ``offload_optimizer``;
 * activations saved for backward per microbatch in flight, plus the stage's
   output kept for its backward; with activation checkpointing only the stage's
   input and output per microbatch in flight, plus one microbatch's full
   activations while it is recomputed;
-* the last stage's loss: the log-softmax of the logits (fp32) per microbatch in
-  flight, the logits' gradient, and under mixed precision their fp32 copy;
-* communication: one boundary activation received and one sent per stage, and
-  one gradient bucket when ``dp > 1``.
+* the last stage's loss (:func:`loss_bytes`);
+* pipeline messages (:class:`Transfers`): sends kept until the step ends and
+  one posted receive per incoming stream; one gradient bucket at ZeRO-0 when
+  ``dp > 1``.
+
+What a process holds besides tensors is added per rank by ``mpar.partition._plan``
+(``CostModel.process_bytes``).
 
 Profiles are taken in fp32 at one microbatch size; activations, outputs and
 time scale linearly with ``microbatch_scale`` (samples per microbatch over the
@@ -39,7 +43,16 @@ from mpar.errors import PartitionError
 if TYPE_CHECKING:
     from mpar.profile import UnitProfile
 
-__all__ = ["Layout", "loss_bytes", "stage_extra_bytes", "unit_activation_bytes", "unit_state_bytes"]
+__all__ = [
+    "Layout",
+    "Transfers",
+    "loss_bytes",
+    "stage_extra_bytes",
+    "transfer_bytes",
+    "unit_activation_bytes",
+    "unit_state_bytes",
+    "zero_working_set_bytes",
+]
 
 _PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -94,18 +107,40 @@ class Layout:
 
 
 def unit_state_bytes(unit: UnitProfile, layout: Layout) -> float:
-    """Device bytes of a unit's parameters, gradients and optimizer state at the step's peak."""
+    """Device bytes of a unit's parameters, gradients and optimizer state between steps
+    and while other units run (what is gathered or staged only while the unit itself
+    computes is in :func:`zero_working_set_bytes`)."""
     c, dp = layout.dtype_factor, layout.data_parallel_degree
     params = c * unit.param_bytes
     if layout.zero_stage == 3:
-        shard = 0.0 if layout.offload_params else params / dp
-        params += shard  # the gathered chunk plus this rank's shard
+        params = 0.0 if layout.offload_params else params / dp  # this rank's shard
     grads = c * unit.grad_bytes
+    if layout.zero_stage >= 2:
+        grads /= dp  # reduce-scattered per unit as produced: only the shard stays
     optim = 0.0
     if not layout.offload_optimizer:
         master = unit.grad_bytes if layout.mixed else 0  # fp32 copy of trainable parameters
         optim = (unit.optimizer_bytes + master) / layout.shards
     return params + grads + optim
+
+
+def zero_working_set_bytes(units: Sequence[UnitProfile], layout: Layout) -> float:
+    """ZeRO-2/3 bytes a stage of ``units`` holds only while it computes.
+
+    The unit-granular design (one partition unit at a time): at ZeRO-3 at most two
+    units' full parameters are gathered at once (the one running and the prefetched
+    next), in the compute dtype; at ZeRO-2/3 one unit's full gradient exists before
+    its reduce-scatter. Both are bounded by the stage's largest units. This is the
+    one place to change when the runtime's gather or reduction granularity changes.
+    """
+    c, sharded = layout.dtype_factor, layout.data_parallel_degree > 1
+    extra = 0.0
+    if layout.zero_stage >= 2 and sharded:
+        extra += c * max((u.grad_bytes for u in units), default=0)  # one unit's gradients
+    if layout.zero_stage == 3 and (sharded or layout.offload_params):
+        largest = sorted((u.param_bytes for u in units), reverse=True)[:2]
+        extra += c * sum(largest)  # at most two units gathered
+    return extra
 
 
 def unit_activation_bytes(unit: UnitProfile, layout: Layout) -> float:
@@ -119,28 +154,71 @@ def boundary_bytes(unit: UnitProfile, layout: Layout) -> float:
 
 
 def loss_bytes(last: UnitProfile, layout: Layout, in_flight: int) -> float:
-    """The loss outside the model on the last stage: fp32 log-softmax of the logits per
-    microbatch in flight, the logits' gradient, and their fp32 copy under mixed precision."""
+    """The loss outside the model on the last stage, at its peak (the backward of the
+    loss of one microbatch): the fp32 log-probabilities cross-entropy saves for every
+    microbatch in flight, plus, for the one being differentiated, their gradient and
+    the logits' gradient; under mixed precision one more fp32 copy of the logits."""
     logits = last.output_bytes * layout.microbatch_scale  # fp32
-    return logits * (in_flight + 1 + (1 if layout.mixed else 0))
+    return logits * (in_flight + 2 + (1 if layout.mixed else 0))
+
+
+@dataclass(frozen=True)
+class Transfers:
+    """The pipeline messages a stage's rank holds at the rank's peak (``mpar.comm._p2p``).
+
+    A send packs the payload into a new message buffer that the runtime keeps until
+    the end of the step (``PendingSends``); a receive is posted early into a buffer
+    of the stream's message size, one per incoming stream. Counted from the schedule
+    by ``mpar.partition._plan`` (sends issued up to the last moment the rank's
+    microbatches in flight reach their peak; transfers between stages on the same
+    rank are handed over without a message).
+    """
+
+    sends_forward: int = 1
+    """Activation messages sent on to the next stage."""
+    sends_backward: int = 1
+    """Gradient messages sent back to the previous stage."""
+    receives_forward: int = 1
+    """Posted receives of the stage's input (0 when the previous stage is local or absent)."""
+    receives_backward: int = 1
+    """Posted receives of the output's gradient (0 when the next stage is local or absent)."""
+
+
+def transfer_bytes(inp: float, out: float, transfers: Transfers) -> float:
+    """Bytes of held send and posted receive buffers for boundaries of ``inp``/``out`` bytes."""
+    t = transfers
+    return (t.sends_forward + t.receives_backward) * out + (
+        t.sends_backward + t.receives_forward
+    ) * inp
 
 
 def stage_extra_bytes(
-    units: Sequence[UnitProfile], start: int, end: int, in_flight: int, layout: Layout
+    units: Sequence[UnitProfile],
+    start: int,
+    end: int,
+    in_flight: int,
+    layout: Layout,
+    transfers: Transfers | None = None,
 ) -> float:
     """Bytes of stage ``[start, end)`` beyond states and saved activations.
 
     Its output kept for backward per microbatch in flight (the input too when
-    checkpointing), one received and one sent boundary tensor, one gradient
-    bucket under data parallelism, and the loss when it is the last stage.
+    checkpointing; the last stage keeps no output: the loss holds what it needs),
+    pipeline message buffers (``transfers``; default: one of each kind where a
+    neighbour exists), the ZeRO-2/3 working set, one gradient bucket under data
+    parallelism at ZeRO-0 (the all-reduce's flat buffer; at ZeRO >= 1 the reduction
+    reads the gradient buffer itself), and the loss when it is the last stage.
     """
-    out = boundary_bytes(units[end - 1], layout)
+    last = end == len(units)
+    out = 0.0 if last else boundary_bytes(units[end - 1], layout)
     inp = boundary_bytes(units[start - 1], layout) if start > 0 else 0.0
     kept = out + (inp if layout.activation_checkpointing else 0.0)
-    extra = kept * in_flight + inp + out
-    if layout.data_parallel_degree > 1:
-        grads = sum(u.grad_bytes for u in units[start:end]) * layout.dtype_factor
+    extra = kept * in_flight + transfer_bytes(inp, out, transfers or Transfers())
+    group = units[start:end]
+    extra += zero_working_set_bytes(group, layout)
+    if layout.data_parallel_degree > 1 and layout.zero_stage == 0:
+        grads = sum(u.grad_bytes for u in group) * layout.dtype_factor
         extra += min(layout.bucket_bytes, grads)
-    if end == len(units):
+    if last:
         extra += loss_bytes(units[-1], layout, in_flight)
     return extra

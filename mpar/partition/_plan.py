@@ -9,10 +9,12 @@ parameters, gradients and optimizer state of its units by ZeRO stage, precision
 and offload (tied replicas included), saved activations per microbatch in
 flight on its rank (from ``mpar.schedule``'s ``peak_in_flight``, spread evenly
 over the rank's chunks; one microbatch's with activation checkpointing), and
-``extra_bytes``: kept boundary tensors, send/receive buffers, a gradient bucket
-and, on the last stage, the loss. ``device_memory`` caps a rank; the solver
-caps each of its ``v`` stages at ``device_memory / v`` (less a reserve for the
-cut-dependent extras) and the exact figures are reported.
+``extra_bytes``: kept boundary tensors, pipeline message buffers (counted from
+the schedule, ``_transfers``), the ZeRO-2/3 working set, a gradient bucket
+and, on the last stage, the loss; each rank adds its process's memory besides
+tensors (``CostModel.process_bytes``). ``device_memory`` caps a rank; the solver
+caps each of its ``v`` stages at ``(device_memory - process) / v`` (less a
+reserve for the cut-dependent extras) and the exact figures are reported.
 
 Communication: a stage that is not the last sends its last unit's output on
 in the forward pass and receives the gradient of the same size back, so it
@@ -45,10 +47,13 @@ from mpar.errors import PartitionError
 from mpar.partition._cost import CostModel, step_overhead_s
 from mpar.partition._memory import (
     Layout,
+    Transfers,
     boundary_bytes,
+    loss_bytes,
     stage_extra_bytes,
     unit_activation_bytes,
     unit_state_bytes,
+    zero_working_set_bytes,
 )
 from mpar.partition._methods import parameter_boundaries, uniform_boundaries
 from mpar.partition._solver import _fmt, memory_weight_for, solve, stage_costs
@@ -125,6 +130,8 @@ class Plan:
     """Bytes per second between neighbouring stages; None when communication is not modelled."""
     overhead_s: float = 0.0
     """Data-parallel sync and offload seconds per step (in ``step_time_s``)."""
+    process_bytes: int = 0
+    """Memory each rank's process holds besides tensors (in ``rank_memory_bytes``)."""
     layout: dict[str, Any] = field(default_factory=dict)
     """The ``Layout`` knobs (dp, ZeRO, precision, checkpointing, offload, microbatch scale)."""
 
@@ -173,6 +180,48 @@ def _in_flight(p: int, v: int, m: int, pipeline: str) -> tuple[list[int], Any]:
         return [min(m, p - r) for r in range(p)], None
     warm = [(p - r - 1) * 2 + (v - 1) * p + 1 for r in range(p)]
     return [min(m, math.ceil(w / v)) for w in warm], None
+
+
+@functools.lru_cache(maxsize=4096)
+def _transfers(p: int, v: int, m: int, pipeline: str) -> tuple[Transfers, ...]:
+    """Per stage: the pipeline messages its rank holds at the rank's peak.
+
+    Walks each rank's action list as the runtime executes it: every F of a stage
+    whose next stage is on another rank sends an activation message, every B (or I)
+    of a stage whose previous stage is on another rank sends a gradient message, and
+    the runtime keeps each until the step ends. The count is taken at the last action
+    where the rank's microbatches in flight are at their peak (later actions only
+    free activations faster than they add messages). Each remote incoming stream has
+    one receive posted.
+    """
+    from mpar import schedule as sched
+    from mpar.schedule import Kind
+
+    schedule = sched.build_schedule(pipeline, p, m, virtual_stages=v)
+    n = schedule.num_stages
+    rank_of = [schedule.stage_to_rank(s) for s in range(n)]
+    remote_next = [s + 1 < n and rank_of[s + 1] != rank_of[s] for s in range(n)]
+    remote_prev = [s > 0 and rank_of[s - 1] != rank_of[s] for s in range(n)]
+    at_peak: dict[int, tuple[int, int]] = {}
+    for rank in range(p):
+        fwd, bwd = [0] * n, [0] * n
+        current = peak = 0
+        for action in schedule.actions.get(rank, []):
+            s = action.stage
+            if action.kind == Kind.F:
+                current += 1
+                fwd[s] += remote_next[s]
+            elif action.kind in (Kind.B, Kind.I):
+                bwd[s] += remote_prev[s]
+            if action.kind in (Kind.B, Kind.W):
+                current -= 1
+            if current >= peak:
+                peak = current
+                at_peak.update({t: (fwd[t], bwd[t]) for t in range(n) if rank_of[t] == rank})
+    return tuple(
+        Transfers(*at_peak.get(s, (0, 0)), int(remote_prev[s]), int(remote_next[s]))
+        for s in range(n)
+    )
 
 
 def _phase_times(
@@ -304,24 +353,39 @@ def _check(
 
 
 def unit_memory(
-    units: Sequence[UnitProfile], layout: Layout, in_flight: int
+    units: Sequence[UnitProfile],
+    layout: Layout,
+    in_flight: int,
+    transfers: Sequence[Transfers] = (),
 ) -> tuple[list[float], float]:
     """Per-unit memory for the solver, and the bytes to reserve below the cap.
 
     Additive parts go to the units (states, saved activations per microbatch in
     flight or one microbatch's recomputed ones, the loss on the last unit); what
-    depends on where the cuts fall (kept boundary tensors, buffers) is bounded
-    by the largest boundary and reserved from the cap.
+    depends on where the cuts fall (kept boundary tensors, message buffers, the
+    ZeRO working set) is bounded by the largest boundary and units and reserved
+    from the cap.
     """
     flight = 1 if layout.activation_checkpointing else in_flight
     memory = [
         unit_state_bytes(u, layout) + unit_activation_bytes(u, layout) * flight for u in units
     ]
-    memory[-1] += stage_extra_bytes(units, len(units) - 1, len(units), in_flight, layout)
+    memory[-1] += loss_bytes(units[-1], layout, in_flight)
     widest = max((boundary_bytes(u, layout) for u in units[:-1]), default=0.0)
-    copies = in_flight * (2 if layout.activation_checkpointing else 1) + 2
+    messages = max(
+        (t.sends_forward + t.sends_backward + t.receives_forward + t.receives_backward
+         for t in transfers),
+        default=4,
+    )  # fmt: skip
+    copies = in_flight * (2 if layout.activation_checkpointing else 1) + messages
     bucket = layout.bucket_bytes if layout.data_parallel_degree > 1 else 0
-    return memory, widest * copies + bucket
+    return memory, widest * copies + bucket + zero_working_set_bytes(units, layout)
+
+
+def process_bytes(p: int, cost: CostModel) -> float:
+    """Memory a rank's process holds besides tensors (``CostModel.process_bytes``, plus
+    ``pipeline_process_bytes`` when the model is split into a pipeline)."""
+    return cost.process_bytes + (cost.pipeline_process_bytes if p > 1 else 0.0)
 
 
 @dataclass
@@ -353,17 +417,21 @@ def lay_out(
 ) -> _Laid:
     """Partition for one layout and compute every stage's memory and time (no simulation)."""
     in_flight, sched = _in_flight(p, v, m, pipeline)
+    transfers = _transfers(p, v, m, pipeline) if sched is not None else ()
     units = profile.units
-    memory, reserve = unit_memory(units, layout, max(in_flight))
-    cap = None if cap_rank is None else max(cap_rank / v - reserve, 0.0)
+    memory, reserve = unit_memory(units, layout, max(in_flight), transfers)
+    process = process_bytes(p, cost)
+    cap = None if cap_rank is None else max((cap_rank - process) / v - reserve, 0.0)
     comm = _comm(units, layout, cost.link_bandwidth)
     speed = cost.mixed_speedup if layout.mixed else 1.0
     k = layout.microbatch_scale
     compute = [(u.fixed_time_s + (u.time_s - u.fixed_time_s) * k) / speed for u in units]
     starts = _boundaries(profile, method, p * v, memory, weight, cap, comm, compute)
     home = _placement(pipeline, p * v, p)
-    stages = _stage_plans(units, starts, home, in_flight, layout, comm, compute)
-    rank_memory = [sum(s.memory_bytes for s in stages if s.rank == r) for r in range(p)]
+    stages = _stage_plans(units, starts, home, in_flight, layout, comm, compute, transfers)
+    rank_memory = [
+        int(process) + sum(s.memory_bytes for s in stages if s.rank == r) for r in range(p)
+    ]
     return _Laid(starts, stages, in_flight, sched, memory, comm, compute, rank_memory)
 
 
@@ -443,7 +511,9 @@ def make_plan(
     makespan, bubble, simulated = _predict(
         laid.stages, p, v, m, pipeline, laid.sched, activation_checkpointing, cost
     )
-    overhead = max(rank_overheads(laid.stages, p, v, pipeline, layout, cost, profile.units))
+    overhead = max(
+        rank_overheads(laid.stages, p, v, pipeline, layout, cost, profile.units, microbatches=m)
+    )
     cap = None if cap_rank is None else cap_rank / v
     binding = _bind(laid, weight, cap)
     return Plan(
@@ -463,6 +533,7 @@ def make_plan(
         simulated,
         cost.link_bandwidth,
         overhead_s=overhead,
+        process_bytes=int(process_bytes(p, cost)),
         layout=dataclasses.asdict(layout),
     )
 
@@ -475,6 +546,8 @@ def rank_overheads(
     layout: Layout,
     cost: CostModel,
     units: Sequence[UnitProfile],
+    *,
+    microbatches: int = 1,
 ) -> list[float]:
     """Per rank: data-parallel sync and offload seconds per step."""
     by_name = {u.name: u for u in units}
@@ -485,6 +558,7 @@ def rank_overheads(
             cost,
             pipeline=pipeline,
             virtual_stages=v,
+            microbatches=microbatches,
         )
         for r in range(p)
     ]
@@ -506,6 +580,7 @@ def _stage_plans(
     layout: Layout,
     comm: Sequence[float] | None,
     compute: Sequence[float],
+    transfers: Sequence[Transfers] = (),
 ) -> list[StagePlan]:
     total = math.fsum(compute) or 1.0
     plans = []
@@ -518,7 +593,8 @@ def _stage_plans(
         state += _tied_replicas(group, {u.name for u in group})
         saved = 1 if layout.activation_checkpointing else flight
         act = int(sum(unit_activation_bytes(u, layout) for u in group) * saved)
-        extra = int(stage_extra_bytes(units, a, b, flight, layout))
+        moved = transfers[s] if s < len(transfers) else None
+        extra = int(stage_extra_bytes(units, a, b, flight, layout, moved))
         seconds = math.fsum(compute[a:b])
         plans.append(
             StagePlan(
@@ -624,7 +700,8 @@ def _render(plan: Plan) -> str:
     lines += [
         "",
         f"predicted step time {plan.step_time_s * 1e3:.4g} ms, bubble {plan.bubble:.1%} ({source}); "
-        f"busiest rank memory {_fmt(peak)} (cap {cap}); bound by {plan.binding}; "
+        f"busiest rank memory {_fmt(peak)} (process {_fmt(plan.process_bytes)} included; "
+        f"cap {cap}); bound by {plan.binding}; "
         f"links {link}",
     ]
     return "\n".join(lines)

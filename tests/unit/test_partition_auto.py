@@ -11,7 +11,14 @@ import pytest
 from mpar.config import load_config
 from mpar.errors import PartitionError
 from mpar.partition import CostModel, Layout, SearchSpace, make_plan, search
-from mpar.partition._memory import loss_bytes, stage_extra_bytes, unit_state_bytes
+from mpar.partition._memory import (
+    Transfers,
+    loss_bytes,
+    stage_extra_bytes,
+    transfer_bytes,
+    unit_state_bytes,
+    zero_working_set_bytes,
+)
 from mpar.profile import ModelProfile, UnitProfile
 
 MiB = 2**20
@@ -40,12 +47,12 @@ def test_unit_state_follows_zero_precision_and_offload():
     u = _unit(0, params=400)  # P = G = 400, adam O = 800
     assert unit_state_bytes(u, Layout()) == 400 + 400 + 800
     assert unit_state_bytes(u, Layout(4, 1)) == 400 + 400 + 800 / 4
-    # gradients stay full-size during the backward at ZeRO-2 (the runtime's staging buffer)
-    assert unit_state_bytes(u, Layout(4, 2)) == unit_state_bytes(u, Layout(4, 1))
-    # ZeRO-3: the gathered chunk plus this rank's shard
-    assert unit_state_bytes(u, Layout(4, 3)) == 400 + 100 + 400 + 200
-    assert unit_state_bytes(u, Layout(4, 3, offload_params=True)) == 400 + 400 + 200
-    assert unit_state_bytes(u, Layout(4, 1, offload_optimizer=True)) == 800
+    # ZeRO-2: gradients reduce-scattered per unit as produced, only the shard stays
+    assert unit_state_bytes(u, Layout(4, 2)) == 400 + 100 + 800 / 4
+    # ZeRO-3: this rank's parameter shard (the gathered units are the stage's working set)
+    assert unit_state_bytes(u, Layout(4, 3)) == 100 + 100 + 200
+    assert unit_state_bytes(u, Layout(4, 3, offload_params=True)) == 0 + 100 + 200
+    assert unit_state_bytes(u, Layout(4, 1, offload_optimizer=True)) == 400 + 400
     # bf16: half-size parameters and gradients, fp32 master copy sharded with the optimizer
     assert unit_state_bytes(u, Layout(4, 1, "bf16")) == 200 + 200 + (800 + 400) / 4
     with pytest.raises(PartitionError, match="offload_params needs zero_stage 3"):
@@ -54,17 +61,47 @@ def test_unit_state_follows_zero_precision_and_offload():
         Layout(precision="int8")
 
 
+def test_zero_working_set_is_two_gathered_units_and_one_gradient_bucket():
+    units = [_unit(i, params=p) for i, p in enumerate((100, 400, 300, 200))]
+    assert zero_working_set_bytes(units, Layout(4, 1)) == 0  # full gradient buffer in state
+    assert zero_working_set_bytes(units, Layout(4, 2)) == 400  # the largest unit's gradients
+    assert zero_working_set_bytes(units, Layout(4, 3)) == 400 + (400 + 300)
+    assert zero_working_set_bytes(units, Layout(4, 3, "bf16")) == (400 + 700) / 2
+    # one rank, parameters on the host: still gathered onto the device, no reduction
+    assert zero_working_set_bytes(units, Layout(1, 3, offload_params=True)) == 700
+
+
 def test_last_stage_holds_the_loss_and_checkpointing_keeps_boundaries():
     units = [_unit(i, out=100, act=1000) for i in range(4)]
     plain = Layout()
-    assert loss_bytes(units[-1], plain, in_flight=3) == 100 * 4
-    assert loss_bytes(units[-1], Layout(precision="bf16"), in_flight=3) == 100 * 5
-    # a middle stage: output kept per microbatch in flight + one send and one receive
-    assert stage_extra_bytes(units, 1, 3, 2, plain) == 100 * 2 + 100 + 100
+    # saved log-probabilities per microbatch in flight + their gradient + the logits' one
+    assert loss_bytes(units[-1], plain, in_flight=3) == 100 * 5
+    assert loss_bytes(units[-1], Layout(precision="bf16"), in_flight=3) == 100 * 6
+    # a middle stage: output kept per microbatch in flight + one send and one receive each way
+    assert stage_extra_bytes(units, 1, 3, 2, plain) == 100 * 2 + 4 * 100
     ckpt = Layout(activation_checkpointing=True)
-    assert stage_extra_bytes(units, 1, 3, 2, ckpt) == (100 + 100) * 2 + 100 + 100
-    last = stage_extra_bytes(units, 2, 4, 1, plain)
-    assert last == 100 + 100 + 100 + loss_bytes(units[-1], plain, 1)
+    assert stage_extra_bytes(units, 1, 3, 2, ckpt) == (100 + 100) * 2 + 4 * 100
+    # held sends counted from the schedule: 3 activations and 1 gradient sent, 2 posted receives
+    moved = Transfers(3, 1, 1, 1)
+    assert transfer_bytes(100, 100, moved) == 6 * 100
+    assert stage_extra_bytes(units, 1, 3, 2, plain, moved) == 100 * 2 + 6 * 100
+    # the last stage keeps no output (the loss holds the log-probabilities) and sends none
+    last = stage_extra_bytes(units, 2, 4, 1, plain, Transfers(0, 1, 1, 0))
+    assert last == 100 + 100 + loss_bytes(units[-1], plain, 1)
+
+
+def test_held_messages_follow_the_schedule():
+    from mpar.partition._plan import _transfers
+
+    # 1F1B, 4 ranks, 4 microbatches: rank 1 runs F0 F1 F2 B0 F3 B1 B2 B3; its peak of 3 in
+    # flight is last reached after F3, when 4 activations and 1 gradient have been sent
+    got = _transfers(4, 1, 4, "interleaved")
+    assert got[0] == Transfers(4, 0, 0, 1)
+    assert got[1] == Transfers(4, 1, 1, 1)
+    # the last rank runs F0 B0 F1 B1 ...: its peak of 1 is last reached after F3
+    assert got[3] == Transfers(0, 3, 1, 0)
+    # GPipe: the peak is after all forwards, before any gradient is sent
+    assert _transfers(4, 1, 4, "simple")[1] == Transfers(4, 0, 1, 1)
 
 
 def test_make_plan_checkpointing_trades_memory_for_time():
@@ -76,7 +113,7 @@ def test_make_plan_checkpointing_trades_memory_for_time():
     assert ckpt.stages[0].activation_bytes == plain.stages[0].activation_bytes // 2  # 2 in flight
     assert max(ckpt.rank_memory_bytes) < max(plain.rank_memory_bytes)
     assert ckpt.step_time_s > plain.step_time_s
-    assert plain.stages[-1].extra_bytes > plain.stages[0].extra_bytes  # the loss
+    assert plain.stages[-1].extra_bytes > loss_bytes(prof.units[-1], Layout(), 1)  # the loss
     half = make_plan(prof, num_ranks=2, microbatches=8, memory_weight=0.0, microbatch_scale=0.5)
     assert half.stages[0].activation_bytes == plain.stages[0].activation_bytes // 2
     assert half.step_time_s == pytest.approx(plain.step_time_s / 2, rel=0.01)
@@ -92,6 +129,13 @@ def test_make_plan_adds_data_parallel_sync_to_the_step():
     # a ring all-reduce moves 2 (dp-1)/dp of the rank's 800 MiB of gradients at 1 GB/s
     assert four.overhead_s == pytest.approx(2 * 0.75 * 800 * MiB / 1e9)
     assert four.step_time_s == pytest.approx(one.step_time_s + four.overhead_s)
+    # ZeRO-3 (unit-granular): gradients reduce-scattered once, parameters gathered for
+    # every forward and every backward of each of the 4 microbatches
+    z3 = make_plan(
+        prof, num_ranks=2, microbatches=4, data_parallel_degree=4, zero_stage=3,
+        cost=CostModel(dp_bandwidth=1e9),
+    )  # fmt: skip
+    assert z3.overhead_s == pytest.approx(0.75 * (800 + 2 * 4 * 800) * MiB / 1e9)
 
 
 def test_search_ranks_fitting_layouts_fastest_first():

@@ -11,7 +11,7 @@ from torch import nn
 
 import mpar.partition
 from mpar.errors import PartitionError
-from mpar.partition import Plan, find_units, make_plan, manual_boundaries, parse_bytes
+from mpar.partition import CostModel, Plan, find_units, make_plan, manual_boundaries, parse_bytes
 from mpar.profile import ModelProfile, UnitProfile
 
 
@@ -68,10 +68,16 @@ def test_plan_memory_cap_binds_and_no_fit():
     prof = _profile([1, 1, 1, 10], state=100, act=0)
     free = make_plan(prof, num_ranks=2, memory_weight=0.0)
     assert free.boundaries == [0, 3]
-    capped = make_plan(prof, num_ranks=2, memory_weight=0.0, device_memory=250)
+    bare = CostModel(process_bytes=0, pipeline_process_bytes=0)  # bytes, not MiB, here
+    capped = make_plan(prof, num_ranks=2, memory_weight=0.0, device_memory=250, cost=bare)
     assert capped.boundaries == [0, 2] and capped.binding == "memory cap"
     with pytest.raises(PartitionError, match="smallest pipeline degree that fits is 4"):
-        make_plan(prof, num_ranks=2, device_memory=150)
+        make_plan(prof, num_ranks=2, device_memory=150, cost=bare)
+    # the process's own memory comes off the cap first
+    process = CostModel(process_bytes=50, pipeline_process_bytes=50)
+    assert make_plan(prof, num_ranks=2, device_memory=350, cost=process).boundaries == [0, 2]
+    assert capped.process_bytes == 0 and free.process_bytes == 11 * 2**20
+    assert free.rank_memory_bytes[0] == free.process_bytes + free.stages[0].memory_bytes
 
 
 def test_plan_charges_communication_at_the_cut():

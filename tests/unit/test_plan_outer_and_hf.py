@@ -155,3 +155,57 @@ def test_cli_plan_hf_config_other_heads(tmp_path, capsys, family):
     assert sum(s["param_count"] for s in data["stages"]) == sum(
         p.numel() for p in model.parameters()
     )
+
+
+def _check_auto_output(data, world, memory, batch):
+    """The shape of ``mpar plan --auto --json``: a runnable config and its prediction."""
+    from mpar.config import load_config
+
+    assert set(data) >= {"config", "predicted", "candidates", "rejected", "evaluated", "plan"}
+    config = load_config(data["config"])
+    config.check_world_size(world)
+    assert data["predicted"]["max_rank_memory_bytes"] <= memory
+    assert len(data["predicted"]["rank_memory_bytes"]) == config.pipeline_parallel_degree
+    assert data["predicted"]["step_time_s"] > 0
+    best = data["candidates"][0]
+    dp = world // config.pipeline_parallel_degree
+    assert best["microbatch_size"] * config.microbatches * dp == batch
+    assert data["plan"]["step_time_s"] == pytest.approx(data["predicted"]["step_time_s"])
+    assert all(isinstance(n, int) and n > 0 for n in data["rejected"].values())
+
+
+def test_cli_plan_auto_hf_config_small_llama(tmp_path, monkeypatch, capsys):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=256,
+        max_position_embeddings=64,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    config.to_json_file(str(tmp_path / "config.json"))
+    monkeypatch.delenv("MPAR_CONFIG", raising=False)
+    argv = ["--auto", "--hf-config", str(tmp_path), "--seq-len", "32", "--world-size", "2"]
+    argv += ["--no-offload", "--max-virtual-stages", "1", "--device-memory", "20MiB"]
+    assert _run_cli([*argv, "--global-batch", "8", "--json"]) == 0
+    _check_auto_output(json.loads(capsys.readouterr().out), 2, 20 * 2**20, 8)
+    # the process's own memory counts: 19 MiB of it leaves too little for any layout
+    assert _run_cli([*argv, "--global-batch", "8", "--process-memory", "19MiB"]) == 2
+
+
+@pytest.mark.slow
+def test_cli_plan_auto_llama_7b_fits_in_under_3_minutes(tmp_path, monkeypatch, capsys):
+    """The acceptance case of the auto-planner (docs/planning.md): Llama-7B shape, meta,
+    16 ranks x 80 GiB, global batch 64, sequence 4096."""
+    import time
+
+    _llama_7b_config(tmp_path / "config.json")
+    monkeypatch.delenv("MPAR_CONFIG", raising=False)
+    argv = ["--auto", "--hf-config", str(tmp_path), "--seq-len", "4096", "--world-size", "16"]
+    start = time.monotonic()
+    assert _run_cli([*argv, "--device-memory", "80GiB", "--global-batch", "64", "--json"]) == 0
+    assert time.monotonic() - start < 180
+    _check_auto_output(json.loads(capsys.readouterr().out), 16, 80 * 2**30, 64)
