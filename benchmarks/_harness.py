@@ -59,7 +59,7 @@ class RssSampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             self.peak = max(self.peak, self.current())
-            time.sleep(self.interval)
+            self._stop.wait(self.interval)
 
     def reset(self) -> int:
         """Start a new peak from now; returns the current RSS."""
@@ -164,7 +164,8 @@ def measured_steps(
         step()
     barrier()
     per_step = []
-    with RssSampler() as rss:
+    interval = float(os.environ.get("MPAR_BENCH_RSS_INTERVAL_S", "0.002"))
+    with RssSampler(interval) as rss:
         baseline = rss.reset()
         start = time.perf_counter()
         for _ in range(steps):
