@@ -33,48 +33,35 @@ from typing import Any
 import torch
 from torch import fx
 
-from mpar.partition._graph import is_symbolic
+from mpar.partition._graph import _node_unit_stage, is_symbolic
 
 __all__ = ["GATE_ATTR", "enter", "gate_graph", "leave", "mark", "owners"]
 
 GATE_ATTR = "mpar_unit_gate"
 
 
-class _AfterBackward(torch.autograd.Function):
-    """Identity; its backward tells the gate that group ``g``'s backward is done."""
+class _BackwardHook(torch.autograd.Function):
+    """Identity; its backward calls ``hook(g)`` (a gate's ``pre_backward`` or
+    ``post_backward``) before passing the gradients on."""
 
     @staticmethod
-    def forward(ctx: Any, gate: Any, g: int, *tensors: torch.Tensor) -> Any:
-        ctx.gate, ctx.g = gate, g
+    def forward(ctx: Any, hook: Any, g: int, *tensors: torch.Tensor) -> Any:
+        ctx.hook, ctx.g = hook, g
         return tensors
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        ctx.gate.post_backward(ctx.g)
+        ctx.hook(ctx.g)
         return (None, None, *grads)
 
 
-class _BeforeBackward(torch.autograd.Function):
-    """Identity; its backward has the gate prepare group ``g``'s backward."""
-
-    @staticmethod
-    def forward(ctx: Any, gate: Any, g: int, *tensors: torch.Tensor) -> Any:
-        ctx.gate, ctx.g = gate, g
-        return tensors
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:
-        ctx.gate.pre_backward(ctx.g)
-        return (None, None, *grads)
-
-
-def _through(fn: Any, gate: Any, g: int, tensors: tuple[Any, ...]) -> tuple[Any, ...]:
-    """``tensors``, those that take part in autograd passed through ``fn``."""
+def _through(hook: Any, g: int, tensors: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``tensors``, those that take part in autograd passed through a :class:`_BackwardHook`."""
     picked = [i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not picked or not torch.is_grad_enabled():
         return tensors
     out = list(tensors)
-    for i, t in zip(picked, fn.apply(gate, g, *(tensors[i] for i in picked))):
+    for i, t in zip(picked, _BackwardHook.apply(hook, g, *(tensors[i] for i in picked))):
         out[i] = t
     return tuple(out)
 
@@ -82,18 +69,18 @@ def _through(fn: Any, gate: Any, g: int, tensors: tuple[Any, ...]) -> tuple[Any,
 def enter(gate: Any, g: int, *tensors: Any) -> tuple[Any, ...]:
     """Before group ``g`` (called from the generated code)."""
     gate.pre_forward(g)
-    return _through(_AfterBackward, gate, g, tensors)
+    return _through(gate.post_backward, g, tensors)
 
 
 def leave(gate: Any, g: int, *tensors: Any) -> tuple[Any, ...]:
     """After group ``g`` (called from the generated code)."""
     gate.post_forward(g)
-    return _through(_BeforeBackward, gate, g, tensors)
+    return _through(gate.pre_backward, g, tensors)
 
 
 def mark(gate: Any, g: int, *tensors: Any) -> tuple[Any, ...]:
     """An output of group ``g`` read before the group ends (called from the generated code)."""
-    return _through(_BeforeBackward, gate, g, tensors)
+    return _through(gate.pre_backward, g, tensors)
 
 
 # ------------------------------------------------------------------ the graph pass
@@ -101,14 +88,6 @@ def mark(gate: Any, g: int, *tensors: Any) -> tuple[Any, ...]:
 
 def _is_tensor(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor) and not is_symbolic(node)
-
-
-def _group_of(node: fx.Node, unit_group: Mapping[str, int]) -> int | None:
-    stack = node.meta.get("nn_module_stack") or {}
-    for fqn, _type in stack.values():
-        if fqn in unit_group:
-            return unit_group[fqn]
-    return None
 
 
 def _assign(graph: fx.Graph, unit_group: Mapping[str, int]) -> dict[fx.Node, int]:
@@ -121,7 +100,7 @@ def _assign(graph: fx.Graph, unit_group: Mapping[str, int]) -> dict[fx.Node, int
         if isinstance(source, fx.Node) and source in out:
             out[node] = out[source]
             continue
-        g = _group_of(node, unit_group)
+        g = _node_unit_stage(node, unit_group)  # the group, here
         if g is not None:
             out[node] = g
     return out
