@@ -183,6 +183,7 @@ def _gpt_layouts():
             "losses": losses,
             "gathered": report["gathered_peak"],
             "stage_bytes": sum(b.spec.padded * 4 for b in sharded.buckets),
+            "groups_with_params": sum(1 for size in group_bytes if size),
             # two groups; three with checkpointing (the recomputation of a stage's
             # forward runs inside the backward of its last group, which stays gathered)
             "bound": wide + sum(sorted(group_bytes)[-3 if gather == "unit" else -2 :]),
@@ -215,7 +216,9 @@ def test_traced_stages_gather_by_unit_transparently():
         ref = r["reference"]
         assert all(count > 1 for count in r["unit"]["groups"].values())
         # stage-wide buckets (the tied embedding) and at most three groups at once
-        assert r["unit"]["gathered"] <= r["unit"]["bound"] < r["unit"]["stage_bytes"]
+        assert r["unit"]["gathered"] <= r["unit"]["bound"] <= r["unit"]["stage_bytes"]
+        if r["unit"]["groups_with_params"] > 3:  # the profiled split decides how many
+            assert r["unit"]["bound"] < r["unit"]["stage_bytes"]
         assert r["chunk"]["gathered"] == r["chunk"]["stage_bytes"]
         for gather in ("unit", "chunk"):
             torch.testing.assert_close(
