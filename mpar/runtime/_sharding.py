@@ -39,10 +39,11 @@ def make_sharded(
     connect: dict[int, Any] = {}
     for s, names in groups.items():
         connect[s], owner = install_groups(stages.modules[s], names)
+        elsewhere = _other_stages_parameters(s, stages)
         params: list[list[nn.Parameter]] = [[] for _ in names]
         for p in stages.modules[s].parameters():
             g = owner.get(id(p))
-            if g is not None and _single_stage(p, s, stages):
+            if g is not None and id(p) not in elsewhere:
                 params[g].append(p)
         owners[s] = params
     sharded = ShardedStages(
@@ -61,9 +62,9 @@ def make_sharded(
     return sharded
 
 
-def _single_stage(p: nn.Parameter, s: int, stages: LocalStages) -> bool:
-    """Whether ``p`` is used by stage ``s`` only among this rank's stages."""
-    return not any(any(q is p for q in m.parameters()) for t, m in stages.modules.items() if t != s)
+def _other_stages_parameters(s: int, stages: LocalStages) -> set[int]:
+    """ids of the parameters this rank's stages other than ``s`` use."""
+    return {id(p) for t, m in stages.modules.items() if t != s for p in m.parameters()}
 
 
 def _split_backward(pipeline: str) -> bool:

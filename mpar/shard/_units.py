@@ -89,19 +89,18 @@ class UnitGather:
 
     # ------------------------------------------------------------------ holds
     def _hold(self, group: UnitGroup, reason: str, *, wait: bool) -> None:
-        if self.gather:
-            first = not group.holds
-            group.holds.add(reason)
-            if first:
-                for bucket in group.buckets:
-                    bucket.acquire(group.key, wait=False)
-                if callable(self.on_gather):
-                    self.on_gather()
-            if wait:
-                for bucket in group.buckets:
-                    bucket.wait_gathered()
-        else:
-            group.holds.add(reason)
+        first = not group.holds
+        group.holds.add(reason)
+        if not self.gather:
+            return
+        if first:
+            for bucket in group.buckets:
+                bucket.acquire(group.key, wait=False)
+            if callable(self.on_gather):
+                self.on_gather()
+        if wait:
+            for bucket in group.buckets:
+                bucket.wait_gathered()
 
     def _drop(self, group: UnitGroup, *reasons: str) -> None:
         group.holds.difference_update(reasons)
