@@ -23,6 +23,7 @@ from mpar.schedule import (
     SimulationResult,
     StageCosts,
     build_schedule,
+    lower,
     read_csv,
     render_png,
     render_text,
@@ -92,6 +93,21 @@ def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
         help="cap on (stage, microbatch) pairs in flight per rank",
     )
     parser.add_argument("--forward-only", action="store_true", help="forwards only (inference)")
+    parser.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=(0, 1, 2, 3),
+        default=None,
+        metavar="Z",
+        help="also lower the sharding actions (UNSHARD, RESHARD, REDUCE_GRAD) of ZeRO stage Z, "
+        "as a run with data parallelism, ZeRO or mixed precision executes them",
+    )
+    parser.add_argument(
+        "--actions",
+        action="store_true",
+        help="also print each rank's action list exactly as the runtime executes it "
+        "(communication and sharding actions included)",
+    )
 
 
 def _add_cost_arguments(parser: argparse.ArgumentParser) -> None:
@@ -134,6 +150,12 @@ def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         metavar="PATH",
         help="write the schedule's compute actions as CSV (torch.distributed.pipelining's format)",
+    )
+    parser.add_argument(
+        "--csv-communication",
+        action="store_true",
+        help="with --csv: also write the SEND/RECV actions, in the order the ranks execute "
+        "them (a file mpar and torch.distributed.pipelining run as it is)",
     )
 
 
@@ -203,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
         if args.trace is not None:
             args.trace.write_text(json.dumps(to_chrome_trace(result)) + "\n")
         if args.csv is not None:
-            write_csv(schedule, args.csv)
+            write_csv(schedule, args.csv, communication=args.csv_communication)
     except (ScheduleError, ImportError, OSError, ValueError, KeyError) as error:
         first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
         print(f"mpar schedule: error: {first_line}", file=sys.stderr)
@@ -227,6 +249,7 @@ def _build_and_simulate(args: argparse.Namespace) -> tuple[Schedule, SimulationR
         raise ScheduleError("--stages and --microbatches are required (unless --pipeline is a CSV)")
     else:
         schedule = _generate(args)
+    schedule = lower(schedule, zero_stage=args.zero_stage)  # what the ranks execute
     costs = StageCosts.uniform(
         schedule.num_stages,
         forward=args.forward_cost,
@@ -266,6 +289,12 @@ def _text_report(args: argparse.Namespace, schedule: Schedule, result: Simulatio
         f"peak in-flight (stage, microbatch) pairs per rank: {peaks} "
         f"(max {max(result.peak_in_flight)})",
     ]
+    if args.actions:
+        lines.append("executed actions per rank:")
+        lines += [
+            f"rank {r}: {' '.join(str(a) for a in schedule.actions.get(r, []))}"
+            for r in range(schedule.num_ranks)
+        ]
     for label, path in (("png", args.png), ("trace", args.trace)):
         if path is not None:
             lines.append(f"wrote {label}: {path}")

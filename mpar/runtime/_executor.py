@@ -1,28 +1,40 @@
 """Executing one rank's share of a pipeline schedule for one step.
 
-A :class:`StepRun` walks this rank's action list (``mpar.schedule``) in order:
+A :class:`StepRun` walks this rank's list of the lowered schedule
+(``mpar.schedule.executable_schedule``: the object ``mpar schedule`` prints and
+simulates) in order, one handler per action kind:
 
 * ``F(s, j)``: take stage ``s``'s input for microbatch ``j`` (the captured model
-  inputs for stage 0, otherwise the activations received from stage ``s - 1``),
-  run the stage, and send its outputs on to stage ``s + 1``. The last stage
-  runs inside the user's step function: ``model(...)`` there returns the
-  model's output and ``model.backward(loss)`` records the loss.
+  inputs for stage 0, otherwise what ``RECV_F`` received or, when stage
+  ``s - 1`` is on this rank, what its forward left here), run the stage, and
+  leave its outputs for stage ``s + 1`` (for ``SEND_F`` when that stage is on
+  another rank). The last stage runs inside the user's step function:
+  ``model(...)`` there returns the model's output and ``model.backward(loss)``
+  records the loss.
 * ``B(s, j)``: backpropagate the recorded loss (last stage, scaled by the
-  microbatch's share of the batch) or the output gradients received from stage
-  ``s + 1``, then send the input gradients back to stage ``s - 1``. A
+  microbatch's share of the batch) or the output gradients from stage
+  ``s + 1``, leaving the input gradients for stage ``s - 1`` (``SEND_B``). A
   microbatch whose step never called ``model.backward`` sends "no gradient"
   markers instead, so forward-only steps need no special schedule.
+* ``I(s, j)`` / ``W(s, j)``: the two halves of ``B`` (``runtime._split_backward``).
+* ``SEND_F`` / ``SEND_B``: start sending what the F / B (or I) before left;
+  ``RECV_F`` / ``RECV_B``: wait for a transfer and keep it for the F / B after.
+* ``UNSHARD`` / ``RESHARD`` / ``REDUCE_GRAD``: the ``ShardedStages`` methods.
 
 Sends never block; receives do, in list order — the semantics that
 ``mpar.schedule.simulate`` checks for deadlock. Receives are *posted* early,
 though: at the start of the step the first receive of every incoming stream,
 and after each receive the next one on its stream, so the bytes arrive while
-this rank computes and the blocking wait is short. When stage ``s`` finishes
-its last backward, its gradients start their data-parallel all-reduce while
-the rest of the schedule runs. The rank of a replica's last stage sends that
-replica's step outputs to every other rank as soon as its last forward is done
-(point to point, posted early like the rest), so the step ends without a
+this rank computes and the RECV action's wait is short. When stage ``s``
+finishes its last backward, its gradients start their data-parallel reduction
+while the rest of the schedule runs. The rank of a replica's last stage sends
+that replica's step outputs to every other rank as soon as its last forward is
+done (point to point, posted early like the rest), so the step ends without a
 collective of its own.
+
+The run knows the model only through what it is given (stages, sharding, and
+two callables for the user's step function); the model reaches the run through
+``model.active_run`` while a step is under way.
 """
 
 from __future__ import annotations
@@ -49,7 +61,8 @@ from mpar.runtime._split_backward import split_backward
 from mpar.runtime._timeline import StepTimeline
 
 if TYPE_CHECKING:
-    from mpar.runtime._model import DistributedModel
+    from mpar.runtime._stages import LocalStages
+    from mpar.shard import ShardedStages
 
 __all__ = ["Captured", "StepRun"]
 
@@ -79,11 +92,11 @@ def _nothing() -> None:
     pass
 
 
-def _parameter_storages(model: Any) -> set[int]:
+def _parameter_storages(stages: LocalStages, sharded: ShardedStages | None) -> set[int]:
     """Storage keys of every parameter and flat parameter buffer of this rank's stages."""
-    keys = {_device.storage_key(p) for m in model.stages.modules.values() for p in m.parameters()}
-    if model.sharded is not None:
-        keys |= {_device.storage_key(b.full) for b in model.sharded.buckets if b.full is not None}
+    keys = {_device.storage_key(p) for m in stages.modules.values() for p in m.parameters()}
+    if sharded is not None:
+        keys |= {_device.storage_key(b.full) for b in sharded.buckets if b.full is not None}
     return keys
 
 
@@ -167,31 +180,44 @@ class StepRun:
 
     def __init__(
         self,
-        model: DistributedModel,
-        fn: Callable[..., Any],
-        batches: Microbatches,
+        stages: LocalStages,
+        sharded: ShardedStages | None,
         schedule: Any,
+        batches: Microbatches,
         st: State,
+        *,
+        call: Callable[[int], Any],
+        capture: Callable[[int], tuple[tuple[Any, ...], dict[str, Any]]],
+        name: str = "step",
     ) -> None:
-        self.model, self.fn, self.batches, self.st = model, fn, batches, st
-        if model.stages is None:
-            raise StepError("internal: the model must be partitioned before a step runs")
-        self.stages = model.stages
+        """``call(j)`` runs the user's step function on microbatch ``j`` (it calls
+        ``model(...)``, which comes back here as :meth:`model_forward`);
+        ``capture(j)`` runs it only up to ``model(...)`` and returns that call's
+        ``(args, kwargs)``; ``name`` names the step function in errors."""
+        self.stages, self.sharded, self.batches, self.st = stages, sharded, batches, st
+        self.call, self.capture, self.name = call, capture, name
         self.schedule = schedule
+        self.actions: list[Any] = schedule.actions.get(st.pp_rank, [])
         self.training = not schedule.is_forward_only
         self.num_stages = schedule.num_stages
         self.inputs: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
-        self.local: dict[tuple[int, int, int], Any] = {}
+        self.inbox: dict[tuple[int, int, int], Any] = {}
+        """(stage, microbatch, direction) -> what that stage's F or B takes: received by
+        a RECV action, or left by the neighbouring stage when it is on this rank."""
+        self.outbox: dict[tuple[int, int, int], Any] = {}
+        """(stage, microbatch, direction) -> what a SEND action still has to send there."""
         self.saved: dict[tuple[int, int], tuple[Any, Any]] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.results: dict[int, Any] = {}
+        self.outputs: StepOutput | None = None
+        """Every replica's step outputs, once :meth:`run` is done."""
         self.backward_done: dict[int, int] = {}
         """Stage -> microbatches whose weight gradients are done (B or W)."""
         self.bound: set[int] = set()
         self.weight_work: dict[tuple[int, int], Callable[[], None]] = {}
+        """(stage, microbatch) -> the W still to run after its I."""
         self.timeline: StepTimeline | None = StepTimeline(time.time()) if st.config.trace else None
         """With ``trace``: each action's start and end (``runtime._timeline``)."""
-        """(stage, microbatch) -> the W still to run after its I."""
         self.pending = PendingSends()
         self.links: Links = st.extras.setdefault("p2p_links", Links())
         self.wire = _device.p2p_device(st.device, st.backend)
@@ -204,21 +230,21 @@ class StepRun:
         """(stage, microbatch) -> bytes autograd saved inside its forward."""
         self.current: dict[int, int] = {}
         """Stage -> the microbatch its forward is running (for ``saved_inside``)."""
-        self.excluded_storages = _parameter_storages(model)
+        self.excluded_storages = _parameter_storages(stages, sharded)
         self.peak_activation_bytes = 0
+        """Peak of ``held_bytes`` during the step."""
         self.microbatch: int | None = None
         self.model_called = False
-        self.sharded = model.sharded
         self.dtype = compute_dtype(st.config)
         """Mixed precision: stage 0 casts float inputs to it, the last stage casts back."""
-        self.loss_scale = 1.0 if self.sharded is None else self.sharded.loss_scale
+        self.loss_scale = 1.0 if sharded is None else sharded.loss_scale
 
     # -- the user's step function ------------------------------------------------
 
     def capture_inputs(self) -> None:
         """Run the step function up to ``model(...)`` to learn stage 0's inputs."""
         for j in range(len(self.batches)):
-            self.inputs[j] = self.model.capture(self.fn, self.batches, j)
+            self.inputs[j] = self.capture(j)
 
     def model_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``model(...)`` inside the step function, on the rank of the last stage."""
@@ -264,26 +290,30 @@ class StepRun:
     # -- transfers ---------------------------------------------------------------
 
     def _rank_of(self, stage: int) -> int:
+        """Global rank of this replica that holds ``stage``."""
         return self.st.pp_ranks[self.schedule.stage_to_rank(stage)]
 
     def _incoming_streams(self) -> dict[tuple[int, int], int]:
-        """How many transfers this rank receives this step on each (source, tag) stream."""
-        me, last = self.st.layout.rank, self.num_stages - 1
+        """How many transfers this rank receives this step on each (source, tag) stream:
+        one per RECV action, and the step outputs of every other replica."""
         counts: dict[tuple[int, int], int] = {}
-        for action in self.schedule.actions.get(self.st.pp_rank, []):
-            s, kind = action.stage, action.kind.value
-            if kind == "F" and s > 0:
-                stream = (self._rank_of(s - 1), 2 * s + _FORWARD)
-            elif kind in ("B", "I") and s < last:
-                stream = (self._rank_of(s + 1), 2 * s + _BACKWARD)
-            else:
-                continue
-            if stream[0] != me:
+        for action in self.actions:
+            kind = action.kind.value
+            if kind in ("RECV_F", "RECV_B"):
+                stream = self._recv_stream(action.stage, kind == "RECV_B")
                 counts[stream] = counts.get(stream, 0) + 1
+        me = self.st.layout.rank
         for src in self._output_ranks():
             if src != me:
                 counts[(src, _OUTPUTS_TAG)] = 1
         return counts
+
+    def _recv_stream(self, stage: int, backward: bool) -> tuple[int, int]:
+        """(source rank, tag) of stage ``stage``'s incoming forward or backward transfers."""
+        source = stage + 1 if backward else stage - 1
+        if not 0 <= source < self.num_stages:
+            raise StepError(f"internal: stage {stage} receives nothing in that direction")
+        return self._rank_of(source), 2 * stage + (_BACKWARD if backward else _FORWARD)
 
     def _output_ranks(self) -> list[int]:
         """Global rank of each data-parallel replica's last stage (where its outputs are)."""
@@ -295,30 +325,56 @@ class StepRun:
         for src, tag in self.incoming:
             self.links.post(src, tag, self.wire)
 
-    def _receive(self, stage: int, j: int, direction: int, from_stage: int) -> Any:
-        key = (stage, j, direction)
-        if key in self.local:
-            return self.local.pop(key)
-        stream = (self._rank_of(from_stage), 2 * stage + direction)
+    def receive(self, action: Any, backward: bool) -> None:
+        """RECV_F / RECV_B: wait for stage ``s``'s input (or output gradient) for
+        microbatch ``j`` and keep it for the F (or B / I) that follows."""
+        s, j = action.stage, action.microbatch
+        direction = _BACKWARD if backward else _FORWARD
+        stream = self._recv_stream(s, backward)
         started = time.time() if self.timeline is not None else 0.0
-        payload = recv_payload(*stream, (stage, j, direction), self.wire, self.links)
+        payload = recv_payload(*stream, (s, j, direction), self.wire, self.links)
         if self.timeline is not None:
             self.timeline.waited += time.time() - started
         self.incoming[stream] -= 1
         if self.incoming[stream] > 0:
             self.links.post(*stream, self.wire)
-        return _device.to_device(payload, self.st.device)
+        self.inbox[(s, j, direction)] = _device.to_device(payload, self.st.device)
 
-    def _deliver(self, stage: int, j: int, direction: int, payload: Any) -> None:
-        dst = self._rank_of(stage)
-        if dst == self.st.layout.rank:
-            self.local[(stage, j, direction)] = payload
-        else:
-            tag, label = 2 * stage + direction, (stage, j, direction)
-            send_payload(payload, dst, tag, label, self.pending, self.links, self.wire)
+    def send(self, action: Any, backward: bool) -> None:
+        """SEND_F / SEND_B: start sending what stage ``s``'s F (or B / I) of microbatch
+        ``j`` left for the next (previous) stage's rank."""
+        s, j = action.stage, action.microbatch
+        to_stage, direction = (s - 1, _BACKWARD) if backward else (s + 1, _FORWARD)
+        label = (to_stage, j, direction)
+        if label not in self.outbox:
+            raise StepError(
+                f"the schedule runs {action} before the {'backward' if backward else 'forward'}"
+                f" of stage {s} for microbatch {j} produced what it sends"
+            )
+        dst = self._rank_of(to_stage)
+        tag = 2 * to_stage + direction
+        send_payload(self.outbox.pop(label), dst, tag, label, self.pending, self.links, self.wire)
+
+    def _leave(self, stage: int, j: int, direction: int, payload: Any) -> None:
+        """What one stage computed for stage ``stage``: into its inbox when that stage
+        is on this rank, else for the SEND action that follows."""
+        target = self.inbox if self._rank_of(stage) == self.st.layout.rank else self.outbox
+        target[(stage, j, direction)] = payload
+
+    def _take(self, stage: int, j: int, direction: int) -> Any:
+        key = (stage, j, direction)
+        if key not in self.inbox:
+            what = "input" if direction == _FORWARD else "output gradient"
+            recv = "RECV_F" if direction == _FORWARD else "RECV_B"
+            raise StepError(
+                f"stage {stage} has no {what} for microbatch {j}: the schedule lacks the "
+                f"{stage}{recv}{j} before it (run schedules lowered by "
+                "mpar.schedule.executable_schedule)"
+            )
+        return self.inbox.pop(key)
 
     def _stage_input(self, s: int, j: int) -> tuple[Any, ...]:
-        payload = self._receive(s, j, _FORWARD, s - 1)
+        payload = self._take(s, j, _FORWARD)
         return tuple(_as_inputs(payload)) if self.training else tuple(payload)
 
     # -- actions -----------------------------------------------------------------
@@ -358,21 +414,17 @@ class StepRun:
             self.saved[(s, j)] = (args, output)
             self.held_bytes += _tensor_bytes((args, output))
             self.peak_activation_bytes = max(self.peak_activation_bytes, self.held_bytes)
-        self._deliver(s + 1, j, _FORWARD, output)
+        self._leave(s + 1, j, _FORWARD, output)
 
     def _last_stage_forward(self, j: int) -> None:
         self.microbatch, self.model_called = j, False
-        self.model.active_run = self
         try:
-            result = self.fn(self.model, *self.batches.args[j], **self.batches.kwargs[j])
+            result = self.call(j)
         finally:
-            self.model.active_run = None
             self.microbatch = None
         _device.after_action(self.st.device)
         if not self.model_called:
-            raise StepError(
-                f"step function {getattr(self.fn, '__name__', self.fn)!r} never called the model"
-            )
+            raise StepError(f"step function {self.name!r} never called the model")
         check_gatherable(result)
         self.results[j] = detach_to_cpu(result)
         if len(self.results) == len(self.batches):
@@ -426,7 +478,7 @@ class StepRun:
                     scaled = scaled * self.loss_scale
                 roots = [scaled]
         else:
-            out_grads = self._receive(s, j, _BACKWARD, s + 1)
+            out_grads = self._take(s, j, _BACKWARD)
             if out_grads is not None:
                 roots, root_grads = _gradient_pairs(outputs, out_grads)
         grads, work = None, _nothing
@@ -445,7 +497,7 @@ class StepRun:
             self.weight_work[(s, j)] = work
         _device.after_action(self.st.device)
         if s > 0:
-            self._deliver(s - 1, j, _BACKWARD, grads)
+            self._leave(s - 1, j, _BACKWARD, grads)
 
     # -- the whole step ------------------------------------------------------------
 
@@ -456,6 +508,10 @@ class StepRun:
             "B": lambda a: self.backward(a.stage, a.microbatch),
             "I": lambda a: self.backward_input(a.stage, a.microbatch),
             "W": lambda a: self.backward_weight(a.stage, a.microbatch),
+            "SEND_F": lambda a: self.send(a, backward=False),
+            "SEND_B": lambda a: self.send(a, backward=True),
+            "RECV_F": lambda a: self.receive(a, backward=False),
+            "RECV_B": lambda a: self.receive(a, backward=True),
         }
         if self.sharded is not None:
             for kind, method in _SHARD_ACTIONS.items():
@@ -471,6 +527,7 @@ class StepRun:
         self.sharded.start_unshard(action.stage, backward=backward.pop(0) if backward else False)
 
     def run(self) -> StepOutput:
+        """Execute this rank's actions; every replica's outputs (also ``self.outputs``)."""
         stages_here = set(self.stages.modules)
         if self.sharded is not None:
             self.sharded.reset_peak()
@@ -478,9 +535,9 @@ class StepRun:
         if 0 in stages_here and self.num_stages > 1:
             self.capture_inputs()
         handlers = self._handlers()
-        self.unshard_for_backward = _unshard_phases(self.schedule.actions[self.st.pp_rank])
+        self.unshard_for_backward = _unshard_phases(self.actions)
         timeline = self.timeline
-        for action in self.schedule.actions[self.st.pp_rank]:
+        for action in self.actions:
             PROGRESS.begin(action)  # the hang watchdog's view of this rank; ~free
             handler = handlers.get(action.kind.value)
             if handler is None:
@@ -492,13 +549,19 @@ class StepRun:
                 handler(action)
                 end = time.time()
                 timeline.actions.append((str(action), start, end, timeline.waited - waited))
+        if self.outbox:
+            label = next(iter(self.outbox))
+            raise StepError(
+                f"the schedule never sent stage {label[0]}'s "
+                f"{'input' if label[2] == _FORWARD else 'output gradient'} for microbatch "
+                f"{label[1]} (no SEND action after the computation that produced it)"
+            )
         # Outputs first: their senders wait for this receive before any collective below.
-        outputs = self._gather_outputs()
+        self.outputs = self._gather_outputs()
         self.pending.wait()
         if self.sharded is not None and self.training:
             self.sharded.finish_grads()
-        self.model.activation_peak_bytes = self.peak_activation_bytes
-        return outputs
+        return self.outputs
 
     def _send_outputs(self) -> None:
         """Send this replica's outputs to every other rank as soon as the last one exists."""

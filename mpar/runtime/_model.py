@@ -28,9 +28,6 @@ from mpar.shard import ShardedStages
 __all__ = ["DistributedModel", "live_models"]
 
 _MODELS: weakref.WeakSet[DistributedModel] = weakref.WeakSet()
-ZERO3_PREFETCH = 1
-"""ZeRO-3: compute actions by which each UNSHARD (an asynchronous gather) runs ahead of
-its stage's first use (``mpar.schedule.lower_sharding(..., prefetch=...)``)."""
 
 
 def live_models() -> list[DistributedModel]:
@@ -102,28 +99,46 @@ class DistributedModel:
         return self.stages.plan if self.stages.plan is not None else _ManualPlan(self.stages)
 
     def schedule(self, forward_only: bool) -> Any:
-        """This model's pipeline schedule (training, or forward-only)."""
+        """This model's pipeline schedule (training, or forward-only), lowered exactly as
+        this rank executes it (``mpar.schedule.executable_schedule``)."""
         if forward_only not in self._schedules:
-            from mpar.schedule import build_schedule
+            from mpar.schedule import executable_schedule
 
             cfg = self._st.config
-            schedule = build_schedule(
+            self._schedules[forward_only] = executable_schedule(
                 cfg.pipeline,
                 cfg.pipeline_parallel_degree,
                 cfg.microbatches,
                 virtual_stages=cfg.virtual_stages,
                 active_microbatches=cfg.active_microbatches,
                 forward_only=forward_only,
+                zero_stage=None if self.sharded is None else cfg.zero.stage,
+                reshard_gap=1 if cfg.zero.reshard_after_forward else None,
             )
-            if self.sharded is not None:
-                from mpar.schedule import lower_sharding
-
-                gap = 1 if cfg.zero.reshard_after_forward else None
-                schedule = lower_sharding(
-                    schedule, cfg.zero.stage, reshard_gap=gap, prefetch=ZERO3_PREFETCH
-                )
-            self._schedules[forward_only] = schedule
         return self._schedules[forward_only]
+
+    def run_step(self, fn: Callable[..., Any], batches: Microbatches) -> StepRun:
+        """Run one step of ``fn`` over ``batches`` on this rank; returns the finished run
+        (its ``outputs``, ``timeline`` and ``schedule``)."""
+        self.ensure_partitioned(fn, batches)
+        assert self.stages is not None
+        run = StepRun(
+            self.stages,
+            self.sharded,
+            self.schedule(forward_only=not torch.is_grad_enabled()),
+            batches,
+            self._st,
+            call=lambda j: fn(self, *batches.args[j], **batches.kwargs[j]),
+            capture=lambda j: self.capture(fn, batches, j),
+            name=getattr(fn, "__name__", repr(fn)),
+        )
+        self.active_run = run  # model(...) and model.backward(loss) go to it
+        try:
+            run.run()
+        finally:
+            self.active_run = None
+        self.activation_peak_bytes = run.peak_activation_bytes
+        return run
 
     # -- calls inside a step ---------------------------------------------------------
 

@@ -8,8 +8,6 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar, overload
 
-import torch
-
 from mpar import _device
 from mpar.comm import state
 from mpar.comm._abort import publish_failure
@@ -17,7 +15,6 @@ from mpar.comm._progress import PROGRESS
 from mpar.comm._snapshot import write_trace
 from mpar.comm._watchdog import exit_if_reported
 from mpar.errors import StepError
-from mpar.runtime._executor import StepRun
 from mpar.runtime._microbatch import Microbatches, split_microbatches
 from mpar.runtime._model import DistributedModel
 from mpar.runtime._output import StepOutput
@@ -72,10 +69,7 @@ def _execute(fn: Callable[..., Any], model: DistributedModel, batches: Microbatc
     st = state()
     PROGRESS.begin_step()
     try:
-        model.ensure_partitioned(fn, batches)
-        schedule = model.schedule(forward_only=not torch.is_grad_enabled())
-        run = StepRun(model, fn, batches, schedule, st)
-        outputs = run.run()
+        run = model.run_step(fn, batches)
     except BaseException:
         exit_if_reported()
         PROGRESS.end_step(ok=False)
@@ -85,8 +79,11 @@ def _execute(fn: Callable[..., Any], model: DistributedModel, batches: Microbatc
     PROGRESS.end_step()
     if run.timeline is not None and st.config.trace:
         run.timeline.end = time.time()
-        write_timeline(st.config.trace, PROGRESS.step, run.timeline, _trace_layout(st, schedule))
-    return outputs
+        write_timeline(
+            st.config.trace, PROGRESS.step, run.timeline, _trace_layout(st, run.schedule)
+        )
+    assert run.outputs is not None  # a run that returned has them
+    return run.outputs
 
 
 def _trace_layout(st: Any, schedule: Any) -> dict[str, Any]:
@@ -102,6 +99,7 @@ def _trace_layout(st: Any, schedule: Any) -> dict[str, Any]:
         "microbatches": cfg.microbatches,
         "active_microbatches": cfg.active_microbatches,
         "forward_only": schedule.is_forward_only,
+        "schedule": schedule.to_dict(),  # the lowered schedule the ranks executed
     }
 
 

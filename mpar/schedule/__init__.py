@@ -24,7 +24,14 @@ from mpar.schedule._ir import (
     stage_rank,
 )
 from mpar.schedule._lower import lower_communication
-from mpar.schedule._registry import PIPELINES, SCHEDULE_HELP, build_schedule, placement_of
+from mpar.schedule._registry import (
+    PIPELINES,
+    SCHEDULE_HELP,
+    build_schedule,
+    executable_schedule,
+    lower,
+    placement_of,
+)
 from mpar.schedule._render import render_png, render_text, to_chrome_trace
 from mpar.schedule._shard_lower import lower_sharding
 from mpar.schedule._simulate import (
@@ -50,7 +57,9 @@ __all__ = [
     "StageCosts",
     "TimedAction",
     "build_schedule",
+    "executable_schedule",
     "interleaved",
+    "lower",
     "lower_communication",
     "lower_sharding",
     "peak_in_flight",

@@ -3,8 +3,11 @@
 One row per rank, one action per cell in execution order (``0F0,0F1,0I0,...``);
 an empty cell is an idle slot and is skipped on reading. This is what
 torch's ``PipelineScheduleMulti._dump_csv`` writes and ``_load_csv`` reads, so
-schedules move between the two (compute actions; mpar adds the communication
-and sharding actions itself when it lowers a schedule).
+schedules move between the two. A file holds compute actions only (mpar then
+adds the transfers itself, ``lower_communication``) or compute and
+communication actions (``SEND_F``, ``RECV_F``, ``SEND_B``, ``RECV_B`` for every
+edge between ranks, which then run in the file's order); sharding actions come
+from the config (``zero``), never from the file.
 
 ``"pipeline": "path/to/schedule.csv"`` in the config runs such a schedule: it
 is read, its placement recognised (stage ``s`` on rank ``s % p``, looped; or
@@ -19,7 +22,15 @@ import os
 from pathlib import Path
 
 from mpar.errors import ScheduleError
-from mpar.schedule._ir import COMPUTE_KINDS, PLACEMENTS, Action, Kind, Schedule, stage_rank
+from mpar.schedule._ir import (
+    COMMUNICATION_KINDS,
+    COMPUTE_KINDS,
+    PLACEMENTS,
+    Action,
+    Kind,
+    Schedule,
+    stage_rank,
+)
 from mpar.schedule._validate import validate
 
 __all__ = ["is_csv_path", "read_csv", "schedule_from_csv", "schedule_to_csv", "write_csv"]
@@ -30,17 +41,21 @@ def is_csv_path(pipeline: object) -> bool:
     return isinstance(pipeline, str | os.PathLike) and str(pipeline).lower().endswith(".csv")
 
 
-def schedule_to_csv(schedule: Schedule) -> str:
-    """The compute actions of every rank, one row per rank."""
+def schedule_to_csv(schedule: Schedule, *, communication: bool = False) -> str:
+    """The compute actions of every rank (with ``communication``, also its transfers),
+    one row per rank."""
+    kept = COMPUTE_KINDS | COMMUNICATION_KINDS if communication else COMPUTE_KINDS
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     for r in range(schedule.num_ranks):
-        writer.writerow([str(a) for a in schedule.actions.get(r, []) if a.kind in COMPUTE_KINDS])
+        writer.writerow([str(a) for a in schedule.actions.get(r, []) if a.kind in kept])
     return out.getvalue()
 
 
-def write_csv(schedule: Schedule, path: str | os.PathLike[str]) -> None:
-    Path(path).write_text(schedule_to_csv(schedule))
+def write_csv(
+    schedule: Schedule, path: str | os.PathLike[str], *, communication: bool = False
+) -> None:
+    Path(path).write_text(schedule_to_csv(schedule, communication=communication))
 
 
 def schedule_from_csv(text: str, *, name: str = "csv") -> Schedule:
@@ -53,11 +68,12 @@ def schedule_from_csv(text: str, *, name: str = "csv") -> Schedule:
     actions: dict[int, list[Action]] = {}
     for r, row in enumerate(rows):
         parsed = [Action.parse(cell) for cell in row if cell.strip()]
-        bad = [a for a in parsed if a.kind not in COMPUTE_KINDS]
+        bad = [a for a in parsed if a.kind not in COMPUTE_KINDS | COMMUNICATION_KINDS]
         if bad:
             raise ScheduleError(
-                f"rank {r} of the schedule CSV has {bad[0]}: only compute actions (F, B, I, W) "
-                "belong in it; mpar adds communication and sharding actions itself"
+                f"rank {r} of the schedule CSV has {bad[0]}: only compute (F, B, I, W) and "
+                "communication (SEND_F, RECV_F, SEND_B, RECV_B) actions belong in it; mpar "
+                "adds the sharding actions itself, from the config's 'zero' section"
             )
         actions[r] = parsed
     everything = [a for row in actions.values() for a in row]
@@ -107,12 +123,14 @@ def read_csv(path: str | os.PathLike[str], *, forward_only: bool = False) -> Sch
     except ScheduleError as exc:
         raise ScheduleError(f"{str(path)!r}: {exc}") from None
     if forward_only:
-        kept = {r: [a for a in row if a.kind == Kind.F] for r, row in schedule.actions.items()}
+        forward = (Kind.F, Kind.SEND_F, Kind.RECV_F)
+        kept = {r: [a for a in row if a.kind in forward] for r, row in schedule.actions.items()}
         schedule = Schedule(
             schedule.num_stages,
             schedule.num_ranks,
             schedule.num_microbatches,
             kept,
             name=schedule.name,
+            placement=schedule.placement,
         )
     return schedule

@@ -6,9 +6,10 @@ and end. :func:`compare` takes one pipeline's files (data-parallel replica
 0), picks the latest step all of them recorded, and gives
 
 * a Chrome/Perfetto trace with two processes: ``measured`` (one track per
-  pipeline rank, real seconds from the step's start) and ``simulated`` (the
-  same schedule through :func:`mpar.schedule.simulate`, each stage's F, B, I
-  and W costing the median of its measured durations);
+  pipeline rank, real seconds from the step's start, every executed action,
+  RECVs showing their waits) and ``simulated`` (the very schedule the ranks
+  executed, recorded in their files, through :func:`mpar.schedule.simulate`,
+  each stage's F, B, I and W costing the median of its measured durations);
 * per rank: busy time (the actions' time less what they spent blocked on a
   receive from a peer) and bubble fraction, measured and simulated, and the
   step time of both (measured: first action's start to last action's end over
@@ -26,8 +27,8 @@ from typing import Any
 
 from mpar.errors import ScheduleError
 from mpar.schedule._csv import is_csv_path, read_csv
-from mpar.schedule._ir import Action, Kind, Schedule
-from mpar.schedule._registry import build_schedule
+from mpar.schedule._ir import Action, Schedule
+from mpar.schedule._registry import executable_schedule, lower
 from mpar.schedule._render import to_chrome_trace
 from mpar.schedule._simulate import SimulationResult, StageCosts, simulate
 
@@ -101,9 +102,13 @@ def _common_step(ranks: list[dict[str, Any]]) -> int:
 
 
 def _schedule(meta: dict[str, Any]) -> Schedule:
+    """The schedule the ranks executed: recorded in the timeline files, or (files of
+    older runs) rebuilt from the config keys with the communication lowered."""
+    if "schedule" in meta:
+        return Schedule.from_dict(meta["schedule"])
     if is_csv_path(meta["pipeline"]):
-        return read_csv(meta["pipeline"], forward_only=meta.get("forward_only", False))
-    return build_schedule(
+        return lower(read_csv(meta["pipeline"], forward_only=meta.get("forward_only", False)))
+    return executable_schedule(
         meta["pipeline"],
         meta["num_ranks"],
         meta["microbatches"],
@@ -159,7 +164,7 @@ def _trace(steps: dict[int, dict[str, Any]], t0: float, result: SimulationResult
             action = Action.parse(text)
             event = {"name": text, "cat": action.kind.value, "pid": 0, "tid": r}
             event["ts"] = (start - t0) * 1e6
-            if action.kind in (Kind.F, Kind.B, Kind.I, Kind.W):
+            if end > start:  # a RECV's slice is its wait
                 event.update(ph="X", dur=(end - start) * 1e6)
             else:
                 event.update(ph="i", s="t")

@@ -10,10 +10,21 @@ from collections.abc import Callable
 from mpar.errors import ScheduleError
 from mpar.schedule._csv import is_csv_path, read_csv
 from mpar.schedule._generators import _check_positive, interleaved, simple
-from mpar.schedule._ir import Schedule
+from mpar.schedule._ir import COMMUNICATION_KINDS, Schedule
+from mpar.schedule._lower import lower_communication
+from mpar.schedule._shard_lower import lower_sharding
 from mpar.schedule._zero_bubble import zbv, zero_bubble
 
-__all__ = ["PIPELINES", "SCHEDULE_HELP", "build_schedule", "check_csv_shape", "placement_of"]
+__all__ = [
+    "PIPELINES",
+    "SCHEDULE_HELP",
+    "build_schedule",
+    "check_csv_shape",
+    "ZERO3_PREFETCH",
+    "executable_schedule",
+    "lower",
+    "placement_of",
+]
 
 _GENERATORS: dict[str, Callable[..., Schedule]] = {
     "simple": simple,
@@ -61,6 +72,60 @@ def build_schedule(
         active_microbatches=active_microbatches,
         forward_only=forward_only,
     )
+
+
+ZERO3_PREFETCH = 1
+"""ZeRO-3: compute actions by which each UNSHARD (an asynchronous gather) runs ahead of
+its stage's first use (``lower_sharding(..., prefetch=...)``)."""
+
+
+def lower(
+    schedule: Schedule,
+    *,
+    zero_stage: int | None = None,
+    reshard_gap: int | None = 1,
+    prefetch: int = ZERO3_PREFETCH,
+) -> Schedule:
+    """``schedule`` as the runtime executes it.
+
+    :func:`lower_communication` (SEND_F, RECV_F, SEND_B, RECV_B between ranks;
+    kept as they are when ``schedule`` already has them, as a CSV file may) and, when ``zero_stage`` is not None (the model's parameters go through
+    mpar's data-parallel buckets), :func:`lower_sharding` (UNSHARD, RESHARD,
+    REDUCE_GRAD) with the runtime's defaults: ``reshard_gap=1`` is
+    ``zero.reshard_after_forward`` (None when it is off).
+    """
+    if not any(a.kind in COMMUNICATION_KINDS for a in schedule.iter_actions()):
+        schedule = lower_communication(schedule)  # (a CSV file may carry its own)
+    if zero_stage is not None:
+        schedule = lower_sharding(schedule, zero_stage, reshard_gap=reshard_gap, prefetch=prefetch)
+    return schedule
+
+
+def executable_schedule(
+    pipeline: str,
+    num_ranks: int,
+    num_microbatches: int,
+    *,
+    virtual_stages: int = 1,
+    active_microbatches: int | None = None,
+    forward_only: bool = False,
+    zero_stage: int | None = None,
+    reshard_gap: int | None = 1,
+    prefetch: int = ZERO3_PREFETCH,
+) -> Schedule:
+    """The schedule exactly as the runtime executes it: :func:`build_schedule`, then
+    :func:`lower`. ``mpar schedule`` prints and simulates this object, each rank
+    executes its own list of it action by action, and a traced run records it beside
+    its timings."""
+    schedule = build_schedule(
+        pipeline,
+        num_ranks,
+        num_microbatches,
+        virtual_stages=virtual_stages,
+        active_microbatches=active_microbatches,
+        forward_only=forward_only,
+    )
+    return lower(schedule, zero_stage=zero_stage, reshard_gap=reshard_gap, prefetch=prefetch)
 
 
 def _from_file(

@@ -34,7 +34,8 @@ def validate(schedule: Schedule) -> None:
     (stage, microbatch) has exactly one F and, unless the schedule is
     forward-only, exactly one B or one I and one W; and, if the schedule has
     any communication actions, every cross-rank edge has its send and its
-    receive. The message shows the rank x step grid with the failing cell in
+    receive, and each stage's receives come in the order the neighbouring
+    stage sends (one stream per pair of stages and direction). The message shows the rank x step grid with the failing cell in
     brackets (or the failing rank's row marked ``<--``).
     """
     problem = next(_problems(schedule), None)
@@ -161,3 +162,31 @@ def _edge_problems(schedule: Schedule, seen: dict[_Key, tuple[int, int]]) -> Ite
                 if (kind, stage, j) not in seen:
                     text = f"lowered schedule lacks {Action(stage, kind, j)}"
                     yield _Problem(text, home(stage))
+    yield from _fifo_problems(schedule)
+
+
+def _fifo_problems(schedule: Schedule) -> Iterator[_Problem]:
+    """Transfers from one stage to the next (or back) travel on one stream, in order:
+    the receiving rank must take them in the order the sending rank sends them."""
+    order: dict[tuple[Kind, int], list[tuple[int, int, int | None]]] = {}
+    for rank in sorted(schedule.actions):
+        for step, action in enumerate(schedule.actions[rank]):
+            if action.kind in COMMUNICATION_KINDS:
+                key = (action.kind, action.stage)
+                order.setdefault(key, []).append((rank, step, action.microbatch))
+    streams = [(Kind.SEND_F, Kind.RECV_F, 1), (Kind.SEND_B, Kind.RECV_B, -1)]
+    for send, recv, offset in streams:
+        for (kind, s), sent in order.items():
+            if kind != send:
+                continue
+            received = order.get((recv, s + offset), [])
+            for (_, _, j_sent), (rank, step, j_received) in zip(sent, received):
+                if j_sent != j_received:
+                    text = (
+                        f"{Action(s + offset, recv, j_received)} comes before "
+                        f"{Action(s + offset, recv, j_sent)}, but stage {s} sends microbatch "
+                        f"{j_sent} first: transfers between two stages arrive in the order "
+                        "they are sent"
+                    )
+                    yield _Problem(text, rank, step)
+                    break

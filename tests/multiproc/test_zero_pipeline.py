@@ -118,7 +118,7 @@ def test_the_runtime_prefetches_zero3_gathers():
     config = {"pipeline_parallel_degree": 2, "virtual_stages": 2, "microbatches": 2}
     config |= {"pipeline": "simple", "zero": {"stage": 3}}
     text = run_distributed(_schedule_text, 4, args=(config,), timeout=120)[0]
-    assert text[:4] == ["0UNSHARD", "0F0", "2UNSHARD", "0F1"]
+    assert text[:5] == ["0UNSHARD", "0F0", "0SEND_F0", "2UNSHARD", "0F1"]
 
 
 def _gathered(reshard_after_forward):

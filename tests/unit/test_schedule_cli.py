@@ -42,7 +42,46 @@ def test_json_report(capsys: pytest.CaptureFixture[str]) -> None:
     assert report["makespan"] == 15
     assert report["bubble_fraction"] == pytest.approx(0.2)
     assert report["peak_in_flight"] == [4, 4]
-    assert report["actions"]["1"][:2] == ["1F0", "1F1"]
+    # the executed schedule: transfers are actions of their own
+    assert report["actions"]["1"][:4] == ["1RECV_F0", "1F0", "1RECV_F1", "1F1"]
+    assert report["actions"]["0"][:3] == ["0F0", "0SEND_F0", "0F1"]
+
+
+def test_prints_the_executed_actions_one_object_with_the_runtime(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from mpar.schedule import executable_schedule
+
+    argv = ["--pipeline", "zero_bubble", "--stages", "2", "--microbatches", "4"]
+    assert _schedule.main([*argv, "--zero-stage", "3", "--actions"]) == 0
+    out = capsys.readouterr().out
+    executed = executable_schedule("zero_bubble", 2, 4, zero_stage=3)
+    for rank in (0, 1):
+        row = " ".join(str(a) for a in executed.actions[rank])
+        assert f"rank {rank}: {row}" in out
+    assert "0UNSHARD" in out and "0RECV_B3" in out and "0REDUCE_GRAD" in out
+    assert _schedule.main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    plain = executable_schedule("zero_bubble", 2, 4)  # no ZeRO: transfers only
+    assert report["actions"] == plain.to_dict()["actions"]
+
+
+def test_csv_with_communication_round_trips(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mpar.schedule import executable_schedule, read_csv
+
+    path = tmp_path / "zbv.csv"
+    argv = ["--pipeline", "zbv", "--stages", "2", "--microbatches", "4", "--virtual-stages", "2"]
+    assert _schedule.main([*argv, "--csv", str(path), "--csv-communication"]) == 0
+    capsys.readouterr()
+    assert "RECV_B" in path.read_text()
+    again = read_csv(path)
+    assert again.placement == "v"
+    assert again.actions == executable_schedule("zbv", 2, 4, virtual_stages=2).actions
+    # and the file runs through mpar schedule as it is
+    assert _schedule.main(["--pipeline", str(path), "--actions"]) == 0
+    assert "rank 1: 1RECV_F0 1F0 " in capsys.readouterr().out
 
 
 def test_active_microbatches_and_forward_only(capsys: pytest.CaptureFixture[str]) -> None:

@@ -113,8 +113,20 @@ def test_deadlock_names_waiting_ranks() -> None:
 
 
 def test_deadlock_in_lowered_schedule() -> None:
-    with pytest.raises(ScheduleError, match=r"rank 1 waits at step 0 \(1RECV_F1\) for 0SEND_F1"):
-        simulate(lower_communication(_deadlocked()))
+    # 1F1B on 2 ranks, but rank 1 wants microbatch 1's activations before it runs 1B0,
+    # and rank 0 sends them only after 0B0
+    lowered = lower_communication(
+        Schedule(
+            2,
+            2,
+            2,
+            {r: [Action.parse(f"{r}{t}") for t in ("F0", "B0", "F1", "B1")] for r in (0, 1)},
+        )
+    )
+    row = lowered.actions[1]
+    row.insert(1, row.pop(row.index(Action.parse("1RECV_F1"))))
+    with pytest.raises(ScheduleError, match=r"rank 1 waits at step 1 \(1RECV_F1\) for 0SEND_F1"):
+        simulate(lowered)
 
 
 def test_invalid_schedule_is_rejected_before_simulation() -> None:

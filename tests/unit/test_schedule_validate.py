@@ -109,3 +109,15 @@ def test_lowered_schedule_checks_sends_and_receives() -> None:
     assert "0SEND_F1 runs before 0F1" in _error(early)
     with pytest.raises(ScheduleError, match="already has communication"):
         lower_communication(lowered)
+
+
+def test_receives_follow_the_order_of_the_sends() -> None:
+    """One stream per pair of stages and direction: rank 1 cannot take microbatch 1's
+    activations before microbatch 0's, which rank 0 sent first."""
+    lowered = lower_communication(build_schedule("simple", 2, 2))
+    assert [str(a) for a in lowered.actions[1][:4]] == ["1RECV_F0", "1F0", "1RECV_F1", "1F1"]
+    swapped = copy.deepcopy(lowered)
+    row = swapped.actions[1]
+    row[:4] = [row[2], row[0], row[1], row[3]]  # 1RECV_F1 1RECV_F0 1F0 1F1
+    message = _error(swapped)
+    assert "1RECV_F1 comes before 1RECV_F0, but stage 0 sends microbatch 0 first" in message

@@ -121,8 +121,12 @@ def test_csv_in_torch_format_and_errors(tmp_path):
     assert v_shaped.placement == "v"
     with pytest.raises(ScheduleError, match="follows neither"):
         schedule_from_csv("1F0,1B0\n0F0,0B0\n")
-    with pytest.raises(ScheduleError, match="only compute actions"):
+    with pytest.raises(ScheduleError, match="adds the sharding actions itself"):
+        schedule_from_csv("0UNSHARD,0F0,0B0\n")
+    with pytest.raises(ScheduleError, match="0SEND_F0 has no peer on another rank"):
         schedule_from_csv("0F0,0SEND_F0,0B0\n")
+    with pytest.raises(ScheduleError, match="lacks 1RECV_F0"):  # transfers: all or none
+        schedule_from_csv("0F0,0SEND_F0,0RECV_B0,0B0\n1F0,1B0,1SEND_B0\n")
     with pytest.raises(ScheduleError):
         schedule_from_csv("0F0\n1F0,1B0\n")  # 0B0 missing: validation names it
     with pytest.raises(ScheduleError, match="empty"):
