@@ -71,11 +71,16 @@ class Layout:
     pipeline: str = "interleaved"
     virtual_stages: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
+    gather: str | int = "unit"
+    """``zero.gather`` (split-backward pipelines gather by chunk whatever it says)."""
 
     def label(self) -> str:
         ck = " ckpt" if self.checkpointing else ""
         v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
-        return f"pp{self.pp} x dp{self.dp} z{self.zero}{ck} m{self.microbatches}{v} {self.pipeline}"
+        g = f" gather={self.gather}" if self.gather != "unit" else ""
+        return (
+            f"pp{self.pp} x dp{self.dp} z{self.zero}{ck} m{self.microbatches}{v} {self.pipeline}{g}"
+        )
 
     def config(self) -> dict[str, Any]:
         return {
@@ -83,7 +88,7 @@ class Layout:
             "microbatches": self.microbatches,
             "pipeline": self.pipeline,
             "virtual_stages": self.virtual_stages,
-            "zero": {"stage": self.zero},
+            "zero": {"stage": self.zero, "gather": self.gather},
             "activation_checkpointing": self.checkpointing,
             "memory_weight": 0.0,
             **self.extra,
@@ -101,6 +106,9 @@ GRID = [
     Layout(2, 2, 3),
     Layout(4, 1, 0),
     Layout(4, 1, 0, True),
+    # ZeRO-3 gathered by chunk: a split-backward schedule, and zero.gather "chunk"
+    Layout(2, 2, 3, pipeline="zero_bubble"),
+    Layout(1, 4, 3, gather="chunk"),
 ]
 
 
@@ -213,37 +221,8 @@ def _pp1_plan(spec: Spec, layout: Layout, x: Any) -> Any:
         data_parallel_degree=layout.dp,
         zero_stage=layout.zero,
         activation_checkpointing=layout.checkpointing,
+        gather=layout.gather,
     )
-
-
-def _chunk_granular_extra(spec: Spec, layout: Layout, stages: list[Any]) -> int:
-    """Bytes the runtime holds beyond the plan at ZeRO-2/3 with dp > 1 when it runs
-    chunk-granular (``zero.gather: "chunk"``, or a runtime from before unit gathering).
-
-    The plan models the unit-granular ZeRO (two units gathered, one unit's gradients
-    before their reduce-scatter, ``zero_working_set_bytes``); chunk-granular ZeRO-3
-    gathers a stage's whole chunk and ZeRO-2/3 keep a full-size gradient buffer
-    during the backward. Parameters are fp32 here, gradients as large as parameters.
-    """
-    import mpar
-
-    gather = getattr(mpar.config().zero, "gather", "chunk")
-    if layout.zero < 2 or layout.dp == 1 or gather != "chunk":
-        return 0
-    model = _model(spec)
-    extra = 0
-    for stage in stages:
-        sizes = []
-        for name in stage.units:
-            try:
-                sizes.append(sum(p.numel() * 4 for p in model.get_submodule(name).parameters()))
-            except AttributeError:  # a unit that is a parameter, not a module
-                sizes.append(model.get_parameter(name).numel() * 4)
-        chunk = stage.param_count * 4
-        extra += chunk - chunk // layout.dp - max(sizes)  # full gradients vs shard + one unit
-        if layout.zero == 3:
-            extra += chunk - sum(sorted(sizes)[-2:])  # whole chunk vs two units gathered
-    return extra
 
 
 def _warm_imports() -> None:
@@ -322,9 +301,7 @@ def _train(spec: Spec, layout: Layout, args: argparse.Namespace) -> dict[str, An
         "rest_rss_bytes": rest - baseline,
         "rest_tensor_bytes": rest_tensors,
         "predicted_peak_bytes": plan.rank_memory_bytes[mpar.pp_rank()],
-        "chunk_granular_extra_bytes": _chunk_granular_extra(
-            spec, layout, [s for s in plan.stages if s.rank == mpar.pp_rank()]
-        ),
+        "predicted_gather": plan.layout.get("gather", "unit"),
         "measured_step_s": statistics.median(times[args.warmup :]),
         "predicted_step_s": plan.step_time_s,
         "boundaries": list(plan.boundaries),
@@ -401,8 +378,7 @@ def _summary(layout: Layout, got: dict[str, Any]) -> dict[str, Any]:
             "rest_anon_mib": r["rest_anon_bytes"] / 2**20,
             "rest_tensor_mib": r["rest_tensor_bytes"] / 2**20,
             "ratio": r["measured_peak_bytes"] / max(r["predicted_peak_bytes"], 1),
-            "today_predicted_mib": (r["predicted_peak_bytes"] + r["chunk_granular_extra_bytes"])
-            / 2**20,
+            "predicted_gather": r["predicted_gather"],
             "memory_report": r["report"],
             "plan_stages": r["stages"],
         }
@@ -413,12 +389,6 @@ def _summary(layout: Layout, got: dict[str, Any]) -> dict[str, Any]:
     row["step_ratio"] = row["measured_step_s"] / row["predicted_step_s"]
     row["boundaries"] = ranks[0]["boundaries"]
     return row
-
-
-def _today(r: dict[str, Any]) -> str:
-    if abs(r["today_predicted_mib"] - r["predicted_mib"]) < 0.05:
-        return " | "
-    return f"{r['today_predicted_mib']:.1f} | {r['measured_mib'] / r['today_predicted_mib']:.2f}"
 
 
 def _markdown(report: dict[str, Any]) -> str:
@@ -434,21 +404,19 @@ def _markdown(report: dict[str, Any]) -> str:
         "code pages) above its value before the model was built "
         "(MALLOC_MMAP_THRESHOLD_=65536); RSS = the same for the whole resident set. "
         "Non-tensor = anonymous RSS at rest after the last step minus the bytes of every live "
-        "tensor. Chunk-granular: the prediction plus what ZeRO-2/3 hold with zero.gather "
-        "'chunk' (a stage's whole chunk gathered, a full-size gradient buffer), filled in "
-        "only for such runs (the model is unit-granular, the runtime's default). "
+        "tensor. Gather: how the plan models ZeRO 2/3 inside a stage (the runtime's "
+        "zero.gather; split-backward schedules gather by chunk). "
         "Ratio = measured / predicted."
         + (f" 1-minute load average (2 cores): {loads[0]:.1f} at the start, "
            f"{loads[-1]:.1f} at the end." if loads else ""),
         "",
         "| layout | rank (pp) | predicted MiB | measured MiB | ratio | RSS MiB | non-tensor "
-        "MiB | chunk-granular MiB | its ratio | predicted step ms | measured step ms | "
-        "step ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "MiB | gather | predicted step ms | measured step ms | step ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for row in report["rows"]:
         if row["status"] != "ok":
-            lines.append(f"| {row['layout']} | failed: {row['reason'][-120:]!r} |" + " |" * 10)
+            lines.append(f"| {row['layout']} | failed: {row['reason'][-120:]!r} |" + " |" * 9)
             continue
         for i, r in enumerate(row["ranks"]):
             step = (
@@ -461,15 +429,12 @@ def _markdown(report: dict[str, Any]) -> str:
                 f"| {row['layout'] if i == 0 else ''} | {r['rank']} ({r['pp_rank']}) | "
                 f"{r['predicted_mib']:.1f} | {r['measured_mib']:.1f} | {r['ratio']:.2f} | "
                 f"{r['measured_rss_mib']:.1f} | {r['rest_anon_mib'] - r['rest_tensor_mib']:.1f} | "
-                f"{_today(r)} | {step} |"
+                f"{r.get('predicted_gather', '')} | {step} |"
             )
     ok = [r for row in report["rows"] if row["status"] == "ok" for r in row["ranks"]]
     if ok:
         ratios = [r["ratio"] for r in ok]
-        today = [r["measured_mib"] / r["today_predicted_mib"] for r in ok]
         lines += ["", _ratio_line("Peak ratios", ratios)]
-        if today != ratios:
-            lines.append(_ratio_line("Against the chunk-granular figures", today))
     if report.get("auto"):
         lines += ["", "## Top candidates of one auto plan", "", *report["auto"]]
     lines += ["", "What is off, and why: [docs/planning.md](../../docs/planning.md#calibration)."]

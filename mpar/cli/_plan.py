@@ -188,6 +188,7 @@ def _plan_options(config: Config, world_size: int) -> dict[str, Any]:
         "activation_checkpointing": config.activation_checkpointing not in (False, "none"),
         "offload_optimizer": config.zero.offload_optimizer == "cpu",
         "offload_params": config.zero.offload_params == "cpu",
+        "gather": config.zero.gather,
         "device_memory": config.device_memory,
     }
 

@@ -65,6 +65,7 @@ def _best_plan(profile: Any, result: Any, scale: float) -> Any:
         offload_params=best.offload_params,
         microbatch_scale=scale,
         cost=result.cost,
+        gather=best.gather,
     )
 
 

@@ -6,14 +6,17 @@
   the global batch must split evenly over the ``dp`` replicas);
 * microbatches ``m``: the divisors of the per-replica batch, so every microbatch
   has the same whole number of samples;
-* schedule (``interleaved`` 1F1B, ``simple`` GPipe) and virtual stages ``v``
-  (interleaved with ``v > 1`` needs ``m`` a multiple of ``pp``);
+* schedule (``interleaved`` 1F1B, ``simple`` GPipe; ``zero_bubble`` and ``zbv`` on
+  request) and virtual stages ``v`` (interleaved and zero_bubble with ``v > 1`` need
+  ``m`` a multiple of ``pp``; zbv needs ``v = 2``);
 * ZeRO stage 0-3, optimizer offload (ZeRO >= 1), parameter offload (ZeRO-3),
   activation checkpointing, bf16.
 
 Each candidate is laid out with the partition solver (fastest split under the
 per-rank cap, ``mpar.partition.make_plan``'s memory and time model) from the
-*one* profile, scaled linearly to the candidate's microbatch size. Candidates
+*one* profile, scaled linearly to the candidate's microbatch size, with the ZeRO
+2/3 gathering the runtime will use (``effective_gather``: split-backward schedules
+gather by chunk). Candidates
 over the cap are rejected with the reason counted; the fitting ones are ranked
 by predicted step time: the busiest rank's work is a lower bound of the
 pipeline's makespan, so only candidates whose bound can still beat the
@@ -32,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from mpar.errors import PartitionError
 from mpar.partition._cost import CostModel
-from mpar.partition._memory import Layout
+from mpar.partition._memory import Layout, _check_gather, effective_gather
 from mpar.partition._plan import (
     _predict,
     lay_out,
@@ -50,6 +53,8 @@ OVER_CAP = "over memory cap"
 BATCH = "global batch not divisible by the data-parallel degree"
 UNITS = "more stages than units"
 MULTIPLE = "interleaved with virtual stages needs microbatches a multiple of pp"
+ZBV = "zbv needs exactly 2 virtual stages"
+SEARCHABLE = ("interleaved", "simple", "zero_bubble", "zbv")
 NO_DP = "ZeRO without data parallelism or offload shards nothing"
 SLOWER = "slower than the top candidates (not simulated)"
 
@@ -73,13 +78,17 @@ class SearchSpace:
     """Only these microbatch counts (None: every divisor of the per-replica batch)."""
     offload_choices: tuple[tuple[bool, bool], ...] | None = None
     """Only these (offload optimizer, offload params) pairs (None: what ``offload`` allows)."""
+    gather: str | int = "unit"
+    """``zero.gather`` of every candidate (split-backward schedules gather by chunk anyway)."""
 
     def __post_init__(self) -> None:
-        bad = [p for p in self.pipelines if p not in ("interleaved", "simple")]
+        bad = [p for p in self.pipelines if p not in SEARCHABLE]
         if bad or not self.pipelines:
             raise PartitionError(
-                f"pipelines must be a non-empty subset of interleaved, simple; got {self.pipelines}"
+                f"pipelines must be a non-empty subset of {', '.join(SEARCHABLE)}; got "
+                f"{self.pipelines} (a schedule CSV fixes the layout: plan it with make_plan)"
             )
+        _check_gather(self.gather)
         if self.max_virtual_stages < 1:
             raise PartitionError(f"max_virtual_stages must be >= 1, got {self.max_virtual_stages}")
         if not set(self.zero_stages) <= {0, 1, 2, 3} or not self.zero_stages:
@@ -112,6 +121,8 @@ class Candidate:
     overhead_s: float
     step_time_s: float | None = None
     bubble: float | None = None
+    gather: str | int = "unit"
+    """``zero.gather`` (the runtime gathers by chunk under a split-backward schedule)."""
 
     @property
     def layout(self) -> Layout:
@@ -122,6 +133,7 @@ class Candidate:
             self.activation_checkpointing,
             self.offload_optimizer,
             self.offload_params,
+            gather=effective_gather(self.pipeline, self.gather),
         )
 
     def config(self, device_memory: int | None = None) -> dict[str, Any]:
@@ -131,6 +143,8 @@ class Candidate:
             zero["offload_optimizer"] = "cpu"
         if self.offload_params:
             zero["offload_params"] = "cpu"
+        if self.gather != "unit":
+            zero["gather"] = self.gather
         config: dict[str, Any] = {
             "pipeline_parallel_degree": self.pipeline_parallel_degree,
             "microbatches": self.microbatches,
@@ -260,7 +274,9 @@ def _shapes(
                 for v in _virtual_choices(pp, space):
                     if pp * v > units:
                         reject[UNITS] += 1
-                    elif pipeline == "interleaved" and v > 1 and m % pp:
+                    elif pipeline == "zbv" and v != 2:
+                        reject[ZBV] += 1
+                    elif pipeline in ("interleaved", "zero_bubble") and v > 1 and m % pp:
                         reject[MULTIPLE] += 1
                     else:
                         yield pp, dp, m, pipeline, v
@@ -279,11 +295,14 @@ def _evaluate(
     scale: float,
     cap: int,
     cost: CostModel,
+    gather: str | int = "unit",
 ) -> Candidate | None:
     """Lay out one candidate; None when it does not fit the cap."""
     pp, dp, m, pipeline, v = shape
     zero, opt, par, ckpt, precision = knobs
-    layout = Layout(dp, zero, precision, ckpt, opt, par, scale)
+    layout = Layout(
+        dp, zero, precision, ckpt, opt, par, scale, gather=effective_gather(pipeline, gather)
+    )
     try:
         laid = lay_out(profile, pp, v, m, pipeline, layout=layout, cost=cost, cap_rank=cap)
     except PartitionError:
@@ -296,15 +315,12 @@ def _evaluate(
     bound = lower_bound_s(laid.stages, pp, m, ckpt, cost) + overhead
     return Candidate(
         pp, dp, v, m, 0, pipeline, zero, opt, par, ckpt, precision,
-        max(laid.rank_memory), laid.rank_memory, laid.starts, bound, overhead,
+        max(laid.rank_memory), laid.rank_memory, laid.starts, bound, overhead, gather=gather,
     )  # fmt: skip
 
 
 def _simulate(profile: ModelProfile, c: Candidate, scale: float, cap: int, cost: CostModel) -> None:
-    layout = Layout(
-        c.data_parallel_degree, c.zero_stage, c.precision, c.activation_checkpointing,
-        c.offload_optimizer, c.offload_params, scale,
-    )  # fmt: skip
+    layout = dataclasses.replace(c.layout, microbatch_scale=scale)
     p, v, m = c.pipeline_parallel_degree, c.virtual_stages, c.microbatches
     laid = lay_out(profile, p, v, m, c.pipeline, layout=layout, cost=cost, cap_rank=cap)
     makespan, bubble, _ = _predict(
@@ -376,7 +392,7 @@ def search(
         size = global_batch // dp // m
         for knobs in _knobs(dp, space, reject):
             evaluated += 1
-            cand = _evaluate(profile, shape, knobs, size / profile_batch, cap, cost)
+            cand = _evaluate(profile, shape, knobs, size / profile_batch, cap, cost, space.gather)
             if cand is None:
                 reject[OVER_CAP] += 1
                 continue

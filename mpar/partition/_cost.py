@@ -14,7 +14,8 @@ meta device) and are scaled, per layout, by:
   all-reduce of the gradients (ZeRO-0) or its reduce-scatter + all-gather (ZeRO-1/2,
   the same ``2 (dp - 1) / dp`` bytes per byte), and for ZeRO-3 a reduce-scatter of
   the gradients plus an all-gather of each unit's parameters for every forward and
-  every backward of every microbatch (:func:`zero3_gathers_per_step`);
+  every backward of every microbatch, or of each chunk at most twice a step when
+  gathered by chunk (:func:`zero3_gathers_per_step`);
 * offload, over ``host_bandwidth``: gradients to the host and parameters back
   (optimizer offload) plus the host optimizer at ``host_optimizer_rate``
   parameters per second; parameter shards copied in at every gather.
@@ -82,15 +83,17 @@ class CostModel:
             )
 
 
-def zero3_gathers_per_step(microbatches: int) -> int:
-    """ZeRO-3 all-gathers of each unit's parameters per step.
+def zero3_gathers_per_step(microbatches: int, gather: str | int = "unit") -> int:
+    """ZeRO-3 all-gathers of each parameter per step, by gather granularity
+    (``Layout.gather``, as ``_memory.zero_working_set_bytes`` models it).
 
-    The unit-granular design (``_memory.zero_working_set_bytes``: at most two units
-    gathered at once) cannot keep a stage's parameters between its actions, so every
-    forward and every backward of every microbatch gathers each unit again. Change
-    this with the runtime's gather granularity.
+    By unit or group (at most two gathered at once) a stage cannot keep its
+    parameters between its actions, so every forward and every backward of every
+    microbatch gathers each unit again. By chunk a stage stays gathered from its
+    UNSHARD to its RESHARD: once a step, twice where ``reshard_after_forward`` frees
+    it between its forward and backward phases (counted: the bound).
     """
-    return 2 * microbatches
+    return 2 if gather == "chunk" else 2 * microbatches
 
 
 def step_overhead_s(
@@ -105,13 +108,13 @@ def step_overhead_s(
     """Seconds one rank spends per step on data-parallel sync and offload (its stages' units).
 
     ``pipeline`` and ``virtual_stages`` are accepted for schedules whose gathers differ;
-    the unit-granular ZeRO-3 gathers per action (:func:`zero3_gathers_per_step`).
+    ZeRO-3 gathers per action, or per step by chunk (:func:`zero3_gathers_per_step`).
     """
     units = [u for group in groups for u in group]
     c, dp, z = layout.dtype_factor, layout.data_parallel_degree, layout.zero_stage
     grads = c * sum(u.grad_bytes for u in units)
     params = c * sum(u.param_bytes for u in units)
-    gathers = zero3_gathers_per_step(microbatches) if z == 3 else 0
+    gathers = zero3_gathers_per_step(microbatches, layout.gather) if z == 3 else 0
     seconds = 0.0
     if dp > 1 and cost.dp_bandwidth is not None:
         share = (dp - 1) / dp

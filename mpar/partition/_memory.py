@@ -11,8 +11,10 @@ The functions here turn a profile's per-unit figures into device bytes at the
 * gradients: a full-size buffer in the compute dtype from a stage's first
   backward to its once-per-step reduction at ZeRO-0/1 (microbatches accumulate
   into it); at ZeRO-2/3 the ``1/dp`` shard;
-* the ZeRO-2/3 working set (:func:`zero_working_set_bytes`): two units' gathered
-  parameters at ZeRO-3 and one unit's gradients before their reduce-scatter;
+* the ZeRO-2/3 working set (:func:`zero_working_set_bytes`), by the gather
+  granularity (``Layout.gather``): two units' (or groups') gathered parameters
+  at ZeRO-3 and one unit's (group's) gradients before their reduce-scatter; by
+  chunk the stage's whole parameters and a full-size gradient buffer;
 * optimizer state (and the fp32 master copy under mixed precision) divided by
   ``dp`` at ZeRO >= 1, nothing on the device with ``offload_optimizer``;
 * activations saved for backward per microbatch in flight, plus the stage's
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mpar.errors import PartitionError
+from mpar.schedule._csv import is_csv_path
 
 if TYPE_CHECKING:
     from mpar.profile import UnitProfile
@@ -46,15 +49,46 @@ if TYPE_CHECKING:
 __all__ = [
     "Layout",
     "Transfers",
+    "effective_gather",
     "loss_bytes",
+    "splits_backward",
     "stage_extra_bytes",
     "transfer_bytes",
     "unit_activation_bytes",
     "unit_state_bytes",
+    "working_set_for_solver",
     "zero_working_set_bytes",
 ]
 
 _PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def splits_backward(pipeline: str) -> bool:
+    """Whether ``pipeline`` may split the backward into input (I) and weight (W) actions:
+    ``zero_bubble``, ``zbv`` and schedule CSVs."""
+    return pipeline in ("zero_bubble", "zbv") or is_csv_path(pipeline)
+
+
+def effective_gather(pipeline: str, gather: str | int = "unit") -> str | int:
+    """How ZeRO 2 and 3 gather and reduce inside a stage under ``pipeline``.
+
+    ``gather`` (the config's ``zero.gather``: ``"unit"``, ``"chunk"`` or an int ``n``),
+    except ``"chunk"`` for schedules that split the backward (:func:`splits_backward`):
+    their weight gradients are computed after the input gradients, outside the order
+    the unit hooks follow. The runtime (``mpar.runtime._sharding``) and the planner
+    both ask this function, so what is predicted and what runs cannot drift apart.
+    """
+    return "chunk" if splits_backward(pipeline) else gather
+
+
+def _check_gather(gather: object) -> None:
+    if gather in ("unit", "chunk"):
+        return
+    if isinstance(gather, bool) or not isinstance(gather, int) or gather < 1:
+        raise PartitionError(
+            f'gather must be "unit" (one partition unit at a time), "chunk" (a whole '
+            f"stage at once) or an int >= 1 (that many consecutive units), got {gather!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -72,6 +106,10 @@ class Layout:
     """Samples per microbatch divided by the samples of the profiled microbatch."""
     bucket_bytes: int = 25 * 2**20
     """One gradient-reduction bucket (``zero.bucket_mb``)."""
+    gather: str | int = "unit"
+    """ZeRO 2/3 granularity inside a stage, as the runtime runs it: ``"unit"``, an int
+    ``n`` (groups of ``n`` consecutive units) or ``"chunk"`` (the whole stage). Pass
+    :func:`effective_gather` of the pipeline and ``zero.gather``."""
 
     def __post_init__(self) -> None:
         if self.data_parallel_degree < 1:
@@ -90,6 +128,7 @@ class Layout:
             raise PartitionError("offload_optimizer needs zero_stage >= 1")
         if not self.microbatch_scale > 0:
             raise PartitionError(f"microbatch_scale must be > 0, got {self.microbatch_scale!r}")
+        _check_gather(self.gather)
 
     @property
     def mixed(self) -> bool:
@@ -124,23 +163,63 @@ def unit_state_bytes(unit: UnitProfile, layout: Layout) -> float:
     return params + grads + optim
 
 
+def _gather_groups(units: Sequence[UnitProfile], gather: str | int) -> list[list[UnitProfile]]:
+    """The stage's units as the runtime gathers them: one each (``"unit"``), ``n``
+    consecutive ones from the stage's first (an int), or all at once (``"chunk"``)."""
+    size = len(units) if gather == "chunk" else 1 if gather == "unit" else int(gather)
+    return [list(units[i : i + size]) for i in range(0, len(units), max(size, 1))]
+
+
 def zero_working_set_bytes(units: Sequence[UnitProfile], layout: Layout) -> float:
     """ZeRO-2/3 bytes a stage of ``units`` holds only while it computes.
 
-    The unit-granular design (one partition unit at a time): at ZeRO-3 at most two
-    units' full parameters are gathered at once (the one running and the prefetched
-    next), in the compute dtype; at ZeRO-2/3 one unit's full gradient exists before
-    its reduce-scatter. Both are bounded by the stage's largest units. This is the
-    one place to change when the runtime's gather or reduction granularity changes.
+    By ``layout.gather`` (``mpar.shard._units``; the groups of :func:`_gather_groups`):
+
+    * ``"unit"`` / an int ``n``: at ZeRO-3 at most two groups' full parameters are
+      gathered at once (the one running and the prefetched next), at ZeRO-2/3 one
+      group's full gradients exist before their reduce-scatter; bounded by the
+      stage's largest groups;
+    * ``"chunk"``: at ZeRO-3 the whole stage is gathered from its UNSHARD to its
+      RESHARD, and at ZeRO-2/3 its gradients accumulate into a full-size buffer
+      (``FlatBucket.staging``) from its first backward to its once-per-step
+      reduction. A rank's stages add up (``mpar.partition._plan`` sums them): under
+      ``interleaved``, ``zero_bubble`` and ``zbv`` with ``v`` virtual stages the
+      lowered schedule (``lower_sharding``, prefetch 1) holds all ``v`` chunks of a
+      rank gathered, and all ``v`` gradient buffers, at once. GPipe (``simple``)
+      holds at most two chunks gathered and one gradient buffer, so there the sum
+      over-predicts for ``v`` > 2 (gathers) and ``v`` > 1 (gradients).
+
+    All in the compute dtype. This is the one place to change when the runtime's
+    gather or reduction granularity changes.
     """
     c, sharded = layout.dtype_factor, layout.data_parallel_degree > 1
+    groups = _gather_groups(units, layout.gather)
     extra = 0.0
     if layout.zero_stage >= 2 and sharded:
-        extra += c * max((u.grad_bytes for u in units), default=0)  # one unit's gradients
+        grads = (sum(u.grad_bytes for u in g) for g in groups)
+        extra += c * max(grads, default=0)  # one group's full gradients
     if layout.zero_stage == 3 and (sharded or layout.offload_params):
-        largest = sorted((u.param_bytes for u in units), reverse=True)[:2]
-        extra += c * sum(largest)  # at most two units gathered
+        params = sorted((sum(u.param_bytes for u in g) for g in groups), reverse=True)
+        extra += c * sum(params[:2])  # at most two groups gathered
     return extra
+
+
+def working_set_for_solver(
+    units: Sequence[UnitProfile], layout: Layout
+) -> tuple[list[float], float]:
+    """The working set as the partition solver takes it: per-unit bytes, and a reserve.
+
+    By chunk it is additive (each unit's own parameters and gradients), so it goes to
+    the units and nothing is reserved. By unit or groups it depends on where the
+    stage starts; the reserve bounds it for every stage of ``units``: a stage starting
+    at ``a`` gathers groups of ``units[a % n:]``'s grouping (or parts of them).
+    """
+    if layout.gather == "chunk":
+        return [zero_working_set_bytes([u], layout) for u in units], 0.0
+    n = 1 if layout.gather == "unit" else int(layout.gather)
+    offsets = range(min(n, len(units)))
+    reserve = max((zero_working_set_bytes(units[o:], layout) for o in offsets), default=0.0)
+    return [0.0] * len(units), reserve
 
 
 def unit_activation_bytes(unit: UnitProfile, layout: Layout) -> float:

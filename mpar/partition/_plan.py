@@ -49,11 +49,12 @@ from mpar.partition._memory import (
     Layout,
     Transfers,
     boundary_bytes,
+    effective_gather,
     loss_bytes,
     stage_extra_bytes,
     unit_activation_bytes,
     unit_state_bytes,
-    zero_working_set_bytes,
+    working_set_for_solver,
 )
 from mpar.partition._methods import parameter_boundaries, uniform_boundaries
 from mpar.partition._solver import _fmt, memory_weight_for, solve, stage_costs
@@ -133,7 +134,8 @@ class Plan:
     process_bytes: int = 0
     """Memory each rank's process holds besides tensors (in ``rank_memory_bytes``)."""
     layout: dict[str, Any] = field(default_factory=dict)
-    """The ``Layout`` knobs (dp, ZeRO, precision, checkpointing, offload, microbatch scale)."""
+    """The ``Layout`` knobs (dp, ZeRO, precision, checkpointing, offload, microbatch scale,
+    the ZeRO 2/3 gather granularity the runtime will use)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -361,14 +363,16 @@ def unit_memory(
     """Per-unit memory for the solver, and the bytes to reserve below the cap.
 
     Additive parts go to the units (states, saved activations per microbatch in
-    flight or one microbatch's recomputed ones, the loss on the last unit); what
-    depends on where the cuts fall (kept boundary tensors, message buffers, the
-    ZeRO working set) is bounded by the largest boundary and units and reserved
-    from the cap.
+    flight or one microbatch's recomputed ones, the loss on the last unit, the ZeRO
+    working set when it is gathered by chunk); what depends on where the cuts fall
+    (kept boundary tensors, message buffers, the ZeRO working set by unit or group)
+    is bounded by the largest boundary and units and reserved from the cap.
     """
     flight = 1 if layout.activation_checkpointing else in_flight
+    working, reserve = working_set_for_solver(units, layout)
     memory = [
-        unit_state_bytes(u, layout) + unit_activation_bytes(u, layout) * flight for u in units
+        unit_state_bytes(u, layout) + unit_activation_bytes(u, layout) * flight + w
+        for u, w in zip(units, working)
     ]
     memory[-1] += loss_bytes(units[-1], layout, in_flight)
     widest = max((boundary_bytes(u, layout) for u in units[:-1]), default=0.0)
@@ -379,7 +383,7 @@ def unit_memory(
     )  # fmt: skip
     copies = in_flight * (2 if layout.activation_checkpointing else 1) + messages
     bucket = layout.bucket_bytes if layout.data_parallel_degree > 1 else 0
-    return memory, widest * copies + bucket + zero_working_set_bytes(units, layout)
+    return memory, widest * copies + bucket + reserve
 
 
 def process_bytes(p: int, cost: CostModel) -> float:
@@ -455,6 +459,7 @@ def make_plan(
     offload_params: bool = False,
     microbatch_scale: float = 1.0,
     cost: CostModel | None = None,
+    gather: str | int = "unit",
 ) -> Plan:
     """Partition a profiled model over ``num_ranks`` pipeline ranks and predict its cost.
 
@@ -481,6 +486,9 @@ def make_plan(
         microbatch_scale: samples per microbatch over the profiled microbatch's samples.
         cost: bandwidths and speed factors (``CostModel``); its ``link_bandwidth`` is
             replaced by the ``link_bandwidth`` argument.
+        gather: ZeRO 2/3 granularity inside a stage (``zero.gather``: "unit", "chunk" or
+            an int); schedules with a split backward gather by chunk whatever it says
+            (``effective_gather``).
     """
     p, v, m = num_ranks, virtual_stages, microbatches
     _check(profile, p, v, m, pipeline, method)
@@ -495,6 +503,7 @@ def make_plan(
         offload_optimizer,
         offload_params,
         microbatch_scale,
+        gather=effective_gather(pipeline, gather),
     )
     laid = lay_out(
         profile,
@@ -697,6 +706,7 @@ def _render(plan: Plan) -> str:
         for s in plan.stages
         if s.outer_params
     ]
+    lines += _gather_note(plan.layout, plan.pipeline)
     lines += [
         "",
         f"predicted step time {plan.step_time_s * 1e3:.4g} ms, bubble {plan.bubble:.1%} ({source}); "
@@ -705,3 +715,13 @@ def _render(plan: Plan) -> str:
         f"links {link}",
     ]
     return "\n".join(lines)
+
+
+def _gather_note(layout: dict[str, Any], pipeline: str) -> list[str]:
+    """A line saying how ZeRO 2/3 gathers inside a stage, where it matters."""
+    gather = layout.get("gather", "unit")
+    if layout.get("zero_stage", 0) < 2 or gather == "unit":
+        return []
+    how = "the whole stage" if gather == "chunk" else f"groups of {gather} units"
+    why = " (the schedule splits the backward)" if effective_gather(pipeline) == "chunk" else ""
+    return [f"ZeRO-{layout['zero_stage']} gathers and reduces by {how}{why}"]

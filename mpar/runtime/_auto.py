@@ -49,6 +49,7 @@ def _space(cfg: Config, auto: Sequence[str]) -> SearchSpace:
         precisions=(precision,),
         virtual_stage_choices=None if "virtual_stages" in auto else (cfg.virtual_stages,),
         microbatch_choices=None if "microbatches" in auto else (cfg.microbatches,),
+        gather=zero.gather,
     )
 
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from mpar import _device
 from mpar.comm import State
+from mpar.partition._memory import effective_gather
 from mpar.runtime._precision import compute_dtype
 from mpar.runtime._stages import LocalStages
 from mpar.runtime._unit_hooks import group_units, install_groups
@@ -67,17 +68,13 @@ def _other_stages_parameters(s: int, stages: LocalStages) -> set[int]:
     return {id(p) for t, m in stages.modules.items() if t != s for p in m.parameters()}
 
 
-def _split_backward(pipeline: str) -> bool:
-    """Schedules that may split the backward into I and W actions."""
-    return pipeline in ("zero_bubble", "zbv") or str(pipeline).endswith(".csv")
-
-
 def _unit_groups(
     stages: LocalStages, st: State, example: tuple[Any, dict[str, Any]] | None
 ) -> dict[int, list[list[str]]]:
     """Stage -> its unit groups, where ZeRO works unit by unit (see ``_unit_hooks``)."""
     cfg = st.config
-    if cfg.zero.stage < 2 or cfg.zero.gather == "chunk" or _split_backward(cfg.pipeline):
+    gather = effective_gather(cfg.pipeline, cfg.zero.gather)  # the planner predicts the same
+    if cfg.zero.stage < 2 or gather == "chunk":
         return {}
     out: dict[int, list[list[str]]] = {}
     for s, module in stages.modules.items():
@@ -92,7 +89,7 @@ def _unit_groups(
             with torch.no_grad(), preserved_state(module):
                 names = find_units(module, args, kwargs)
         if len(names) > 1:
-            out[s] = group_units(names, cfg.zero.gather)
+            out[s] = group_units(names, gather)
     return out
 
 

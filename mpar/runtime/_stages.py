@@ -74,6 +74,7 @@ def _decide_boundaries(
         activation_checkpointing=cfg.activation_checkpointing not in (False, "none"),
         offload_optimizer=cfg.zero.offload_optimizer == "cpu",
         offload_params=cfg.zero.offload_params == "cpu",
+        gather=cfg.zero.gather,
     )
     return list(plan.boundaries), plan
 
