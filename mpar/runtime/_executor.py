@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -148,6 +149,26 @@ def _outer_saved_tensor_hooks() -> tuple[Any, Any] | None:
     say), which :class:`_SavedBytes` must keep applying."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     return None if top is None else top(False)
+
+
+_SAVED_BYTES: weakref.WeakKeyDictionary[nn.Module, dict[Any, int]] = weakref.WeakKeyDictionary()
+"""Stage -> {input signature: bytes autograd saved inside its forward}: counted with
+:class:`_SavedBytes` on the first forward of each signature, reused after (saved-tensor
+hooks cost about as much as a third of a small stage's forward on the CPU)."""
+_SIGNATURES_KEPT = 64
+
+
+def _signature(value: Any) -> tuple[Any, ...]:
+    """What decides a stage's saved bytes: its inputs' shapes, dtypes and grad flags,
+    and any plain values among them."""
+    return tuple(
+        (tuple(leaf.shape), leaf.dtype, leaf.requires_grad)
+        if isinstance(leaf, torch.Tensor)
+        else leaf
+        if isinstance(leaf, int | float | bool | str | None)
+        else type(leaf)
+        for leaf in tree_leaves(value)
+    )
 
 
 class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
@@ -383,18 +404,26 @@ class StepRun:
         sharded = self.sharded
         if sharded is not None:
             sharded.wait_unsharded(s)  # a prefetched gather must land first
-        counter = _SavedBytes(self.excluded_storages) if torch.is_grad_enabled() else None
+        stage = self.stages.modules[s]
+        known = _SAVED_BYTES.setdefault(stage, {})
+        key = _signature((args, tuple(kwargs), kwargs, stage.training))
+        counter = None
+        if torch.is_grad_enabled() and self.training and key not in known:
+            counter = _SavedBytes(self.excluded_storages)
         try:
             with counter or contextlib.nullcontext():
-                output = run_stage(
-                    self.stages.modules[s], args, kwargs, self.st.config, self.st.device
-                )
+                output = run_stage(stage, args, kwargs, self.st.config, self.st.device)
         finally:
             if sharded is not None:
                 sharded.after_forward(s)
-        if counter is not None and self.training:
-            self.saved_inside[(s, self.current[s])] = counter.bytes
-            self.held_bytes += counter.bytes
+        if counter is not None:
+            if len(known) >= _SIGNATURES_KEPT:
+                known.pop(next(iter(known)))
+            known[key] = counter.bytes
+        if self.training and torch.is_grad_enabled():
+            saved = known.get(key, 0)
+            self.saved_inside[(s, self.current[s])] = saved
+            self.held_bytes += saved
         return output
 
     def forward(self, s: int, j: int) -> None:

@@ -207,3 +207,46 @@ def test_activation_checkpointing_keeps_far_fewer_activations():
     assert with_ckpt < without / 5, (with_ckpt, without)
     assert reported_with < reported_without / 5, (reported_with, reported_without)
     assert reported_without > 0
+
+
+def _activations_over_steps():
+    import mpar
+    from mpar.runtime import _executor
+    from tests.multiproc._pipeline_cases import tiny_gpt
+
+    mpar.init({"microbatches": 2})
+    model = mpar.DistributedModel(tiny_gpt())
+
+    @mpar.step
+    def train(m, x, y):
+        loss = loss_fn(m(x), y)
+        m.backward(loss)
+        return loss
+
+    x, y = batch("gpt", 0)
+    counted = []
+    original = _executor._SavedBytes
+
+    class Counting(original):
+        def __init__(self, *args):
+            counted.append(1)
+            super().__init__(*args)
+
+    _executor._SavedBytes = Counting
+    try:
+        reports = []
+        for xs, ys in ((x, y), (x, y), (x[:-2], y[:-2])):  # the last: smaller microbatches
+            train(model, xs, ys)
+            reports.append((mpar.memory_report()["cpu"]["activations"], len(counted)))
+    finally:
+        _executor._SavedBytes = original
+    return reports
+
+
+def test_saved_activations_are_counted_once_per_input_shape():
+    """Saved-tensor hooks are slow on the CPU: each stage counts what autograd saves on
+    its first forward of each input shape and reuses the count after."""
+    ((first, again, smaller),) = run_distributed(_activations_over_steps, 1, timeout=60)
+    assert first[0] > 0 and first[1] == 1  # one stage, one shape: counted once
+    assert again == first  # same shapes: same figure, nothing counted again
+    assert smaller[1] == 2 and 0 < smaller[0] < first[0]  # a new shape is counted anew
