@@ -78,16 +78,26 @@ class RssSampler:
         self.peak = max(self.peak, self.current())
 
 
-def job_env(threads: int) -> dict[str, str]:
-    """The environment of every benchmark job."""
+def job_env(threads: int, mmap_threshold: bool = True) -> dict[str, str]:
+    """The environment of every benchmark job.
+
+    ``mmap_threshold``: ``MALLOC_MMAP_THRESHOLD_=65536``, so freed tensors leave RSS at
+    once and sampled peaks are the tensors' (memory benchmarks). It costs speed: every
+    allocation above 64 KiB is a fresh mapping whose pages fault in when first written
+    (the pipeline benchmark's model ran about 1.5x slower in every framework), so
+    throughput benchmarks run without it.
+    """
     env = dict(os.environ)
     env.update(
         OMP_NUM_THREADS=str(threads),
         MKL_NUM_THREADS=str(threads),
-        MALLOC_MMAP_THRESHOLD_="65536",
         DS_ACCELERATOR="cpu",
         PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH", "")])),
     )
+    if mmap_threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    else:
+        env.pop("MALLOC_MMAP_THRESHOLD_", None)
     return env
 
 
@@ -124,15 +134,21 @@ def launch_job(
     worker_args: list[str],
     threads: int,
     timeout: float,
+    mmap_threshold: bool = True,
 ) -> dict[str, Any]:
-    """Run ``script`` as one job; its rank 0 writes the result to ``--result FILE``."""
+    """Run ``script`` as one job; its rank 0 writes the result to ``--result FILE``
+    (``mmap_threshold``: see :func:`job_env`)."""
     with tempfile.TemporaryDirectory(prefix="mpar-bench-") as tmp:
         out = Path(tmp) / "result.json"
         cmd = [*launcher(framework, nproc), str(script), *worker_args, "--result", str(out)]
         start = time.perf_counter()
         try:
             proc = subprocess.run(
-                cmd, env=job_env(threads), capture_output=True, text=True, timeout=timeout
+                cmd,
+                env=job_env(threads, mmap_threshold),
+                capture_output=True,
+                text=True,
+                timeout=timeout,
             )
         except subprocess.TimeoutExpired as exc:
             return {"status": "failed", "reason": f"timed out after {timeout:.0f} s: {exc.cmd}"}

@@ -97,21 +97,31 @@ def _worker(case: Case, out: Path) -> None:
 
 
 def _launch(
-    framework: str, nproc: int, worker_args: list[str], threads: int, timeout: float
+    framework: str,
+    nproc: int,
+    worker_args: list[str],
+    threads: int,
+    timeout: float,
+    mmap_threshold: bool = False,
 ) -> dict[str, Any]:
     """Start one job; its rank 0 writes the result to a file we read back."""
-    return launch_job(framework, nproc, HERE / "pipeline.py", worker_args, threads, timeout)
+    script = HERE / "pipeline.py"
+    return launch_job(framework, nproc, script, worker_args, threads, timeout, mmap_threshold)
 
 
 def _run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
     """One job of ``case``, started again once if it fails (a port taken, say)."""
     worker = ["--worker", case.to_json()]
     load = os.getloadavg()[0]
-    got = _launch(case.framework, case.world, worker, args.threads, args.timeout)
+    got = _launch(
+        case.framework, case.world, worker, args.threads, args.timeout, args.mmap_threshold
+    )
     if got["status"] != "ok":
         print(f"  failed, once more: {_last_line(got['reason'])}", file=sys.stderr, flush=True)
         first = got["reason"]
-        got = _launch(case.framework, case.world, worker, args.threads, args.timeout)
+        got = _launch(
+            case.framework, case.world, worker, args.threads, args.timeout, args.mmap_threshold
+        )
         got["first_failure"] = first
     got["load_before"] = load
     got["load_after"] = os.getloadavg()[0]
@@ -346,6 +356,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--auto", action="store_true", help="also run mpar's profile-driven split")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per job")
     p.add_argument("--quick", action="store_true", help="tiny model, 1 repeat: a smoke run")
+    p.add_argument(
+        "--mmap-threshold",
+        action="store_true",
+        help="run the jobs with MALLOC_MMAP_THRESHOLD_=65536 (tight RSS peaks, ~1.5x slower "
+        "steps in every framework); off by default: this benchmark is about speed",
+    )
     p.add_argument("--out", type=Path, default=HERE / "results", help="results folder")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
