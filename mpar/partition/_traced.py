@@ -174,6 +174,29 @@ class TracedStage(nn.Module):
             found.setdefault(id(p), None)
         return found
 
+    def replace_calls(self, target: Any, replacement: Callable[..., Any]) -> int:
+        """Call ``replacement`` (same arguments) wherever every mode's graph calls
+        ``target``, and regenerate the code; returns how many calls were replaced.
+        Nothing is replaced in a stage that has unit gates (they were generated from
+        the graph before)."""
+        from mpar.partition._gates import GATE_ATTR
+
+        if hasattr(self, GATE_ATTR):
+            return 0
+        count = 0
+        for training, program in self.programs.items():
+            assert program.graph is not None
+            nodes = [
+                n for n in program.graph.nodes if n.op == "call_function" and n.target == target
+            ]
+            for node in nodes:
+                node.target = replacement
+            if nodes:
+                name = f"stage {self.index} {_MODES[training]}"
+                program.fn, program.source = _compile(program.graph, name)
+            count += len(nodes) if training else 0
+        return count
+
     @property
     def code(self) -> str:
         """The generated source of the current mode (for debugging)."""

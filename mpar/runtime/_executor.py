@@ -58,7 +58,7 @@ from mpar.runtime._microbatch import Microbatches
 from mpar.runtime._output import StepOutput, check_gatherable, detach_to_cpu
 from mpar.runtime._precision import cast_floats, compute_dtype
 from mpar.runtime._recompute import run_stage
-from mpar.runtime._split_backward import split_backward
+from mpar.runtime._split_backward import defer_weight_gradients, split_backward, split_enabled
 from mpar.runtime._timeline import StepTimeline
 
 if TYPE_CHECKING:
@@ -259,6 +259,9 @@ class StepRun:
         self.dtype = compute_dtype(st.config)
         """Mixed precision: stage 0 casts float inputs to it, the last stage casts back."""
         self.loss_scale = 1.0 if sharded is None else sharded.loss_scale
+        if self.training and split_enabled():  # I/W: linear layers keep their W for later
+            for s in {a.stage for a in self.actions if a.kind.value == "I"}:
+                defer_weight_gradients(stages.modules[s])
 
     # -- the user's step function ------------------------------------------------
 

@@ -1,60 +1,72 @@
 """The backward of one stage split in two: input gradients now (I), weights later (W).
 
-``split_backward`` runs the I part and returns the W part as a function. I
-walks autograd from the stage's outputs (or its loss) back to its inputs
-only, so the previous stage gets its gradient as early as possible, and keeps
-the gradients that reach the nodes where the weight gradients branch off; W
-starts from those and accumulates into ``param.grad`` (views into ZeRO's flat
-buffers, when sharded). Both parts together cost one ordinary backward.
+Zero-bubble schedules run the part of a stage's backward that the previous
+stage waits for (I) as early as possible and the rest (W) where the rank
+would otherwise idle. mpar defers the weight gradients of linear layers, where
+nearly all of a transformer's weight-gradient work is (the approach of the
+zero-bubble paper's implementation, which stores the pieces of each linear
+layer's weight gradient and computes them later):
 
-The graph analysis is torch.distributed.pipelining's (``_backward.py``:
-``get_param_groups`` finds the nodes where weight paths join the input's
-path, ``stage_backward_weight`` is W). I is written here rather than taken
-from ``stage_backward_input`` for two reasons found in testing:
+* :func:`defer_weight_gradients` routes every ``nn.Linear`` of a stage (and,
+  in a traced stage, every ``aten.linear`` call of its graph on parameters)
+  through :class:`_DeferredLinear`, an autograd function with the same forward
+  and the same gradients. Its backward computes the input gradient; inside I it keeps
+  the layer's input and output gradient instead of computing the weight and
+  bias gradients, and outside I (a whole B, an unsplit schedule) it computes
+  them at once, exactly as ``nn.Linear`` would.
+* :func:`split_backward` runs I: one ordinary backward from the stage's
+  outputs (or its loss) with the linear layers deferring. The stage's input
+  gradients, and every other parameter's gradient (embeddings, norms), come out
+  of it; the autograd graph is freed as usual. It returns W, which computes the
+  kept linear layers' gradients (``dy^T x`` and ``sum(dy)``, in the layer's
+  dtype) and accumulates them into ``.grad`` as autograd would: in place when a
+  gradient exists (a flat ZeRO bucket's view, or a previous microbatch's),
+  else as a new tensor.
 
-* **Outputs that do not depend on the stage's inputs.** The analysis only
-  keeps weight paths that join the input's path; an output computed from
-  weights alone (a position embedding ``wpe(arange(T))`` that a stage
-  returns for the next one to add) is never reached from the inputs, so its
-  weight gradient was silently lost (found with TinyGPT cut one unit per
-  stage: ``wpe`` never learned, so losses matched in the first step and
-  drifted from the second on). Such outputs are all weight work: W
-  backpropagates them whole, before the groups.
-* **Outputs that are views.** ``stage_backward_input`` detaches its outputs
-  in place, which torch refuses for views (a stage ending in ``reshape``).
-  Here the outputs are left alone; their graph goes when the executor drops
-  them.
-
-A value the stage passes on unchanged (a carried input, also one of its
-outputs) depends on the input trivially and takes the same path as any
-other output. Where the analysis does not apply, the split degrades without
-changing any gradient:
-
-* a stage whose inputs need no gradient (the first stage: token ids) has no I
-  to compute, so W runs the whole backward;
-* with activation checkpointing the forward is recomputed inside the backward,
-  which the analysis cannot see through, so I runs the whole backward and W
-  has nothing left to do;
-* so does a torch without the helpers, or ``MPAR_SPLIT_BACKWARD=0``.
+Together the two parts do the work of one ordinary backward, plus a Python
+autograd node per linear layer (about 20 microseconds each on the CPU). A stage
+whose inputs need no gradient (the first stage: token ids) has no I to compute,
+so W runs its whole backward. Activation checkpointing composes: the forward
+recomputed inside I goes through the same linear layers. ``MPAR_SPLIT_BACKWARD=0``
+runs the whole backward in I (W empty): an escape hatch, same gradients.
 """
 
 from __future__ import annotations
 
 import os
+import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mpar._tree import tree_leaves
 from mpar.config import Config
 
-__all__ = ["SPLIT_ENV", "split_backward", "split_enabled"]
+__all__ = [
+    "SPLIT_ENV",
+    "defer_weight_gradients",
+    "deferred_linear",
+    "split_backward",
+    "split_enabled",
+]
 
 
 SPLIT_ENV = "MPAR_SPLIT_BACKWARD"
 """Set to 0 to run the whole backward in I (W empty): an escape hatch, same gradients."""
+
+_Kept = tuple[nn.Parameter, "nn.Parameter | None", torch.Tensor, torch.Tensor]
+_KEEPING: list[list[_Kept]] = []
+"""The list the current I adds its linear layers' (weight, bias, input, output gradient)
+to; empty outside I. A plain module-level stack, not thread-local: the autograd engine
+may run a backward on a device thread of its own."""
+
+
+_DEFERRING: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+"""Modules :func:`defer_weight_gradients` has gone through, and how many layers defer."""
 
 
 def split_enabled() -> bool:
@@ -62,21 +74,75 @@ def split_enabled() -> bool:
     return os.environ.get(SPLIT_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def _torch_analysis() -> Any:
-    if not split_enabled():
-        return None
-    try:
-        from torch.distributed.pipelining import _backward
-    except ImportError:
-        return None
-    needed = (
-        "_get_grad_fn_or_grad_acc",
-        "construct_reverse_graph",
-        "reverse_closure",
-        "get_param_groups",
-        "stage_backward_weight",
-    )
-    return _backward if all(hasattr(_backward, n) for n in needed) else None
+class _DeferredLinear(torch.autograd.Function):
+    """``F.linear`` whose weight and bias gradients wait for W while an I is running."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: nn.Parameter, bias: nn.Parameter | None
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        # The parameters themselves, not saved tensors: what a saved-tensor hook
+        # unpacks may be another tensor object, whose .grad W would fill in vain.
+        ctx.weight, ctx.bias = weight, bias
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (x,) = ctx.saved_tensors
+        weight, bias = ctx.weight, ctx.bias
+        dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
+        wants_w, wants_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
+        if _KEEPING and (wants_w or wants_b):
+            _KEEPING[-1].append((weight, bias if wants_b else None, x, dy))
+            return dx, None, None
+        dw, db = _weight_grads(x, dy, wants_w, wants_b)
+        return dx, dw, db
+
+
+def _weight_grads(
+    x: torch.Tensor, dy: torch.Tensor, wants_w: bool, wants_b: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    dw = dy2.t().matmul(x.reshape(-1, x.shape[-1])) if wants_w else None
+    db = dy2.sum(0) if wants_b else None
+    return dw, db
+
+
+def deferred_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear`` that defers its weight and bias gradients to W when they are
+    leaves (parameters; a weight computed from others keeps its usual backward)."""
+    leaves = weight.is_leaf and (bias is None or bias.is_leaf)
+    if leaves and torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):
+        return _DeferredLinear.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _deferred_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return deferred_linear(x, self.weight, self.bias)
+
+
+def defer_weight_gradients(module: nn.Module) -> int:
+    """Route every ``nn.Linear`` of ``module`` (its own forward, not a subclass's)
+    through :class:`_DeferredLinear`, and in a traced stage (whose graph calls
+    ``aten.linear`` on the parameters) every such call; idempotent. Returns how many
+    layers (calls) defer."""
+    if module in _DEFERRING:
+        return _DEFERRING[module]
+    count = 0
+    for traced in module.modules():
+        replace = getattr(traced, "replace_calls", None)  # mpar.partition's TracedStage
+        if replace is not None:
+            count += replace(torch.ops.aten.linear.default, deferred_linear)
+    for layer in module.modules():
+        if isinstance(layer, nn.Linear) and type(layer).forward is nn.Linear.forward:
+            if "forward" not in vars(layer):
+                layer.forward = types.MethodType(_deferred_forward, layer)  # type: ignore[method-assign]
+            count += 1
+    _DEFERRING[module] = count
+    return count
 
 
 def split_backward(
@@ -86,7 +152,8 @@ def split_backward(
     stage: nn.Module,
     config: Config,
 ) -> Callable[[], None]:
-    """Run I: fill the ``.grad`` of the stage's input leaves; return W."""
+    """Run I: the stage's input gradients (and every gradient that is not a deferring
+    linear layer's); return W."""
     leaves = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
 
     def whole() -> None:
@@ -94,85 +161,31 @@ def split_backward(
 
     if not leaves:
         return whole  # nothing upstream waits: all of the backward is weight work
-    analysis = _torch_analysis()
-    if analysis is None or config.activation_checkpointing not in (False, "none"):
+    if not split_enabled():
         whole()
         return _nothing
-    params = [p for p in stage.parameters() if p.requires_grad]
-    grads = list(root_grads) if root_grads is not None else [torch.ones_like(r) for r in roots]
-    weight_only, groups = _backward_input(analysis, roots, grads, leaves, params)
-    return lambda: _weights(analysis, params, groups, weight_only)
-
-
-def _backward_input(
-    analysis: Any,
-    roots: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    leaves: list[torch.Tensor],
-    params: list[nn.Parameter],
-) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[dict[str, Any]]]:
-    """I: the input leaves' gradients; returns what W needs (weight-only roots
-    with their gradients, and the parameter groups with the gradients that
-    reached their intermediate nodes)."""
-    node_of = analysis._get_grad_fn_or_grad_acc
-    root_nodes = [node_of(r) for r in roots]
-    reverse = analysis.construct_reverse_graph(root_nodes)
-    input_nodes = [node_of(t) for t in leaves]
-    reached, _ = analysis.reverse_closure(input_nodes, set(), reverse)
-    through = [(r, g) for r, g, n in zip(roots, grads, root_nodes) if n in reached]
-    weight_only = [(r, g) for r, g, n in zip(roots, grads, root_nodes) if n not in reached]
-    param_nodes = [node_of(p) for p in params]
-    groups = analysis.get_param_groups(input_nodes, param_nodes, reverse)
-    handles = []
+    kept: list[_Kept] = []
+    _KEEPING.append(kept)
     try:
-        for group in groups:
-            group["intermediates"] = list(group["intermediates"])
-            for i, node in enumerate(group["intermediates"]):
-                handles.append(node.register_prehook(_keeper(group, i)))
-        if through:
-            dinputs = torch.autograd.grad(
-                [r for r, _ in through],
-                leaves,
-                [g for _, g in through],
-                retain_graph=True,  # W walks the weight branches from the kept nodes
-                allow_unused=True,
-            )
-            for leaf, grad in zip(leaves, dinputs):
-                if grad is not None:
-                    leaf.grad = grad if leaf.grad is None else leaf.grad + grad
+        whole()
     finally:
-        for handle in handles:
-            handle.remove()
-    return weight_only, groups
+        _KEEPING.pop()
+    return lambda: _weights(kept)
 
 
-def _keeper(group: dict[str, Any], i: int) -> Callable[[Any], None]:
-    """A pre-hook keeping the gradient that reaches ``group``'s ``i``-th intermediate."""
-
-    def keep(grad_outputs: Any) -> None:
-        if group.get("grads") is None:
-            group["grads"] = [None] * len(group["intermediates"])
-        group["grads"][i] = grad_outputs
-
-    return keep
-
-
-def _weights(
-    analysis: Any,
-    params: list[nn.Parameter],
-    groups: list[dict[str, Any]],
-    weight_only: list[tuple[torch.Tensor, torch.Tensor]],
-) -> None:
-    """W: outputs made from weights alone first (their graph may share nodes with
-    the groups' branches, which the groups' pass frees), then the groups."""
-    if weight_only:
-        torch.autograd.backward(
-            [r for r, _ in weight_only], [g for _, g in weight_only], retain_graph=bool(groups)
-        )
-        weight_only.clear()
-    groups = [g for g in groups if g.get("grads") is not None]
-    if groups:
-        analysis.stage_backward_weight(iter(params), groups)
+@torch.no_grad()
+def _weights(kept: list[_Kept]) -> None:
+    """W: the kept linear layers' gradients, accumulated as autograd accumulates."""
+    while kept:
+        weight, bias, x, dy = kept.pop()
+        dw, db = _weight_grads(x, dy, weight.requires_grad, bias is not None)
+        for param, grad in ((weight, dw), (bias, db)):
+            if param is None or grad is None:
+                continue
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad.add_(grad)
 
 
 def _nothing() -> None:

@@ -2,8 +2,9 @@
 
 Each case builds a small stage, runs it twice from the same inputs: once with
 ``torch.autograd.backward`` (the oracle), once as I (``split_backward``) and
-then W. The input gradients must be there after I, and the weight gradients
-after W must equal the oracle's, also when ``.grad`` already holds a value
+then W. The input gradients must be there after I (and every gradient that is not a
+linear layer's: embeddings, norms), the linear layers' only after W, and all of
+them after W must equal the oracle's, also when ``.grad`` already holds a value
 (accumulation over microbatches) or is a view into a flat buffer (ZeRO); then
 whole models cut into stages (TinyGPT by default, Hugging Face families with
 ``-m slow``), backpropagated stage by stage in one process.
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from mpar.config import config_from_dict
-from mpar.runtime._split_backward import SPLIT_ENV, split_backward
+from mpar.runtime._split_backward import SPLIT_ENV, defer_weight_gradients, split_backward
 
 
 class PositionStage(nn.Module):
@@ -104,13 +105,23 @@ def test_input_then_weights_equal_one_backward(make, grad_start):
             p.grad.copy_(start[n])
         offset += p.numel()
 
+    linear = {
+        f"{name}.{kind}"
+        for name, m in stage.named_modules()
+        if isinstance(m, nn.Linear)
+        for kind in ("weight", "bias")
+    }
+    assert defer_weight_gradients(stage) == len(linear) // 2
     leaf = x.detach().requires_grad_()
     outs = stage(leaf)
     outs = list(outs) if isinstance(outs, tuple) else [outs]
     weights = split_backward(outs, out_grads, (leaf,), stage, CONFIG)
     torch.testing.assert_close(leaf.grad, want_input)  # I: the input gradient
-    for n, p in params.items():  # ... and no weight gradient yet
-        if grad_start == "none":
+    for n, p in params.items():  # ... no linear layer's gradient yet, the others done
+        base = 0 if grad_start == "none" else start[n]
+        if n not in linear:
+            torch.testing.assert_close(p.grad, want[n] + base, msg=n)
+        elif grad_start == "none":
             assert p.grad is None, n
         else:
             torch.testing.assert_close(p.grad, start[n], msg=n)
@@ -136,6 +147,34 @@ def test_without_split_I_runs_the_whole_backward(monkeypatch):
     torch.testing.assert_close(stage.wpe.weight.grad, want["wpe.weight"])  # before W
     weights()
     torch.testing.assert_close(stage.wpe.weight.grad, want["wpe.weight"])
+    lin = LossStage()
+    defer_weight_gradients(lin)
+    _, want = _oracle(lin, x, None)
+    lin.zero_grad(set_to_none=True)
+    leaf = x.detach().requires_grad_()
+    split_backward([lin(leaf)], None, (leaf,), lin, CONFIG)
+    torch.testing.assert_close(lin.lin.weight.grad, want["lin.weight"])  # all in I
+
+
+def test_linear_layers_defer_only_inside_I():
+    """Outside I (a whole B, evaluation) a deferring layer computes its gradients at
+    once; subclasses with their own forward are left alone."""
+
+    class Scaled(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2
+
+    torch.manual_seed(0)
+    stage = nn.Sequential(nn.Linear(4, 4), Scaled(4, 4), nn.Linear(4, 2, bias=False))
+    x = torch.randn(3, 4)
+    dy = [torch.randn(3, 2)]
+    _, want = _oracle(stage, x, dy)
+    assert defer_weight_gradients(stage) == 2 and defer_weight_gradients(stage) == 2
+    _, got = _oracle(stage, x, dy)  # a whole backward
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, msg=name)
+    with torch.no_grad():
+        torch.testing.assert_close(stage(x), stage[2](stage[1](stage[0](x))))
 
 
 # -- whole models cut into stages, in one process ----------------------------------
@@ -191,6 +230,7 @@ def _check_split_model(module, args, kwargs, loss_of, boundaries):
     units = find_units(module, args, kwargs)
     split = split_module(module, args, kwargs, boundaries(len(units)), units=units)
     want = _chain_grads(split, args, kwargs, loss_of, use_split=False)
+    assert sum(defer_weight_gradients(stage) for stage in split.stages[1:]) > 0
     got = _chain_grads(split, args, kwargs, loss_of, use_split=True)
     assert got.keys() == want.keys()
     for name, grad in want.items():
@@ -235,3 +275,29 @@ def test_hugging_face_models_cut_one_unit_per_stage(family):
     model = _hf_cases.build(family)
     disable_caches(model)  # as DistributedModel does
     _check_split_model(model, (), inputs, lambda out: out["loss"], _one_unit_per_stage)
+
+
+@pytest.mark.parametrize("hooks", ["identity", "save_on_cpu"])
+def test_split_under_saved_tensor_hooks(hooks):
+    """A forward under saved-tensor hooks (mpar's own activation counting, a user's
+    ``save_on_cpu``) still gets its weight gradients in W: the parameters must not be
+    reached through what a hook unpacked."""
+    torch.manual_seed(0)
+    stage = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x = torch.randn(2, 5, 4)
+    dy = [torch.randn(2, 5, 3)]
+    _, want = _oracle(stage, x, dy)
+    defer_weight_gradients(stage)
+    stage.zero_grad(set_to_none=True)
+    leaf = x.detach().requires_grad_()
+    if hooks == "identity":
+        context = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    else:
+        context = torch.autograd.graph.save_on_cpu()
+    with context:
+        out = stage(leaf)
+    weights = split_backward([out], dy, (leaf,), stage, CONFIG)
+    assert stage[0].weight.grad is None
+    weights()
+    for name, p in stage.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], msg=name)
