@@ -175,17 +175,22 @@ def split_backward(
 
 @torch.no_grad()
 def _weights(kept: list[_Kept]) -> None:
-    """W: the kept linear layers' gradients, accumulated as autograd accumulates."""
+    """W: the kept linear layers' gradients, accumulated as autograd accumulates (into
+    an existing ``.grad`` in place, with the matmul writing into it directly)."""
     while kept:
         weight, bias, x, dy = kept.pop()
-        dw, db = _weight_grads(x, dy, weight.requires_grad, bias is not None)
-        for param, grad in ((weight, dw), (bias, db)):
-            if param is None or grad is None:
-                continue
-            if param.grad is None:
-                param.grad = grad
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        if weight.requires_grad:
+            x2 = x.reshape(-1, x.shape[-1])
+            if weight.grad is None:
+                weight.grad = dy2.t().matmul(x2)
             else:
-                param.grad.add_(grad)
+                weight.grad.addmm_(dy2.t(), x2)
+        if bias is not None:
+            if bias.grad is None:
+                bias.grad = dy2.sum(0)
+            else:
+                bias.grad.add_(dy2.sum(0))
 
 
 def _nothing() -> None:
