@@ -6,6 +6,8 @@ package asks :func:`state` for it.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
 import os
 from collections.abc import Callable, Mapping
@@ -180,7 +182,7 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
     (mpi4py) or SLURM; with none of them mpar runs as a single process. The
     whole configuration is checked before any process group is created.
     """
-    global _STATE
+    global _STATE, _EXIT_HOOKED
     if _STATE is not None:
         raise AlreadyInitializedError(
             "mpar.init() was already called in this process; call mpar.shutdown() before "
@@ -227,7 +229,22 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
         dp_group=dp_group,
         owns_process_group=owns,
     )
+    if not _EXIT_HOOKED:
+        atexit.register(_shutdown_at_exit)
+        _EXIT_HOOKED = True
     return resolved
+
+
+_EXIT_HOOKED = False
+
+
+def _shutdown_at_exit() -> None:
+    """``shutdown()`` for a script that did not call it: the process group's threads
+    must stop before the interpreter's static destructors run, or the process aborts
+    at exit ("terminate called without an active exception", SIGABRT) after its work
+    is done."""
+    with contextlib.suppress(BaseException):  # nothing may fail at exit
+        shutdown()
 
 
 def shutdown() -> None:
