@@ -74,6 +74,11 @@ _OUTPUTS_TAG = 1 << 20
 _SHARD_ACTIONS = {"UNSHARD": "start_unshard", "RESHARD": "reshard", "REDUCE_GRAD": "reduce_grads"}
 
 
+def _tag(stage: int, direction: int) -> int:
+    """The p2p tag of the transfers into ``stage`` in ``direction``."""
+    return 2 * stage + direction
+
+
 class Captured(BaseException):
     """Raised by ``model(...)`` while only the model's inputs are being captured."""
 
@@ -337,7 +342,7 @@ class StepRun:
         source = stage + 1 if backward else stage - 1
         if not 0 <= source < self.num_stages:
             raise StepError(f"internal: stage {stage} receives nothing in that direction")
-        return self._rank_of(source), 2 * stage + (_BACKWARD if backward else _FORWARD)
+        return self._rank_of(source), _tag(stage, _BACKWARD if backward else _FORWARD)
 
     def _output_ranks(self) -> list[int]:
         """Global rank of each data-parallel replica's last stage (where its outputs are)."""
@@ -375,8 +380,7 @@ class StepRun:
                 f"the schedule runs {action} before the {'backward' if backward else 'forward'}"
                 f" of stage {s} for microbatch {j} produced what it sends"
             )
-        dst = self._rank_of(to_stage)
-        tag = 2 * to_stage + direction
+        dst, tag = self._rank_of(to_stage), _tag(to_stage, direction)
         send_payload(self.outbox.pop(label), dst, tag, label, self.pending, self.links, self.wire)
 
     def _leave(self, stage: int, j: int, direction: int, payload: Any) -> None:
@@ -408,11 +412,10 @@ class StepRun:
         if sharded is not None:
             sharded.wait_unsharded(s)  # a prefetched gather must land first
         stage = self.stages.modules[s]
+        counting = self.training and torch.is_grad_enabled()
         known = _SAVED_BYTES.setdefault(stage, {})
-        key = _signature((args, tuple(kwargs), kwargs, stage.training))
-        counter = None
-        if torch.is_grad_enabled() and self.training and key not in known:
-            counter = _SavedBytes(self.excluded_storages)
+        key = _signature((args, tuple(kwargs), kwargs, stage.training)) if counting else None
+        counter = _SavedBytes(self.excluded_storages) if counting and key not in known else None
         try:
             with counter or contextlib.nullcontext():
                 output = run_stage(stage, args, kwargs, self.st.config, self.st.device)
@@ -423,8 +426,8 @@ class StepRun:
             if len(known) >= _SIGNATURES_KEPT:
                 known.pop(next(iter(known)))
             known[key] = counter.bytes
-        if self.training and torch.is_grad_enabled():
-            saved = known.get(key, 0)
+        if counting:
+            saved = known[key]
             self.saved_inside[(s, self.current[s])] = saved
             self.held_bytes += saved
         return output
@@ -516,8 +519,7 @@ class StepRun:
         grads, work = None, _nothing
         if roots:
             if split:
-                stage = self.stages.modules[s]
-                work = split_backward(roots, root_grads, inputs, stage, self.st.config)
+                work = split_backward(roots, root_grads, inputs)
             else:
                 try:
                     torch.autograd.backward(roots, root_grads)

@@ -44,7 +44,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpar._tree import tree_leaves
-from mpar.config import Config
 
 __all__ = [
     "SPLIT_ENV",
@@ -146,11 +145,7 @@ def defer_weight_gradients(module: nn.Module) -> int:
 
 
 def split_backward(
-    roots: list[torch.Tensor],
-    root_grads: list[torch.Tensor] | None,
-    inputs: Any,
-    stage: nn.Module,
-    config: Config,
+    roots: list[torch.Tensor], root_grads: list[torch.Tensor] | None, inputs: Any
 ) -> Callable[[], None]:
     """Run I: the stage's input gradients (and every gradient that is not a deferring
     linear layer's); return W."""

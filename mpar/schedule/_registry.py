@@ -89,13 +89,14 @@ def lower(
     """``schedule`` as the runtime executes it.
 
     :func:`lower_communication` (SEND_F, RECV_F, SEND_B, RECV_B between ranks;
-    kept as they are when ``schedule`` already has them, as a CSV file may) and, when ``zero_stage`` is not None (the model's parameters go through
-    mpar's data-parallel buckets), :func:`lower_sharding` (UNSHARD, RESHARD,
-    REDUCE_GRAD) with the runtime's defaults: ``reshard_gap=1`` is
-    ``zero.reshard_after_forward`` (None when it is off).
+    kept as they are when ``schedule`` already has them, as a CSV file may) and,
+    when ``zero_stage`` is not None (the model's parameters go through mpar's
+    data-parallel buckets), :func:`lower_sharding` (UNSHARD, RESHARD, REDUCE_GRAD)
+    with the runtime's defaults: ``reshard_gap=1`` is ``zero.reshard_after_forward``
+    (None when it is off).
     """
     if not any(a.kind in COMMUNICATION_KINDS for a in schedule.iter_actions()):
-        schedule = lower_communication(schedule)  # (a CSV file may carry its own)
+        schedule = lower_communication(schedule)
     if zero_stage is not None:
         schedule = lower_sharding(schedule, zero_stage, reshard_gap=reshard_gap, prefetch=prefetch)
     return schedule

@@ -35,8 +35,9 @@ def validate(schedule: Schedule) -> None:
     forward-only, exactly one B or one I and one W; and, if the schedule has
     any communication actions, every cross-rank edge has its send and its
     receive, and each stage's receives come in the order the neighbouring
-    stage sends (one stream per pair of stages and direction). The message shows the rank x step grid with the failing cell in
-    brackets (or the failing rank's row marked ``<--``).
+    stage sends (one stream per pair of stages and direction). The message
+    shows the rank x step grid with the failing cell in brackets (or the
+    failing rank's row marked ``<--``).
     """
     problem = next(_problems(schedule), None)
     if problem is None:
@@ -174,19 +175,19 @@ def _fifo_problems(schedule: Schedule) -> Iterator[_Problem]:
             if action.kind in COMMUNICATION_KINDS:
                 key = (action.kind, action.stage)
                 order.setdefault(key, []).append((rank, step, action.microbatch))
-    streams = [(Kind.SEND_F, Kind.RECV_F, 1), (Kind.SEND_B, Kind.RECV_B, -1)]
-    for send, recv, offset in streams:
-        for (kind, s), sent in order.items():
-            if kind != send:
-                continue
-            received = order.get((recv, s + offset), [])
-            for (_, _, j_sent), (rank, step, j_received) in zip(sent, received):
-                if j_sent != j_received:
-                    text = (
-                        f"{Action(s + offset, recv, j_received)} comes before "
-                        f"{Action(s + offset, recv, j_sent)}, but stage {s} sends microbatch "
-                        f"{j_sent} first: transfers between two stages arrive in the order "
-                        "they are sent"
-                    )
-                    yield _Problem(text, rank, step)
-                    break
+    receiver = {Kind.SEND_F: (Kind.RECV_F, 1), Kind.SEND_B: (Kind.RECV_B, -1)}
+    for (kind, s), sent in order.items():
+        if kind not in receiver:
+            continue
+        recv, offset = receiver[kind]
+        received = order.get((recv, s + offset), [])
+        for (_, _, j_sent), (rank, step, j_received) in zip(sent, received):
+            if j_sent != j_received:
+                text = (
+                    f"{Action(s + offset, recv, j_received)} comes before "
+                    f"{Action(s + offset, recv, j_sent)}, but stage {s} sends microbatch "
+                    f"{j_sent} first: transfers between two stages arrive in the order "
+                    "they are sent"
+                )
+                yield _Problem(text, rank, step)
+                break

@@ -16,7 +16,6 @@ import pytest
 import torch
 from torch import nn
 
-from mpar.config import config_from_dict
 from mpar.runtime._split_backward import SPLIT_ENV, defer_weight_gradients, split_backward
 
 
@@ -67,9 +66,6 @@ class LossStage(nn.Module):
         return torch.tanh(self.lin(x)).pow(2).mean()
 
 
-CONFIG = config_from_dict({})
-
-
 def _oracle(stage: nn.Module, x: torch.Tensor, out_grads: list[torch.Tensor] | None):
     stage.zero_grad(set_to_none=True)
     leaf = x.detach().requires_grad_()
@@ -115,7 +111,7 @@ def test_input_then_weights_equal_one_backward(make, grad_start):
     leaf = x.detach().requires_grad_()
     outs = stage(leaf)
     outs = list(outs) if isinstance(outs, tuple) else [outs]
-    weights = split_backward(outs, out_grads, (leaf,), stage, CONFIG)
+    weights = split_backward(outs, out_grads, (leaf,))
     torch.testing.assert_close(leaf.grad, want_input)  # I: the input gradient
     for n, p in params.items():  # ... no linear layer's gradient yet, the others done
         base = 0 if grad_start == "none" else start[n]
@@ -143,7 +139,7 @@ def test_without_split_I_runs_the_whole_backward(monkeypatch):
     _, want = _oracle(stage, x, grads)
     stage.zero_grad(set_to_none=True)
     leaf = x.detach().requires_grad_()
-    weights = split_backward(list(stage(leaf)), grads, (leaf,), stage, CONFIG)
+    weights = split_backward(list(stage(leaf)), grads, (leaf,))
     torch.testing.assert_close(stage.wpe.weight.grad, want["wpe.weight"])  # before W
     weights()
     torch.testing.assert_close(stage.wpe.weight.grad, want["wpe.weight"])
@@ -152,7 +148,7 @@ def test_without_split_I_runs_the_whole_backward(monkeypatch):
     _, want = _oracle(lin, x, None)
     lin.zero_grad(set_to_none=True)
     leaf = x.detach().requires_grad_()
-    split_backward([lin(leaf)], None, (leaf,), lin, CONFIG)
+    split_backward([lin(leaf)], None, (leaf,))
     torch.testing.assert_close(lin.lin.weight.grad, want["lin.weight"])  # all in I
 
 
@@ -210,7 +206,7 @@ def _chain_grads(split, args, kwargs, loss_of, *, use_split):
             ]
             roots, root_grads = [o for o, _ in pairs], [g for _, g in pairs]
         if use_split:
-            weights.append(split_backward(roots, root_grads, leaves, split.stages[s], CONFIG))
+            weights.append(split_backward(roots, root_grads, leaves))
         else:
             torch.autograd.backward(roots, root_grads)
         grads = [t.grad if isinstance(t, torch.Tensor) else None for t in leaves]
@@ -296,7 +292,7 @@ def test_split_under_saved_tensor_hooks(hooks):
         context = torch.autograd.graph.save_on_cpu()
     with context:
         out = stage(leaf)
-    weights = split_backward([out], dy, (leaf,), stage, CONFIG)
+    weights = split_backward([out], dy, (leaf,))
     assert stage[0].weight.grad is None
     weights()
     for name, p in stage.named_parameters():
