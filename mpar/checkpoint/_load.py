@@ -29,11 +29,12 @@ from mpar.checkpoint._legacy import load_gathered
 from mpar.checkpoint._state import load_model_targets, load_optimizer_targets, publish_masters
 from mpar.comm import state
 from mpar.comm._checkpoint_comm import broadcast_object_in, checkpoint_group
+from mpar.comm._types import ProcessGroup
 
 __all__ = ["load_checkpoint"]
 
 
-def _resolve(path: Path, group: Any) -> tuple[str, Path]:
+def _resolve(path: Path, group: ProcessGroup | None) -> tuple[str, Path]:
     decision: Any = None
     if state().layout.rank == 0:
         try:
@@ -85,7 +86,7 @@ def _group_placeholders(saved: dict[tuple[str, ...], Any]) -> list[Any]:
     return list(holder.get("optim", {}).get("param_groups", []))
 
 
-def _read(directory: Path, group: Any, sections: dict[str, Any]) -> None:
+def _read(directory: Path, group: ProcessGroup | None, sections: dict[str, Any]) -> None:
     try:
         dcp.load(
             sections,
@@ -136,7 +137,7 @@ def _load_optimizer(directory: Path, model: Any, optimizer: Any) -> None:
 
 
 def _install(
-    install: Any, sections: dict[str, Any], optimizer: Any, where: Path, group: Any
+    install: Any, sections: dict[str, Any], optimizer: Any, where: Path, group: ProcessGroup | None
 ) -> None:
     """Hand the optimizer its loaded state (every rank learns of any rank's failure)."""
     error = None

@@ -33,6 +33,7 @@ from mpar.comm._checkpoint_comm import (
     broadcast_object_in,
     checkpoint_group,
 )
+from mpar.comm._types import ProcessGroup
 
 __all__ = ["WRITE_BUFFER_BYTES", "save_checkpoint"]
 
@@ -49,7 +50,7 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
-def _prepare_root(root: Path, group: Any) -> tuple[Path, str]:
+def _prepare_root(root: Path, group: ProcessGroup | None) -> tuple[Path, str]:
     """Rank 0 clears interrupted saves and makes the temporary directory (every rank
     learns its name, or the error)."""
     decision: Any = None
@@ -98,7 +99,7 @@ def _check_loadable(raw: bytes) -> None:
         ) from None
 
 
-def _merge_groups(groups: list[dict[str, Any]], model: Any, group: Any) -> None:
+def _merge_groups(groups: list[dict[str, Any]], model: Any, group: ProcessGroup | None) -> None:
     local = [g["params"] for g in groups]
     merged = merge_param_groups(local, all_gather_object_in(local, group), model._key_order)
     for g, names in zip(groups, merged):
@@ -123,7 +124,7 @@ def _marker() -> dict[str, Any]:
 
 
 def _write_and_commit(
-    entries: dict[str, Any], tmp: Path, name: str, group: Any, keep_last: int | None
+    entries: dict[str, Any], tmp: Path, name: str, group: ProcessGroup | None, keep_last: int | None
 ) -> Path:
     rank = state().layout.rank
     try:

@@ -9,15 +9,17 @@ training groups, and gloo needs host tensors whatever the training backend.
 from __future__ import annotations
 
 import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from mpar.comm._bootstrap import state
+from mpar.comm._types import ProcessGroup
 
 __all__ = ["all_gather_object_in", "broadcast_object_in", "checkpoint_group"]
 
 _KEY = "checkpoint_group"
+T = TypeVar("T")
 
 
 def checkpoint_group() -> Any:
@@ -32,7 +34,7 @@ def checkpoint_group() -> Any:
     return st.extras[_KEY]
 
 
-def broadcast_object_in(obj: Any, group: Any) -> Any:
+def broadcast_object_in(obj: T, group: ProcessGroup | None) -> T:
     """Rank 0's ``obj`` on every rank of ``group`` (which holds every rank)."""
     if dist.get_world_size(group) == 1:
         return obj
@@ -41,11 +43,11 @@ def broadcast_object_in(obj: Any, group: Any) -> Any:
     return box[0]
 
 
-def all_gather_object_in(obj: Any, group: Any) -> list[Any]:
+def all_gather_object_in(obj: T, group: ProcessGroup | None) -> list[T]:
     """Every rank's ``obj``, in rank order, over ``group``."""
     size = dist.get_world_size(group)
     if size == 1:
         return [obj]
-    out: list[Any] = [None] * size
+    out: list[T] = [obj] * size  # placeholders, overwritten
     dist.all_gather_object(out, obj, group=group)
     return out

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from mpar.comm import _staging
 from mpar.comm._bootstrap import state
-from mpar.comm._progress import Waiting, watched
+from mpar.comm._progress import Waiting, WatchedWork, watched
+from mpar.comm._types import ProcessGroup
 from mpar.comm._watchdog import transport_timeout
 
 __all__ = [
@@ -24,6 +25,8 @@ __all__ = [
     "new_group",
     "world_all_reduce",
 ]
+
+T = TypeVar("T")
 
 
 def barrier() -> None:
@@ -50,14 +53,14 @@ def world_all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return tensor
 
 
-def _op(name: str) -> Any:
+def _op(name: str) -> dist.ReduceOp.RedOpType:
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     if name not in ops:
         raise ValueError(f"reduction {name!r} is not one of {sorted(ops)}")
     return ops[name]
 
 
-def broadcast_object_world(obj: Any, src: int = 0) -> Any:
+def broadcast_object_world(obj: T, src: int = 0) -> T:
     """Send a picklable object from global rank ``src`` to every rank."""
     if state().layout.world_size == 1:
         return obj
@@ -67,12 +70,12 @@ def broadcast_object_world(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
-def all_gather_object_pp(obj: Any) -> list[Any]:
+def all_gather_object_pp(obj: T) -> list[T]:
     """Every pipeline stage's ``obj`` (this rank's pipeline), in stage order."""
     st = state()
     if len(st.pp_ranks) == 1:
         return [obj]
-    out: list[Any] = [None] * len(st.pp_ranks)
+    out: list[T] = [obj] * len(st.pp_ranks)  # placeholders, overwritten
     with Waiting(("collective", "all_gather_object", st.pp_group)):
         dist.all_gather_object(out, obj, group=st.pp_group)
     return out
@@ -87,7 +90,7 @@ def all_reduce_pp(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return tensor
 
 
-def all_reduce_dp_async(tensor: torch.Tensor) -> Any:
+def all_reduce_dp_async(tensor: torch.Tensor) -> WatchedWork | None:
     """Start a sum all-reduce over the data-parallel group; returns a waitable (or None)."""
     st = state()
     if len(st.dp_ranks) == 1:
@@ -96,18 +99,18 @@ def all_reduce_dp_async(tensor: torch.Tensor) -> Any:
     return watched(work, "all_reduce", st.dp_group)
 
 
-def new_group(ranks: list[int]) -> Any:
+def new_group(ranks: list[int]) -> ProcessGroup | None:
     """A process group over ``ranks`` (every rank must call this, in the same order)."""
     return dist.new_group(sorted(ranks), timeout=transport_timeout(state().config.timeout_s))
 
 
-def all_reduce_group(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+def all_reduce_group(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Sum all-reduce ``tensor`` in place over ``group``."""
     with Waiting(("collective", "all_reduce", group)):
         _staging.all_reduce(tensor, op=_op("sum"), group=group)
     return tensor
 
 
-def group_size(group: Any) -> int:
+def group_size(group: ProcessGroup | None) -> int:
     """Number of ranks in ``group``."""
     return int(dist.get_world_size(group))

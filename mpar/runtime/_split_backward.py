@@ -145,7 +145,7 @@ def defer_weight_gradients(module: nn.Module) -> int:
 
 
 def split_backward(
-    roots: list[torch.Tensor], root_grads: list[torch.Tensor] | None, inputs: Any
+    roots: list[torch.Tensor], root_grads: list[torch.Tensor] | None, inputs: object
 ) -> Callable[[], None]:
     """Run I: the stage's input gradients (and every gradient that is not a deferring
     linear layer's); return W."""

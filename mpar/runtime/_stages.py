@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -19,8 +19,12 @@ from torch import nn
 from mpar import _device
 from mpar.comm import State
 from mpar.comm._collectives import broadcast_object_world, new_group
+from mpar.comm._types import ProcessGroup
 from mpar.errors import PartitionError
 from mpar.runtime._precision import cast_floats, compute_dtype
+
+if TYPE_CHECKING:
+    from mpar.partition import Plan
 
 __all__ = ["LocalStages", "build_local_stages"]
 
@@ -35,15 +39,20 @@ class LocalStages:
     qualnames: dict[int, dict[str, str]]
     """Stage index -> (local name -> original name), only for stages on this rank."""
     tied: list[list[tuple[int, str]]] = field(default_factory=list)
-    plan: Any = None
+    plan: Plan | None = None
+    """The partition plan (automatic partitioning only)."""
     unit_names: list[list[str]] = field(default_factory=list)
-    tied_groups: list[tuple[Any, nn.Parameter]] = field(default_factory=list)
+    tied_groups: list[tuple[ProcessGroup | None, nn.Parameter]] = field(default_factory=list)
     """(process group, local parameter) for tied parameters whose copies live on other ranks."""
 
 
 def _decide_boundaries(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], units: list[str], st: State
-) -> tuple[list[int], Any]:
+    module: nn.Module,
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
+    units: list[str],
+    st: State,
+) -> tuple[list[int], Plan | None]:
     from mpar.partition import make_plan, manual_boundaries
     from mpar.profile import profile_model
 
@@ -117,7 +126,7 @@ def _module_device(module: nn.Module) -> torch.device:
 
 
 def build_local_stages(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], st: State
+    module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object], st: State
 ) -> LocalStages:
     """Partition ``module`` (identically on every rank) and keep this rank's stages."""
     num_stages = st.config.num_stages
@@ -174,7 +183,7 @@ def _placement(st: State) -> Callable[[int], int]:
 
 def _tied_groups(
     tied: list[list[tuple[int, str]]], mine: dict[int, nn.Module], st: State
-) -> list[tuple[Any, nn.Parameter]]:
+) -> list[tuple[ProcessGroup | None, nn.Parameter]]:
     """Process groups summing the gradients of parameters tied across ranks."""
     grid, out, home = st.grid, [], _placement(st)
     for group in tied:

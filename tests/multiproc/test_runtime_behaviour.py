@@ -211,7 +211,7 @@ def test_activation_checkpointing_keeps_far_fewer_activations():
 
 def _activations_over_steps():
     import mpar
-    from mpar.runtime import _executor
+    from mpar.runtime import _activations
     from tests.multiproc._pipeline_cases import tiny_gpt
 
     mpar.init({"microbatches": 2})
@@ -225,21 +225,21 @@ def _activations_over_steps():
 
     x, y = batch("gpt", 0)
     counted = []
-    original = _executor._SavedBytes
+    original = _activations._SavedBytes
 
     class Counting(original):
         def __init__(self, *args):
             counted.append(1)
             super().__init__(*args)
 
-    _executor._SavedBytes = Counting
+    _activations._SavedBytes = Counting
     try:
         reports = []
         for xs, ys in ((x, y), (x, y), (x[:-2], y[:-2])):  # the last: smaller microbatches
             train(model, xs, ys)
             reports.append((mpar.memory_report()["cpu"]["activations"], len(counted)))
     finally:
-        _executor._SavedBytes = original
+        _activations._SavedBytes = original
     return reports
 
 
