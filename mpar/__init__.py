@@ -16,13 +16,14 @@ from mpar._ranks import (
     rank,
     size,
 )
-from mpar.checkpoint import load_checkpoint, save_checkpoint, wait_checkpoint
+from mpar.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, wait_checkpoint
 from mpar.comm import init, is_initialized, shutdown
 from mpar.runtime import DistributedModel, DistributedOptimizer, StepOutput, memory_report, step
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "CheckpointError",
     "DistributedModel",
     "DistributedOptimizer",
     "StepOutput",
