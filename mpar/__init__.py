@@ -4,6 +4,7 @@ See ``docs/`` and the README; the public names below are stable.
 """
 
 from mpar import partition
+from mpar._data import data_sampler
 from mpar._ranks import (
     barrier,
     config,
@@ -29,6 +30,7 @@ __all__ = [
     "StepOutput",
     "barrier",
     "config",
+    "data_sampler",
     "dp_rank",
     "dp_size",
     "init",
