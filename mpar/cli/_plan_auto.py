@@ -12,8 +12,9 @@ __all__ = ["run_auto"]
 
 
 def _options(args: argparse.Namespace) -> tuple[Any, Any]:
+    from mpar._size import parse_bytes
     from mpar.partition import CostModel, SearchSpace
-    from mpar.partition._plan import _bandwidth, parse_bytes
+    from mpar.partition._plan import _bandwidth
 
     if args.device_memory is None:
         raise ValueError("--auto needs --device-memory (bytes per rank, e.g. 80GiB)")
