@@ -266,8 +266,12 @@ def _group_moment(units: Sequence[UnitProfile], layout: Layout, index: int) -> f
         extra += copies * c * sum(u.grad_bytes for u in groups[g])
     if layout.zero_stage == 3 and (sharded or layout.offload_params):
         params = [sum(u.param_bytes for u in group) for group in groups]
-        neighbour = max(params[g - 1] if g else 0, params[g + 1] if g + 1 < len(params) else 0)
-        extra += c * (params[g] + neighbour)
+        # the prefetch skips groups with nothing to gather: neighbours among the others
+        held = [i for i, p in enumerate(params) if p or i == g]
+        at = held.index(g)
+        before = params[held[at - 1]] if at else 0
+        after = params[held[at + 1]] if at + 1 < len(held) else 0
+        extra += c * (params[g] + max(before, after))
     return extra
 
 
@@ -382,7 +386,7 @@ def stage_extra_bytes(
     # the group's gradients are copied for the reduction (the gathered ones stay)
     gathered = 0.0
     if layout.zero_stage == 3 and (layout.data_parallel_degree > 1 or layout.offload_params):
-        groups = _gather_groups(group, layout.gather)
+        groups = [g for g in _gather_groups(group, layout.gather) if any(u.param_bytes for u in g)]
         pair = groups[-2:] if layout.gather != "chunk" else groups[-1:]
         gathered = layout.dtype_factor * sum(u.param_bytes for g in pair for u in g)
     loss_moment = loss_backward_bytes(units[-1], layout) + gathered
