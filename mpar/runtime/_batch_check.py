@@ -15,10 +15,10 @@ the fix (shard by ``dp_rank()``/``dp_size()``, or ``mpar.data_sampler``).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
+from mpar.comm import State
 from mpar.comm._consistency import gather_from_every_rank
 from mpar.errors import BatchMismatchError
 
@@ -33,7 +33,7 @@ Print = tuple[str, tuple[int, ...], str, float, float]
 """(where, shape, dtype, sum, position-weighted sum) of one tensor."""
 
 
-def _tensors(value: Any, where: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _tensors(value: object, where: str) -> Iterator[tuple[str, torch.Tensor]]:
     if isinstance(value, torch.Tensor):
         yield where, value
     elif isinstance(value, list | tuple):
@@ -55,7 +55,7 @@ def _sums(t: torch.Tensor) -> tuple[float, float]:
     return float(both[0]), float(both[1])
 
 
-def fingerprint(args: list[tuple[Any, ...]], kwargs: list[dict[str, Any]]) -> list[Print]:
+def fingerprint(args: list[tuple[object, ...]], kwargs: list[dict[str, object]]) -> list[Print]:
     """The fingerprint of every tensor of every microbatch (a small list)."""
     out: list[Print] = []
     for m, (a, k) in enumerate(zip(args, kwargs)):
@@ -91,13 +91,15 @@ def mismatches(prints: list[list[Print]], pipelines: list[list[int]]) -> list[st
     return found
 
 
-def _due(st: Any) -> bool:
+def _due(st: State) -> bool:
     calls = st.extras.get("batch_check_calls", 0)
     st.extras["batch_check_calls"] = calls + 1
     return calls < FIRST_STEPS or calls % EVERY == 0
 
 
-def check_same_batch(st: Any, args: list[tuple[Any, ...]], kwargs: list[dict[str, Any]]) -> None:
+def check_same_batch(
+    st: State, args: list[tuple[object, ...]], kwargs: list[dict[str, object]]
+) -> None:
     """Collective, on the steps that are due: raise BatchMismatchError on every rank
     unless each pipeline's ranks hold the same microbatches."""
     pipelines = st.grid.pp_groups

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar, overload
 
 from mpar import _device
-from mpar.comm import state
+from mpar.comm import State, state
 from mpar.comm._abort import publish_failure
 from mpar.comm._progress import PROGRESS
 from mpar.comm._snapshot import write_trace
@@ -20,6 +20,7 @@ from mpar.runtime._microbatch import Microbatches, split_microbatches
 from mpar.runtime._model import DistributedModel
 from mpar.runtime._output import StepOutput
 from mpar.runtime._timeline import write_timeline
+from mpar.schedule import Schedule
 
 __all__ = ["step"]
 
@@ -27,10 +28,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _prepare(
-    fn: Callable[..., Any],
-    model: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    fn: Callable[..., object],
+    model: object,
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
     non_split_inputs: Sequence[str],
     input_split_axes: Mapping[str, int] | None,
 ) -> Microbatches:
@@ -65,7 +66,9 @@ def _prepare(
     )
 
 
-def _execute(fn: Callable[..., Any], model: DistributedModel, batches: Microbatches) -> StepOutput:
+def _execute(
+    fn: Callable[..., object], model: DistributedModel, batches: Microbatches
+) -> StepOutput:
     """Partition if needed and run this rank's schedule; a failure stops every rank."""
     st = state()
     PROGRESS.begin_step()
@@ -87,7 +90,7 @@ def _execute(fn: Callable[..., Any], model: DistributedModel, batches: Microbatc
     return run.outputs
 
 
-def _trace_layout(st: Any, schedule: Any) -> dict[str, Any]:
+def _trace_layout(st: State, schedule: Schedule) -> dict[str, object]:
     """What ``mpar schedule --trace`` needs to rebuild and simulate the schedule."""
     cfg = st.config
     return {
@@ -143,7 +146,7 @@ def step(
         raise TypeError(f"@mpar.step decorates a function, got {type(fn).__name__}")
 
     @functools.wraps(fn)
-    def wrapper(model: Any, *args: Any, **kwargs: Any) -> StepOutput:
+    def wrapper(model: DistributedModel, *args: object, **kwargs: object) -> StepOutput:
         batches = _prepare(fn, model, args, kwargs, non_split_inputs, input_split_axes)
         check_same_batch(state(), batches.args, batches.kwargs)
         return _execute(fn, model, batches)
