@@ -216,7 +216,6 @@ class StepRun:
         None: nothing is sharded (the schedule has no ZeRO actions)."""
         self.stages, self.batches, self.st = stages, batches, st
         self.sharding: Sharding = NO_SHARDING if sharded is None else sharded
-        self.sharded = sharded is not None
         self.call, self.capture, self.name = call, capture, name
         self.schedule = schedule
         self.actions: list[Action] = schedule.actions.get(st.pp_rank, [])
@@ -484,7 +483,8 @@ class StepRun:
             self.capture_inputs()
         # a local table: bound methods kept on self would make a cycle that holds the
         # run (and through ``call`` the model) until the garbage collector runs
-        handlers, timeline = self._handlers(stage_wide=self.sharded), self.timeline
+        handlers = self._handlers(stage_wide=self.sharding is not NO_SHARDING)
+        timeline = self.timeline
         for action in self.actions:
             PROGRESS.begin(action)  # the hang watchdog's view of this rank; ~free
             handler = handlers.get(action.kind)
