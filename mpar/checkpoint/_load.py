@@ -27,15 +27,14 @@ from mpar.checkpoint._common import FORMAT, CheckpointError, agree, check_model
 from mpar.checkpoint._dcp import Pieces, SafeLoadPlanner, SafeReader
 from mpar.checkpoint._legacy import load_gathered
 from mpar.checkpoint._state import load_model_targets, load_optimizer_targets, publish_masters
-from mpar.comm import state
 from mpar.comm._checkpoint_comm import broadcast_object_in, checkpoint_group
 
 __all__ = ["load_checkpoint"]
 
 
-def _resolve(path: Path, group: Any) -> tuple[str, Path]:
+def _resolve(path: Path, group: Any, rank: int) -> tuple[str, Path]:
     decision: Any = None
-    if state().layout.rank == 0:
+    if rank == 0:
         try:
             decision = _dirs.resolve(path)
             if decision[0] == "dcp":
@@ -120,7 +119,7 @@ def _optimizer_sections(
 
 def _load_optimizer(directory: Path, model: Any, optimizer: Any) -> None:
     """Read and install this rank's optimizer state (collective)."""
-    group = checkpoint_group()
+    group = checkpoint_group(model._st)
     error: str | None = None
     sections: dict[str, Any] = {}
     install: Any = None
@@ -165,8 +164,8 @@ def load_checkpoint(path: str | os.PathLike[str], model: Any, optimizer: Any = N
     """
     check_model(model, optimizer)
     wait_checkpoint()
-    group = checkpoint_group()
-    kind, directory = _resolve(Path(path), group)
+    group = checkpoint_group(model._st)
+    kind, directory = _resolve(Path(path), group, model.grid.rank)
     if kind == "file":
         try:
             return load_gathered(directory, model, optimizer)

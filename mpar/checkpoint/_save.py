@@ -26,7 +26,6 @@ from mpar.checkpoint._async import CheckpointHandle, finished, submit, wait_chec
 from mpar.checkpoint._common import FORMAT, CheckpointError, agree, check_model
 from mpar.checkpoint._dcp import BoundedWriter, SavePlannerWithPieces
 from mpar.checkpoint._state import merge_param_groups, model_entries, optimizer_entries
-from mpar.comm import state
 from mpar.comm._bootstrap import on_shutdown
 from mpar.comm._checkpoint_comm import (
     all_gather_object_in,
@@ -49,11 +48,11 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
-def _prepare_root(root: Path, group: Any) -> tuple[Path, str]:
+def _prepare_root(root: Path, group: Any, rank: int) -> tuple[Path, str]:
     """Rank 0 clears interrupted saves and makes the temporary directory (every rank
     learns its name, or the error)."""
     decision: Any = None
-    if state().layout.rank == 0:
+    if rank == 0:
         try:
             if root.is_file():
                 raise CheckpointError(
@@ -79,7 +78,7 @@ def _entries(model: Any, optimizer: Any, user_content: Any, copy: Any) -> dict[s
                 "(when the model is partitioned); save after it"
             )
         entries["optim"] = optimizer_entries(optimizer, model, copy)
-    if state().layout.rank == 0:
+    if model.grid.rank == 0:
         extras = io.BytesIO()
         torch.save({"user_content": user_content, "loss_scaler": _scaler_state(optimizer)}, extras)
         _check_loadable(extras.getvalue())
@@ -111,21 +110,20 @@ def _scaler_state(optimizer: Any) -> Any:
     return None if scaler is None else scaler.state_dict()
 
 
-def _marker() -> dict[str, Any]:
-    st = state()
+def _marker(model: Any) -> dict[str, Any]:
     return {
         "format": FORMAT,
-        "world_size": st.layout.world_size,
-        "config": st.config.to_dict(),
+        "world_size": model.grid.world_size,
+        "config": model.config.to_dict(),
         "torch": torch.__version__,
         "time": time.time(),
     }
 
 
 def _write_and_commit(
-    entries: dict[str, Any], tmp: Path, name: str, group: Any, keep_last: int | None
+    entries: dict[str, Any], tmp: Path, name: str, group: Any, keep_last: int | None, model: Any
 ) -> Path:
-    rank = state().layout.rank
+    rank = model.grid.rank
     try:
         dcp.save(
             entries,
@@ -143,7 +141,7 @@ def _write_and_commit(
     error = None
     if rank == 0:
         try:
-            _dirs.commit(tmp, name, _marker(), keep_last)
+            _dirs.commit(tmp, name, _marker(model), keep_last)
         except OSError as exc:
             error = f"{type(exc).__name__}: {exc}"
     try:
@@ -183,9 +181,9 @@ def save_checkpoint(
         raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
     wait_checkpoint()
     on_shutdown(_wait_quietly)
-    group = checkpoint_group()
+    group = checkpoint_group(model._st)
     root = Path(path)
-    tmp, name = _prepare_root(root, group)
+    tmp, name = _prepare_root(root, group, model.grid.rank)
     entries: dict[str, Any] = {}
     error = None
     try:
@@ -197,7 +195,7 @@ def save_checkpoint(
         _merge_groups(entries["optim"]["param_groups"], model, group)
 
     def job() -> Path:
-        return _write_and_commit(entries, tmp, name, group, keep_last)
+        return _write_and_commit(entries, tmp, name, group, keep_last, model)
 
     if async_save:
         return submit(job, root / name)
