@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from mpar.comm._bootstrap import State
 from mpar.comm._consistency import gather_from_every_rank
 from mpar.errors import BatchMismatchError
 
@@ -91,16 +92,16 @@ def mismatches(prints: list[list[Print]], pipelines: list[list[int]]) -> list[st
     return found
 
 
-def _due(st: Any) -> bool:
-    calls = st.extras.get("batch_check_calls", 0)
-    st.extras["batch_check_calls"] = calls + 1
+def _due(st: State) -> bool:
+    calls = st.batch_checks
+    st.batch_checks = calls + 1
     return calls < FIRST_STEPS or calls % EVERY == 0
 
 
-def check_same_batch(st: Any, args: list[tuple[Any, ...]], kwargs: list[dict[str, Any]]) -> None:
+def check_same_batch(st: State, args: list[tuple[Any, ...]], kwargs: list[dict[str, Any]]) -> None:
     """Collective, on the steps that are due: raise BatchMismatchError on every rank
     unless each pipeline's ranks hold the same microbatches."""
-    pipelines = st.grid.pp_groups
+    pipelines = st.grid.topology.pp_groups
     if max(len(p) for p in pipelines) == 1 or not _due(st):
         return
     prints = gather_from_every_rank(
