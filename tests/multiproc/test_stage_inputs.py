@@ -3,9 +3,10 @@ of the same shape run the same captured stages, as one process would."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from mpar.testing import run_distributed
+from mpar.testing import DistributedTestError, run_distributed
 from tests.multiproc._pipeline_cases import loss_fn, make_optimizer, tiny_gpt
 
 
@@ -71,11 +72,8 @@ def _train_lengths(dynamic_axes):
         return [forward(model, tokens[:, :n], tokens[:, 1 : n + 1]).reduce_mean() for n in (8, 6)]
 
 
+@pytest.mark.slow
 def test_another_sequence_length_needs_dynamic_axes_and_the_error_says_so():
-    import pytest
-
-    from mpar.testing import DistributedTestError
-
     with pytest.raises(DistributedTestError, match=r"dynamic_axes=\(0, 1\)\)"):
         run_distributed(_train_lengths, 2, args=(None,), timeout=120)
     net, tokens = tiny_gpt(), _tokens()
