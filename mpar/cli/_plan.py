@@ -279,17 +279,15 @@ def _link(text: str) -> str | None:
 def device_kind(requested: str | None, configured: str = "auto") -> str:
     """The device kind a plan is for: ``--device``, else the config's, ``auto`` resolved
     as the runtime does (``mpar._device.pick_device``: CUDA where available, else CPU)."""
-    kind = requested if requested not in (None, "auto") else configured
-    if kind == "auto":
-        import torch
+    from mpar import _device
 
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
-    return str(kind)
+    kind = requested if requested not in (None, "auto") else configured
+    return _device.resolve_kind(str(kind))
 
 
 def process_overrides(text: str | None) -> dict[str, int]:
     """``--process-memory``: one figure for every rank, pipelined or not, any precision."""
-    from mpar.partition._plan import parse_bytes
+    from mpar._size import parse_bytes
 
     if text is None:
         return {}

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from mpar._size import parse_bytes
 from mpar.errors import PartitionError
 from mpar.partition._cost import CostModel
 from mpar.partition._memory import Layout, _check_gather, effective_gather
@@ -40,7 +41,6 @@ from mpar.partition._plan import (
     _predict,
     lay_out,
     lower_bound_s,
-    parse_bytes,
     rank_overheads,
 )
 

@@ -38,11 +38,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from mpar._size import parse_bytes
 from mpar.errors import PartitionError
 from mpar.partition._cost import CostModel, step_overhead_s
 from mpar.partition._memory import (
@@ -157,24 +157,6 @@ class Plan:
 
 
 # ---------------------------------------------------------------------------
-
-
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgtp]?i?b?)\s*$", re.IGNORECASE)
-
-
-def parse_bytes(text: str | int | float) -> int:
-    """``"16GiB"`` → 17179869184; ``"16GB"`` → 16e9; a bare number is bytes."""
-    if isinstance(text, (int, float)):
-        return int(text)
-    match = _SIZE.match(text)
-    if not match:
-        raise ValueError(f"cannot read a memory size from {text!r}; write e.g. 16GiB, 40GB, 512MiB")
-    value, unit = float(match.group(1)), match.group(2).lower().rstrip("b")
-    if not unit:
-        return int(value)
-    base = 1024 if unit.endswith("i") else 1000
-    power = "kmgtp".index(unit[0]) + 1
-    return int(value * base**power)
 
 
 @functools.lru_cache(maxsize=4096)
