@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._traverse import set_element
 
+from mpar._compat import dcp, set_element
 from mpar.checkpoint import _dirs
 from mpar.checkpoint._async import wait_checkpoint
 from mpar.checkpoint._common import FORMAT, CheckpointError, agree, check_model

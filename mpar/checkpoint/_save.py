@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
+from mpar._compat import dcp
 from mpar.checkpoint import _dirs
 from mpar.checkpoint._async import CheckpointHandle, finished, submit, wait_checkpoint
 from mpar.checkpoint._common import FORMAT, CheckpointError, agree, check_model
