@@ -194,6 +194,7 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
     grid = Grid(layout.world_size, resolved.pipeline_parallel_degree, resolved.placement_strategy)
     device = _device.pick_device(resolved.device, layout.local_rank)
     backend = _pick_backend(resolved, device)
+    _device.check_ranks_per_device(device, backend, layout.local_size)
     _set_threads(layout)
     timeout = transport_timeout(resolved.timeout_s)  # the hang watchdog reports first
     world_backend, dp_backend = _device.group_backends(backend)
