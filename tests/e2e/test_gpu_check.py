@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,10 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.timeout(600)
 def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu" / "check.py"), "--cpu"]
-    proc = subprocess.run(
-        [*cmd, "--out", str(tmp_path)], capture_output=True, text=True, timeout=590, cwd=ROOT
-    )
+    cmd = [str(ROOT / "benchmarks" / "gpu" / "check.sh"), "--cpu", "--out", str(tmp_path)]
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=590, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads((tmp_path / "check_cpu.json").read_text())
     assert report["mode"] == "cpu" and report["ok"]
