@@ -3,10 +3,10 @@
 mpar supports torch 2.9 to 2.14 (``pyproject.toml``; CI runs 2.9.1 and 2.13.0, see
 docs/devices.md). What mpar takes from torch's private or fast-moving modules --
 ``torch.fx``, ``torch.export``, ``torch.utils._pytree``, fake tensors, the FLOP
-counter, ``torch.distributed.checkpoint`` (DCP) and autograd's saved-tensor hooks --
-is imported here and nowhere else, and where releases differ the difference is
-bridged here, by feature detection rather than version numbers. mpar builds its
-rank grid from plain process groups: it uses neither DTensor nor DeviceMesh.
+counter, ``torch.distributed.checkpoint`` (DCP), ``DeviceMesh`` (the rank grid's
+groups), the elastic launcher's config and autograd's saved-tensor hooks -- is
+imported here and nowhere else, and where releases differ the difference is bridged
+here, by feature detection rather than version numbers. (mpar does not use DTensor.)
 
 Differences bridged:
 
@@ -25,6 +25,7 @@ refuses a tensor that has any, so a traced model could not move to an XLA device
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -44,13 +46,17 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
 )
 from torch.distributed.checkpoint.planner import ReadItem, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.device_mesh import DeviceMesh
 from torch.export import Dim, ExportedProgram, ShapesCollection
 from torch.utils.flop_counter import FlopCounterMode
 
 __all__ = [
+    "backend_options",
+    "CheckpointException",
     "ChunkStorageMetadata",
     "DefaultLoadPlanner",
     "DefaultSavePlanner",
+    "DeviceMesh",
     "Dim",
     "ExportedProgram",
     "FakeTensorMode",
@@ -76,6 +82,17 @@ __all__ = [
     "spec_child",
     "top_saved_tensors_hooks",
 ]
+
+
+def backend_options(backend: str, timeout: datetime.timedelta) -> Any:
+    """Process-group options of ``backend`` (gloo or nccl) carrying ``timeout``, for a
+    ``DeviceMesh``'s ``backend_override`` (gloo's options class is private)."""
+    if backend == "gloo":
+        options: Any = torch.distributed.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    else:
+        options = torch.distributed.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return options
 
 
 def spec_child(spec: pytree.TreeSpec, index: int) -> pytree.TreeSpec:

@@ -38,6 +38,7 @@ torch_xla is imported lazily, inside the functions that need it, so mpar runs
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -59,12 +60,14 @@ __all__ = [
     "group_backends",
     "host_buffer",
     "memory_stats",
+    "mesh_device_type",
     "move_module",
     "p2p_device",
     "pick_device",
     "restore_storage",
     "prepare_recompute",
     "same_memory",
+    "set_threads",
     "storage_key",
     "synchronize",
     "to_device",
@@ -104,10 +107,17 @@ def xla_runtime() -> str:
     return str(xr.device_type() or "CPU").upper()
 
 
+def resolve_kind(kind: str) -> str:
+    """The device kind that the config value ``kind`` means here: ``auto`` is CUDA where
+    available, else CPU; other values as given."""
+    if kind == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return kind
+
+
 def pick_device(kind: str, local_rank: int) -> torch.device:
     """This rank's device for the config value ``kind`` (``auto``/``cpu``/``cuda``/``xla``)."""
-    if kind == "auto":
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    kind = resolve_kind(kind)
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(
@@ -122,6 +132,15 @@ def pick_device(kind: str, local_rank: int) -> torch.device:
     if kind == "cpu":
         return _CPU
     raise ConfigError(f"config key 'device' is {kind!r}; use 'auto', 'cpu', 'cuda' or 'xla'")
+
+
+def set_threads(local_size: int) -> None:
+    """Give each of the host's ``local_size`` ranks its share of the cores for torch's
+    CPU threads, unless the user chose (``OMP_NUM_THREADS``)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (cores or 1) // max(1, local_size)))
 
 
 def to_device(value: Any, device: torch.device) -> Any:
@@ -207,6 +226,13 @@ def group_backends(backend: str) -> tuple[str, str]:
 
         return "gloo", "xla"
     return backend, backend
+
+
+def mesh_device_type(backend: str) -> str | None:
+    """The device type of a torch ``DeviceMesh`` whose groups use ``backend`` with
+    mpar's timeout: cpu for gloo, cuda for nccl; None for MPI (its groups take no
+    options) and XLA (a DeviceMesh makes no XLA groups): mpar makes those itself."""
+    return {"gloo": "cpu", "nccl": "cuda"}.get(backend)
 
 
 def wire_device(device: torch.device, backend: str) -> torch.device:
