@@ -38,6 +38,7 @@ torch_xla is imported lazily, inside the functions that need it, so mpar runs
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -58,12 +59,14 @@ __all__ = [
     "group_backends",
     "host_buffer",
     "memory_stats",
+    "mesh_device_type",
     "move_module",
     "p2p_device",
     "pick_device",
     "restore_storage",
     "prepare_recompute",
     "same_memory",
+    "set_threads",
     "storage_key",
     "synchronize",
     "to_device",
@@ -128,6 +131,15 @@ def pick_device(kind: str, local_rank: int) -> torch.device:
     if kind == "cpu":
         return _CPU
     raise ConfigError(f"config key 'device' is {kind!r}; use 'auto', 'cpu', 'cuda' or 'xla'")
+
+
+def set_threads(local_size: int) -> None:
+    """Give each of the host's ``local_size`` ranks its share of the cores for torch's
+    CPU threads, unless the user chose (``OMP_NUM_THREADS``)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (cores or 1) // max(1, local_size)))
 
 
 def to_device(value: Any, device: torch.device) -> Any:
@@ -199,6 +211,13 @@ def group_backends(backend: str) -> tuple[str, str]:
 
         return "gloo", "xla"
     return backend, backend
+
+
+def mesh_device_type(backend: str) -> str | None:
+    """The device type of a torch ``DeviceMesh`` whose groups use ``backend`` with
+    mpar's timeout: cpu for gloo, cuda for nccl; None for MPI (its groups take no
+    options) and XLA (a DeviceMesh makes no XLA groups): mpar makes those itself."""
+    return {"gloo": "cpu", "nccl": "cuda"}.get(backend)
 
 
 def wire_device(device: torch.device, backend: str) -> torch.device:

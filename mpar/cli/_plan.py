@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -184,12 +183,9 @@ def _build(spec: str, meta: bool) -> tuple[Any, tuple[Any, ...], dict[str, Any]]
 
 
 def _read_config(path: str | None, world_size: int) -> Config:
-    from mpar.config import ENV_VAR, load_config
+    from mpar.config import load_config
 
-    if path is None and not os.environ.get(ENV_VAR, "").strip():
-        config = load_config({"pipeline_parallel_degree": world_size})
-    else:
-        config = load_config(path)
+    config = load_config(path, defaults={"pipeline_parallel_degree": world_size})
     config.check_world_size(world_size)
     if config.auto_keys:
         raise ValueError(

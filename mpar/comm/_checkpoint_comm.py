@@ -1,11 +1,12 @@
 """The process group and small collectives that checkpoints use.
 
 Checkpoints get a gloo group of their own over every rank, created at the
-first save or load (a collective call): an asynchronous save runs its
-collectives from a background thread while the step loop keeps using the
-training groups, and gloo needs host tensors whatever the training backend. Its collectives are
-watched by the hang watchdog, and time out only after it has reported: a rank
-that never reaches a save or a load is named with its stack.
+first save or load (a collective call) and kept on the :class:`~mpar.comm.State`:
+an asynchronous save runs its collectives from a background thread while the step
+loop keeps using the training groups, and gloo needs host tensors whatever the
+training backend. Its collectives are watched by the hang watchdog, and time out
+only after it has reported: a rank that never reaches a save or a load is named
+with its stack.
 """
 
 from __future__ import annotations
@@ -16,26 +17,23 @@ from typing import Any
 
 import torch.distributed as dist
 
-from mpar.comm._bootstrap import state
+from mpar.comm._bootstrap import State
 from mpar.comm._progress import Waiting
 from mpar.comm._watchdog import transport_timeout
 
 __all__ = ["all_gather_object_in", "broadcast_object_in", "checkpoint_group"]
 
-_KEY = "checkpoint_group"
 
-
-def checkpoint_group() -> Any:
-    """The checkpoint process group (every rank, gloo), created on first use: the
-    first call is collective."""
-    st = state()
-    if _KEY not in st.extras:
+def checkpoint_group(st: State) -> dist.ProcessGroup:
+    """The checkpoint process group of ``st`` (every rank, gloo), created on first use:
+    the first call is collective."""
+    if st.checkpoint_group is None:
         timeout = transport_timeout(st.config.timeout_s)
         with _watched("new_group (checkpoint)"):
-            st.extras[_KEY] = dist.new_group(
+            st.checkpoint_group = dist.new_group(
                 list(range(st.layout.world_size)), timeout=timeout, backend="gloo"
             )
-    return st.extras[_KEY]
+    return st.checkpoint_group
 
 
 def _watched(name: str) -> Any:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from mpar.comm._bootstrap import State
 from mpar.comm._consistency import gather_from_every_rank
 from mpar.errors import BatchMismatchError
 
@@ -99,30 +100,30 @@ def mismatches(prints: list[list[Print]], pipelines: list[list[int]]) -> list[st
     return found
 
 
-def _due(st: Any) -> bool:
-    calls = st.extras.get("batch_check_calls", 0)
-    st.extras["batch_check_calls"] = calls + 1
+def _due(st: State) -> bool:
+    calls = st.batch_checks
+    st.batch_checks = calls + 1
     return calls < FIRST_STEPS or calls % EVERY == 0
 
 
 def due_fingerprint(
-    st: Any, args: list[tuple[Any, ...]], kwargs: list[dict[str, Any]]
+    st: State, args: list[tuple[Any, ...]], kwargs: list[dict[str, Any]]
 ) -> list[Print] | None:
     """Before a step: this rank's fingerprint when the step is checked, else None
     (always None without pipeline parallelism)."""
-    if max(len(p) for p in st.grid.pp_groups) == 1 or not _due(st):
+    if max(len(p) for p in st.grid.topology.pp_groups) == 1 or not _due(st):
         return None
     return fingerprint(args, kwargs)
 
 
-def check_same_batch(st: Any, mine: list[Print] | None) -> None:
+def check_same_batch(st: State, mine: list[Print] | None) -> None:
     """After a checked step (every rank at the same point: no other collective can
     cross it), compare the fingerprints within every pipeline; raise
     BatchMismatchError on every rank if they differ. The optimizer has not
     stepped yet: the parameters are untouched."""
     if mine is None:
         return
-    pipelines = st.grid.pp_groups
+    pipelines = st.grid.topology.pp_groups
     prints = gather_from_every_rank(mine, st.layout.world_size, "same-batch check")
     found = mismatches(prints, pipelines)
     if found:
