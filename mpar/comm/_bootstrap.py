@@ -48,6 +48,8 @@ class State:
     owns_process_group: bool = True
     p2p_links: Links = field(default_factory=Links)
     """Point-to-point streams kept open across steps (pipeline transfers)."""
+    batch_check_calls: int = 0
+    """Steps so far whose batches were due a same-batch check (``runtime._batch_check``)."""
     checkpoint_group: dist.ProcessGroup | None = None
     """The checkpoints' gloo group over every rank, made at the first save or load."""
     models: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
