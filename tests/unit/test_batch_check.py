@@ -35,7 +35,7 @@ def test_the_fingerprint_tells_other_samples_shapes_and_orders_apart():
 
 
 def test_it_runs_on_the_first_steps_then_periodically():
-    st = SimpleNamespace(extras={})
+    st = SimpleNamespace(batch_check_calls=0)
     due = [n for n in range(3 * EVERY + 1) if _due(st)]
     assert due == [*range(FIRST_STEPS), EVERY, 2 * EVERY, 3 * EVERY]
 
