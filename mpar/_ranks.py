@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from mpar.comm import state
-from mpar.comm._collectives import barrier
+from mpar.comm import _collectives, state
 from mpar.config import Config
 
 __all__ = [
@@ -20,8 +19,15 @@ __all__ = [
 ]
 
 
+def barrier() -> None:
+    """Wait until every rank reaches this point."""
+    state()
+    _collectives.barrier()
+
+
 def config() -> Config:
-    """The resolved, typed configuration of the current ``mpar.init``."""
+    """The resolved, typed configuration of the current ``mpar.init`` (a model's
+    ``"auto"`` values, resolved at its first step, are on ``model.config``)."""
     return state().config
 
 
@@ -47,7 +53,7 @@ def local_size() -> int:
 
 def pp_rank() -> int:
     """Pipeline stage index of this rank (0 .. pp_size() - 1)."""
-    return state().pp_rank
+    return state().grid.pp_rank
 
 
 def pp_size() -> int:
@@ -57,7 +63,7 @@ def pp_size() -> int:
 
 def dp_rank() -> int:
     """Index of this rank's model replica (0 .. dp_size() - 1)."""
-    return state().dp_rank
+    return state().grid.dp_rank
 
 
 def dp_size() -> int:

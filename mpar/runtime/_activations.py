@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 from mpar import _device
+from mpar._compat import top_saved_tensors_hooks
 from mpar._tree import tree_leaves
+from mpar.comm._bootstrap import on_shutdown
 
 __all__ = ["ActivationMemory", "tensor_bytes"]
 
@@ -25,6 +27,7 @@ _SAVED_BYTES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[object, ...], int]
     weakref.WeakKeyDictionary()
 )
 """Stage -> {input signature: bytes autograd saved inside its forward}."""
+on_shutdown(_SAVED_BYTES.clear)
 _SIGNATURES_KEPT = 64
 
 SavedHooks = tuple[Callable[[torch.Tensor], object], Callable[[object], torch.Tensor]]
@@ -54,8 +57,7 @@ def _signature(value: object) -> tuple[object, ...]:
 def _outer_saved_tensor_hooks() -> SavedHooks | None:
     """The ``saved_tensors_hooks`` active around the stage (the user's ``save_on_cpu``,
     say), which :class:`_SavedBytes` must keep applying."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return None if top is None else top(False)
+    return top_saved_tensors_hooks()
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:

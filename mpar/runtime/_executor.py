@@ -57,7 +57,7 @@ from mpar.runtime._microbatch import Microbatches
 from mpar.runtime._output import StepOutput, check_gatherable, detach_to_cpu
 from mpar.runtime._precision import cast_floats, compute_dtype
 from mpar.runtime._recompute import run_stage
-from mpar.runtime._split_backward import defer_weight_gradients, split_backward, split_enabled
+from mpar.runtime._split_backward import defer_weight_gradients, split_backward
 from mpar.runtime._timeline import StepTimeline
 from mpar.runtime._transfers import Transfers
 from mpar.schedule import COMPUTE_KINDS, Action, Kind, Schedule
@@ -218,7 +218,7 @@ class StepRun:
         self.sharding: Sharding = NO_SHARDING if sharded is None else sharded
         self.call, self.capture, self.name = call, capture, name
         self.schedule = schedule
-        self.actions: list[Action] = schedule.actions.get(st.pp_rank, [])
+        self.actions: list[Action] = schedule.actions.get(st.grid.pp_rank, [])
         self.training = not schedule.is_forward_only
         self.num_stages = schedule.num_stages
         self.inputs: dict[int, tuple[Args, Kwargs]] = {}
@@ -245,7 +245,7 @@ class StepRun:
         self.dtype = compute_dtype(st.config)
         """Mixed precision: stage 0 casts float inputs to it, the last stage casts back."""
         self.unshard_for_backward = _unshard_phases(self.actions)
-        if self.training and split_enabled():  # I/W: linear layers keep their W for later
+        if self.training and st.config.split_backward:  # I/W: linear layers keep their W for later
             for s in {a.stage for a in self.actions if a.kind is Kind.I}:
                 defer_weight_gradients(stages.modules[s])
 
@@ -415,7 +415,9 @@ class StepRun:
         work = _nothing
         if roots:
             if split:
-                work = split_backward(roots, root_grads, inputs)
+                work = split_backward(
+                    roots, root_grads, inputs, split=self.st.config.split_backward
+                )
             else:
                 try:
                     torch.autograd.backward(roots, root_grads)

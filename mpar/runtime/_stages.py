@@ -8,23 +8,19 @@ the parameters of the others.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from mpar import _device
 from mpar.comm import State
-from mpar.comm._collectives import broadcast_object_world, new_group
-from mpar.comm._types import ProcessGroup
+from mpar.comm._collectives import broadcast_object_world
 from mpar.errors import PartitionError
 from mpar.runtime._precision import cast_floats, compute_dtype
-
-if TYPE_CHECKING:
-    from mpar.partition import Plan
 
 __all__ = ["LocalStages", "build_local_stages"]
 
@@ -39,20 +35,15 @@ class LocalStages:
     qualnames: dict[int, dict[str, str]]
     """Stage index -> (local name -> original name), only for stages on this rank."""
     tied: list[list[tuple[int, str]]] = field(default_factory=list)
-    plan: Plan | None = None
-    """The partition plan (automatic partitioning only)."""
+    plan: Any = None
     unit_names: list[list[str]] = field(default_factory=list)
-    tied_groups: list[tuple[ProcessGroup | None, nn.Parameter]] = field(default_factory=list)
+    tied_groups: list[tuple[Any, nn.Parameter]] = field(default_factory=list)
     """(process group, local parameter) for tied parameters whose copies live on other ranks."""
 
 
 def _decide_boundaries(
-    module: nn.Module,
-    args: tuple[object, ...],
-    kwargs: dict[str, object],
-    units: list[str],
-    st: State,
-) -> tuple[list[int], Plan | None]:
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], units: list[str], st: State
+) -> tuple[list[int], Any]:
     from mpar.partition import make_plan, manual_boundaries
     from mpar.profile import profile_model
 
@@ -127,9 +118,15 @@ def _module_device(module: nn.Module) -> torch.device:
 
 
 def build_local_stages(
-    module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object], st: State
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    st: State,
+    *,
+    dynamic_axes: Sequence[int] = (0,),
 ) -> LocalStages:
-    """Partition ``module`` (identically on every rank) and keep this rank's stages."""
+    """Partition ``module`` (identically on every rank) and keep this rank's stages;
+    traced stages accept any size of the ``dynamic_axes`` of their inputs."""
     num_stages = st.config.num_stages
     if num_stages == 1:
         _device.move_module(module, st.device)
@@ -149,16 +146,18 @@ def build_local_stages(
             decision = ("ok", *_decide_boundaries(module, args, kwargs, units, st))
         except Exception as exc:  # every rank must learn of the failure, not hang
             decision = ("error", exc, None)
-    decision = broadcast_object_world(decision, src=0)
+    decision = broadcast_object_world(decision, st.grid, src=0)
     if decision[0] == "error":
         raise decision[1]
     _, boundaries, plan = decision
     dtype = compute_dtype(st.config)
     with preserved_state(module), _parameters_in(module, dtype):
         args, kwargs = cast_floats((args, kwargs), dtype)
-        split = split_module(module, args, kwargs, boundaries, units=units)
+        split = split_module(
+            module, args, kwargs, boundaries, units=units, dynamic_axes=dynamic_axes
+        )
     home = _placement(st)
-    mine = {s: split.stages[s] for s in range(num_stages) if home(s) == st.pp_rank}
+    mine = {s: split.stages[s] for s in range(num_stages) if home(s) == st.grid.pp_rank}
     _free_unowned(module, list(mine.values()))
     for stage in mine.values():
         _device.move_module(stage, st.device)
@@ -184,7 +183,7 @@ def _placement(st: State) -> Callable[[int], int]:
 
 def _tied_groups(
     tied: list[list[tuple[int, str]]], mine: dict[int, nn.Module], st: State
-) -> list[tuple[ProcessGroup | None, nn.Parameter]]:
+) -> list[tuple[Any, nn.Parameter]]:
     """Process groups summing the gradients of parameters tied across ranks."""
     grid, out, home = st.grid, [], _placement(st)
     for group in tied:
@@ -192,8 +191,8 @@ def _tied_groups(
         if len(pp_ranks) < 2:
             continue  # every copy is the same Parameter object on one rank
         for d in range(grid.dp_size):  # every rank creates every group, in order
-            handle = new_group([grid.rank_of(p, d) for p in pp_ranks])
-            if d == st.dp_rank and st.pp_rank in pp_ranks:
+            handle = grid.new_group([grid.rank_of(p, d) for p in pp_ranks])
+            if d == grid.dp_rank and grid.pp_rank in pp_ranks:
                 s, name = next((s, n) for s, n in group if s in mine)
                 out.append((handle, mine[s].get_parameter(name)))
     return out

@@ -54,16 +54,16 @@ class Transfers:
         self.outbox: dict[TransferLabel, object] = {}
         """What a SEND action still has to send."""
         self.pending = PendingSends()
-        self.links: Links = st.extras.setdefault("p2p_links", Links())
+        self.links: Links = st.p2p_links
         self.wire = _device.p2p_device(st.device, st.backend)
         """Where transfers are built and received (the host when they are staged)."""
-        self.incoming = self._incoming_streams(schedule.actions.get(st.pp_rank, []))
+        self.incoming = self._incoming_streams(schedule.actions.get(st.grid.pp_rank, []))
         """(source rank, tag) -> transfers still to receive on that stream this step."""
         self.own_outputs: ReplicaOutputs = ([], [])
 
     def _rank_of(self, stage: int) -> int:
         """Global rank of this replica that holds ``stage``."""
-        return self.st.pp_ranks[self.schedule.stage_to_rank(stage)]
+        return self.st.grid.pp_ranks[self.schedule.stage_to_rank(stage)]
 
     def _incoming_streams(self, actions: list[Action]) -> dict[tuple[int, int], int]:
         """How many transfers this rank receives this step on each (source, tag) stream:
@@ -159,7 +159,7 @@ class Transfers:
         """Send this replica's outputs to every other rank as soon as the last one exists."""
         st = self.st
         self.own_outputs = outputs
-        label = TransferLabel.outputs(st.dp_rank)
+        label = TransferLabel.outputs(st.grid.dp_rank)
         for dst in range(st.layout.world_size):
             if dst != st.layout.rank:
                 send_payload(outputs, dst, _OUTPUTS_TAG, label, self.pending, self.links, self.wire)
