@@ -316,7 +316,7 @@ def test_each_optimizer_updates_its_own_model(config):
 def _caches_across_shutdown(trace_dir):
     import mpar
     from mpar.comm._progress import PROGRESS
-    from mpar.runtime import _executor, _timeline
+    from mpar.runtime import _activations, _timeline
 
     def one_step():
         model = mpar.DistributedModel(mlp())
@@ -335,11 +335,11 @@ def _caches_across_shutdown(trace_dir):
     for _ in range(2):  # init, step, shutdown; again: the grid and caches start afresh
         mpar.init(config)
         loss, model = one_step()  # the model stays alive: its saved-bytes counts too
-        during = (len(_timeline._STEPS), len(_executor._SAVED_BYTES), PROGRESS.step)
+        during = (len(_timeline._STEPS), len(_activations._SAVED_BYTES), PROGRESS.step)
         mesh = mpar.comm.state().grid.mesh
         mesh_dims = None if mesh is None else (mesh.mesh_dim_names, tuple(mesh.shape))
         mpar.shutdown()
-        after = (len(_timeline._STEPS), len(_executor._SAVED_BYTES), PROGRESS.step)
+        after = (len(_timeline._STEPS), len(_activations._SAVED_BYTES), PROGRESS.step)
         seen.append({"loss": loss, "during": during, "after": after, "mesh": mesh_dims})
         del model
     return seen
