@@ -54,6 +54,7 @@ __all__ = [
     "after_optimizer_step",
     "copy_",
     "check_backend",
+    "check_ranks_per_device",
     "default_backend",
     "free_storage",
     "group_backends",
@@ -193,6 +194,20 @@ def check_backend(device: torch.device, backend: str) -> None:
             f"config key 'backend' is 'xla' but PJRT's device is {xla_runtime()}: torch_xla's "
             "process group does not reduce across processes there; use backend 'gloo' or "
             "'auto' (collectives host-staged through gloo)"
+        )
+
+
+def check_ranks_per_device(device: torch.device, backend: str, local_size: int) -> None:
+    """Refuse NCCL where this host's ranks outnumber its GPUs: NCCL will not put two
+    ranks on one GPU ("Duplicate GPU detected") and would fail at the first collective."""
+    if backend != "nccl" or device.type != "cuda":
+        return
+    gpus = torch.cuda.device_count()
+    if local_size > gpus:
+        raise ConfigError(
+            f"backend 'nccl' with {local_size} ranks on this host but {gpus} visible GPU(s): "
+            "NCCL refuses two ranks on one GPU; start at most one rank per GPU, or set "
+            "backend 'gloo' (collectives and transfers staged through the host)"
         )
 
 

@@ -18,10 +18,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.api import CheckpointException
 
+from mpar._compat import CheckpointException, dcp, set_element
 from mpar.checkpoint import _dirs
 from mpar.checkpoint._async import wait_checkpoint
 from mpar.checkpoint._common import FORMAT, CheckpointError, agree, check_model, describe_failure

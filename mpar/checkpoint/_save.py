@@ -23,9 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
+from mpar._compat import CheckpointException, dcp
 from mpar.checkpoint import _dirs
 from mpar.checkpoint._async import CheckpointHandle, finished, submit, wait_checkpoint
 from mpar.checkpoint._common import FORMAT, CheckpointError, agree, check_model, describe_failure

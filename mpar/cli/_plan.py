@@ -247,7 +247,8 @@ def _profile(args: argparse.Namespace) -> tuple[Any, int]:
 def _first_samples(inputs: Any, batch: int, keep: int) -> Any:
     """The inputs with every tensor whose first dimension is ``batch`` cut to ``keep``."""
     import torch
-    import torch.utils._pytree as pytree
+
+    from mpar._compat import pytree
 
     def cut(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch:
@@ -260,7 +261,8 @@ def _first_samples(inputs: Any, batch: int, keep: int) -> Any:
 def _batch_of(inputs: Any) -> int:
     """Samples in the example inputs: the first dimension of their first tensor."""
     import torch
-    import torch.utils._pytree as pytree
+
+    from mpar._compat import pytree
 
     for leaf in pytree.tree_leaves(inputs):
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:

@@ -173,6 +173,7 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
     )
     device = _device.pick_device(resolved.device, layout.local_rank)
     backend = _pick_backend(resolved, device)
+    _device.check_ranks_per_device(device, backend, layout.local_size)
     _device.set_threads(layout.local_size)
     timeout = transport_timeout(resolved.timeout_s)  # the hang watchdog reports first
     world_backend, dp_backend = _device.group_backends(backend)

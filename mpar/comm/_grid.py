@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from mpar import _device
+from mpar._compat import DeviceMesh, backend_options
 from mpar.topology import AXES, Grid
 
 __all__ = ["ProcessGrid", "build_process_grid"]
@@ -110,12 +110,7 @@ class ProcessGrid:
 def _options(backend: str, timeout: datetime.timedelta) -> Any:
     """``backend``'s process-group options carrying ``timeout`` (a DeviceMesh takes no
     timeout of its own)."""
-    if backend == "gloo":
-        options: Any = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-    else:
-        options = dist.ProcessGroupNCCL.Options()
-    options._timeout = timeout
-    return options
+    return backend_options(backend, timeout)
 
 
 def _with_mesh(

@@ -23,10 +23,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
-from torch.export import Dim, ExportedProgram, ShapesCollection
 
+from mpar._compat import Dim, ExportedProgram, ShapesCollection, export, pytree
 from mpar.errors import PartitionError
 
 __all__ = ["capture"]
@@ -89,9 +88,7 @@ def capture(
     try:
         ex_args, ex_kwargs, dynamic = _dynamic_inputs(module, args, kwargs, dynamic_axes)
         with _mode(module, training):
-            return torch.export.export(
-                module, ex_args, ex_kwargs, dynamic_shapes=dynamic, strict=False
-            )
+            return export(module, ex_args, ex_kwargs, dynamic_shapes=dynamic, strict=False)
     except Exception as exc:  # torch.export raises many types; report them all the same way
         text = str(exc).strip()
         first = text.splitlines()[0] if text else type(exc).__name__

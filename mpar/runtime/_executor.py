@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from mpar import _device
+from mpar._compat import top_saved_tensors_hooks
 from mpar._tree import tree_leaves, tree_map
 from mpar.comm import State
 from mpar.comm._bootstrap import on_shutdown
@@ -153,8 +154,7 @@ def _unshard_phases(actions: list[Any]) -> dict[int, list[bool]]:
 def _outer_saved_tensor_hooks() -> tuple[Any, Any] | None:
     """The ``saved_tensors_hooks`` active around the stage (the user's ``save_on_cpu``,
     say), which :class:`_SavedBytes` must keep applying."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return None if top is None else top(False)
+    return top_saved_tensors_hooks()
 
 
 _SAVED_BYTES: weakref.WeakKeyDictionary[nn.Module, dict[Any, int]] = weakref.WeakKeyDictionary()

@@ -98,7 +98,7 @@ def test_offload_on_a_cpu_device_costs_memory_and_auto_drops_it():
                  profile_batch=8, device="cpu")  # fmt: skip
     assert not any(c.offload_optimizer or c.offload_params for c in cpu.ranked)
     assert cpu.rejected["offload on a CPU device (the host is the device: it saves nothing)"]
-    assert cpu.best.config()["device"] == "cpu"
+    assert cpu.best.device == cpu.device == "cpu"
     # on CUDA a host cap rejects what offloads more than it allows
     cuda = dict(world_size=2, device_memory="1GiB", global_batch=8, space=space, profile_batch=8)
     roomy = search(profile, **cuda, top=100)
