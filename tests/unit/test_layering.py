@@ -27,7 +27,7 @@ import pytest
 import mpar
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("leaves", ("mpar.errors", "mpar._size", "mpar._failure", "mpar._tree")),
+    ("leaves", ("mpar.errors", "mpar._size", "mpar._failure", "mpar._tree", "mpar._compat")),
     ("schedule", ("mpar.schedule",)),
     ("config", ("mpar.config",)),
     ("topology", ("mpar.topology",)),
