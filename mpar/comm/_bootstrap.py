@@ -12,6 +12,7 @@ import atexit
 import contextlib
 import datetime
 import os
+import sys
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from mpar.comm._consistency import check_same_config
 from mpar.comm._grid import ProcessGrid, build_process_grid
 from mpar.comm._layout import Layout, detect_layout
 from mpar.comm._p2p import Links
-from mpar.comm._progress import PROGRESS, RECENT
+from mpar.comm._progress import PROGRESS, RECENT, Waiting
 from mpar.comm._watchdog import transport_timeout
 from mpar.config import Config, load_config
 from mpar.errors import AlreadyInitializedError, ConfigError, NotInitializedError
@@ -196,6 +197,7 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
     )
     if not _EXIT_HOOKED:
         atexit.register(_shutdown_at_exit)
+        sys.excepthook = _mark_failed
         _EXIT_HOOKED = True
     return resolved
 
@@ -212,6 +214,33 @@ def _shutdown_at_exit() -> None:
         shutdown()
 
 
+def _final_barrier(current: State) -> None:
+    """Every rank waits for the others before tearing down, watched by the hang
+    watchdog: a rank that never comes (stuck after its last step, or gone early
+    with ``sys.exit``) is named with its stack within ``timeout_s``, instead of a
+    silent hang or "Connection closed by peer" on the others. Skipped once this
+    rank failed (its peers are stopping) or a hang was reported."""
+    if current.layout.world_size == 1 or not dist.is_initialized():
+        return
+    if _abort.FAILED.is_set() or _watchdog.HANG_REPORTED.is_set():
+        return
+    try:
+        with Waiting(("collective", "barrier (in mpar.shutdown)", None)):
+            dist.barrier()
+    except Exception as exc:  # a peer is gone: its launcher reports it; tear down anyway
+        with contextlib.suppress(Exception):
+            sys.stderr.write(f"mpar: shutdown's final barrier failed ({exc}); tearing down\n")
+
+
+def _mark_failed(kind: Any, value: Any, tb: Any) -> None:
+    """``sys.excepthook`` while mpar runs: an uncaught exception is a failure."""
+    _abort.FAILED.set()
+    _ORIGINAL_EXCEPTHOOK(kind, value, tb)
+
+
+_ORIGINAL_EXCEPTHOOK = sys.excepthook
+
+
 def shutdown() -> None:
     """Tear down what ``init`` created; ``init`` may then be called again.
 
@@ -226,6 +255,7 @@ def shutdown() -> None:
         return
     for hook in list(_SHUTDOWN_HOOKS):
         hook()
+    _final_barrier(_STATE)
     current, _STATE = _STATE, None
     _abort.stop_watcher()
     _watchdog.stop()

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from mpar._size import parse_bytes
 from mpar.errors import ConfigError, ConfigTypeError
 from mpar.schedule._csv import is_csv_path
-from mpar.schedule._registry import PIPELINES, check_csv_shape
+from mpar.schedule._registry import PIPELINES, check_csv_schedule
 
 __all__ = ["Config", "ZeroConfig"]
 
@@ -264,7 +264,7 @@ class Config:
 
         try:
             schedule = read_csv(self.pipeline)
-            check_csv_shape(
+            check_csv_schedule(
                 schedule,
                 self.pipeline,
                 self.pipeline_parallel_degree,

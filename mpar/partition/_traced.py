@@ -123,8 +123,10 @@ def _check_dims(spec: _InputSpec, leaves: Sequence[Any]) -> None:
 def _fixed_axis(name: str, axis: int, size: int, want: int) -> str:
     return (
         f"input {name!r} axis {axis} has size {size} but the stages were captured with "
-        f"{want} and this axis is fixed (it is not in dynamic_axes, or the model's code "
-        "pins its size); split with dynamic_axes including this axis, or feed this size"
+        f"{want} and this axis is fixed (the model's code pins it, or it is not among the "
+        f"dynamic axes). To vary it, build the model with "
+        f"mpar.DistributedModel(module, dynamic_axes=(0, {axis})) (for a sequence axis, say), "
+        "or feed this size (pad to it)"
     )
 
 

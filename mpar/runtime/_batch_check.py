@@ -6,8 +6,9 @@ the inputs, the last stage the targets. A data loader sharded by global rank
 model trains on inputs paired with the wrong targets without any error. So
 on the first :data:`FIRST_STEPS` steps and every :data:`EVERY` steps after,
 each rank takes a fingerprint of its microbatches — per tensor its shape,
-dtype and two sums over a strided sample of at most ~512 elements — and one
-all-gather compares them within every pipeline. A mismatch raises
+dtype and two sums over a strided sample of at most ~512 elements — and after
+the step (where every rank is at the same point, before the optimizer steps)
+one all-gather compares them within every pipeline. A mismatch raises
 :class:`~mpar.errors.BatchMismatchError` on every rank, naming the ranks and
 the fix (shard by ``dp_rank()``/``dp_size()``, or ``mpar.data_sampler``).
 """
@@ -23,7 +24,14 @@ from mpar.comm._bootstrap import State
 from mpar.comm._consistency import gather_from_every_rank
 from mpar.errors import BatchMismatchError
 
-__all__ = ["EVERY", "FIRST_STEPS", "check_same_batch", "fingerprint", "mismatches"]
+__all__ = [
+    "EVERY",
+    "FIRST_STEPS",
+    "check_same_batch",
+    "due_fingerprint",
+    "fingerprint",
+    "mismatches",
+]
 
 FIRST_STEPS = 3
 EVERY = 50
@@ -98,15 +106,25 @@ def _due(st: State) -> bool:
     return calls < FIRST_STEPS or calls % EVERY == 0
 
 
-def check_same_batch(st: State, args: list[tuple[Any, ...]], kwargs: list[dict[str, Any]]) -> None:
-    """Collective, on the steps that are due: raise BatchMismatchError on every rank
-    unless each pipeline's ranks hold the same microbatches."""
-    pipelines = st.grid.topology.pp_groups
-    if max(len(p) for p in pipelines) == 1 or not _due(st):
+def due_fingerprint(
+    st: State, args: list[tuple[Any, ...]], kwargs: list[dict[str, Any]]
+) -> list[Print] | None:
+    """Before a step: this rank's fingerprint when the step is checked, else None
+    (always None without pipeline parallelism)."""
+    if max(len(p) for p in st.grid.topology.pp_groups) == 1 or not _due(st):
+        return None
+    return fingerprint(args, kwargs)
+
+
+def check_same_batch(st: State, mine: list[Print] | None) -> None:
+    """After a checked step (every rank at the same point: no other collective can
+    cross it), compare the fingerprints within every pipeline; raise
+    BatchMismatchError on every rank if they differ. The optimizer has not
+    stepped yet: the parameters are untouched."""
+    if mine is None:
         return
-    prints = gather_from_every_rank(
-        fingerprint(args, kwargs), st.layout.world_size, "same-batch check"
-    )
+    pipelines = st.grid.topology.pp_groups
+    prints = gather_from_every_rank(mine, st.layout.world_size, "same-batch check")
     found = mismatches(prints, pipelines)
     if found:
         shown = "; ".join(found[:4]) + ("; ..." if len(found) > 4 else "")

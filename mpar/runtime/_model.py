@@ -9,7 +9,7 @@ its own stages and frees the parameters of the others.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +29,14 @@ from mpar.shard import ShardedStages
 __all__ = ["DistributedModel"]
 
 
+def _check_axes(axes: Any) -> tuple[int, ...]:
+    if isinstance(axes, int) or not isinstance(axes, Sequence):
+        raise TypeError(f"dynamic_axes must be a tuple of axis numbers, got {axes!r}")
+    if not all(isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in axes):
+        raise ValueError(f"dynamic_axes must hold axis numbers >= 0, got {axes!r}")
+    return tuple(axes)
+
+
 class DistributedModel:
     """Wraps ``module`` for pipeline and data-parallel execution.
 
@@ -43,11 +51,15 @@ class DistributedModel:
         *,
         example_inputs: Any = None,
         example_kwargs: Mapping[str, Any] | None = None,
+        dynamic_axes: Sequence[int] = (0,),
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(
                 f"mpar.DistributedModel wraps a torch.nn.Module, got {type(module).__name__}"
             )
+        self.dynamic_axes = _check_axes(dynamic_axes)
+        """Axes of every tensor input whose size may change between steps in a
+        captured pipeline (``(0,)`` the batch; ``(0, 1)`` also the sequence)."""
         self._st = state()
         self.grid: ProcessGrid = self._st.grid
         """The rank grid and process groups this model runs on."""
@@ -87,7 +99,9 @@ class DistributedModel:
 
     def _partition(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         st = self.run_state()
-        self.stages = build_local_stages(self.module, args, kwargs, st)
+        self.stages = build_local_stages(
+            self.module, args, kwargs, st, dynamic_axes=self.dynamic_axes
+        )
         for stage in self.stages.modules.values():
             stage.train(self.module.training)
         self.sharded = make_sharded(self.stages, st, (args, kwargs))

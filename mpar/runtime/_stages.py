@@ -8,7 +8,7 @@ the parameters of the others.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -118,9 +118,15 @@ def _module_device(module: nn.Module) -> torch.device:
 
 
 def build_local_stages(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], st: State
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    st: State,
+    *,
+    dynamic_axes: Sequence[int] = (0,),
 ) -> LocalStages:
-    """Partition ``module`` (identically on every rank) and keep this rank's stages."""
+    """Partition ``module`` (identically on every rank) and keep this rank's stages;
+    traced stages accept any size of the ``dynamic_axes`` of their inputs."""
     num_stages = st.config.num_stages
     if num_stages == 1:
         _device.move_module(module, st.device)
@@ -147,7 +153,9 @@ def build_local_stages(
     dtype = compute_dtype(st.config)
     with preserved_state(module), _parameters_in(module, dtype):
         args, kwargs = cast_floats((args, kwargs), dtype)
-        split = split_module(module, args, kwargs, boundaries, units=units)
+        split = split_module(
+            module, args, kwargs, boundaries, units=units, dynamic_axes=dynamic_axes
+        )
     home = _placement(st)
     mine = {s: split.stages[s] for s in range(num_stages) if home(s) == st.grid.pp_rank}
     _free_unowned(module, list(mine.values()))
