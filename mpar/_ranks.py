@@ -16,6 +16,8 @@ __all__ = [
     "pp_size",
     "rank",
     "size",
+    "tp_rank",
+    "tp_size",
 ]
 
 
@@ -69,3 +71,13 @@ def dp_rank() -> int:
 def dp_size() -> int:
     """Number of data-parallel replicas."""
     return state().grid.dp_size
+
+
+def tp_rank() -> int:
+    """Index of this rank in its tensor-parallel group (0 .. tp_size() - 1)."""
+    return state().grid.tp_rank
+
+
+def tp_size() -> int:
+    """Tensor-parallel degree: ranks that split each layer (1 until the config sets it)."""
+    return state().grid.tp_size

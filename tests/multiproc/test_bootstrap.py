@@ -22,6 +22,7 @@ def _grid_and_all_reduce(config):
         "size": mpar.size(),
         "pp": (mpar.pp_rank(), mpar.pp_size()),
         "dp": (mpar.dp_rank(), mpar.dp_size()),
+        "tp": (mpar.tp_rank(), mpar.tp_size()),
         "pp_groups": st.grid.topology.pp_groups,
         "dp_sum": value.item(),
         "dp_ranks": st.grid.dp_ranks,
@@ -35,6 +36,7 @@ def test_pp2_dp2_grid_and_dp_all_reduce(placement):
     assert len({str(r["pp_groups"]) for r in results}) == 1  # same grid everywhere
     for r in results:
         assert r["size"] == 4 and r["pp"][1] == 2 and r["dp"][1] == 2
+        assert r["tp"] == (0, 1)  # no tensor parallelism configured: one rank per TP group
         assert r["dp_sum"] == float(sum(r["dp_ranks"]))
     assert sorted((r["pp"][0], r["dp"][0]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
 

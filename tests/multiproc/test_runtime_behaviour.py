@@ -317,28 +317,17 @@ def _caches_across_shutdown(trace_dir):
     import mpar
     from mpar.comm._progress import PROGRESS
     from mpar.runtime import _activations, _timeline
-
-    def one_step():
-        model = mpar.DistributedModel(mlp())
-
-        @mpar.step
-        def train(m, x, y):
-            loss = loss_fn(m(x), y)
-            m.backward(loss)
-            return loss
-
-        x, y = batch("mlp", 0)
-        return train(model, x, y).reduce_mean().item(), model
+    from tests.multiproc._pipeline_cases import start_training
 
     config = {"pipeline_parallel_degree": 2, "microbatches": 2, "trace": trace_dir}
     seen = []
     for _ in range(2):  # init, step, shutdown; again: the grid and caches start afresh
-        mpar.init(config)
-        loss, model = one_step()  # the model stays alive: its saved-bytes counts too
+        model, _, train = start_training(config, lambda p: torch.optim.SGD(p, lr=0.1))
+        loss = train(model, *batch("mlp", 0)).reduce_mean().item()
         during = (len(_timeline._STEPS), len(_activations._SAVED_BYTES), PROGRESS.step)
         mesh = mpar.comm.state().grid.mesh
         mesh_dims = None if mesh is None else (mesh.mesh_dim_names, tuple(mesh.shape))
-        mpar.shutdown()
+        mpar.shutdown()  # the model is still alive: its saved-bytes counts would be too
         after = (len(_timeline._STEPS), len(_activations._SAVED_BYTES), PROGRESS.step)
         seen.append({"loss": loss, "during": during, "after": after, "mesh": mesh_dims})
         del model
