@@ -16,6 +16,7 @@ from mpar._ranks import (
     rank,
     size,
 )
+from mpar.build import materialize
 from mpar.checkpoint import load_checkpoint, save_checkpoint, wait_checkpoint
 from mpar.comm import init, is_initialized, shutdown
 from mpar.runtime import DistributedModel, DistributedOptimizer, StepOutput, memory_report, step
@@ -35,6 +36,7 @@ __all__ = [
     "local_rank",
     "load_checkpoint",
     "local_size",
+    "materialize",
     "memory_report",
     "partition",
     "pp_rank",
