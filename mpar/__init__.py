@@ -18,6 +18,7 @@ from mpar._ranks import (
 )
 from mpar.build import materialize
 from mpar.checkpoint import load_checkpoint, save_checkpoint, wait_checkpoint
+from mpar.checkpoint._hf import load_pretrained, save_pretrained
 from mpar.comm import init, is_initialized, shutdown
 from mpar.runtime import DistributedModel, DistributedOptimizer, StepOutput, memory_report, step
 
@@ -35,6 +36,7 @@ __all__ = [
     "is_initialized",
     "local_rank",
     "load_checkpoint",
+    "load_pretrained",
     "local_size",
     "materialize",
     "memory_report",
@@ -43,6 +45,7 @@ __all__ = [
     "pp_size",
     "rank",
     "save_checkpoint",
+    "save_pretrained",
     "shutdown",
     "size",
     "step",

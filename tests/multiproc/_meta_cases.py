@@ -39,3 +39,30 @@ def meta_state(families: list[str], config: dict[str, Any]) -> dict[str, Any]:
         nan = sum(1 for t in local if t.is_floating_point() and bool(t.isnan().any()))
         out[family] = {"state": model.state_dict(), "nan": nan}
     return out
+
+
+def pretrained_run(family: str, config: dict[str, Any], root: str, steps: int) -> dict[str, Any]:
+    """Save ``family`` with save_pretrained into several shards (``root/src``), build it
+    on meta, load it with load_pretrained, train ``steps`` steps, save to ``root/out``."""
+    import mpar
+
+    mpar.init(config)
+    source = mpar.DistributedModel(hf.build(family))  # real, not partitioned: rank 0 writes
+    mpar.save_pretrained(source, f"{root}/src", max_shard_size="20KB")
+    model = mpar.DistributedModel(lambda: hf.build(family))
+    mpar.load_pretrained(model, f"{root}/src")  # deferred to the first step
+    opt = mpar.DistributedOptimizer(hf._optimizer(model.parameters()))
+
+    @mpar.step
+    def train_step(m: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = m(**inputs).loss
+        m.backward(loss)
+        return loss
+
+    losses = []
+    for s in range(steps):
+        losses.append(float(train_step(model, _shard(hf.batch(family, s))).reduce_mean()))
+        opt.step()
+        opt.zero_grad()
+    mpar.save_pretrained(model, f"{root}/out", max_shard_size="20KB")
+    return {"losses": losses, "state": model.state_dict()}
