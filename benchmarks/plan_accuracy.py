@@ -73,26 +73,57 @@ class Layout:
     extra: dict[str, Any] = field(default_factory=dict)
     gather: str | int = "unit"
     """``zero.gather`` (split-backward pipelines gather by chunk whatever it says)."""
+    precision: str = "fp32"
+    offload: str = ""
+    """"opt", "param" or "opt+param": ``zero.offload_optimizer`` / ``offload_params``."""
+    spec: dict[str, Any] = field(default_factory=dict)
+    """Overrides of the grid's ``Spec`` (vocabulary, layers, global batch)."""
+    profile_batch: int | None = None
+    """pp=1: profile at this many samples and scale to the microbatch (None: the microbatch)."""
+    raw: dict[str, Any] | None = None
+    """A whole mpar config (an auto plan's) instead of the fields above."""
+    name: str = ""
 
     def label(self) -> str:
+        if self.name:
+            return self.name
         ck = " ckpt" if self.checkpointing else ""
         v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
         g = f" gather={self.gather}" if self.gather != "unit" else ""
+        prec = f" {self.precision}" if self.precision != "fp32" else ""
+        off = f" offload={self.offload}" if self.offload else ""
+        spec = "".join(f" {k}={v}" for k, v in self.spec.items())
+        prof = f" profiled@{self.profile_batch}" if self.profile_batch else ""
         return (
-            f"pp{self.pp} x dp{self.dp} z{self.zero}{ck} m{self.microbatches}{v} {self.pipeline}{g}"
+            f"pp{self.pp} x dp{self.dp} z{self.zero}{ck} m{self.microbatches}{v} {self.pipeline}"
+            f"{g}{prec}{off}{spec}{prof}"
         )
 
     def config(self) -> dict[str, Any]:
+        if self.raw is not None:
+            return dict(self.raw)
+        zero: dict[str, Any] = {"stage": self.zero, "gather": self.gather}
+        if "opt" in self.offload:
+            zero["offload_optimizer"] = "cpu"
+        if "param" in self.offload:
+            zero["offload_params"] = "cpu"
         return {
             "pipeline_parallel_degree": self.pp,
             "microbatches": self.microbatches,
             "pipeline": self.pipeline,
             "virtual_stages": self.virtual_stages,
-            "zero": {"stage": self.zero, "gather": self.gather},
+            "zero": zero,
             "activation_checkpointing": self.checkpointing,
             "memory_weight": 0.0,
+            "bf16": self.precision == "bf16",
+            "fp16": self.precision == "fp16",
             **self.extra,
         }
+
+
+ISSUE_MODEL = {"vocab": 32000, "layers": 8}
+"""Issue 27's model: a 23M-parameter GPT-style TinyGPT with a 32000-token vocabulary
+(d_model 256, 8 layers, 64 tokens), global batch 16."""
 
 
 GRID = [
@@ -109,6 +140,20 @@ GRID = [
     # ZeRO-3 gathered by chunk: a split-backward schedule, and zero.gather "chunk"
     Layout(2, 2, 3, pipeline="zero_bubble"),
     Layout(1, 4, 3, gather="chunk"),
+    # precision, offload, a large vocabulary, pp=1 x dp=4 ZeRO-2, another profile size
+    Layout(1, 2, 0, precision="bf16"),
+    Layout(2, 1, 0, precision="fp16"),
+    Layout(2, 2, 1, True, precision="bf16"),
+    Layout(1, 2, 2, offload="opt"),
+    Layout(1, 2, 3, offload="param"),
+    Layout(1, 2, 2, offload="opt", precision="bf16"),
+    Layout(1, 1, 0, microbatches=4, spec={**ISSUE_MODEL, "batch": 8}),  # 2 samples
+    Layout(1, 1, 0, microbatches=1, spec={**ISSUE_MODEL, "batch": 8}),  # 8 samples
+    Layout(1, 4, 2),
+    Layout(1, 4, 2, microbatches=1, precision="bf16", spec=ISSUE_MODEL),
+    Layout(1, 4, 3, microbatches=1, precision="bf16", spec=ISSUE_MODEL),
+    Layout(1, 2, 0, profile_batch=8),  # microbatches of 2 samples
+    Layout(1, 2, 1, True, profile_batch=1, precision="bf16"),
 ]
 
 
@@ -207,21 +252,21 @@ def _data(spec: Spec) -> tuple[Any, Any]:
 
 
 def _pp1_plan(spec: Spec, layout: Layout, x: Any) -> Any:
-    """The runtime makes no plan for one stage: make the same one here."""
+    """The runtime makes no plan for one stage: make the one ``mpar plan`` makes from the
+    resolved config, profiled at ``layout.profile_batch`` samples (default: the
+    microbatch's) and scaled to the microbatch."""
+    import mpar
+    from mpar.cli._plan import _plan_options
     from mpar.partition import make_plan
     from mpar.profile import profile_model
 
-    mb = spec.batch // layout.dp // layout.microbatches
-    profile = profile_model(_model(spec), (x[:mb],), repeats=3, warmup=1)
+    config = mpar.config()
+    options = _plan_options(config, mpar.size())
+    mb = spec.batch // options["data_parallel_degree"] // config.microbatches
+    profiled = layout.profile_batch or mb
+    profile = profile_model(_model(spec), (x[:profiled],), repeats=3, warmup=1)
     return make_plan(
-        profile,
-        num_ranks=1,
-        microbatches=layout.microbatches,
-        pipeline=layout.pipeline,
-        data_parallel_degree=layout.dp,
-        zero_stage=layout.zero,
-        activation_checkpointing=layout.checkpointing,
-        gather=layout.gather,
+        profile, device="cpu", microbatch_scale=mb / profiled, microbatch_size=mb, **options
     )
 
 
@@ -271,9 +316,8 @@ def _train(spec: Spec, layout: Layout, args: argparse.Namespace) -> dict[str, An
         return loss
 
     x, y = _data(spec)
-    share = slice(
-        mpar.dp_rank() * spec.batch // layout.dp, (mpar.dp_rank() + 1) * spec.batch // layout.dp
-    )
+    dp = mpar.dp_size()
+    share = slice(mpar.dp_rank() * spec.batch // dp, (mpar.dp_rank() + 1) * spec.batch // dp)
     times = []
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
@@ -288,7 +332,7 @@ def _train(spec: Spec, layout: Layout, args: argparse.Namespace) -> dict[str, An
     gc.collect()  # at rest: what a process holds between steps besides tensors
     rest, rest_anon = RssSampler.read()
     rest_tensors = live_tensor_bytes() - baseline_tensors
-    plan = model.plan if layout.pp > 1 else _pp1_plan(spec, layout, x)
+    plan = model.plan if mpar.pp_size() > 1 else _pp1_plan(spec, layout, x)
     return {
         "rank": mpar.rank(),
         "pp_rank": mpar.pp_rank(),
@@ -301,6 +345,7 @@ def _train(spec: Spec, layout: Layout, args: argparse.Namespace) -> dict[str, An
         "rest_rss_bytes": rest - baseline,
         "rest_tensor_bytes": rest_tensors,
         "predicted_peak_bytes": plan.rank_memory_bytes[mpar.pp_rank()],
+        "predicted_host_bytes": (plan.host_memory_bytes or [0] * 8)[mpar.pp_rank()],
         "predicted_gather": plan.layout.get("gather", "unit"),
         "measured_step_s": statistics.median(times[args.warmup :]),
         "predicted_step_s": plan.step_time_s,
@@ -316,6 +361,7 @@ def _train(spec: Spec, layout: Layout, args: argparse.Namespace) -> dict[str, An
 
 def _worker(args: argparse.Namespace) -> None:
     spec, raw = Spec(**json.loads(args.spec)), json.loads(args.worker)
+    spec = Spec(**{**asdict(spec), **raw.get("spec", {})})
     result = _train(spec, Layout(**raw), args)
     Path(args.result, f"rank{result['rank']}.json").write_text(json.dumps(result))
     import mpar
@@ -391,6 +437,77 @@ def _summary(layout: Layout, got: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def issue_model() -> tuple[Any, Any]:
+    """``mpar plan --model plan_accuracy:issue_model``: issue 27's model with one replica's
+    share of the global batch (4 samples) as the example."""
+    spec = Spec(**ISSUE_MODEL)
+    x, _ = _data(spec)
+    return _model(spec), x[:4]
+
+
+def _auto_plan(cap_mib: int, args: argparse.Namespace) -> dict[str, Any]:
+    """``mpar plan --auto`` on issue 27's model for 4 ranks and a global batch of 16."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), str(HERE.parent)]))
+    cmd = [sys.executable, "-m", "mpar", "plan", "--auto", "--model", "plan_accuracy:issue_model"]
+    cmd += ["--world-size", "4", "--device-memory", f"{cap_mib}MiB", "--global-batch", "16"]
+    cmd += ["--json"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"mpar plan --auto failed: {proc.stderr[-800:]}")
+    return dict(json.loads(proc.stdout), command=" ".join(cmd[1:]))
+
+
+def _budget_check(args: argparse.Namespace) -> tuple[list[str], list[dict[str, Any]]]:
+    """Each cap: the auto plan's pick, run for real (each replica its share of the
+    batch); every rank's measured peak must stay under the cap."""
+    spec = Spec(**ISSUE_MODEL)
+    out, text = [], []
+    for cap in args.caps:
+        plan = _auto_plan(cap, args)
+        config = plan["config"]
+        pp = config["pipeline_parallel_degree"]
+        best = plan["candidates"][0]
+        name = (
+            f"cap {cap} MiB: pp{pp} x dp{4 // pp} z{config['zero']['stage']} "
+            f"m{config['microbatches']}x{best['microbatch_size']} {best['precision']}"
+            f"{' ckpt' if config['activation_checkpointing'] else ''}"
+            f"{' offload' if best['offload_optimizer'] or best['offload_params'] else ''}"
+        )
+        layout = Layout(pp, 4 // pp, raw=config, spec=ISSUE_MODEL, name=name)
+        got = _launch(spec, layout, args)
+        row = _summary(layout, got)
+        row.update(cap_mib=cap, auto_predicted=plan["predicted"], auto_config=config)
+        if got["status"] == "ok":
+            worst = max(r["measured_mib"] for r in row["ranks"])
+            worst_rss = max(r["measured_rss_mib"] for r in row["ranks"])
+            row.update(worst_mib=worst, worst_rss_mib=worst_rss, under_cap=worst_rss < cap)
+        out.append(row)
+        print(f"{name}: {got['status']} {row.get('worst_mib')}", flush=True)
+    text += [
+        "| cap MiB | chosen layout | predicted MiB (busiest) | measured MiB per rank | "
+        "RSS MiB (busiest) | under the cap |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in out:
+        ranks = row.get("ranks", [])
+        measured = ", ".join(f"{r['measured_mib']:.1f}" for r in ranks)
+        text.append(
+            f"| {row['cap_mib']} | {row['layout']} | "
+            f"{row['auto_predicted']['max_rank_memory_bytes'] / 2**20:.1f} | "
+            f"{measured or row.get('reason', '')[-80:]} | "
+            f"{row.get('worst_rss_mib', 0):.1f} | {'yes' if row.get('under_cap') else 'NO'} |"
+        )
+    text += [
+        "",
+        "Command: `python benchmarks/plan_accuracy.py "
+        "--budget-only` (each plan: `mpar plan --auto --model plan_accuracy:issue_model "
+        "--world-size 4 --device-memory <cap>MiB --global-batch 16 --json`, PYTHONPATH=benchmarks). "
+        "Under the cap: the whole RSS above the baseline (code pages included) on every rank.",
+    ]
+    return text, out
+
+
 def _markdown(report: dict[str, Any]) -> str:
     meta = report["meta"]
     loads = meta.get("load", [])
@@ -435,6 +552,8 @@ def _markdown(report: dict[str, Any]) -> str:
     if ok:
         ratios = [r["ratio"] for r in ok]
         lines += ["", _ratio_line("Peak ratios", ratios)]
+    if report.get("budget"):
+        lines += ["", "## `--auto` against a budget (issue 27's model)", "", *report["budget"]]
     if report.get("auto"):
         lines += ["", "## Top candidates of one auto plan", "", *report["auto"]]
     lines += ["", "What is off, and why: [docs/planning.md](../../docs/planning.md#calibration)."]
@@ -461,6 +580,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--auto-only", action="store_true", help="only the top-3 check")
     p.add_argument("--auto-repeats", type=int, default=3, help="runs per top-3 candidate")
     p.add_argument("--quick", action="store_true", help="small model, 2 layouts")
+    p.add_argument("--budget", action="store_true", help="also run --auto's picks under caps")
+    p.add_argument("--budget-only", action="store_true", help="only the budget check")
+    p.add_argument("--caps", type=int, nargs="*", default=[150, 200, 300], help="MiB")
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
@@ -592,7 +714,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     spec = Spec(vocab=512, d_model=64, layers=4, heads=4, seq=32, batch=8) if args.quick else Spec()
     grid = GRID[:2] if args.quick else [GRID[i] for i in args.only] if args.only else GRID
-    grid = [] if args.auto_only else grid
+    grid = [] if args.auto_only or args.budget_only else grid
     rows, load = [], [os.getloadavg()[0]]
     for layout in grid:
         got = _launch(spec, layout, args)
@@ -607,12 +729,26 @@ def main(argv: list[str] | None = None) -> int:
         },
         "rows": rows,
     }
+    if args.budget or args.budget_only:
+        report["budget"], report["budget_rows"] = _budget_check(args)
     if args.auto or args.auto_only:
         report["auto"], report["auto_rows"] = _auto_check(spec, args)
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.auto_only and (args.out / "plan_accuracy.json").exists():  # keep the grid
-        old = json.loads((args.out / "plan_accuracy.json").read_text())
+    old_file = args.out / "plan_accuracy.json"
+    old = json.loads(old_file.read_text()) if old_file.exists() else {}
+    if (args.auto_only or args.budget_only) and old:  # keep the grid
         report["rows"], report["meta"] = old["rows"], old["meta"]
+    elif args.only and old:  # replace the rows run, keep the others
+        by_label = {r["layout"]: r for r in old.get("rows", [])}
+        by_label.update({r["layout"]: r for r in rows})
+        order = [g.label() for g in GRID]
+        report["rows"] = sorted(
+            by_label.values(),
+            key=lambda r: order.index(r["layout"]) if r["layout"] in order else len(order),
+        )
+    for key in ("budget", "budget_rows", "auto", "auto_rows"):
+        if key not in report and key in old:
+            report[key] = old[key]
     (args.out / "plan_accuracy.json").write_text(json.dumps(report, indent=2) + "\n")
     text = _markdown(report)
     (args.out / "plan_accuracy.md").write_text(text)

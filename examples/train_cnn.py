@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> float:
     def predict(model, images, labels):
         return model(images).argmax(-1) == labels
 
+    # data by replica (dp_rank), never by global rank: every rank of a pipeline
+    # must see the same batch (with a Dataset: sampler=mpar.data_sampler(dataset))
     g = torch.Generator().manual_seed(1 + mpar.dp_rank())
     bar = progress(args.steps, "cnn")
     loss = float("nan")

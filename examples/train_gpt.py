@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> float:
         model.backward(loss)
         return loss
 
+    # data by replica (dp_rank), never by global rank: every rank of a pipeline
+    # must see the same batch (with a Dataset: sampler=mpar.data_sampler(dataset))
     data = batches(cfg.vocab_size, 16, args.batch, seed=1 + mpar.dp_rank())
     loss = float("nan")
     bar = progress(args.steps, "gpt")

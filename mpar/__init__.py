@@ -4,6 +4,7 @@ See ``docs/`` and the README; the public names below are stable.
 """
 
 from mpar import partition
+from mpar._data import data_sampler
 from mpar._ranks import (
     barrier,
     config,
@@ -17,7 +18,7 @@ from mpar._ranks import (
     size,
 )
 from mpar.build import materialize
-from mpar.checkpoint import load_checkpoint, save_checkpoint, wait_checkpoint
+from mpar.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, wait_checkpoint
 from mpar.checkpoint._hf import load_pretrained, save_pretrained
 from mpar.comm import init, is_initialized, shutdown
 from mpar.runtime import DistributedModel, DistributedOptimizer, StepOutput, memory_report, step
@@ -25,11 +26,13 @@ from mpar.runtime import DistributedModel, DistributedOptimizer, StepOutput, mem
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "CheckpointError",
     "DistributedModel",
     "DistributedOptimizer",
     "StepOutput",
     "barrier",
     "config",
+    "data_sampler",
     "dp_rank",
     "dp_size",
     "init",

@@ -103,10 +103,17 @@ def xla_runtime() -> str:
     return str(xr.device_type() or "CPU").upper()
 
 
+def resolve_kind(kind: str) -> str:
+    """The device kind that the config value ``kind`` means here: ``auto`` is CUDA where
+    available, else CPU; other values as given."""
+    if kind == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return kind
+
+
 def pick_device(kind: str, local_rank: int) -> torch.device:
     """This rank's device for the config value ``kind`` (``auto``/``cpu``/``cuda``/``xla``)."""
-    if kind == "auto":
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    kind = resolve_kind(kind)
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "AlreadyInitializedError",
+    "BatchMismatchError",
     "ConfigError",
     "CommError",
     "ConfigTypeError",
@@ -60,3 +61,8 @@ class PartitionError(MparError, ValueError):
 
 class StepError(MparError, RuntimeError):
     """A step function was used in a way mpar cannot execute."""
+
+
+class BatchMismatchError(MparError, ValueError):
+    """The ranks of one pipeline were given different batches (the data is sharded
+    by global rank instead of by data-parallel rank)."""

@@ -24,17 +24,25 @@ and ``mpar.shutdown`` wait for it). Loading cannot run code: DCP's metadata is
 unpickled with an allow-list and every other value with ``weights_only=True``,
 so ``user_content`` must be made of tensors, numbers, strings, lists, tuples
 and dicts. Single-file checkpoints of the earlier format still load.
+
+Nothing is lost silently: a second job saving into a root while a save runs
+there is refused (the root's lock names the owner); the commit checks that
+every file the metadata names is there; a load checks every file first and
+raises :class:`CheckpointError` naming a missing, truncated or unreadable one;
+and a load is strict (missing, unexpected or reshaped model entries raise)
+unless ``strict=False``, which returns a :class:`PartialLoad`.
 """
 
 from mpar.checkpoint._async import CheckpointHandle, wait_checkpoint
 from mpar.checkpoint._common import FORMAT, CheckpointError
-from mpar.checkpoint._load import load_checkpoint
+from mpar.checkpoint._load import PartialLoad, load_checkpoint
 from mpar.checkpoint._save import save_checkpoint
 
 __all__ = [
     "FORMAT",
     "CheckpointError",
     "CheckpointHandle",
+    "PartialLoad",
     "load_checkpoint",
     "save_checkpoint",
     "wait_checkpoint",

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import errno
+import shutil
+from pathlib import Path
 from typing import Any
+
+from torch.distributed.checkpoint.api import CheckpointException
 
 from mpar.comm._checkpoint_comm import all_gather_object_in
 from mpar.errors import MparError
 
-__all__ = ["FORMAT", "CheckpointError", "agree", "check_model"]
+__all__ = ["FORMAT", "CheckpointError", "agree", "check_model", "describe_failure"]
 
 FORMAT = "mpar-dcp-v1"
 
@@ -33,3 +38,46 @@ def check_model(model: Any, optimizer: Any) -> None:
         raise TypeError(
             f"optimizer must be an mpar.DistributedOptimizer or None, got {type(optimizer).__name__}"
         )
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and what it wraps: DCP's per-rank failures, causes and contexts."""
+    out: list[BaseException] = []
+    todo = [exc]
+    while todo:
+        e = todo.pop(0)
+        if e in out:
+            continue
+        out.append(e)
+        if isinstance(e, CheckpointException):
+            todo += [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+    return out
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def describe_failure(exc: BaseException, where: Path) -> str:
+    """A short cause of a failed DCP save or load (DCP's own text is a traceback per
+    rank): a full disk with its free bytes, else each failing rank's first line."""
+    causes = _causes(exc)
+    full = any(isinstance(c, OSError) and c.errno == errno.ENOSPC for c in causes)
+    short = any("unexpected pos" in str(c) for c in causes)  # torch's writer, cut short
+    if full or short:
+        try:
+            free = f"{shutil.disk_usage(where).free} bytes free under {str(where)!r}"
+        except OSError:
+            free = f"under {str(where)!r}"
+        if full:
+            return f"no space left on device, {free}"
+        return f"a file write was cut short (is the disk full? {free})"
+    if isinstance(exc, CheckpointException):
+        ranks = ", ".join(
+            f"rank {r}: {_first_line(f[0] if isinstance(f, tuple) else f)}"
+            for r, f in sorted(exc.failures.items())
+        )
+        return ranks or _first_line(exc)
+    return _first_line(exc)

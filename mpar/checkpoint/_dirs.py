@@ -7,11 +7,14 @@ A checkpoint root holds one directory per save and a ``latest`` pointer::
       ckpt-000001/              .metadata, __0_0.distcp, ..., mpar-complete.json
       ckpt-000002/
       .tmp-ckpt-000003-9f2c.../ a save in progress (or interrupted): never loaded
+      .mpar-save.lock           held by the save in progress
 
-A save writes into a ``.tmp-`` directory; once every rank's shards and DCP's
-``.metadata`` are on disk, rank 0 writes the completion marker, renames the
-directory to its final name and then replaces ``latest``, each step flushed
-to disk. An interruption at any point leaves ``latest`` on the previous
+A save writes into a ``.tmp-`` directory that names its owner
+(:mod:`mpar.checkpoint._owner`; the save holds the root's lock meanwhile);
+once every rank's shards and DCP's ``.metadata`` are on disk and every file
+the metadata names is there in full (:mod:`mpar.checkpoint._verify`), rank 0
+writes the completion marker, renames the directory to its final name and
+then replaces ``latest``, each step flushed to disk. An interruption at any point leaves ``latest`` on the previous
 complete checkpoint; a directory without the marker is never loaded.
 These are local file operations, run on global rank 0 only.
 """
@@ -25,6 +28,8 @@ import shutil
 import uuid
 from pathlib import Path
 from typing import Any
+
+from mpar.checkpoint._owner import Owner, is_stale, write_owner
 
 __all__ = [
     "LATEST",
@@ -87,21 +92,27 @@ def complete_dirs(root: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def new_tmp_dir(root: Path) -> tuple[Path, str]:
-    """A new temporary directory under ``root`` and the final name it will get."""
+def new_tmp_dir(root: Path, owner: Owner | None = None) -> tuple[Path, str]:
+    """A new temporary directory under ``root``, owned by ``owner`` (this process by
+    default), and the final name it will get (one past every number in use, a
+    live save's included)."""
     root.mkdir(parents=True, exist_ok=True)
     numbers = [n for p in root.iterdir() for n in [_number(p.name)] if n is not None]
     name = f"ckpt-{max(numbers, default=0) + 1:06d}"
     tmp = root / f".tmp-{name}-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
+    write_owner(tmp, owner or Owner.here())
     return tmp, name
 
 
 def remove_stale(root: Path) -> list[str]:
-    """Delete interrupted saves (``.tmp-`` directories) under ``root``; their names."""
+    """Delete interrupted saves under ``root`` (``.tmp-`` directories whose owner is
+    gone, :func:`mpar.checkpoint._owner.is_stale`); their names. Call it holding
+    the root's save lock."""
     if not root.is_dir():
         return []
-    stale = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(".tmp-ckpt-")]
+    temporary = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(".tmp-ckpt-")]
+    stale = [p for p in temporary if is_stale(p)]
     for p in stale:
         shutil.rmtree(p, ignore_errors=True)
     return [p.name for p in stale]
@@ -112,6 +123,8 @@ def commit(tmp: Path, name: str, marker: dict[str, Any], keep_last: int | None) 
     delete all but the ``keep_last`` newest complete checkpoints."""
     _write_file(tmp / MARKER, json.dumps(marker, indent=1))
     final = tmp.parent / name
+    if final.exists():
+        raise FileExistsError(f"{str(final)!r} exists already (written by another job?)")
     os.rename(tmp, final)
     _fsync_dir(tmp.parent)
     _write_file(tmp.parent / LATEST, name + "\n")
@@ -146,9 +159,15 @@ def _latest(root: Path) -> Path:
     if pointer.is_file():
         target = root / pointer.read_text().strip()
         if not is_complete(target):
+            others = [p.name for p in complete_dirs(root)]
+            fix = (
+                f"load one of {others} explicitly"
+                if others
+                else "no complete checkpoint is left under it: save a new one"
+            )
             raise ValueError(
                 f"{str(pointer)!r} names {target.name!r}, which is not a complete checkpoint "
-                f"directory; load one of {[p.name for p in complete_dirs(root)]} explicitly"
+                f"directory; {fix}"
             )
         return target
     complete = complete_dirs(root)

@@ -15,22 +15,28 @@ from __future__ import annotations
 import io
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 
 from mpar.checkpoint import _dirs
 from mpar.checkpoint._async import wait_checkpoint
-from mpar.checkpoint._common import FORMAT, CheckpointError, agree, check_model
+from mpar.checkpoint._common import FORMAT, CheckpointError, agree, check_model, describe_failure
 from mpar.checkpoint._dcp import Pieces, SafeLoadPlanner, SafeReader
 from mpar.checkpoint._legacy import load_gathered
 from mpar.checkpoint._state import load_model_targets, load_optimizer_targets, publish_masters
+from mpar.checkpoint._verify import check_files, read_metadata
 from mpar.comm import state
-from mpar.comm._checkpoint_comm import broadcast_object_in, checkpoint_group
+from mpar.comm._checkpoint_comm import (
+    all_gather_object_in,
+    broadcast_object_in,
+    checkpoint_group,
+)
 
-__all__ = ["load_checkpoint"]
+__all__ = ["PartialLoad", "load_checkpoint"]
 
 
 def _resolve(path: Path, group: Any) -> tuple[str, Path]:
@@ -42,6 +48,7 @@ def _resolve(path: Path, group: Any) -> tuple[str, Path]:
                 found = _dirs.read_marker(decision[1]).get("format")
                 if found != FORMAT:
                     raise ValueError(f"{str(decision[1])!r} has format {found!r}, not {FORMAT!r}")
+                check_files(decision[1])
         except (OSError, ValueError) as exc:
             decision = str(exc)
     decision = broadcast_object_in(decision, group)
@@ -57,21 +64,76 @@ def _saved_shapes(metadata: Any) -> dict[tuple[str, ...], Any]:
     }
 
 
-def _check_targets(targets: dict[str, Any], saved: dict[tuple[str, ...], Any], where: Path) -> None:
+class PartialLoad(NamedTuple):
+    """What ``load_checkpoint(..., strict=False)`` returns: the ``user_content`` and
+    the model entries it skipped (the same on every rank)."""
+
+    user_content: Any
+    missing_keys: list[str]
+    """Model keys the checkpoint has no entry for (left as they were)."""
+    unexpected_keys: list[str]
+    """Checkpoint entries the model has no key for (not read)."""
+    mismatched_keys: list[tuple[str, tuple[int, ...], tuple[int, ...]]]
+    """``(key, saved shape, model shape)`` of entries whose shapes differ (not read)."""
+
+
+def _shape_of(target: Any) -> torch.Size | None:
+    return target.shape if isinstance(target, Pieces | torch.Tensor) else None
+
+
+def _match_targets(
+    targets: dict[str, Any],
+    saved: dict[tuple[str, ...], Any],
+    model: Any,
+    where: Path,
+    strict: bool,
+) -> tuple[list[str], list[str], list[Any]]:
+    """Compare this rank's ``targets`` and the model's keys with the checkpoint:
+    strict, raise naming every difference; else drop the targets that cannot be
+    read and return (missing, unexpected, mismatched) as seen from this rank."""
     missing = [k for k in targets if ("model", k) not in saved]
-    if missing:
-        raise CheckpointError(
-            f"checkpoint {str(where)!r} has no entries for {missing[:5]} "
-            f"({len(missing)} missing): was it saved from another model?"
-        )
+    keys = set(model._key_order)
+    unexpected = sorted(p[1] for p in saved if p[0] == "model" and len(p) == 2 and p[1] not in keys)
+    mismatched = []
     for key, target in targets.items():
-        size = getattr(saved[("model", key)], "size", None)
-        shape = target.shape if isinstance(target, Pieces | torch.Tensor) else None
+        size = getattr(saved.get(("model", key)), "size", None)
+        shape = _shape_of(target)
         if size is not None and shape is not None and torch.Size(size) != shape:
-            raise CheckpointError(
-                f"checkpoint {str(where)!r} holds {key!r} with shape {tuple(size)}, the model "
-                f"has {tuple(shape)}: it was saved from another model"
-            )
+            mismatched.append((key, tuple(size), tuple(shape)))
+    if strict and (missing or unexpected or mismatched):
+        raise CheckpointError(_difference_text(where, missing, unexpected, mismatched))
+    for key in missing + [m[0] for m in mismatched]:
+        del targets[key]
+    return missing, unexpected, mismatched
+
+
+def _difference_text(
+    where: Path, missing: list[str], unexpected: list[str], shapes: list[Any]
+) -> str:
+    parts = []
+    if missing:
+        parts.append(f"no entries for {len(missing)} model keys {missing[:5]}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} entries the model lacks {unexpected[:5]}")
+    if shapes:
+        listed = ", ".join(f"{k!r}: saved {s}, model {m}" for k, s, m in shapes[:5])
+        parts.append(f"{len(shapes)} entries of another shape ({listed})")
+    return (
+        f"checkpoint {str(where)!r} does not fit the model: {'; '.join(parts)}. Was it saved "
+        "from another model? Pass strict=False to load the entries that fit (it returns "
+        "what it skipped)"
+    )
+
+
+def _union_skipped(
+    skipped: tuple[list[str], list[str], list[Any]], group: Any, model: Any
+) -> tuple[list[str], list[str], list[Any]]:
+    """Every rank's skipped entries, merged, in the model's key order."""
+    every = all_gather_object_in(skipped, group)
+    position = {k: i for i, k in enumerate(model._key_order)}
+    missing = sorted({k for s in every for k in s[0]}, key=lambda k: position.get(k, 0))
+    mismatched = sorted({m for s in every for m in s[2]}, key=lambda m: position.get(m[0], 0))
+    return missing, skipped[1], mismatched
 
 
 def _group_placeholders(saved: dict[tuple[str, ...], Any]) -> list[Any]:
@@ -93,8 +155,10 @@ def _read(directory: Path, group: Any, sections: dict[str, Any]) -> None:
             planner=SafeLoadPlanner(),
             process_group=group,
         )
-    except Exception as exc:  # DCP raises on every rank when any rank failed
-        raise CheckpointError(f"reading checkpoint {str(directory)!r} failed: {exc}") from None
+    except (Exception, CheckpointException) as exc:  # on every rank when any rank failed
+        raise CheckpointError(
+            f"reading checkpoint {str(directory)!r} failed: {describe_failure(exc, directory)}"
+        ) from None
 
 
 def _extras(raw: Any) -> dict[str, Any]:
@@ -125,7 +189,7 @@ def _load_optimizer(directory: Path, model: Any, optimizer: Any) -> None:
     sections: dict[str, Any] = {}
     install: Any = None
     try:
-        metadata = SafeReader(str(directory)).read_metadata()
+        metadata = read_metadata(directory)
         optim, install = _optimizer_sections(optimizer, model, directory, metadata)
         sections = {"optim": optim, "mpar": {"extras": None}}
     except Exception as exc:
@@ -155,15 +219,27 @@ def _load_scaler(optimizer: Any, extras: dict[str, Any]) -> None:
         scaler.load_state_dict(extras["loss_scaler"])
 
 
-def load_checkpoint(path: str | os.PathLike[str], model: Any, optimizer: Any = None) -> Any:
+def load_checkpoint(
+    path: str | os.PathLike[str], model: Any, optimizer: Any = None, *, strict: bool = True
+) -> Any:
     """Load a checkpoint into ``model`` (and ``optimizer``); returns its ``user_content``.
 
     ``path`` is a checkpoint root (its ``latest`` is loaded), one checkpoint
     directory, or a single-file checkpoint of the earlier format. Collective;
     works before or after the model is partitioned and in any layout (before,
-    the optimizer state is read at the first step).
+    the optimizer state is read at the first step). The files are checked
+    first: a missing, truncated or unreadable file raises
+    :class:`CheckpointError` naming it.
+
+    ``strict`` (default True): the checkpoint's model entries must match the
+    model's keys and shapes exactly, else :class:`CheckpointError` names the
+    missing, unexpected and mismatched keys. ``strict=False`` loads the entries
+    that fit and returns a :class:`PartialLoad` (``user_content`` and the keys it
+    skipped) instead of the ``user_content``.
     """
     check_model(model, optimizer)
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be True or False, got {strict!r}")
     wait_checkpoint()
     group = checkpoint_group()
     kind, directory = _resolve(Path(path), group)
@@ -175,10 +251,11 @@ def load_checkpoint(path: str | os.PathLike[str], model: Any, optimizer: Any = N
     error: str | None = None
     sections: dict[str, Any] = {}
     install: Any = None
+    skipped: tuple[list[str], list[str], list[Any]] = ([], [], [])
     try:
-        metadata = SafeReader(str(directory)).read_metadata()
+        metadata = read_metadata(directory)
         targets = load_model_targets(model)
-        _check_targets(targets, _saved_shapes(metadata), directory)
+        skipped = _match_targets(targets, _saved_shapes(metadata), model, directory, strict)
         sections = {"model": targets, "mpar": {"extras": None}}
         if optimizer is not None and model.partitioned:
             sections["optim"], install = _optimizer_sections(optimizer, model, directory, metadata)
@@ -194,4 +271,6 @@ def load_checkpoint(path: str | os.PathLike[str], model: Any, optimizer: Any = N
         _install(install, sections, optimizer, directory, group)
     elif optimizer is not None:
         optimizer.defer_load(lambda: _load_optimizer(directory, model, optimizer))
-    return extras.get("user_content")
+    if strict:
+        return extras.get("user_content")
+    return PartialLoad(extras.get("user_content"), *_union_skipped(skipped, group, model))

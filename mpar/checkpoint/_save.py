@@ -1,12 +1,16 @@
 """``save_checkpoint``: collect this rank's pieces, write them with DCP, commit.
 
-The steps, on every rank: rank 0 clears interrupted saves and makes the
+The steps, on every rank: rank 0 takes the root's save lock (refused while
+another live job saves there), clears interrupted saves and makes the
 temporary directory (its name broadcast); each rank collects what it owns
 (:mod:`mpar.checkpoint._state`; for an asynchronous save, copied to host
 memory); the ranks agree that all of them succeeded; DCP writes the shards and
-rank 0 the ``.metadata``; rank 0 commits (:func:`mpar.checkpoint._dirs.commit`)
-and tells the others how it went. The last two steps run in the checkpoint
-thread for an asynchronous save.
+rank 0 the ``.metadata``; rank 0 checks that every file the metadata names is
+there in full, commits (:func:`mpar.checkpoint._dirs.commit`)
+and tells the others how it went. The last steps run in the checkpoint
+thread for an asynchronous save. A failed save removes its temporary
+directory, lets go of the lock and raises :class:`CheckpointError` naming the
+cause (a full disk with its free bytes, the failing rank's error).
 """
 
 from __future__ import annotations
@@ -20,12 +24,15 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from mpar.checkpoint import _dirs
 from mpar.checkpoint._async import CheckpointHandle, finished, submit, wait_checkpoint
-from mpar.checkpoint._common import FORMAT, CheckpointError, agree, check_model
+from mpar.checkpoint._common import FORMAT, CheckpointError, agree, check_model, describe_failure
 from mpar.checkpoint._dcp import BoundedWriter, SavePlannerWithPieces
+from mpar.checkpoint._owner import Owner, RootLock
 from mpar.checkpoint._state import merge_param_groups, model_entries, optimizer_entries
+from mpar.checkpoint._verify import check_files
 from mpar.comm import state
 from mpar.comm._bootstrap import on_shutdown
 from mpar.comm._checkpoint_comm import (
@@ -33,6 +40,7 @@ from mpar.comm._checkpoint_comm import (
     broadcast_object_in,
     checkpoint_group,
 )
+from mpar.errors import MparError
 
 __all__ = ["WRITE_BUFFER_BYTES", "save_checkpoint"]
 
@@ -49,25 +57,61 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
-def _prepare_root(root: Path, group: Any) -> tuple[Path, str]:
-    """Rank 0 clears interrupted saves and makes the temporary directory (every rank
-    learns its name, or the error)."""
+class _Save:
+    """Where one save writes: its temporary directory, final name, and (on rank 0)
+    the root's lock, held until the save commits or fails."""
+
+    def __init__(self, tmp: Path, name: str, lock: RootLock | None) -> None:
+        self.tmp, self.name, self.lock = tmp, name, lock
+
+    @property
+    def final(self) -> Path:
+        return self.tmp.parent / self.name
+
+    def abandon(self) -> None:
+        """Rank 0 removes the temporary directory and lets go of the lock."""
+        if self.lock is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.release()
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
+def _claim_root(root: Path) -> tuple[tuple[Path, str], RootLock]:
+    """Rank 0: take the root's lock, clear interrupted saves, make the temporary
+    directory."""
+    if root.is_file():
+        raise CheckpointError(
+            f"{str(root)!r} is a file (a single-file checkpoint?); checkpoints are "
+            "directories now: pass a directory path"
+        )
+    owner = Owner.here()
+    lock = RootLock(root, owner)
+    try:
+        _dirs.remove_stale(root)
+        return _dirs.new_tmp_dir(root, owner), lock
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _prepare_root(root: Path, group: Any) -> _Save:
+    """Rank 0 claims the root (every rank learns the temporary directory's name,
+    or the error)."""
     decision: Any = None
+    lock = None
     if state().layout.rank == 0:
         try:
-            if root.is_file():
-                raise CheckpointError(
-                    f"{str(root)!r} is a file (a single-file checkpoint?); checkpoints are "
-                    "directories now: pass a directory path"
-                )
-            _dirs.remove_stale(root)
-            decision = _dirs.new_tmp_dir(root)
-        except (OSError, CheckpointError) as exc:
+            decision, lock = _claim_root(root)
+        except (OSError, MparError) as exc:
             decision = f"{type(exc).__name__}: {exc}"
     decision = broadcast_object_in(decision, group)
     if isinstance(decision, str):
         raise CheckpointError(f"cannot save checkpoint under {str(root)!r}: {decision}")
-    return decision[0], decision[1]
+    return _Save(decision[0], decision[1], lock)
 
 
 def _entries(model: Any, optimizer: Any, user_content: Any, copy: Any) -> dict[str, Any]:
@@ -122,43 +166,54 @@ def _marker() -> dict[str, Any]:
     }
 
 
-def _write_and_commit(
-    entries: dict[str, Any], tmp: Path, name: str, group: Any, keep_last: int | None
-) -> Path:
-    rank = state().layout.rank
+def _write(entries: dict[str, Any], save: _Save, group: Any) -> None:
     try:
         dcp.save(
             entries,
-            storage_writer=BoundedWriter(str(tmp), buffer_bytes=WRITE_BUFFER_BYTES),
+            storage_writer=BoundedWriter(str(save.tmp), buffer_bytes=WRITE_BUFFER_BYTES),
             planner=SavePlannerWithPieces(),
             process_group=group,
         )
-    except Exception as exc:  # DCP raises on every rank when any rank failed
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+    except (Exception, CheckpointException) as exc:  # on every rank when any rank failed
+        cause = describe_failure(exc, save.tmp.parent)
+        save.abandon()
         raise CheckpointError(
-            f"writing checkpoint {str(tmp.parent / name)!r} failed: {exc}; the previous "
+            f"writing checkpoint {str(save.final)!r} failed: {cause}; the previous "
             "checkpoint stays the latest"
         ) from None
-    error = None
-    if rank == 0:
-        try:
-            _dirs.commit(tmp, name, _marker(), keep_last)
-        except OSError as exc:
-            error = f"{type(exc).__name__}: {exc}"
+
+
+def _commit(save: _Save, keep_last: int | None) -> str | None:
+    """Rank 0: check every file, then commit; the error text, or None."""
+    try:
+        check_files(save.tmp)
+        _dirs.commit(save.tmp, save.name, _marker(), keep_last)
+    except (OSError, CheckpointError) as exc:
+        save.abandon()
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        save.release()
+    return None
+
+
+def _write_and_commit(
+    entries: dict[str, Any], save: _Save, group: Any, keep_last: int | None
+) -> Path:
+    _write(entries, save, group)
+    error = _commit(save, keep_last) if state().layout.rank == 0 else None
     try:
         error = broadcast_object_in(error, group)
     except RuntimeError as exc:
         raise CheckpointError(
-            f"lost contact with rank 0 while it committed {str(tmp.parent / name)!r} ({exc}); "
+            f"lost contact with rank 0 while it committed {str(save.final)!r} ({exc}); "
             f"'latest' names this checkpoint only if the commit finished"
         ) from None
     if error is not None:
         raise CheckpointError(
-            f"committing checkpoint {str(tmp)!r} failed on rank 0: {error}; the previous "
-            "checkpoint stays the latest"
+            f"committing checkpoint {str(save.final)!r} failed on rank 0: {error}; the "
+            "previous checkpoint stays the latest"
         )
-    return tmp.parent / name
+    return save.final
 
 
 def save_checkpoint(
@@ -185,23 +240,30 @@ def save_checkpoint(
     on_shutdown(_wait_quietly)
     group = checkpoint_group()
     root = Path(path)
-    tmp, name = _prepare_root(root, group)
+    save = _prepare_root(root, group)
     entries: dict[str, Any] = {}
     error = None
     try:
         entries = _entries(model, optimizer, user_content, _cpu_copy if async_save else _same)
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
-    agree(error, group, f"saving checkpoint under {str(root)!r}")
-    if "optim" in entries:
-        _merge_groups(entries["optim"]["param_groups"], model, group)
+    try:
+        agree(error, group, f"saving checkpoint under {str(root)!r}")
+        if "optim" in entries:
+            _merge_groups(entries["optim"]["param_groups"], model, group)
+    except BaseException:
+        save.abandon()
+        raise
 
     def job() -> Path:
-        return _write_and_commit(entries, tmp, name, group, keep_last)
+        try:
+            return _write_and_commit(entries, save, group, keep_last)
+        finally:
+            save.release()
 
     if async_save:
-        return submit(job, root / name)
-    return finished(job, root / name)
+        return submit(job, save.final)
+    return finished(job, save.final)
 
 
 def _wait_quietly() -> None:

@@ -18,6 +18,14 @@ The config (JSON or YAML, read by ``mpar.config.load_config``; without
 world) gives ``pipeline_parallel_degree``, ``virtual_stages``,
 ``microbatches``, ``pipeline``, ``optimize``, ``memory_weight`` and
 ``zero.stage``; data parallelism is ``world-size / pipeline_parallel_degree``.
+With ``--global-batch`` each microbatch holds ``global-batch / dp / microbatches``
+samples and the profiled microbatch's figures are scaled to it; without it, the
+profiled microbatch is the plan's. The plan prints the microbatch size it assumed.
+
+Memory is per rank of the device kind the plan is for (``--device``; default: the
+config's ``device``, where ``auto`` means CUDA when this machine has it, else the
+CPU). On a CPU device offloaded state stays in the same memory and counts in the
+rank's figure; on CUDA or XLA it is reported as host memory beside it.
 
 With ``--auto`` the layout itself is searched (``mpar.partition.search``):
 
@@ -76,6 +84,25 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="bytes per second between neighbouring stages, e.g. 10GB (default) or 500MB; "
         "'none' leaves communication out of the plan",
     )
+    parser.add_argument(
+        "--global-batch",
+        type=int,
+        help="samples per step over all replicas; the profiled microbatch is scaled to "
+        "global-batch / dp / microbatches samples (without --auto: default the profiled one)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda", "xla"),
+        help="the device kind the ranks run on (default: the config's 'device'; 'auto' = "
+        "cuda where this machine has it, else cpu); on cpu offloaded state counts in the "
+        "rank's memory",
+    )
+    parser.add_argument(
+        "--process-memory",
+        help="bytes each rank's process holds besides tensors (default: the CPU runtime's "
+        "measured 5MiB, 6MiB more per pipeline rank, 12MiB more under bf16/fp16); set it "
+        "for your device, e.g. 1GiB",
+    )
     parser.add_argument("--meta", action="store_true", help="build and profile on the meta device")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     _add_auto_arguments(parser)
@@ -86,12 +113,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def _add_auto_arguments(parser: argparse.ArgumentParser) -> None:
     auto = parser.add_argument_group("search the layout (--auto)")
     auto.add_argument("--auto", action="store_true", help="search the whole layout")
-    auto.add_argument("--global-batch", type=int, help="samples per step over all replicas")
     auto.add_argument("--host-bandwidth", default="10GB", help="device<->host bytes/s (10GB)")
     auto.add_argument(
-        "--process-memory",
-        help="bytes each rank's process holds besides tensors (default: the CPU runtime's "
-        "measured 5MiB, plus 6MiB per pipeline rank); set it for your device, e.g. 1GiB",
+        "--host-memory",
+        help="host memory per rank for offloaded state on a CUDA/XLA device, e.g. 64GiB "
+        "(default: not capped; on a CPU device --device-memory is the one cap)",
     )
     auto.add_argument(
         "--dp-bandwidth", help="bytes/s per rank in data-parallel collectives (link bandwidth)"
@@ -250,14 +276,62 @@ def _link(text: str) -> str | None:
     return None if text.lower() == "none" else text
 
 
-def _run_plan(args: argparse.Namespace) -> str:
-    from mpar.partition import make_plan
+def device_kind(requested: str | None, configured: str = "auto") -> str:
+    """The device kind a plan is for: ``--device``, else the config's, ``auto`` resolved
+    as the runtime does (``mpar._device.pick_device``: CUDA where available, else CPU)."""
+    from mpar import _device
 
-    options = _plan_options(_read_config(args.config, args.world_size), args.world_size)
-    profile, _ = _profile(args)
+    kind = requested if requested not in (None, "auto") else configured
+    return _device.resolve_kind(str(kind))
+
+
+def process_overrides(text: str | None) -> dict[str, int]:
+    """``--process-memory``: one figure for every rank, pipelined or not, any precision."""
+    from mpar._size import parse_bytes
+
+    if text is None:
+        return {}
+    return {
+        "process_bytes": parse_bytes(text),
+        "pipeline_process_bytes": 0,
+        "mixed_process_bytes": 0,
+    }
+
+
+def microbatch_size(global_batch: int | None, dp: int, microbatches: int, profiled: int) -> int:
+    """Samples per microbatch for ``--global-batch`` (the profiled ones without it)."""
+    if global_batch is None:
+        return profiled
+    if global_batch < 1 or global_batch % (dp * microbatches):
+        raise ValueError(
+            f"--global-batch {global_batch} does not split into {dp} replica(s) x "
+            f"{microbatches} microbatch(es) of equal whole size; give a multiple of "
+            f"{dp * microbatches}"
+        )
+    return global_batch // (dp * microbatches)
+
+
+def _run_plan(args: argparse.Namespace) -> str:
+    from mpar.partition import CostModel, make_plan
+
+    config = _read_config(args.config, args.world_size)
+    options = _plan_options(config, args.world_size)
+    size = microbatch_size(
+        args.global_batch, options["data_parallel_degree"], config.microbatches, 1
+    )  # checked before profiling
+    profile, batch = _profile(args)
+    size = size if args.global_batch is not None else batch
     if args.device_memory is not None:
         options["device_memory"] = args.device_memory
-    plan = make_plan(profile, link_bandwidth=_link(args.link_bandwidth), **options)
+    plan = make_plan(
+        profile,
+        link_bandwidth=_link(args.link_bandwidth),
+        cost=CostModel(**process_overrides(args.process_memory)),
+        device=device_kind(args.device, config.device),
+        microbatch_scale=size / batch,
+        microbatch_size=size,
+        **options,
+    )
     return json.dumps(plan.to_dict(), indent=2) if args.json else str(plan)
 
 

@@ -12,8 +12,9 @@ __all__ = ["run_auto"]
 
 
 def _options(args: argparse.Namespace) -> tuple[Any, Any]:
+    from mpar.cli._plan import device_kind
     from mpar.partition import CostModel, SearchSpace
-    from mpar.partition._plan import _bandwidth, parse_bytes
+    from mpar.partition._plan import _bandwidth
 
     if args.device_memory is None:
         raise ValueError("--auto needs --device-memory (bytes per rank, e.g. 80GiB)")
@@ -21,12 +22,17 @@ def _options(args: argparse.Namespace) -> tuple[Any, Any]:
         raise ValueError("--auto needs --global-batch (samples per step over all replicas)")
     if args.config is not None:
         raise ValueError("--auto searches the layout itself; leave out --config")
+    if args.host_memory is not None and device_kind(args.device) == "cpu":
+        raise ValueError(
+            "--host-memory caps offloaded state on a CUDA or XLA device; on a CPU device the "
+            "host is the device and --device-memory is the one cap (or plan with --device cuda)"
+        )
     link = None if args.link_bandwidth.lower() == "none" else _bandwidth(args.link_bandwidth)
     dp = link if args.dp_bandwidth is None else _bandwidth(args.dp_bandwidth, "--dp-bandwidth")
     host = _bandwidth(args.host_bandwidth, "--host-bandwidth")
-    process = {}
-    if args.process_memory is not None:  # one figure for every rank, pipelined or not
-        process = {"process_bytes": parse_bytes(args.process_memory), "pipeline_process_bytes": 0}
+    from mpar.cli._plan import process_overrides
+
+    process = process_overrides(args.process_memory)
     cost = CostModel(
         link_bandwidth=link,
         dp_bandwidth=dp,
@@ -66,14 +72,18 @@ def _best_plan(profile: Any, result: Any, scale: float) -> Any:
         microbatch_scale=scale,
         cost=result.cost,
         gather=best.gather,
+        device=best.device,
+        microbatch_size=best.microbatch_size,
     )
 
 
 def run_auto(args: argparse.Namespace, profile_fn: Callable[[argparse.Namespace], Any]) -> str:
     """Profile once, search, and format the result (table or JSON)."""
+    from mpar.cli._plan import device_kind
     from mpar.partition import search
 
     space, cost = _options(args)
+    device = device_kind(args.device)
     profile, batch = profile_fn(args)
     result = search(
         profile,
@@ -84,6 +94,8 @@ def run_auto(args: argparse.Namespace, profile_fn: Callable[[argparse.Namespace]
         space=space,
         cost=cost,
         top=args.top,
+        device=device,
+        host_memory=args.host_memory,
     )
     plan = _best_plan(profile, result, result.best.microbatch_size / batch)
     if args.json:

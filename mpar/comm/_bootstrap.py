@@ -207,14 +207,7 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
         _abort.start_watcher(
             layout.master_addr, layout.master_port, layout.rank, resolved.timeout_s
         )
-        _watchdog.start(
-            layout.master_addr,
-            layout.master_port,
-            layout.rank,
-            layout.world_size,
-            resolved.timeout_s,
-            resolved.trace,
-        )
+        _watchdog.start(layout, resolved.timeout_s, resolved.trace)
     _STATE = State(
         config=resolved,
         layout=layout,

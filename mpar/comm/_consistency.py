@@ -16,7 +16,7 @@ from mpar.comm._progress import Waiting
 from mpar.config import Config
 from mpar.errors import ConfigError
 
-__all__ = ["check_same_config", "config_differences"]
+__all__ = ["check_same_config", "config_differences", "gather_from_every_rank"]
 
 _PER_RANK_KEYS = frozenset({"trace"})
 """Keys that may differ between ranks (a trace folder on each node's own disk)."""
@@ -60,3 +60,13 @@ def check_same_config(config: Config, world_size: int) -> None:
             "the same config (the same file or MPAR_CONFIG): ranks with different schedules "
             "would wait for each other forever"
         )
+
+
+def gather_from_every_rank(obj: Any, world_size: int, what: str) -> list[Any]:
+    """Every rank's small picklable ``obj``, in rank order (a watched all-gather)."""
+    if world_size == 1:
+        return [obj]
+    gathered: list[Any] = [None] * world_size
+    with Waiting(("collective", f"all_gather_object ({what})", None)):
+        dist.all_gather_object(gathered, obj)
+    return gathered

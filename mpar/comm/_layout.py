@@ -8,6 +8,7 @@ variables, then a single process.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import socket
@@ -15,6 +16,7 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from mpar._failure import RUNDIR_ENV
 from mpar.errors import CommError
 
 __all__ = ["Layout", "detect_layout", "expand_slurm_nodelist", "free_port"]
@@ -34,6 +36,14 @@ class Layout:
     master_port: int
     source: str
     """``"torchrun"``, ``"mpi"``, ``"slurm"`` or ``"single"``."""
+    error_file: str | None = None
+    """torch elastic's error file (``TORCHELASTIC_ERROR_FILE``): where a failure is recorded."""
+    run_dir: str | None = None
+    """``mpar launch --mpi``'s run folder (``MPAR_LAUNCH_RUNDIR``): failures are recorded there too."""
+    restart: int = 0
+    """torch elastic's restart count (``TORCHELASTIC_RESTART_COUNT``)."""
+    agent_store: bool = False
+    """Whether torchrun's agent hosts the job's store (``TORCHELASTIC_USE_AGENT_STORE``)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -150,9 +160,18 @@ def detect_layout(env: Mapping[str, str] | None = None) -> Layout:
     """Read this process's layout from the environment of its launcher."""
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
-        return _from_torchrun(env)
-    if any(marker in env for marker in _MPI_MARKERS):
-        return _from_mpi(env)
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_STEP_ID" in env:
-        return _from_slurm(env)
-    return Layout(0, 1, 0, 1, "127.0.0.1", 0, "single")
+        layout = _from_torchrun(env)
+    elif any(marker in env for marker in _MPI_MARKERS):
+        layout = _from_mpi(env)
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_STEP_ID" in env:
+        layout = _from_slurm(env)
+    else:
+        layout = Layout(0, 1, 0, 1, "127.0.0.1", 0, "single")
+    restart = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dataclasses.replace(
+        layout,
+        error_file=env.get("TORCHELASTIC_ERROR_FILE") or None,
+        run_dir=env.get(RUNDIR_ENV) or None,
+        restart=int(restart) if restart.isdigit() else 0,
+        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+    )

@@ -23,9 +23,11 @@ import torch.distributed as dist
 
 from mpar.comm._hang import position
 from mpar.comm._progress import PROGRESS, describe_wait
-from mpar.launch._bootstrap import BOOTSTRAP_PATH
 
 __all__ = ["flight_record", "snapshot", "thread_stacks", "wait_info", "write_trace"]
+
+_LAUNCH_ENTRY = os.path.join("mpar", "launch", "_bootstrap.py")
+"""``mpar launch``'s child entry, which runs the user's script: its frames are left out."""
 
 
 def wait_info(what: tuple[str, Any, Any], since: float, me: int) -> dict[str, Any]:
@@ -62,7 +64,7 @@ def _user_frames(frame: Any) -> traceback.StackSummary:
     skip = 0
     for skip, entry in enumerate(summary):  # noqa: B007 - the index is the result
         name = entry.filename
-        if not (name.endswith("runpy.py") or name in ("<frozen runpy>", BOOTSTRAP_PATH)):
+        if not (name.endswith(("runpy.py", _LAUNCH_ENTRY)) or name == "<frozen runpy>"):
             break
     return traceback.StackSummary.from_list(summary[skip:])
 

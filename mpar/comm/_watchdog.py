@@ -35,17 +35,19 @@ from typing import Any
 
 import torch.distributed as dist
 
+from mpar._failure import record_failure
 from mpar.comm import _abort
 from mpar.comm._hang import diagnose, format_report
+from mpar.comm._layout import Layout
 from mpar.comm._progress import PROGRESS
 from mpar.comm._snapshot import snapshot, wait_info, write_trace
-from mpar.launch._bootstrap import HANG_REPORTED_ENV, record_failure
 
-__all__ = ["QUIET_ENV", "exit_if_reported", "start", "stop", "transport_timeout"]
+__all__ = ["HANG_REPORTED", "exit_if_reported", "start", "stop", "transport_timeout"]
 
-QUIET_ENV = HANG_REPORTED_ENV
-"""Set in a rank's environment once a hang verdict is out: its own later errors
-(connections closed by the exiting ranks) are consequences, not news."""
+HANG_REPORTED = threading.Event()
+"""Set once a hang verdict is out: this rank's own later errors (connections closed
+by the exiting ranks) are consequences, not news. (``mpar launch``'s child entry
+reads it too, to exit quietly.)"""
 _POLL_S = 0.25
 _ANSWER_WINDOW_S = 5.0
 _EXIT_WAIT_S = 5.0
@@ -67,12 +69,12 @@ class _Watchdog:
     """One rank's side of the protocol (runs in the watchdog thread)."""
 
     def __init__(
-        self, store: dist.Store, rank: int, world: int, timeout_s: float, trace: str | None
+        self, store: dist.Store, layout: Layout, timeout_s: float, trace: str | None
     ) -> None:
-        self.store, self.rank, self.world = store, rank, world
+        self.store, self.layout = store, layout
+        self.rank, self.world = layout.rank, layout.world_size
         self.timeout_s, self.trace = timeout_s, trace
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self.prefix = f"mpar/hang/{restart}/{_generation}"
+        self.prefix = f"mpar/hang/{layout.restart}/{_generation}"
         self.answered = False
 
     def key(self, name: str) -> str:
@@ -125,20 +127,20 @@ class _Watchdog:
         and the writer reports. Then they leave in an order launchers read well: the
         writer first (torchrun names the first rank to fail), rank 0 last when it
         hosts the store (MPI, a plain ``MASTER_PORT``; not torchrun's agent)."""
-        os.environ[QUIET_ENV] = "1"
+        HANG_REPORTED.set()
         _abort.silence()
         self.put(f"seen/{self.rank}", 1)
         writer = int(verdict["writer"])
         write_trace(self.trace, self.rank, verdict["report"] if writer == self.rank else None)
         if writer == self.rank:
-            _report(verdict["message"], verdict["report"])
+            _report(verdict["message"], verdict["report"], self.layout)
             self.put("written", 1)
             self.wait_until(lambda: self.everyone("seen"))  # all quiet before we leave
         else:
             sys.stderr.write(f"mpar: rank {self.rank} stops: rank {writer} reports a hang\n")
             sys.stderr.flush()
             self.wait_until(lambda: self.has("written"))
-        host = None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 0
+        host = None if self.layout.agent_store else 0
         if self.rank == host:
             self.wait_until(lambda: self.everyone("gone"))
         elif self.rank != writer and writer != host:
@@ -166,13 +168,19 @@ class _Watchdog:
 def exit_if_reported() -> None:
     """End this process now if a hang report is under way: an error in the main
     thread is then the report's consequence (a peer left), not news."""
-    if os.environ.get(QUIET_ENV) == "1":
+    if HANG_REPORTED.is_set():
         os._exit(1)
 
 
-def _report(message: str, report: str) -> None:
+def _report(message: str, report: str, layout: Layout) -> None:
     """Print the report and record it as this rank's failure (error file, --mpi run folder)."""
-    record_failure(f"HangError: {message}", report)
+    record_failure(
+        f"HangError: {message}",
+        report,
+        rank=layout.rank,
+        error_file=layout.error_file,
+        run_dir=layout.run_dir,
+    )
 
 
 def _run(dog: _Watchdog) -> None:
@@ -187,23 +195,23 @@ def _run(dog: _Watchdog) -> None:
                 return
 
 
-def start(host: str, port: int, rank: int, world: int, timeout_s: float, trace: str | None) -> None:
+def start(layout: Layout, timeout_s: float, trace: str | None) -> None:
     """Start this rank's watchdog thread (multi-process jobs only; best effort)."""
     global _thread, _generation
     _generation += 1
     _stop.clear()
-    os.environ.pop(QUIET_ENV, None)
+    HANG_REPORTED.clear()
     try:
         store = dist.TCPStore(
-            host,
-            port,
+            layout.master_addr,
+            layout.master_port,
             is_master=False,
             timeout=datetime.timedelta(seconds=max(30.0, _ANSWER_WINDOW_S * 2)),
             wait_for_workers=False,
         )
     except Exception:
         return
-    dog = _Watchdog(store, rank, world, timeout_s, trace)
+    dog = _Watchdog(store, layout, timeout_s, trace)
     _thread = threading.Thread(target=_run, args=(dog,), name="mpar-watchdog", daemon=True)
     _thread.start()
 

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from mpar._size import parse_bytes
 from mpar.errors import ConfigError, ConfigTypeError
 from mpar.schedule._csv import is_csv_path
 from mpar.schedule._registry import PIPELINES, check_csv_shape
@@ -31,7 +32,9 @@ CheckpointingKind = Literal["none", "each"]
 
 #: Largest ``timeout_s`` (about 31 years): process-group timeouts must stay representable.
 MAX_TIMEOUT_S = 1e9
-#: Default ``memory_weight`` for each ``optimize`` objective.
+#: Default ``memory_weight`` for each ``optimize`` objective (as in SageMaker model
+#: parallelism): "speed" mostly balances compute, "memory" mostly balances memory. The
+#: one definition; the partition solver reads it too.
 MEMORY_WEIGHT_FOR = {"speed": 0.2, "memory": 0.8}
 
 
@@ -95,8 +98,6 @@ def _check_memory(value: object) -> None:
             f"config key 'device_memory' must be bytes (an integer) or a size such as "
             f"'16GiB', got {type(value).__name__} {value!r}"
         )
-    from mpar.partition._plan import parse_bytes
-
     try:
         nbytes = parse_bytes(value)
     except ValueError as exc:

@@ -2,7 +2,8 @@
 
 Every process the launcher starts runs ``python -u <this file> script.py args...``.
 This file is executed by path, not imported as part of ``mpar``, so it uses the
-standard library only and starts without importing torch or mpar. It
+standard library only and starts without importing torch or mpar (the failure
+record, ``mpar/_failure.py``, a standard-library leaf, is loaded by path). It
 
 1. makes the process look as if ``python script.py args...`` had been run:
    ``sys.argv``, ``sys.path[0]`` (the script's folder) and ``__main__``;
@@ -12,9 +13,10 @@ standard library only and starts without importing torch or mpar. It
    ``torch.distributed.elastic.multiprocessing.errors``) and, under ``--mpi``,
    to the launcher's run folder; then calls ``MPI_Abort`` when the script had
    initialised MPI (a plain exit would hang in ``MPI_Finalize``) and exits 1;
-3. once mpar's hang watchdog has reported (``MPAR_HANG_REPORTED=1``), treats an
-   uncaught exception as that report's consequence (a peer left): exits 1 at
-   once and quietly. The watchdog records its report with :func:`record_failure`.
+3. once mpar's hang watchdog has reported (its ``HANG_REPORTED`` event is set),
+   treats an uncaught exception as that report's consequence (a peer left):
+   exits 1 at once and quietly. The watchdog records its report with the same
+   ``mpar/_failure.py``.
 
 ``SystemExit`` and ``KeyboardInterrupt`` pass through unchanged (a non-zero
 ``SystemExit`` is reported like an exception first). Under ``--mpi`` each rank
@@ -26,24 +28,37 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import json
+import importlib.util
 import os
 import runpy
 import signal
 import socket
 import subprocess
 import sys
-import time
 import traceback
-from collections.abc import Mapping
-from types import TracebackType
+from types import ModuleType, TracebackType
+from typing import TYPE_CHECKING
 
-# The launcher's --mpi mode watches stderr for this prefix to stop the job early.
-FAILURE_MARKER = "[mpar-launch] rank"
-RUNDIR_ENV = "MPAR_LAUNCH_RUNDIR"
 SUPERVISE_ENV = "MPAR_LAUNCH_SUPERVISE"
-HANG_REPORTED_ENV = "MPAR_HANG_REPORTED"  # set by mpar's hang watchdog once it reports
 BOOTSTRAP_PATH = os.path.abspath(__file__)
+
+
+def _load_failure_module() -> ModuleType:
+    """``mpar/_failure.py``, loaded by path: importing ``mpar`` would import torch."""
+    path = os.path.join(os.path.dirname(os.path.dirname(BOOTSTRAP_PATH)), "_failure.py")
+    spec = importlib.util.spec_from_file_location("_mpar_failure", path)
+    assert spec is not None and spec.loader is not None  # the file ships beside this one
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+if TYPE_CHECKING:
+    import mpar._failure as _failure
+else:
+    _failure = _load_failure_module()
+FAILURE_MARKER = _failure.FAILURE_MARKER
+RUNDIR_ENV = _failure.RUNDIR_ENV
 _RANK_VARIABLES = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 
 
@@ -64,33 +79,6 @@ def _user_traceback(exc: BaseException, script: str) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
 
 
-def _write_json_atomically(path: str, data: Mapping[str, object]) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as fp:
-            json.dump(data, fp)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # reporting must never hide the original error
-
-
-def _error_record(message: str, text: str, rank: int | None) -> dict[str, object]:
-    now = time.time()
-    return {
-        "message": {
-            "message": message,
-            "extraInfo": {
-                "py_callstack": text,
-                "timestamp": str(int(now)),
-                "mpar_time": now,
-                "mpar_rank": rank,
-                "mpar_pid": os.getpid(),
-                "mpar_host": socket.gethostname(),
-            },
-        }
-    }
-
-
 def _rundir() -> str | None:
     path = os.environ.get(RUNDIR_ENV)
     return path if path and os.path.isdir(path) else None
@@ -102,7 +90,7 @@ def _record_start(rank: int | None) -> None:
     if rundir is None or rank is None:
         return
     record = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname()}
-    _write_json_atomically(os.path.join(rundir, f"rank{rank}.start.json"), record)
+    _failure.write_json_atomically(os.path.join(rundir, f"rank{rank}.start.json"), record)
 
 
 def _record_exit(code: object) -> None:
@@ -110,7 +98,7 @@ def _record_exit(code: object) -> None:
     rundir, rank = _rundir(), process_rank()
     if rundir is not None and rank is not None:
         record = {"rank": rank, "pid": os.getpid(), "code": code if isinstance(code, int) else 1}
-        _write_json_atomically(os.path.join(rundir, f"rank{rank}.exit.json"), record)
+        _failure.write_json_atomically(os.path.join(rundir, f"rank{rank}.exit.json"), record)
 
 
 def _report_failure(exc: BaseException, script: str) -> None:
@@ -122,23 +110,21 @@ def _report_failure(exc: BaseException, script: str) -> None:
 
 
 def record_failure(message: str, text: str) -> None:
-    """Report this rank's failure: ``text`` on stderr after the launcher's marker line,
-    and ``message`` + ``text`` in torch elastic's error file and ``--mpi``'s run folder.
+    """Report this rank's failure on stderr, in torch elastic's error file and in
+    ``--mpi``'s run folder (see ``mpar/_failure.py``)."""
+    _failure.record_failure(
+        message,
+        text,
+        rank=process_rank(),
+        error_file=os.environ.get("TORCHELASTIC_ERROR_FILE"),
+        run_dir=_rundir(),
+    )
 
-    Also used by mpar's hang watchdog, whose report is not an exception.
-    """
-    rank = process_rank()
-    who = "?" if rank is None else str(rank)
-    header = f"{FAILURE_MARKER} {who} (pid {os.getpid()} on {socket.gethostname()}) failed:"
-    sys.stderr.write(f"{header}\n{text}")
-    sys.stderr.flush()
-    record = _error_record(message, text, rank)
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        _write_json_atomically(error_file, record)
-    rundir = _rundir()
-    if rundir is not None and rank is not None:
-        _write_json_atomically(os.path.join(rundir, f"rank{rank}.error.json"), record)
+
+def _hang_reported() -> bool:
+    """Whether mpar's hang watchdog has reported (its module is loaded in mpar jobs only)."""
+    watchdog = sys.modules.get("mpar.comm._watchdog")
+    return watchdog is not None and bool(watchdog.HANG_REPORTED.is_set())
 
 
 def _abort_mpi_if_initialized() -> None:
@@ -163,22 +149,10 @@ def _report_killed(child_pid: int, signum: int) -> None:
     sys.stderr.flush()
     rundir = _rundir()
     if rundir is not None and rank is not None:
-        now = time.time()
-        record = {
-            "message": {
-                "message": f"killed by {name}",
-                "extraInfo": {
-                    "py_callstack": "",
-                    "timestamp": str(int(now)),
-                    "mpar_time": now,
-                    "mpar_rank": rank,
-                    "mpar_pid": child_pid,
-                    "mpar_host": host,
-                    "mpar_signal": signum,
-                },
-            }
-        }
-        _write_json_atomically(os.path.join(rundir, f"rank{rank}.error.json"), record)
+        record = _failure.error_record(
+            f"killed by {name}", "", rank, pid=child_pid, mpar_signal=signum
+        )
+        _failure.write_json_atomically(os.path.join(rundir, f"rank{rank}.error.json"), record)
 
 
 def supervise(argv: list[str]) -> int:
@@ -233,7 +207,7 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         raise
     except BaseException as exc:
-        if os.environ.get(HANG_REPORTED_ENV) == "1":  # a consequence of the hang report
+        if _hang_reported():  # a consequence of the hang report
             os._exit(1)  # now, without the interpreter's teardown (it may abort)
         _report_failure(exc, script)
         _abort_mpi_if_initialized()

@@ -35,7 +35,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Literal
 
-from mpar.launch._bootstrap import BOOTSTRAP_PATH, FAILURE_MARKER, RUNDIR_ENV, SUPERVISE_ENV
+from mpar._failure import FAILURE_MARKER
+from mpar.launch._bootstrap import BOOTSTRAP_PATH, RUNDIR_ENV, SUPERVISE_ENV
 from mpar.launch._env import TORCHRUN_VARIABLES
 from mpar.launch._options import LaunchError, LaunchOptions
 from mpar.launch._report import (

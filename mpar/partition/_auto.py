@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from mpar._size import parse_bytes
 from mpar.errors import PartitionError
 from mpar.partition._cost import CostModel
 from mpar.partition._memory import Layout, _check_gather, effective_gather
@@ -40,7 +41,6 @@ from mpar.partition._plan import (
     _predict,
     lay_out,
     lower_bound_s,
-    parse_bytes,
     rank_overheads,
 )
 
@@ -57,6 +57,8 @@ ZBV = "zbv needs exactly 2 virtual stages"
 SEARCHABLE = ("interleaved", "simple", "zero_bubble", "zbv")
 NO_DP = "ZeRO without data parallelism or offload shards nothing"
 SLOWER = "slower than the top candidates (not simulated)"
+OVER_HOST = "over host memory cap"
+CPU_OFFLOAD = "offload on a CPU device (the host is the device: it saves nothing)"
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,15 @@ class Candidate:
     bubble: float | None = None
     gather: str | int = "unit"
     """``zero.gather`` (the runtime gathers by chunk under a split-backward schedule)."""
+    device: str = "cuda"
+    """The device kind the layout runs on (``Layout.device``)."""
+    host_memory_bytes: list[int] = field(default_factory=list)
+    """Per pipeline rank: host bytes of offloaded state (inside ``rank_memory_bytes`` on a
+    CPU device, beside it elsewhere)."""
+
+    @property
+    def max_host_memory_bytes(self) -> int:
+        return max(self.host_memory_bytes, default=0)
 
     @property
     def layout(self) -> Layout:
@@ -134,6 +145,7 @@ class Candidate:
             self.offload_optimizer,
             self.offload_params,
             gather=effective_gather(self.pipeline, self.gather),
+            device=self.device,
         )
 
     def config(self, device_memory: int | None = None) -> dict[str, Any]:
@@ -156,13 +168,14 @@ class Candidate:
             "bf16": self.precision == "bf16",
             "fp16": self.precision == "fp16",
             "memory_weight": 0.0,
+            "device": self.device,
         }
         if device_memory is not None:
             config["device_memory"] = device_memory
         return config
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "max_host_memory_bytes": self.max_host_memory_bytes}
 
 
 @dataclass
@@ -180,6 +193,9 @@ class SearchResult:
     cost: CostModel
     space: SearchSpace
     notes: list[str] = field(default_factory=list)
+    device: str = "cuda"
+    host_memory: int | None = None
+    """The cap on each rank's host memory (None: none)."""
 
     @property
     def best(self) -> Candidate:
@@ -199,7 +215,12 @@ class SearchResult:
                 "bubble": best.bubble,
                 "max_rank_memory_bytes": best.max_rank_memory_bytes,
                 "rank_memory_bytes": best.rank_memory_bytes,
+                "max_host_memory_bytes": best.max_host_memory_bytes,
+                "host_memory_bytes": best.host_memory_bytes,
+                "microbatch_size": best.microbatch_size,
             },
+            "device": self.device,
+            "host_memory": self.host_memory,
             "candidates": [c.to_dict() for c in self.ranked],
             "rejected": dict(self.rejected),
             "evaluated": self.evaluated,
@@ -234,9 +255,13 @@ def _divisors(n: int) -> list[int]:
 
 
 def _knobs(
-    dp: int, space: SearchSpace, reject: Counter[str]
+    dp: int, space: SearchSpace, reject: Counter[str], device: str = "cuda"
 ) -> Iterator[tuple[int, bool, bool, bool, str]]:
-    """(zero stage, offload optimizer, offload params, checkpointing, precision) to try."""
+    """(zero stage, offload optimizer, offload params, checkpointing, precision) to try.
+
+    On a CPU device offload is only tried where ``space.offload_choices`` asks for it
+    (the host is the device: offloaded state stays in the same memory, plus a host
+    gradient), else counted as rejected."""
     for zero in space.zero_stages:
         offloads = [(False, False)]
         if (space.offload or space.offload_choices) and zero >= 1:
@@ -245,6 +270,11 @@ def _knobs(
             offloads += [(False, True), (True, True)]
         if space.offload_choices is not None:
             offloads = [o for o in offloads if o in space.offload_choices]
+        elif device == "cpu" and len(offloads) > 1:
+            reject[CPU_OFFLOAD] += (
+                (len(offloads) - 1) * len(space.checkpointing) * len(space.precisions)
+            )
+            offloads = offloads[:1]
         for opt, par in offloads:
             if dp == 1 and zero >= 1 and not (opt or par):
                 reject[NO_DP] += len(space.checkpointing) * len(space.precisions)
@@ -296,13 +326,13 @@ def _evaluate(
     cap: int,
     cost: CostModel,
     gather: str | int = "unit",
+    device: str = "cuda",
 ) -> Candidate | None:
     """Lay out one candidate; None when it does not fit the cap."""
     pp, dp, m, pipeline, v = shape
     zero, opt, par, ckpt, precision = knobs
-    layout = Layout(
-        dp, zero, precision, ckpt, opt, par, scale, gather=effective_gather(pipeline, gather)
-    )
+    gathered = effective_gather(pipeline, gather)
+    layout = Layout(dp, zero, precision, ckpt, opt, par, scale, gather=gathered, device=device)
     try:
         laid = lay_out(profile, pp, v, m, pipeline, layout=layout, cost=cost, cap_rank=cap)
     except PartitionError:
@@ -316,6 +346,7 @@ def _evaluate(
     return Candidate(
         pp, dp, v, m, 0, pipeline, zero, opt, par, ckpt, precision,
         max(laid.rank_memory), laid.rank_memory, laid.starts, bound, overhead, gather=gather,
+        device=device, host_memory_bytes=laid.host_memory,
     )  # fmt: skip
 
 
@@ -370,6 +401,8 @@ def search(
     space: SearchSpace | None = None,
     cost: CostModel | None = None,
     top: int = 10,
+    device: str = "cuda",
+    host_memory: int | str | None = None,
 ) -> SearchResult:
     """Search every layout of ``world_size`` ranks for ``global_batch`` samples a step.
 
@@ -378,23 +411,34 @@ def search(
         device_memory: bytes (or "80GiB") per rank.
         space: the knobs' ranges (``SearchSpace``); cost: bandwidths and speed factors.
         top: how many fitting candidates to simulate and rank.
+        device: the kind the ranks compute on ("cuda", "xla", "cpu"); on "cpu" offloaded
+            state counts in the rank's memory and offload is not tried (unless
+            ``space.offload_choices`` names it).
+        host_memory: bytes (or "64GiB") of host memory per rank for offloaded state on a
+            CUDA or XLA device; None: not capped.
 
     Returns a ``SearchResult``; ``result.best`` raises ``PartitionError`` when nothing fits.
     """
     space, cost = space or SearchSpace(), cost or CostModel()
     _check_inputs(world_size, global_batch, profile_batch, top)
     cap = parse_bytes(device_memory)
+    host_cap = None if host_memory is None else parse_bytes(host_memory)
+    Layout(device=device)  # validates the device kind
     reject: Counter[str] = Counter()
     fitting: list[tuple[Candidate, float]] = []
     evaluated = 0
     for shape in _shapes(len(profile.units), world_size, global_batch, space, reject):
         _pp, dp, m, _pipeline, _v = shape
         size = global_batch // dp // m
-        for knobs in _knobs(dp, space, reject):
+        for knobs in _knobs(dp, space, reject, device):
             evaluated += 1
-            cand = _evaluate(profile, shape, knobs, size / profile_batch, cap, cost, space.gather)
+            scale = size / profile_batch
+            cand = _evaluate(profile, shape, knobs, scale, cap, cost, space.gather, device)
             if cand is None:
                 reject[OVER_CAP] += 1
+                continue
+            if host_cap is not None and device != "cpu" and cand.max_host_memory_bytes > host_cap:
+                reject[OVER_HOST] += 1
                 continue
             cand.microbatch_size = size
             fitting.append((cand, size / profile_batch))
@@ -404,7 +448,7 @@ def search(
         reject[SLOWER] += skipped
     return SearchResult(
         ranked, dict(reject), evaluated, count, world_size, global_batch, cap,
-        profile_batch, cost, space,
+        profile_batch, cost, space, device=device, host_memory=host_cap,
     )  # fmt: skip
 
 
@@ -450,18 +494,21 @@ def _row(rank: int, c: Candidate) -> tuple[str, ...]:
         f"{(c.step_time_s or 0.0) * 1e3:.4g}",
         f"{(c.bubble or 0.0):.1%}",
         _gib(c.max_rank_memory_bytes),
+        _gib(c.max_host_memory_bytes) if c.max_host_memory_bytes else "-",
     )
 
 
 def render(result: SearchResult) -> str:
     """The ranked candidates as a table, with the rejection counts."""
+    host = "" if result.host_memory is None else f", host {_gib(result.host_memory)} GiB"
     head = (
-        f"auto plan: {result.world_size} ranks x {_gib(result.device_memory)} GiB, global batch "
-        f"{result.global_batch}; {result.evaluated} layouts evaluated, {result.fitting} fit"
+        f"auto plan: {result.world_size} ranks x {_gib(result.device_memory)} GiB "
+        f"({result.device}{host}), global batch {result.global_batch}; "
+        f"{result.evaluated} layouts evaluated, {result.fitting} fit"
     )
     rows = [
         ("#", "pp x dp", "v", "m x size", "schedule", "zero", "offload", "ckpt", "precision",
-         "step ms", "bubble", "peak GiB"),
+         "step ms", "bubble", "peak GiB", "host GiB"),
         *(_row(i + 1, c) for i, c in enumerate(result.ranked)),
     ]  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -477,5 +524,18 @@ def render(result: SearchResult) -> str:
         f"cost model: links {cost.link_bandwidth}, dp {cost.dp_bandwidth}, host "
         f"{cost.host_bandwidth} B/s; bf16 speedup x{cost.mixed_speedup:g}; profiled at "
         f"{result.profile_batch} sample(s) per microbatch, scaled linearly",
+        _where_note(result.device),
     ]
     return "\n".join(lines)
+
+
+def _where_note(device: str) -> str:
+    if device == "cpu":
+        return (
+            "memory: one figure per rank (a CPU device: the host is the device, offloaded "
+            "state would count in it); plan for GPUs with --device cuda"
+        )
+    return (
+        f"memory: peak GiB = the {device} device's per rank; host GiB = offloaded state in "
+        "pinned host memory per rank (cap it with --host-memory)"
+    )

@@ -63,12 +63,16 @@ class CostModel:
     split stage graphs (torch.fx nodes with their metadata) and the heap they leave;
     measured 5.5-6.4 MiB on every pipeline rank of the calibration grid (a 6-layer GPT:
     it grows with the traced graph, not with tensor sizes)."""
+    mixed_process_bytes: float = 12 * 2**20
+    """More per rank under bf16/fp16 mixed precision: what the CPU runtime's
+    low-precision kernels keep besides tensors (measured on the calibration grid; on
+    CUDA give the whole figure with ``process_bytes``)."""
 
     def __post_init__(self) -> None:
         for name in ("host_bandwidth", "host_optimizer_rate", "mixed_speedup"):
             if not getattr(self, name) > 0:
                 raise PartitionError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("process_bytes", "pipeline_process_bytes"):
+        for name in ("process_bytes", "pipeline_process_bytes", "mixed_process_bytes"):
             if not getattr(self, name) >= 0:
                 raise PartitionError(
                     f"{name} must be >= 0 bytes (0 leaves it out), got {getattr(self, name)!r}"

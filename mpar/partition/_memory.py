@@ -12,11 +12,14 @@ The functions here turn a profile's per-unit figures into device bytes at the
   backward to its once-per-step reduction at ZeRO-0/1 (microbatches accumulate
   into it); at ZeRO-2/3 the ``1/dp`` shard;
 * the ZeRO-2/3 working set (:func:`zero_working_set_bytes`), by the gather
-  granularity (``Layout.gather``): two units' (or groups') gathered parameters
-  at ZeRO-3 and one unit's (group's) gradients before their reduce-scatter; by
-  chunk the stage's whole parameters and a full-size gradient buffer;
+  granularity (``Layout.gather``): by unit or group, two neighbouring units'
+  (groups') gathered parameters at ZeRO-3 and, after a unit's backward, its
+  gradients twice (autograd's and the flat buffer they are copied into for the
+  reduce-scatter); by chunk the stage's whole parameters and a full-size
+  gradient buffer;
 * optimizer state (and the fp32 master copy under mixed precision) divided by
-  ``dp`` at ZeRO >= 1, nothing on the device with ``offload_optimizer``;
+  ``dp`` at ZeRO >= 1, nothing on the device with ``offload_optimizer`` or
+  ``offload_params`` (the runtime offloads the optimizer with the parameters);
 * activations saved for backward per microbatch in flight, plus the stage's
   output kept for its backward; with activation checkpointing only the stage's
   input and output per microbatch in flight, plus one microbatch's full
@@ -25,6 +28,13 @@ The functions here turn a profile's per-unit figures into device bytes at the
 * pipeline messages (:class:`Transfers`): sends kept until the step ends and
   one posted receive per incoming stream; one gradient bucket at ZeRO-0 when
   ``dp > 1``.
+
+Where the memory is (``Layout.device``): offloaded state lives on the host
+(:func:`unit_host_bytes`: the optimizer state, its fp32 master copy, the fp32
+gradient the host optimizer reads, and the parameter shard with
+``offload_params``). On a CUDA or XLA device that is another memory, reported
+beside the device's; on a CPU device it is the same memory, so it counts in the
+rank's peak and offload saves nothing (it adds the host gradient).
 
 What a process holds besides tensors is added per rank by ``mpar.partition._plan``
 (``CostModel.process_bytes``).
@@ -55,12 +65,15 @@ __all__ = [
     "stage_extra_bytes",
     "transfer_bytes",
     "unit_activation_bytes",
+    "unit_host_bytes",
     "unit_state_bytes",
     "working_set_for_solver",
     "zero_working_set_bytes",
 ]
 
 _PRECISIONS = ("fp32", "bf16", "fp16")
+DEVICES = ("cuda", "xla", "cpu")
+"""Device kinds a layout can name; on ``"cpu"`` host memory is the device's memory."""
 
 
 def splits_backward(pipeline: str) -> bool:
@@ -110,6 +123,10 @@ class Layout:
     """ZeRO 2/3 granularity inside a stage, as the runtime runs it: ``"unit"``, an int
     ``n`` (groups of ``n`` consecutive units) or ``"chunk"`` (the whole stage). Pass
     :func:`effective_gather` of the pipeline and ``zero.gather``."""
+    device: str = "cuda"
+    """The device kind the ranks compute on: ``"cuda"`` / ``"xla"`` (offloaded state
+    leaves the device for the host) or ``"cpu"`` (the host *is* the device: offloaded
+    state counts in the same memory)."""
 
     def __post_init__(self) -> None:
         if self.data_parallel_degree < 1:
@@ -129,6 +146,22 @@ class Layout:
         if not self.microbatch_scale > 0:
             raise PartitionError(f"microbatch_scale must be > 0, got {self.microbatch_scale!r}")
         _check_gather(self.gather)
+        if self.device not in DEVICES:
+            raise PartitionError(
+                f"device must be one of {', '.join(DEVICES)} (the kind the ranks compute on), "
+                f"got {self.device!r}"
+            )
+
+    @property
+    def host_is_device(self) -> bool:
+        """Whether offloaded state stays in the device's memory (a CPU device)."""
+        return self.device == "cpu"
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        """Whether the optimizer runs on the host: ``offload_optimizer``, or
+        ``offload_params`` (the runtime offloads the optimizer with the parameters)."""
+        return self.offload_optimizer or self.offload_params
 
     @property
     def mixed(self) -> bool:
@@ -148,7 +181,8 @@ class Layout:
 def unit_state_bytes(unit: UnitProfile, layout: Layout) -> float:
     """Device bytes of a unit's parameters, gradients and optimizer state between steps
     and while other units run (what is gathered or staged only while the unit itself
-    computes is in :func:`zero_working_set_bytes`)."""
+    computes is in :func:`zero_working_set_bytes`). On a CPU device the offloaded
+    state (:func:`unit_host_bytes`) is in the same memory and included."""
     c, dp = layout.dtype_factor, layout.data_parallel_degree
     params = c * unit.param_bytes
     if layout.zero_stage == 3:
@@ -157,10 +191,30 @@ def unit_state_bytes(unit: UnitProfile, layout: Layout) -> float:
     if layout.zero_stage >= 2:
         grads /= dp  # reduce-scattered per unit as produced: only the shard stays
     optim = 0.0
-    if not layout.offload_optimizer:
+    if not layout.offloads_optimizer:
         master = unit.grad_bytes if layout.mixed else 0  # fp32 copy of trainable parameters
         optim = (unit.optimizer_bytes + master) / layout.shards
-    return params + grads + optim
+    host = unit_host_bytes(unit, layout) if layout.host_is_device else 0.0
+    return params + grads + optim + host
+
+
+def unit_host_bytes(unit: UnitProfile, layout: Layout) -> float:
+    """Host bytes a rank keeps for a unit when it offloads (``FlatBucket`` on the host):
+    the optimizer state and the fp32 master copy it updates (the parameter shard itself
+    in fp32 with ``offload_params``, else a copy), the fp32 gradient the host optimizer
+    reads (``cpu_grad``, kept for the whole run), and under mixed precision with
+    ``offload_params`` the compute-dtype parameter shard beside the master. All ``1/dp``
+    shards (offload needs ZeRO >= 1). 0 without offload. Pinned on CUDA."""
+    if not layout.offloads_optimizer:
+        return 0.0
+    shards = layout.shards
+    master = unit.grad_bytes / shards  # fp32 trainable parameters
+    host = unit.optimizer_bytes / shards + master + unit.grad_bytes / shards  # + cpu_grad
+    if layout.offload_params and layout.mixed:
+        host += layout.dtype_factor * unit.param_bytes / layout.data_parallel_degree
+    elif layout.offload_params:  # fp32: the shard is the master; frozen ones too
+        host += (unit.param_bytes - unit.grad_bytes) / layout.data_parallel_degree
+    return host
 
 
 def _gather_groups(units: Sequence[UnitProfile], gather: str | int) -> list[list[UnitProfile]]:
@@ -175,32 +229,49 @@ def zero_working_set_bytes(units: Sequence[UnitProfile], layout: Layout) -> floa
 
     By ``layout.gather`` (``mpar.shard._units``; the groups of :func:`_gather_groups`):
 
-    * ``"unit"`` / an int ``n``: at ZeRO-3 at most two groups' full parameters are
-      gathered at once (the one running and the prefetched next), at ZeRO-2/3 one
-      group's full gradients exist before their reduce-scatter; bounded by the
-      stage's largest groups;
+    * ``"unit"`` / an int ``n``: at ZeRO-3 at most two neighbouring groups' full
+      parameters are gathered at once (the one running and the prefetched next, in
+      forward or backward order); at ZeRO-2/3, after a group's backward, its
+      gradients exist twice (autograd's ``.grad`` and the flat buffer they are copied
+      into for the reduce-scatter, ``FlatBucket.reduce_unit``). The figure is the
+      largest over the stage's groups of the two together;
     * ``"chunk"``: at ZeRO-3 the whole stage is gathered from its UNSHARD to its
       RESHARD, and at ZeRO-2/3 its gradients accumulate into a full-size buffer
-      (``FlatBucket.staging``) from its first backward to its once-per-step
-      reduction. A rank's stages add up (``mpar.partition._plan`` sums them): under
-      ``interleaved``, ``zero_bubble`` and ``zbv`` with ``v`` virtual stages the
-      lowered schedule (``lower_sharding``, prefetch 1) holds all ``v`` chunks of a
-      rank gathered, and all ``v`` gradient buffers, at once. GPipe (``simple``)
-      holds at most two chunks gathered and one gradient buffer, so there the sum
-      over-predicts for ``v`` > 2 (gathers) and ``v`` > 1 (gradients).
+      (``FlatBucket.staging``, the ``.grad`` are views of it) from its first backward
+      to its once-per-step reduction. A rank's stages add up (``mpar.partition._plan``
+      sums them): under ``interleaved``, ``zero_bubble`` and ``zbv`` with ``v`` virtual
+      stages the lowered schedule (``lower_sharding``, prefetch 1) holds all ``v``
+      chunks of a rank gathered, and all ``v`` gradient buffers, at once. GPipe
+      (``simple``) holds at most two chunks gathered and one gradient buffer, so there
+      the sum over-predicts for ``v`` > 2 (gathers) and ``v`` > 1 (gradients).
 
     All in the compute dtype. This is the one place to change when the runtime's
     gather or reduction granularity changes.
     """
+    return max((_group_moment(units, layout, i) for i in range(len(units))), default=0.0)
+
+
+def _group_moment(units: Sequence[UnitProfile], layout: Layout, index: int) -> float:
+    """The working set while the group holding ``units[index]`` is differentiated: its
+    parameters and a neighbour's gathered (ZeRO-3), and its gradients (ZeRO-2/3)."""
     c, sharded = layout.dtype_factor, layout.data_parallel_degree > 1
     groups = _gather_groups(units, layout.gather)
+    size = len(groups[0]) if groups else 1
+    g = index // size
+    if index % size:  # one figure per group
+        return 0.0
     extra = 0.0
     if layout.zero_stage >= 2 and sharded:
-        grads = (sum(u.grad_bytes for u in g) for g in groups)
-        extra += c * max(grads, default=0)  # one group's full gradients
+        copies = 1 if layout.gather == "chunk" else 2  # by chunk the .grad are views
+        extra += copies * c * sum(u.grad_bytes for u in groups[g])
     if layout.zero_stage == 3 and (sharded or layout.offload_params):
-        params = sorted((sum(u.param_bytes for u in g) for g in groups), reverse=True)
-        extra += c * sum(params[:2])  # at most two groups gathered
+        params = [sum(u.param_bytes for u in group) for group in groups]
+        # the prefetch skips groups with nothing to gather: neighbours among the others
+        held = [i for i, p in enumerate(params) if p or i == g]
+        at = held.index(g)
+        before = params[held[at - 1]] if at else 0
+        after = params[held[at + 1]] if at + 1 < len(held) else 0
+        extra += c * (params[g] + max(before, after))
     return extra
 
 
@@ -235,10 +306,21 @@ def boundary_bytes(unit: UnitProfile, layout: Layout) -> float:
 def loss_bytes(last: UnitProfile, layout: Layout, in_flight: int) -> float:
     """The loss outside the model on the last stage, at its peak (the backward of the
     loss of one microbatch): the fp32 log-probabilities cross-entropy saves for every
-    microbatch in flight, plus, for the one being differentiated, their gradient and
-    the logits' gradient; under mixed precision one more fp32 copy of the logits."""
-    logits = last.output_bytes * layout.microbatch_scale  # fp32
-    return logits * (in_flight + 2 + (1 if layout.mixed else 0))
+    microbatch in flight, plus :func:`loss_backward_bytes`. The same in every
+    precision: the last stage's outputs are cast to fp32 for the loss, and neither the
+    cast nor the compute-dtype logits outlive the forward."""
+    return loss_saved_bytes(last, layout, in_flight) + loss_backward_bytes(last, layout)
+
+
+def loss_saved_bytes(last: UnitProfile, layout: Layout, in_flight: int) -> float:
+    """The fp32 log-probabilities cross-entropy saves, per microbatch in flight."""
+    return last.output_bytes * layout.microbatch_scale * in_flight  # fp32
+
+
+def loss_backward_bytes(last: UnitProfile, layout: Layout) -> float:
+    """During the loss's backward: the log-probabilities' gradient and the logits', two
+    fp32 logits-sized tensors (freed before the last unit's backward runs)."""
+    return 2 * last.output_bytes * layout.microbatch_scale  # fp32
 
 
 @dataclass(frozen=True)
@@ -294,10 +376,18 @@ def stage_extra_bytes(
     kept = out + (inp if layout.activation_checkpointing else 0.0)
     extra = kept * in_flight + transfer_bytes(inp, out, transfers or Transfers())
     group = units[start:end]
-    extra += zero_working_set_bytes(group, layout)
+    working = zero_working_set_bytes(group, layout)
     if layout.data_parallel_degree > 1 and layout.zero_stage == 0:
         grads = sum(u.grad_bytes for u in group) * layout.dtype_factor
         extra += min(layout.bucket_bytes, grads)
-    if last:
-        extra += loss_bytes(units[-1], layout, in_flight)
-    return extra
+    if not last:
+        return extra + working
+    # the loss's backward comes before the last group's: its temporaries are gone when
+    # the group's gradients are copied for the reduction (the gathered ones stay)
+    gathered = 0.0
+    if layout.zero_stage == 3 and (layout.data_parallel_degree > 1 or layout.offload_params):
+        groups = [g for g in _gather_groups(group, layout.gather) if any(u.param_bytes for u in g)]
+        pair = groups[-2:] if layout.gather != "chunk" else groups[-1:]
+        gathered = layout.dtype_factor * sum(u.param_bytes for g in pair for u in g)
+    loss_moment = loss_backward_bytes(units[-1], layout) + gathered
+    return extra + loss_saved_bytes(units[-1], layout, in_flight) + max(working, loss_moment)

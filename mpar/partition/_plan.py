@@ -38,11 +38,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from mpar._size import parse_bytes
 from mpar.errors import PartitionError
 from mpar.partition._cost import CostModel, step_overhead_s
 from mpar.partition._memory import (
@@ -53,6 +53,7 @@ from mpar.partition._memory import (
     loss_bytes,
     stage_extra_bytes,
     unit_activation_bytes,
+    unit_host_bytes,
     unit_state_bytes,
     working_set_for_solver,
 )
@@ -133,6 +134,12 @@ class Plan:
     """Data-parallel sync and offload seconds per step (in ``step_time_s``)."""
     process_bytes: int = 0
     """Memory each rank's process holds besides tensors (in ``rank_memory_bytes``)."""
+    host_memory_bytes: list[int] = field(default_factory=list)
+    """Per pipeline rank: host bytes of offloaded state (optimizer state, master copy, the
+    host gradient, parameter shards; ``unit_host_bytes``). On a CPU device the same memory
+    as the device's, so already inside ``rank_memory_bytes``; elsewhere beside it."""
+    microbatch_size: int | None = None
+    """Samples per microbatch the figures assume (None: the profiled microbatch's)."""
     layout: dict[str, Any] = field(default_factory=dict)
     """The ``Layout`` knobs (dp, ZeRO, precision, checkpointing, offload, microbatch scale,
     the ZeRO 2/3 gather granularity the runtime will use)."""
@@ -145,24 +152,6 @@ class Plan:
 
 
 # ---------------------------------------------------------------------------
-
-
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgtp]?i?b?)\s*$", re.IGNORECASE)
-
-
-def parse_bytes(text: str | int | float) -> int:
-    """``"16GiB"`` → 17179869184; ``"16GB"`` → 16e9; a bare number is bytes."""
-    if isinstance(text, (int, float)):
-        return int(text)
-    match = _SIZE.match(text)
-    if not match:
-        raise ValueError(f"cannot read a memory size from {text!r}; write e.g. 16GiB, 40GB, 512MiB")
-    value, unit = float(match.group(1)), match.group(2).lower().rstrip("b")
-    if not unit:
-        return int(value)
-    base = 1024 if unit.endswith("i") else 1000
-    power = "kmgtp".index(unit[0]) + 1
-    return int(value * base**power)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -386,10 +375,25 @@ def unit_memory(
     return memory, widest * copies + bucket + reserve
 
 
-def process_bytes(p: int, cost: CostModel) -> float:
+def process_bytes(p: int, cost: CostModel, layout: Layout | None = None) -> float:
     """Memory a rank's process holds besides tensors (``CostModel.process_bytes``, plus
-    ``pipeline_process_bytes`` when the model is split into a pipeline)."""
-    return cost.process_bytes + (cost.pipeline_process_bytes if p > 1 else 0.0)
+    ``pipeline_process_bytes`` when the model is split into a pipeline and
+    ``mixed_process_bytes`` under bf16/fp16)."""
+    mixed = cost.mixed_process_bytes if layout is not None and layout.mixed else 0.0
+    return cost.process_bytes + (cost.pipeline_process_bytes if p > 1 else 0.0) + mixed
+
+
+def host_memory(
+    stages: Sequence[StagePlan], units: Sequence[UnitProfile], layout: Layout, p: int
+) -> list[int]:
+    """Per rank: host bytes of its stages' offloaded state (``unit_host_bytes``)."""
+    by_name = {u.name: u for u in units}
+    return [
+        int(
+            sum(unit_host_bytes(by_name[n], layout) for s in stages if s.rank == r for n in s.units)
+        )
+        for r in range(p)
+    ]
 
 
 @dataclass
@@ -404,6 +408,7 @@ class _Laid:
     comm: list[float] | None
     compute: list[float]
     rank_memory: list[int]
+    host_memory: list[int] = field(default_factory=list)
 
 
 def lay_out(
@@ -424,7 +429,7 @@ def lay_out(
     transfers = _transfers(p, v, m, pipeline) if sched is not None else ()
     units = profile.units
     memory, reserve = unit_memory(units, layout, max(in_flight), transfers)
-    process = process_bytes(p, cost)
+    process = process_bytes(p, cost, layout)
     cap = None if cap_rank is None else max((cap_rank - process) / v - reserve, 0.0)
     comm = _comm(units, layout, cost.link_bandwidth)
     speed = cost.mixed_speedup if layout.mixed else 1.0
@@ -436,7 +441,8 @@ def lay_out(
     rank_memory = [
         int(process) + sum(s.memory_bytes for s in stages if s.rank == r) for r in range(p)
     ]
-    return _Laid(starts, stages, in_flight, sched, memory, comm, compute, rank_memory)
+    host = host_memory(stages, units, layout, p)
+    return _Laid(starts, stages, in_flight, sched, memory, comm, compute, rank_memory, host)
 
 
 def make_plan(
@@ -460,6 +466,8 @@ def make_plan(
     microbatch_scale: float = 1.0,
     cost: CostModel | None = None,
     gather: str | int = "unit",
+    device: str = "cuda",
+    microbatch_size: int | None = None,
 ) -> Plan:
     """Partition a profiled model over ``num_ranks`` pipeline ranks and predict its cost.
 
@@ -489,6 +497,10 @@ def make_plan(
         gather: ZeRO 2/3 granularity inside a stage (``zero.gather``: "unit", "chunk" or
             an int); schedules with a split backward gather by chunk whatever it says
             (``effective_gather``).
+        device: the kind the ranks compute on, "cuda", "xla" or "cpu": on "cpu" offloaded
+            state counts in the rank's memory (``Layout.device``).
+        microbatch_size: samples per microbatch, only reported (``microbatch_scale``
+            scales the figures).
     """
     p, v, m = num_ranks, virtual_stages, microbatches
     _check(profile, p, v, m, pipeline, method)
@@ -504,6 +516,7 @@ def make_plan(
         offload_params,
         microbatch_scale,
         gather=effective_gather(pipeline, gather),
+        device=device,
     )
     laid = lay_out(
         profile,
@@ -542,7 +555,9 @@ def make_plan(
         simulated,
         cost.link_bandwidth,
         overhead_s=overhead,
-        process_bytes=int(process_bytes(p, cost)),
+        process_bytes=int(process_bytes(p, cost, layout)),
+        host_memory_bytes=laid.host_memory,
+        microbatch_size=microbatch_size,
         layout=dataclasses.asdict(layout),
     )
 
@@ -707,10 +722,12 @@ def _render(plan: Plan) -> str:
         if s.outer_params
     ]
     lines += _gather_note(plan.layout, plan.pipeline)
+    lines += _host_note(plan)
     lines += [
         "",
         f"predicted step time {plan.step_time_s * 1e3:.4g} ms, bubble {plan.bubble:.1%} ({source}); "
-        f"busiest rank memory {_fmt(peak)} (process {_fmt(plan.process_bytes)} included; "
+        f"{_microbatch_note(plan)}busiest rank memory {_fmt(peak)} on the "
+        f"{plan.layout.get('device', 'cuda')} device (process {_fmt(plan.process_bytes)} included; "
         f"cap {cap}); bound by {plan.binding}; "
         f"links {link}",
     ]
@@ -725,3 +742,23 @@ def _gather_note(layout: dict[str, Any], pipeline: str) -> list[str]:
     how = "the whole stage" if gather == "chunk" else f"groups of {gather} units"
     why = " (the schedule splits the backward)" if effective_gather(pipeline) == "chunk" else ""
     return [f"ZeRO-{layout['zero_stage']} gathers and reduces by {how}{why}"]
+
+
+def _microbatch_note(plan: Plan) -> str:
+    scale = plan.layout.get("microbatch_scale", 1.0)
+    if plan.microbatch_size is None:
+        return f"microbatch: the profiled one x{scale:g}; "
+    return f"microbatch: {plan.microbatch_size} samples (profile x{scale:g}); "
+
+
+def _host_note(plan: Plan) -> list[str]:
+    """Where offloaded state lives, when there is any."""
+    host = max(plan.host_memory_bytes, default=0)
+    if not host:
+        return []
+    if plan.layout.get("device") == "cpu":
+        return [
+            f"offloaded state {_fmt(host)} per rank stays in the same memory on a CPU device "
+            "(counted in the rank's memory): offload saves nothing there"
+        ]
+    return [f"host memory per rank (offloaded state, pinned): {_fmt(host)}, beside the device's"]

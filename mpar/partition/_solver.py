@@ -27,16 +27,13 @@ import itertools
 import math
 from collections.abc import Sequence
 
+from mpar.config import MEMORY_WEIGHT_FOR
 from mpar.errors import PartitionError
 
 __all__ = ["memory_weight_for", "min_memory_for", "min_stages_for", "solve", "stage_costs"]
 
 _REL_TOL = 1e-12
 _MAX_PROBES = 200
-
-#: ``optimize`` → default ``memory_weight`` (as in SageMaker model parallelism):
-#: "speed" mostly balances compute, "memory" mostly balances memory.
-_MEMORY_WEIGHT = {"speed": 0.2, "memory": 0.8}
 
 
 def memory_weight_for(optimize: str, memory_weight: float | None = None) -> float:
@@ -46,9 +43,9 @@ def memory_weight_for(optimize: str, memory_weight: float | None = None) -> floa
         if not 0.0 <= w <= 1.0:
             raise PartitionError(f"memory_weight must be in [0, 1], got {memory_weight!r}")
         return w
-    if optimize not in _MEMORY_WEIGHT:
+    if optimize not in MEMORY_WEIGHT_FOR:
         raise PartitionError(f"optimize must be 'speed' or 'memory', got {optimize!r}")
-    return _MEMORY_WEIGHT[optimize]
+    return MEMORY_WEIGHT_FOR[optimize]
 
 
 class _Costs:

@@ -76,6 +76,7 @@ def _choose(
         profile_batch=batch,
         space=_space(cfg, cfg.auto_keys),
         top=3,
+        device=st.device.type,
     )
     best = result.best
     return {

@@ -79,6 +79,7 @@ def _decide_boundaries(
         offload_optimizer=cfg.zero.offload_optimizer == "cpu",
         offload_params=cfg.zero.offload_params == "cpu",
         gather=cfg.zero.gather,
+        device=st.device.type,
     )
     return list(plan.boundaries), plan
 

@@ -15,6 +15,7 @@ from mpar.comm._progress import PROGRESS
 from mpar.comm._snapshot import write_trace
 from mpar.comm._watchdog import exit_if_reported
 from mpar.errors import StepError
+from mpar.runtime._batch_check import check_same_batch
 from mpar.runtime._microbatch import Microbatches, split_microbatches
 from mpar.runtime._model import DistributedModel
 from mpar.runtime._output import StepOutput
@@ -144,6 +145,7 @@ def step(
     @functools.wraps(fn)
     def wrapper(model: Any, *args: Any, **kwargs: Any) -> StepOutput:
         batches = _prepare(fn, model, args, kwargs, non_split_inputs, input_split_axes)
+        check_same_batch(state(), batches.args, batches.kwargs)
         return _execute(fn, model, batches)
 
     return wrapper

@@ -331,7 +331,8 @@ def test_the_next_save_clears_an_interrupted_one(tmp_path):
     (tmp_path / ".tmp-ckpt-000002-dead").mkdir()
     (final,) = run_distributed(_body_save_again, 1, args=(str(tmp_path),), timeout=60)
     assert final == str(tmp_path / "ckpt-000002")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000001", "ckpt-000002", "latest"]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [".mpar-save.lock", "ckpt-000001", "ckpt-000002", "latest"]
 
 
 # ------------------------------------------------------------ other formats

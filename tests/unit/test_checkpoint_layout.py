@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import itertools
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from mpar.checkpoint._boxes import run_boxes
 from mpar.checkpoint._dirs import LATEST, MARKER, commit, new_tmp_dir, remove_stale, resolve
+from mpar.checkpoint._owner import Owner, write_owner
 
 
 @pytest.mark.parametrize("shape", [(), (7,), (4, 5), (3, 4, 5), (2, 3, 1, 4), (3, 0, 2)])
@@ -54,6 +57,10 @@ def test_an_uncommitted_directory_is_never_loaded(tmp_path):
         resolve(tmp_path)
     with pytest.raises(ValueError, match="no completion marker"):
         resolve(tmp)
+    assert remove_stale(tmp_path) == []  # its owner (this process) still runs
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    write_owner(tmp, Owner(Owner.here().host, gone.pid, None, 0.0))
     assert remove_stale(tmp_path) == [tmp.name]
     assert list(tmp_path.iterdir()) == []
 
@@ -66,8 +73,12 @@ def test_without_latest_the_newest_complete_directory_is_loaded(tmp_path):
     (tmp_path / "ckpt-000002" / MARKER).write_text("{}")
     assert resolve(tmp_path) == ("dcp", tmp_path / "ckpt-000002")
     (tmp_path / LATEST).write_text("ckpt-000003\n")
-    with pytest.raises(ValueError, match="not a complete checkpoint directory"):
+    with pytest.raises(ValueError, match=r"not a complete checkpoint directory; load one of \["):
         resolve(tmp_path)
+    for name in ("ckpt-000001", "ckpt-000002"):
+        (tmp_path / name / MARKER).unlink()
+    with pytest.raises(ValueError, match="no complete checkpoint is left under it: save a new"):
+        resolve(tmp_path)  # not "load one of [] explicitly"
 
 
 class _Evil:

@@ -51,7 +51,8 @@ def test_unit_state_follows_zero_precision_and_offload():
     assert unit_state_bytes(u, Layout(4, 2)) == 400 + 100 + 800 / 4
     # ZeRO-3: this rank's parameter shard (the gathered units are the stage's working set)
     assert unit_state_bytes(u, Layout(4, 3)) == 100 + 100 + 200
-    assert unit_state_bytes(u, Layout(4, 3, offload_params=True)) == 0 + 100 + 200
+    # parameter offload takes the optimizer to the host with it (as the runtime does)
+    assert unit_state_bytes(u, Layout(4, 3, offload_params=True)) == 0 + 100
     assert unit_state_bytes(u, Layout(4, 1, offload_optimizer=True)) == 400 + 400
     # bf16: half-size parameters and gradients, fp32 master copy sharded with the optimizer
     assert unit_state_bytes(u, Layout(4, 1, "bf16")) == 200 + 200 + (800 + 400) / 4
@@ -64,19 +65,25 @@ def test_unit_state_follows_zero_precision_and_offload():
 def test_zero_working_set_is_two_gathered_units_and_one_gradient_bucket():
     units = [_unit(i, params=p) for i, p in enumerate((100, 400, 300, 200))]
     assert zero_working_set_bytes(units, Layout(4, 1)) == 0  # full gradient buffer in state
-    assert zero_working_set_bytes(units, Layout(4, 2)) == 400  # the largest unit's gradients
-    assert zero_working_set_bytes(units, Layout(4, 3)) == 400 + (400 + 300)
-    assert zero_working_set_bytes(units, Layout(4, 3, "bf16")) == (400 + 700) / 2
+    # the largest unit's gradients twice: autograd's and the flat reduction buffer
+    assert zero_working_set_bytes(units, Layout(4, 2)) == 2 * 400
+    # ZeRO-3: a unit and its larger neighbour gathered, with its gradients twice
+    assert zero_working_set_bytes(units, Layout(4, 3)) == 2 * 400 + (400 + 300)
+    assert zero_working_set_bytes(units, Layout(4, 3, "bf16")) == (800 + 700) / 2
     # one rank, parameters on the host: still gathered onto the device, no reduction
     assert zero_working_set_bytes(units, Layout(1, 3, offload_params=True)) == 700
+    # neighbours, not the two largest anywhere: the 400 and 300 units are apart here
+    apart = [_unit(i, params=p) for i, p in enumerate((400, 100, 100, 300))]
+    assert zero_working_set_bytes(apart, Layout(4, 3)) == 2 * 400 + (400 + 100)
 
 
 def test_last_stage_holds_the_loss_and_checkpointing_keeps_boundaries():
     units = [_unit(i, out=100, act=1000) for i in range(4)]
     plain = Layout()
-    # saved log-probabilities per microbatch in flight + their gradient + the logits' one
+    # saved log-probabilities per microbatch in flight + their gradient + the logits' one,
+    # all fp32 in every precision (the fp32 cast of the logits lives only in the forward)
     assert loss_bytes(units[-1], plain, in_flight=3) == 100 * 5
-    assert loss_bytes(units[-1], Layout(precision="bf16"), in_flight=3) == 100 * 6
+    assert loss_bytes(units[-1], Layout(precision="bf16"), in_flight=3) == 100 * 5
     # a middle stage: output kept per microbatch in flight + one send and one receive each way
     assert stage_extra_bytes(units, 1, 3, 2, plain) == 100 * 2 + 4 * 100
     ckpt = Layout(activation_checkpointing=True)

@@ -44,15 +44,19 @@ def test_working_set_grows_from_unit_to_groups_to_chunk():
     def ws(zero, gather, **kw):
         return zero_working_set_bytes(units, Layout(4, zero, gather=gather, **kw))
 
-    # ZeRO-3: the largest group's gradients + the two largest groups' parameters
-    assert ws(3, "unit") == 400 + (400 + 300)
+    # ZeRO-3 by unit or group: after a group's backward its gradients twice (autograd's
+    # and the flat reduction buffer), with its parameters and its larger neighbour's
+    assert ws(3, "unit") == 2 * 400 + (400 + 300)
     assert ws(3, 1) == ws(3, "unit")
-    assert ws(3, 2) == 500 + (500 + 500)  # groups (100, 400), (300, 200)
-    assert ws(3, 3) == 800 + (800 + 200)  # groups (100, 400, 300), (200)
-    assert ws(3, 4) == ws(3, "chunk") == 1000 + 1000  # the whole stage, gathered and reduced
-    assert ws(3, "unit") < ws(3, 2) < ws(3, 3) < ws(3, "chunk")
+    assert ws(3, 2) == 2 * 500 + (500 + 500)  # groups (100, 400), (300, 200)
+    assert ws(3, 3) == 2 * 800 + (800 + 200)  # groups (100, 400, 300), (200)
+    # by chunk the .grad are views of the one flat buffer: gradients once; a group of the
+    # whole stage still reduces autograd's gradients through a copy
+    assert ws(3, "chunk") == 1000 + 1000  # the whole stage, gathered and reduced
+    assert ws(3, 4) == 2 * 1000 + 1000
+    assert ws(3, "unit") < ws(3, 2) < ws(3, 3)
     # ZeRO-2: gradients only; a full-size buffer for the stage by chunk
-    assert ws(2, "unit") == 400
+    assert ws(2, "unit") == 2 * 400
     assert ws(2, "chunk") == 1000
     assert ws(1, "chunk") == 0  # ZeRO-0/1 count the full buffer in the state already
     assert ws(3, "chunk", precision="bf16") == 1000
@@ -120,11 +124,11 @@ def test_zero_bubble_plan_predicts_the_chunk_it_gathers():
         "chunk",
     )
     assert max(zb.rank_memory_bytes) > max(unit.rank_memory_bytes)
-    # 4 units of 4 + 8 + 4 + 8 MiB a stage: chunk 24 + 24 MiB against unit 8 + (8 + 8)
+    # 4 units of 4 + 8 + 4 + 8 MiB a stage: chunk 24 + 24 MiB against unit 2 x 8 + (8 + 4)
     for z, u in zip(zb.stages, unit.stages):
-        assert z.extra_bytes - u.extra_bytes >= 24 * MiB
+        assert z.extra_bytes - u.extra_bytes >= 20 * MiB
     for c, u in zip(chunk.stages, unit.stages):
-        assert c.extra_bytes - u.extra_bytes == 24 * MiB
+        assert c.extra_bytes - u.extra_bytes == 20 * MiB
     assert "gathers and reduces by the whole stage (the schedule splits" in str(zb)
     # by chunk a stage is gathered once a step (twice with reshard_after_forward), not per action
     assert zero3_gathers_per_step(4, "chunk") == 2 < zero3_gathers_per_step(4, "unit") == 8
@@ -155,7 +159,8 @@ def test_search_evaluates_split_backward_schedules_by_chunk():
             microbatch_scale=c.microbatch_size,
         )
         assert plan.rank_memory_bytes == c.rank_memory_bytes
-    # the same shapes under 1F1B gather by unit and predict less
+    # the same shapes under 1F1B gather by unit and predict less (with 4 units a stage;
+    # with 2, a unit's gradients twice outweigh the chunk's flat buffer)
     il = search(prof, space=SearchSpace(pipelines=("interleaved",), **space), **kw)
     peaks = {
         (c.pipeline_parallel_degree, c.microbatches, c.virtual_stages): c.max_rank_memory_bytes
@@ -164,7 +169,8 @@ def test_search_evaluates_split_backward_schedules_by_chunk():
     compared = 0
     for c in zb.ranked:
         key = (c.pipeline_parallel_degree, c.microbatches, c.virtual_stages)
-        if c.pipeline == "zero_bubble" and c.pipeline_parallel_degree > 1 and key in peaks:
+        wide = c.pipeline_parallel_degree == 2 and c.virtual_stages == 1
+        if c.pipeline == "zero_bubble" and wide and key in peaks:
             assert c.max_rank_memory_bytes > peaks[key]
             compared += 1
     assert compared

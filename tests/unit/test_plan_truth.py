@@ -1,0 +1,148 @@
+"""The planner's host memory and microbatch scaling against what runs (issue 27), in one
+process: offloaded state counted from the tensors ``ShardedStages`` keeps on the host,
+and ``mpar plan --global-batch`` against a profile taken at the size it scales to."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from mpar.config import ZeroConfig
+from mpar.partition import Layout, make_plan
+from mpar.partition._memory import unit_host_bytes, unit_state_bytes
+from mpar.profile import profile_model
+from mpar.shard import ShardedStages
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 32))
+
+
+def _host_tensors(sharded, opt):
+    """Distinct host storages of offloaded state: optimizer state (the master copy with
+    it), the host gradient and, with parameter offload, the parameter shards."""
+    tensors = list(opt.state_tensors())
+    for b in sharded.buckets:
+        tensors += [t for t in (b.cpu_grad, b.shard if b.offload_params else None) if t is not None]
+    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(n for n in seen.values() if n > 8)  # Adam's scalar step counters left out
+
+
+@pytest.mark.parametrize(
+    ("stage", "offload", "dtype"),
+    [
+        (2, {"offload_optimizer": "cpu"}, None),
+        (2, {"offload_optimizer": "cpu"}, torch.bfloat16),
+        (3, {"offload_params": "cpu"}, None),
+        (3, {"offload_optimizer": "cpu", "offload_params": "cpu"}, torch.bfloat16),
+    ],
+)
+def test_host_bytes_are_what_offload_keeps_on_the_host(stage, offload, dtype):
+    x = torch.randn(8, 64)
+    profile = profile_model(_model(), (x,), repeats=1, warmup=0)
+    model = _model()
+    sharded = ShardedStages(
+        {0: model},
+        ZeroConfig(stage, **offload),
+        group=None,
+        group_ranks=[0],
+        rank_in_group=0,
+        device="cpu",
+        compute_dtype=dtype,
+    )
+    opt = sharded.wrap_optimizer(torch.optim.Adam(model.parameters(), lr=0.1))
+    for _ in range(2):
+        sharded.unshard(0)
+        model(x.to(dtype or torch.float32)).float().square().mean().backward()
+        sharded.reduce_grads(0)
+        sharded.reshard(0)
+        sharded.finish_grads()
+        opt.step()
+        opt.zero_grad()
+    precision = "bf16" if dtype is not None else "fp32"
+    kw = {k: True for k in offload}
+    layout = Layout(1, stage, precision, offload_optimizer="offload_optimizer" in kw,
+                    offload_params="offload_params" in kw)  # fmt: skip
+    predicted = sum(unit_host_bytes(u, layout) for u in profile.units)
+    # the host gradient (fp32) stays between steps: it is part of the offloaded state
+    assert all(b.cpu_grad is not None for b in sharded.buckets)
+    assert _host_tensors(sharded, opt) == predicted
+    # on a CUDA device it is beside the device's memory; on a CPU device inside it
+    cpu = Layout(1, stage, precision, offload_optimizer=layout.offload_optimizer,
+                 offload_params=layout.offload_params, device="cpu")  # fmt: skip
+    for u in profile.units:
+        assert unit_state_bytes(u, cpu) == unit_state_bytes(u, layout) + unit_host_bytes(u, cpu)
+
+
+def test_offload_on_a_cpu_device_costs_memory_and_auto_drops_it():
+    from mpar.partition import SearchSpace, search
+
+    x = torch.randn(8, 64)
+    profile = profile_model(_model(), (x,), repeats=1, warmup=0)
+    kw = dict(num_ranks=1, data_parallel_degree=2, zero_stage=2)
+    for device in ("cpu", "cuda"):
+        plain = make_plan(profile, device=device, **kw)
+        offloaded = make_plan(profile, device=device, offload_optimizer=True, **kw)
+        assert offloaded.host_memory_bytes[0] > 0 == plain.host_memory_bytes[0]
+        if device == "cpu":  # the host gradient comes on top of the same state
+            assert offloaded.rank_memory_bytes[0] > plain.rank_memory_bytes[0]
+        else:
+            assert offloaded.rank_memory_bytes[0] < plain.rank_memory_bytes[0]
+    space = SearchSpace(precisions=("fp32",), checkpointing=(False,))
+    cpu = search(profile, world_size=2, device_memory="1GiB", global_batch=8, space=space,
+                 profile_batch=8, device="cpu")  # fmt: skip
+    assert not any(c.offload_optimizer or c.offload_params for c in cpu.ranked)
+    assert cpu.rejected["offload on a CPU device (the host is the device: it saves nothing)"]
+    assert cpu.best.config()["device"] == "cpu"
+    # on CUDA a host cap rejects what offloads more than it allows
+    cuda = dict(world_size=2, device_memory="1GiB", global_batch=8, space=space, profile_batch=8)
+    roomy = search(profile, **cuda, top=100)
+    assert any(c.offload_optimizer for c in roomy.ranked)
+    capped = search(profile, **cuda, top=100, host_memory=1)
+    assert capped.rejected["over host memory cap"] > 0
+    assert not any(c.max_host_memory_bytes for c in capped.ranked)
+
+
+FACTORY = """
+import torch
+from torch import nn
+
+
+def build():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
+                        nn.Linear(256, 8))
+    return net, torch.randn(4, 32)
+"""
+
+
+def test_plan_scales_the_microbatch_for_the_global_batch(tmp_path, monkeypatch, capsys):
+    from mpar.cli import main
+
+    (tmp_path / "truth_factory.py").write_text(FACTORY)
+    (tmp_path / "cfg.json").write_text(json.dumps({"microbatches": 2}))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "truth_factory", raising=False)
+    argv = ["plan", "--model", "truth_factory:build", "--config", str(tmp_path / "cfg.json"),
+            "--world-size", "1", "--device", "cpu"]  # fmt: skip
+    assert main([*argv, "--global-batch", "32", "--json"]) == 0
+    scaled = json.loads(capsys.readouterr().out)
+    assert scaled["microbatch_size"] == 16  # 32 samples / 1 replica / 2 microbatches
+    # measured: the same model profiled at 16 samples
+    import truth_factory
+
+    net, _ = truth_factory.build()
+    at16 = profile_model(net, (torch.randn(16, 32),), repeats=1, warmup=0)
+    direct = make_plan(at16, num_ranks=1, microbatches=2, device="cpu")
+    assert scaled["stages"][0]["activation_bytes"] == direct.stages[0].activation_bytes
+    assert scaled["rank_memory_bytes"] == direct.rank_memory_bytes
+    assert main([*argv]) == 0
+    text = capsys.readouterr().out
+    assert "microbatch: 4 samples (profile x1)" in text  # the example's, said so
+    assert main([*argv, "--global-batch", "7"]) == 2
+    assert "--global-batch 7 does not split into 1 replica(s) x 2" in capsys.readouterr().err
