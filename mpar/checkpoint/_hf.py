@@ -32,6 +32,8 @@ from mpar.checkpoint._safetensors import (
     write_index,
     write_range,
 )
+from mpar.comm import state
+from mpar.comm._collectives import all_gather_object_pp, barrier
 from mpar.errors import MparError
 
 __all__ = ["PretrainedKeyError", "load_pretrained", "save_pretrained"]
@@ -206,26 +208,25 @@ def save_pretrained(
     writes the elements it owns; nothing is gathered. Collective: call it on every
     rank.
     """
-    import mpar
-
     _check_model(model, "save_pretrained")
+    st = state()
     limit = parse_size(max_shard_size)
     root = Path(path)
     keys = _saved_keys(model)
     files = plan_files([(k, model._shapes[k], model._dtypes[k]) for k in keys], limit)
-    if mpar.rank() == 0:
+    if st.layout.rank == 0:
         create_files(root, files)
-    mpar.barrier()
+    barrier()
     layout_of = {key: layout for layout in files for key in layout.offsets}
     for key, start, values in _pieces(model):
         write_range(root, layout_of[key], key, start, values.to(model._dtypes[key]))
-    mpar.barrier()
-    if mpar.rank() == 0:
+    barrier()
+    if st.layout.rank == 0:
         write_index(root, files)
         config = getattr(model.module, "config", None)
         if config is not None and hasattr(config, "save_pretrained"):
             config.save_pretrained(root)
-    mpar.barrier()
+    barrier()
 
 
 def _saved_keys(model: Any) -> list[str]:
@@ -241,9 +242,7 @@ def _saved_keys(model: Any) -> list[str]:
 
 def _pieces(model: Any) -> list[tuple[str, int, torch.Tensor]]:
     """(key, first element, values) this rank writes."""
-    import mpar
     from mpar.build._owned import local_shares, read_range, written_range
-    from mpar.comm._collectives import all_gather_object_pp
 
     if not model.partitioned:
         if any(t.is_meta for t in model.module.state_dict().values()):
@@ -251,10 +250,10 @@ def _pieces(model: Any) -> list[tuple[str, int, torch.Tensor]]:
                 "mpar.save_pretrained: the model is built on the meta device and has no "
                 "values before its first step (or mpar.materialize)"
             )
-        if mpar.rank() != 0:
+        if state().layout.rank != 0:
             return []
-        state = model.module.state_dict()
-        return [(k, 0, state[k].reshape(-1)) for k in _saved_keys(model)]
+        whole = model.module.state_dict()
+        return [(k, 0, whole[k].reshape(-1)) for k in _saved_keys(model)]
     shares = local_shares(model)
     # The pipeline rank with the lowest stage holding a tensor writes it (tied copies).
     lowest: dict[str, int] = {}
@@ -265,7 +264,7 @@ def _pieces(model: Any) -> list[tuple[str, int, torch.Tensor]]:
     for key, share in shares.items():
         if share.stage != lowest[key]:
             continue
-        start, stop = written_range(share, mpar.dp_rank())
+        start, stop = written_range(share, state().dp_rank)
         if start < stop:
             out.append((key, start, read_range(share, start, stop)))
     return out

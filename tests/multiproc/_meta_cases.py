@@ -66,3 +66,29 @@ def pretrained_run(family: str, config: dict[str, Any], root: str, steps: int) -
         opt.zero_grad()
     mpar.save_pretrained(model, f"{root}/out", max_shard_size="20KB")
     return {"losses": losses, "state": model.state_dict()}
+
+
+def load_checks(root: str) -> dict[str, Any]:
+    """load_pretrained on a meta GPT-2 at pp=2: errors before partitioning, a deferred
+    bf16 load with a key mapping, then a load into the partitioned model."""
+    import mpar
+
+    mpar.init({"pipeline_parallel_degree": 2, "microbatches": 2})
+    model = mpar.DistributedModel(lambda: hf.build("gpt2"))
+    errors = {}
+    for name in ("bad_shape", "missing", "extra"):
+        try:
+            mpar.load_pretrained(model, f"{root}/{name}")
+        except KeyError as exc:
+            errors[name] = str(exc)
+    mpar.load_pretrained(model, f"{root}/missing", strict=False)  # keeps the init values
+    mpar.load_pretrained(model, f"{root}/bf16", key_mapping={r"^old\.": ""})
+
+    @mpar.step
+    def forward(m: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return m(**inputs).loss
+
+    forward(model, hf.batch("gpt2", 0))
+    deferred = model.state_dict()
+    mpar.load_pretrained(model, f"{root}/fp32")
+    return {"errors": errors, "deferred": deferred, "after": model.state_dict()}
