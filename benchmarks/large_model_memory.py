@@ -1,0 +1,148 @@
+"""Peak memory per rank of starting from a Hugging Face checkpoint, by construction path.
+
+Issue 24: a model larger than one host must never exist whole on a rank. A
+Llama of ``--layers`` layers (default: 1.09 GB of fp32 parameters) is saved
+once as sharded safetensors; then, at pp=2 x dp=2 with ZeRO-3, each path builds
+it, loads the checkpoint and runs one training step (SGD without momentum: no
+optimizer state, so what remains is weights and gradients):
+
+* ``meta``: ``mpar.DistributedModel(factory)`` (built on the meta device),
+  ``mpar.load_pretrained`` (each rank reads only its shard's elements);
+* ``whole``: today's path, ``from_pretrained`` on every rank, then
+  ``mpar.DistributedModel``.
+
+Each rank reports its peak resident set from process start (``ru_maxrss``:
+anonymous and file pages, memory-mapped checkpoint pages included) at three
+points: after imports and ``mpar.init`` (the baseline), after the model and
+checkpoint are loaded, and after the first step; and ``RssAnon``/``RssFile`` at
+the end::
+
+    python benchmarks/large_model_memory.py            # writes results/large_model_memory.json
+
+A benchmark, not a test: nothing here asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mpar.testing import run_distributed
+
+MIB = 2**20
+CONFIG = {"pipeline_parallel_degree": 2, "microbatches": 2, "zero": {"stage": 3}}
+
+
+def _llama_config(layers: int) -> Any:
+    import transformers as hf
+
+    return hf.LlamaConfig(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        use_cache=False,
+    )
+
+
+def _peak() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def _status() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def _rank(path: str, checkpoint: str, layers: int) -> dict[str, Any]:
+    import torch
+    import transformers as hf
+
+    import mpar
+
+    mpar.init(CONFIG)
+    points = {"baseline": _peak()}
+    start = time.perf_counter()
+    if path == "meta":
+        model = mpar.DistributedModel(lambda: hf.LlamaForCausalLM(_llama_config(layers)))
+        mpar.load_pretrained(model, checkpoint)  # applied when partitioned, at the first step
+    else:
+        net = hf.LlamaForCausalLM.from_pretrained(checkpoint)
+        net.train()
+        model = mpar.DistributedModel(net)
+        del net
+    points["loaded"] = _peak()
+    opt = mpar.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
+
+    @mpar.step
+    def train(m: Any, ids: torch.Tensor) -> torch.Tensor:
+        loss = m(input_ids=ids, labels=ids).loss
+        m.backward(loss)
+        return loss
+
+    ids = torch.randint(0, 32000, (2, 32), generator=torch.Generator().manual_seed(0))
+    loss = float(train(model, ids).reduce_mean())
+    opt.step()
+    points["first_step"] = _peak()
+    return {
+        "peak_bytes": points,
+        "end": _status(),
+        "loss": loss,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def _save_checkpoint(root: Path, layers: int) -> int:
+    import torch
+    import transformers as hf
+
+    torch.manual_seed(0)
+    model = hf.LlamaForCausalLM(_llama_config(layers))
+    model.save_pretrained(root, max_shard_size="300MB")
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--paths", default="meta,whole")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    results: dict[str, Any] = {"layout": "pp=2 x dp=2, ZeRO-3, fp32, SGD", "layers": args.layers}
+    with tempfile.TemporaryDirectory(prefix="mpar-large-") as tmp:
+        results["model_bytes"] = _save_checkpoint(Path(tmp), args.layers)
+        for path in args.paths.split(","):
+            ranks = run_distributed(_rank, 4, args=(path, tmp, args.layers), timeout=1800)
+            results[path] = ranks
+    out = Path(args.out) / "large_model_memory.json"
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"model: {results['model_bytes'] / MIB:.0f} MiB of fp32 parameters; {results['layout']}")
+    print("| path | rank | after init | after load | after first step | RssAnon / RssFile at end |")
+    print("|---|---|---|---|---|---|")
+    for path in args.paths.split(","):
+        for rank, r in enumerate(results[path]):
+            p, e = r["peak_bytes"], r["end"]
+            print(
+                f"| {path} | {rank} | {p['baseline'] / MIB:.0f} MiB | {p['loaded'] / MIB:.0f} MiB"
+                f" | {p['first_step'] / MIB:.0f} MiB | {e['RssAnon'] / MIB:.0f} / "
+                f"{e['RssFile'] / MIB:.0f} MiB |"
+            )
+
+
+if __name__ == "__main__":
+    main()
