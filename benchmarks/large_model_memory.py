@@ -9,7 +9,10 @@ optimizer state, so what remains is weights and gradients):
 * ``meta``: ``mpar.DistributedModel(factory)`` (built on the meta device),
   ``mpar.load_pretrained`` (each rank reads only its shard's elements);
 * ``whole``: today's path, ``from_pretrained`` on every rank, then
-  ``mpar.DistributedModel``.
+  ``mpar.DistributedModel``;
+* ``fsdp2`` (``--paths fsdp2``): torch FSDP2 over the 4 ranks (no pipeline):
+  meta build, ``fully_shard`` per decoder layer, ``to_empty``, rotary buffer
+  recomputed, ``dcp.load`` with ``HuggingFaceStorageReader``.
 
 Each rank reports its peak resident set from process start (``ru_maxrss``:
 anonymous and file pages, memory-mapped checkpoint pages included) at three
@@ -18,6 +21,7 @@ checkpoint are loaded, and after the first step; and ``RssAnon``/``RssFile`` at
 the end::
 
     python benchmarks/large_model_memory.py            # writes results/large_model_memory.json
+    python benchmarks/large_model_memory.py --paths fsdp2 --name large_model_memory_fsdp2
 
 A benchmark, not a test: nothing here asserts.
 """
@@ -38,6 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mpar.testing import run_distributed
 
 MIB = 2**20
+LABELS = {
+    "meta": "mpar meta + load_pretrained",
+    "whole": "from_pretrained on every rank + mpar",
+    "fsdp2": "FSDP2 dp=4, meta + HF DCP reader",
+}
 CONFIG = {"pipeline_parallel_degree": 2, "microbatches": 2, "zero": {"stage": 3}}
 
 
@@ -107,6 +116,46 @@ def _rank(path: str, checkpoint: str, layers: int) -> dict[str, Any]:
     }
 
 
+def _fsdp2_rank(checkpoint: str, layers: int) -> dict[str, Any]:
+    """FSDP2 over 4 ranks (no pipeline): meta build, fully_shard, to_empty, torch's
+    Hugging Face DCP reader, the rotary buffer recomputed, one step."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    import transformers as hf
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    points = {"baseline": _peak()}
+    start = time.perf_counter()
+    with torch.device("meta"):
+        net = hf.LlamaForCausalLM(_llama_config(layers))
+    for layer in net.model.layers:
+        fully_shard(layer)
+    fully_shard(net)
+    net.to_empty(device="cpu")
+    with torch.no_grad():
+        net._init_weights(net.model.rotary_emb)  # inv_freq: not in any checkpoint
+    state = net.state_dict()
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(checkpoint))
+    points["loaded"] = _peak()
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    ids = torch.randint(0, 32000, (2, 32), generator=torch.Generator().manual_seed(0))
+    part = ids[dist.get_rank() % 2 :][:1]  # one sample per rank, as mpar's replicas get
+    loss = net(input_ids=part, labels=part).loss
+    loss.backward()
+    opt.step()
+    points["first_step"] = _peak()
+    dist.destroy_process_group()
+    return {
+        "peak_bytes": points,
+        "end": _status(),
+        "loss": float(loss),
+        "seconds": time.perf_counter() - start,
+    }
+
+
 def _save_checkpoint(root: Path, layers: int) -> int:
     import torch
     import transformers as hf
@@ -122,14 +171,18 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--paths", default="meta,whole")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--name", default="large_model_memory", help="result file name")
     args = parser.parse_args()
     results: dict[str, Any] = {"layout": "pp=2 x dp=2, ZeRO-3, fp32, SGD", "layers": args.layers}
     with tempfile.TemporaryDirectory(prefix="mpar-large-") as tmp:
         results["model_bytes"] = _save_checkpoint(Path(tmp), args.layers)
         for path in args.paths.split(","):
-            ranks = run_distributed(_rank, 4, args=(path, tmp, args.layers), timeout=1800)
+            if path == "fsdp2":
+                ranks = run_distributed(_fsdp2_rank, 4, args=(tmp, args.layers), timeout=1800)
+            else:
+                ranks = run_distributed(_rank, 4, args=(path, tmp, args.layers), timeout=1800)
             results[path] = ranks
-    out = Path(args.out) / "large_model_memory.json"
+    out = Path(args.out) / f"{args.name}.json"
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"model: {results['model_bytes'] / MIB:.0f} MiB of fp32 parameters; {results['layout']}")
     print("| path | rank | after init | after load | after first step | RssAnon / RssFile at end |")
@@ -138,7 +191,7 @@ def main() -> None:
         for rank, r in enumerate(results[path]):
             p, e = r["peak_bytes"], r["end"]
             print(
-                f"| {path} | {rank} | {p['baseline'] / MIB:.0f} MiB | {p['loaded'] / MIB:.0f} MiB"
+                f"| {LABELS.get(path, path)} | {rank} | {p['baseline'] / MIB:.0f} MiB | {p['loaded'] / MIB:.0f} MiB"
                 f" | {p['first_step'] / MIB:.0f} MiB | {e['RssAnon'] / MIB:.0f} / "
                 f"{e['RssFile'] / MIB:.0f} MiB |"
             )
