@@ -1,7 +1,7 @@
 """Peak memory per rank of starting from a Hugging Face checkpoint, by construction path.
 
 Issue 24: a model larger than one host must never exist whole on a rank. A
-Llama of ``--layers`` layers (default: 1.09 GB of fp32 parameters) is saved
+Llama of ``--layers`` layers (default 18: 1.09 GB of fp32 parameters) is saved
 once as sharded safetensors; then, at pp=2 x dp=2 with ZeRO-3, each path builds
 it, loads the checkpoint and runs one training step (SGD without momentum: no
 optimizer state, so what remains is weights and gradients):
@@ -17,8 +17,9 @@ optimizer state, so what remains is weights and gradients):
 Each rank reports its peak resident set from process start (``ru_maxrss``:
 anonymous and file pages, memory-mapped checkpoint pages included) at three
 points: after imports and ``mpar.init`` (the baseline), after the model and
-checkpoint are loaded, and after the first step; and ``RssAnon``/``RssFile`` at
-the end::
+checkpoint are loaded (the model is partitioned at construction from
+``example_kwargs``, so this includes profiling, splitting, materializing and
+reading), and after the first step; and ``RssAnon``/``RssFile`` at the end::
 
     python benchmarks/large_model_memory.py            # writes results/large_model_memory.json
     python benchmarks/large_model_memory.py --paths fsdp2 --name large_model_memory_fsdp2
@@ -87,13 +88,16 @@ def _rank(path: str, checkpoint: str, layers: int) -> dict[str, Any]:
     mpar.init(CONFIG)
     points = {"baseline": _peak()}
     start = time.perf_counter()
+    ids = torch.randint(0, 32000, (2, 32), generator=torch.Generator().manual_seed(0))
+    example = {"input_ids": ids[:1], "labels": ids[:1]}  # one microbatch: partition now
     if path == "meta":
-        model = mpar.DistributedModel(lambda: hf.LlamaForCausalLM(_llama_config(layers)))
-        mpar.load_pretrained(model, checkpoint)  # applied when partitioned, at the first step
+        factory = lambda: hf.LlamaForCausalLM(_llama_config(layers))  # noqa: E731
+        model = mpar.DistributedModel(factory, example_kwargs=example)
+        mpar.load_pretrained(model, checkpoint)
     else:
         net = hf.LlamaForCausalLM.from_pretrained(checkpoint)
         net.train()
-        model = mpar.DistributedModel(net)
+        model = mpar.DistributedModel(net, example_kwargs=example)
         del net
     points["loaded"] = _peak()
     opt = mpar.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
@@ -104,8 +108,7 @@ def _rank(path: str, checkpoint: str, layers: int) -> dict[str, Any]:
         m.backward(loss)
         return loss
 
-    ids = torch.randint(0, 32000, (2, 32), generator=torch.Generator().manual_seed(0))
-    loss = float(train(model, ids).reduce_mean())
+    loss = float(train(model, ids[mpar.dp_rank() :][:1]).reduce_mean())
     opt.step()
     points["first_step"] = _peak()
     return {
@@ -168,7 +171,7 @@ def _save_checkpoint(root: Path, layers: int) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=18)
     parser.add_argument("--paths", default="meta,whole")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--name", default="large_model_memory", help="result file name")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from _progress import progress
+from train_llama import batches  # counting sequences
 
 import mpar
 
@@ -53,15 +54,6 @@ def write_checkpoint(path: Path) -> None:
         module = factory()
     mpar.materialize(module, seed=0)  # initialised in this process, as mpar would
     mpar.save_pretrained(mpar.DistributedModel(module), path, max_shard_size="1MB")
-
-
-def batches(vocab: int, seq: int, batch: int, seed: int):
-    """Endless batches of counting sequences; the model shifts the labels itself."""
-    g = torch.Generator().manual_seed(seed)
-    while True:
-        start = torch.randint(0, vocab, (batch, 1), generator=g)
-        tokens = (start + torch.arange(seq)) % vocab
-        yield {"input_ids": tokens, "labels": tokens}
 
 
 def main(argv: list[str] | None = None) -> float:

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from mpar.errors import MparError
+from mpar.partition._split import _original_names
 
 __all__ = [
     "InitError",
@@ -87,22 +88,12 @@ def _direct(module: nn.Module) -> list[torch.Tensor]:
     return [t for t in [*module._parameters.values(), *module._buffers.values()] if t is not None]
 
 
-def canonical_names(module: nn.Module) -> dict[int, str]:
-    """id(tensor) -> its first name among parameters, then buffers (registration order)."""
-    names: dict[int, str] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), name)
-    for name, b in module.named_buffers(remove_duplicate=False):
-        names.setdefault(id(b), name)
-    return names
-
-
 def init_groups(module: nn.Module) -> list[InitGroup]:
     """The init groups of ``module``: modules above the units first, then units."""
     from mpar.partition import find_units
 
     units = find_units(module)
-    canonical = canonical_names(module)
+    canonical = _original_names(module)  # id -> first name: the canonical one
     seen: set[int] = set()
     unit_groups: list[InitGroup] = []
     for unit in units:
