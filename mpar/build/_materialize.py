@@ -173,7 +173,7 @@ class RankMaterializer:
         self.module = module
         self.stage_modules = list(stage_modules)
         self.seed = seed
-        self.device = device
+        self.device = torch.device(device)
         self.shapes = _shapes(module, shapes)
         """id(tensor) -> its full shape (``shapes`` by name: before partitioning
         released the tensors of other ranks' stages)."""
@@ -196,8 +196,8 @@ class RankMaterializer:
             )
         fresh = [t for t in group.tensors.values() if t.is_meta and id(t) in self.needed]
         initialize_group(group, seed=self.seed, run=self.run, shapes=self.shapes, keep=self._keep)
-        if self.device.type != "cpu":
-            for t in fresh:
+        for t in fresh:  # initialised on the host: the same values on every device kind
+            if not t.is_meta and t.device != self.device:
                 replace_storage(t, _device.to_device(t.data, self.device))
 
     def _keep(self, t: torch.Tensor) -> bool:
