@@ -97,7 +97,7 @@ def _rank(path: str, checkpoint: str, layers: int) -> dict[str, Any]:
     mpar.init(CONFIG)
     points = {"baseline": _peak()}
     start = time.perf_counter()
-    ids = torch.randint(0, 32000, (2, 32), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 32000, (4, 32), generator=torch.Generator().manual_seed(0))
     example = {"input_ids": ids[:1], "labels": ids[:1]}  # one microbatch: partition now
     if path == "meta":
         factory = lambda: hf.LlamaForCausalLM(_llama_config(layers))  # noqa: E731
@@ -117,7 +117,8 @@ def _rank(path: str, checkpoint: str, layers: int) -> dict[str, Any]:
         m.backward(loss)
         return loss
 
-    loss = float(train(model, ids[mpar.dp_rank() :][:1]).reduce_mean())
+    replica = ids[2 * mpar.dp_rank() : 2 * mpar.dp_rank() + 2]  # 2 microbatches of 1
+    loss = float(train(model, replica).reduce_mean())
     opt.step()
     points["first_step"] = _peak()
     return {
