@@ -16,6 +16,8 @@ from mpar._ranks import (
     pp_size,
     rank,
     size,
+    tp_rank,
+    tp_size,
 )
 from mpar.build import materialize
 from mpar.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, wait_checkpoint
@@ -52,5 +54,7 @@ __all__ = [
     "shutdown",
     "size",
     "step",
+    "tp_rank",
+    "tp_size",
     "wait_checkpoint",
 ]

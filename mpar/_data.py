@@ -29,4 +29,4 @@ def data_sampler(dataset: Any, **kwargs: Any) -> Any:
                 "mpar.dp_rank()); leave it out"
             )
     st = state()
-    return DistributedSampler(dataset, num_replicas=st.grid.dp_size, rank=st.dp_rank, **kwargs)
+    return DistributedSampler(dataset, num_replicas=st.grid.dp_size, rank=st.grid.dp_rank, **kwargs)

@@ -38,6 +38,7 @@ torch_xla is imported lazily, inside the functions that need it, so mpar runs
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -53,17 +54,20 @@ __all__ = [
     "after_optimizer_step",
     "copy_",
     "check_backend",
+    "check_ranks_per_device",
     "default_backend",
     "free_storage",
     "group_backends",
     "host_buffer",
     "memory_stats",
+    "mesh_device_type",
     "move_module",
     "p2p_device",
     "pick_device",
     "restore_storage",
     "prepare_recompute",
     "same_memory",
+    "set_threads",
     "storage_key",
     "synchronize",
     "to_device",
@@ -130,6 +134,15 @@ def pick_device(kind: str, local_rank: int) -> torch.device:
     raise ConfigError(f"config key 'device' is {kind!r}; use 'auto', 'cpu', 'cuda' or 'xla'")
 
 
+def set_threads(local_size: int) -> None:
+    """Give each of the host's ``local_size`` ranks its share of the cores for torch's
+    CPU threads, unless the user chose (``OMP_NUM_THREADS``)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (cores or 1) // max(1, local_size)))
+
+
 def to_device(value: Any, device: torch.device) -> Any:
     """``value`` (tensors nested in tuples, lists, dicts) with every tensor on ``device``.
 
@@ -184,6 +197,20 @@ def check_backend(device: torch.device, backend: str) -> None:
         )
 
 
+def check_ranks_per_device(device: torch.device, backend: str, local_size: int) -> None:
+    """Refuse NCCL where this host's ranks outnumber its GPUs: NCCL will not put two
+    ranks on one GPU ("Duplicate GPU detected") and would fail at the first collective."""
+    if backend != "nccl" or device.type != "cuda":
+        return
+    gpus = torch.cuda.device_count()
+    if local_size > gpus:
+        raise ConfigError(
+            f"backend 'nccl' with {local_size} ranks on this host but {gpus} visible GPU(s): "
+            "NCCL refuses two ranks on one GPU; start at most one rank per GPU, or set "
+            "backend 'gloo' (collectives and transfers staged through the host)"
+        )
+
+
 def group_backends(backend: str) -> tuple[str, str]:
     """The backends of (the world and the pipeline groups, the data-parallel groups).
 
@@ -199,6 +226,13 @@ def group_backends(backend: str) -> tuple[str, str]:
 
         return "gloo", "xla"
     return backend, backend
+
+
+def mesh_device_type(backend: str) -> str | None:
+    """The device type of a torch ``DeviceMesh`` whose groups use ``backend`` with
+    mpar's timeout: cpu for gloo, cuda for nccl; None for MPI (its groups take no
+    options) and XLA (a DeviceMesh makes no XLA groups): mpar makes those itself."""
+    return {"gloo": "cpu", "nccl": "cuda"}.get(backend)
 
 
 def wire_device(device: torch.device, backend: str) -> torch.device:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from mpar.comm import state
-from mpar.comm._collectives import barrier
+from mpar.comm import _collectives, state
 from mpar.config import Config
 
 __all__ = [
@@ -17,11 +16,20 @@ __all__ = [
     "pp_size",
     "rank",
     "size",
+    "tp_rank",
+    "tp_size",
 ]
 
 
+def barrier() -> None:
+    """Wait until every rank reaches this point."""
+    state()
+    _collectives.barrier()
+
+
 def config() -> Config:
-    """The resolved, typed configuration of the current ``mpar.init``."""
+    """The resolved, typed configuration of the current ``mpar.init`` (a model's
+    ``"auto"`` values, resolved at its first step, are on ``model.config``)."""
     return state().config
 
 
@@ -47,7 +55,7 @@ def local_size() -> int:
 
 def pp_rank() -> int:
     """Pipeline stage index of this rank (0 .. pp_size() - 1)."""
-    return state().pp_rank
+    return state().grid.pp_rank
 
 
 def pp_size() -> int:
@@ -57,9 +65,19 @@ def pp_size() -> int:
 
 def dp_rank() -> int:
     """Index of this rank's model replica (0 .. dp_size() - 1)."""
-    return state().dp_rank
+    return state().grid.dp_rank
 
 
 def dp_size() -> int:
     """Number of data-parallel replicas."""
     return state().grid.dp_size
+
+
+def tp_rank() -> int:
+    """Index of this rank in its tensor-parallel group (0 .. tp_size() - 1)."""
+    return state().grid.tp_rank
+
+
+def tp_size() -> int:
+    """Tensor-parallel degree: ranks that split each layer (1 until the config sets it)."""
+    return state().grid.tp_size

@@ -7,8 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint.api import CheckpointException
-
+from mpar._compat import CheckpointException
 from mpar.comm._checkpoint_comm import all_gather_object_in
 from mpar.errors import MparError
 

@@ -26,23 +26,24 @@ from queue import Queue
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (
+
+from mpar._compat import (
     ChunkStorageMetadata,
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    FileSystemReader,
+    FileSystemWriter,
     Metadata,
     MetadataIndex,
+    ReadItem,
     StorageMeta,
     TensorProperties,
-)
-from torch.distributed.checkpoint.planner import (
-    ReadItem,
     TensorWriteData,
     WriteItem,
     WriteItemType,
+    flatten_state_dict,
+    set_element,
 )
-
 from mpar.checkpoint._boxes import Box, run_boxes
 
 __all__ = ["BoundedWriter", "Pieces", "SafeLoadPlanner", "SafeReader", "SavePlannerWithPieces"]
@@ -138,8 +139,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     ) -> None:
         # As DefaultLoadPlanner, without materialising meta tensors: that pass
         # replaces objects it does not know (Pieces) by None.
-        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
         self.original_state_dict = state_dict
         self.state_dict, self.mappings = flatten_state_dict(state_dict)
         self.metadata = metadata

@@ -18,10 +18,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.api import CheckpointException
 
+from mpar._compat import CheckpointException, dcp, set_element
 from mpar.checkpoint import _dirs
 from mpar.checkpoint._async import wait_checkpoint
 from mpar.checkpoint._common import FORMAT, CheckpointError, agree, check_model, describe_failure
@@ -29,7 +27,6 @@ from mpar.checkpoint._dcp import Pieces, SafeLoadPlanner, SafeReader
 from mpar.checkpoint._legacy import load_gathered
 from mpar.checkpoint._state import load_model_targets, load_optimizer_targets, publish_masters
 from mpar.checkpoint._verify import check_files, read_metadata
-from mpar.comm import state
 from mpar.comm._checkpoint_comm import (
     all_gather_object_in,
     broadcast_object_in,
@@ -39,9 +36,9 @@ from mpar.comm._checkpoint_comm import (
 __all__ = ["PartialLoad", "load_checkpoint"]
 
 
-def _resolve(path: Path, group: Any) -> tuple[str, Path]:
+def _resolve(path: Path, group: Any, rank: int) -> tuple[str, Path]:
     decision: Any = None
-    if state().layout.rank == 0:
+    if rank == 0:
         try:
             decision = _dirs.resolve(path)
             if decision[0] == "dcp":
@@ -184,7 +181,7 @@ def _optimizer_sections(
 
 def _load_optimizer(directory: Path, model: Any, optimizer: Any) -> None:
     """Read and install this rank's optimizer state (collective)."""
-    group = checkpoint_group()
+    group = checkpoint_group(model._st)
     error: str | None = None
     sections: dict[str, Any] = {}
     install: Any = None
@@ -241,8 +238,8 @@ def load_checkpoint(
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be True or False, got {strict!r}")
     wait_checkpoint()
-    group = checkpoint_group()
-    kind, directory = _resolve(Path(path), group)
+    group = checkpoint_group(model._st)
+    kind, directory = _resolve(Path(path), group, model.grid.rank)
     if kind == "file":
         try:
             return load_gathered(directory, model, optimizer)

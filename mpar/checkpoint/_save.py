@@ -23,9 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
+from mpar._compat import CheckpointException, dcp
 from mpar.checkpoint import _dirs
 from mpar.checkpoint._async import CheckpointHandle, finished, submit, wait_checkpoint
 from mpar.checkpoint._common import FORMAT, CheckpointError, agree, check_model, describe_failure
@@ -33,7 +32,6 @@ from mpar.checkpoint._dcp import BoundedWriter, SavePlannerWithPieces
 from mpar.checkpoint._owner import Owner, RootLock
 from mpar.checkpoint._state import merge_param_groups, model_entries, optimizer_entries
 from mpar.checkpoint._verify import check_files
-from mpar.comm import state
 from mpar.comm._bootstrap import on_shutdown
 from mpar.comm._checkpoint_comm import (
     all_gather_object_in,
@@ -98,12 +96,12 @@ def _claim_root(root: Path) -> tuple[tuple[Path, str], RootLock]:
         raise
 
 
-def _prepare_root(root: Path, group: Any) -> _Save:
+def _prepare_root(root: Path, group: Any, rank: int) -> _Save:
     """Rank 0 claims the root (every rank learns the temporary directory's name,
     or the error)."""
     decision: Any = None
     lock = None
-    if state().layout.rank == 0:
+    if rank == 0:
         try:
             decision, lock = _claim_root(root)
         except (OSError, MparError) as exc:
@@ -123,7 +121,7 @@ def _entries(model: Any, optimizer: Any, user_content: Any, copy: Any) -> dict[s
                 "(when the model is partitioned); save after it"
             )
         entries["optim"] = optimizer_entries(optimizer, model, copy)
-    if state().layout.rank == 0:
+    if model.grid.rank == 0:
         extras = io.BytesIO()
         torch.save({"user_content": user_content, "loss_scaler": _scaler_state(optimizer)}, extras)
         _check_loadable(extras.getvalue())
@@ -155,12 +153,11 @@ def _scaler_state(optimizer: Any) -> Any:
     return None if scaler is None else scaler.state_dict()
 
 
-def _marker() -> dict[str, Any]:
-    st = state()
+def _marker(model: Any) -> dict[str, Any]:
     return {
         "format": FORMAT,
-        "world_size": st.layout.world_size,
-        "config": st.config.to_dict(),
+        "world_size": model.grid.world_size,
+        "config": model.config.to_dict(),
         "torch": torch.__version__,
         "time": time.time(),
     }
@@ -183,11 +180,11 @@ def _write(entries: dict[str, Any], save: _Save, group: Any) -> None:
         ) from None
 
 
-def _commit(save: _Save, keep_last: int | None) -> str | None:
+def _commit(save: _Save, keep_last: int | None, model: Any) -> str | None:
     """Rank 0: check every file, then commit; the error text, or None."""
     try:
         check_files(save.tmp)
-        _dirs.commit(save.tmp, save.name, _marker(), keep_last)
+        _dirs.commit(save.tmp, save.name, _marker(model), keep_last)
     except (OSError, CheckpointError) as exc:
         save.abandon()
         return f"{type(exc).__name__}: {exc}"
@@ -197,10 +194,10 @@ def _commit(save: _Save, keep_last: int | None) -> str | None:
 
 
 def _write_and_commit(
-    entries: dict[str, Any], save: _Save, group: Any, keep_last: int | None
+    entries: dict[str, Any], save: _Save, group: Any, keep_last: int | None, model: Any
 ) -> Path:
     _write(entries, save, group)
-    error = _commit(save, keep_last) if state().layout.rank == 0 else None
+    error = _commit(save, keep_last, model) if model.grid.rank == 0 else None
     try:
         error = broadcast_object_in(error, group)
     except RuntimeError as exc:
@@ -238,9 +235,9 @@ def save_checkpoint(
         raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
     wait_checkpoint()
     on_shutdown(_wait_quietly)
-    group = checkpoint_group()
+    group = checkpoint_group(model._st)
     root = Path(path)
-    save = _prepare_root(root, group)
+    save = _prepare_root(root, group, model.grid.rank)
     entries: dict[str, Any] = {}
     error = None
     try:
@@ -257,7 +254,7 @@ def save_checkpoint(
 
     def job() -> Path:
         try:
-            return _write_and_commit(entries, save, group, keep_last)
+            return _write_and_commit(entries, save, group, keep_last, model)
         finally:
             save.release()
 

@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -184,12 +183,9 @@ def _build(spec: str, meta: bool) -> tuple[Any, tuple[Any, ...], dict[str, Any]]
 
 
 def _read_config(path: str | None, world_size: int) -> Config:
-    from mpar.config import ENV_VAR, load_config
+    from mpar.config import load_config
 
-    if path is None and not os.environ.get(ENV_VAR, "").strip():
-        config = load_config({"pipeline_parallel_degree": world_size})
-    else:
-        config = load_config(path)
+    config = load_config(path, defaults={"pipeline_parallel_degree": world_size})
     config.check_world_size(world_size)
     if config.auto_keys:
         raise ValueError(
@@ -251,7 +247,8 @@ def _profile(args: argparse.Namespace) -> tuple[Any, int]:
 def _first_samples(inputs: Any, batch: int, keep: int) -> Any:
     """The inputs with every tensor whose first dimension is ``batch`` cut to ``keep``."""
     import torch
-    import torch.utils._pytree as pytree
+
+    from mpar._compat import pytree
 
     def cut(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch:
@@ -264,7 +261,8 @@ def _first_samples(inputs: Any, batch: int, keep: int) -> Any:
 def _batch_of(inputs: Any) -> int:
     """Samples in the example inputs: the first dimension of their first tensor."""
     import torch
-    import torch.utils._pytree as pytree
+
+    from mpar._compat import pytree
 
     for leaf in pytree.tree_leaves(inputs):
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:

@@ -33,7 +33,7 @@ from mpar.schedule import (
 )
 from mpar.schedule._csv import is_csv_path
 from mpar.schedule._measured import compare
-from mpar.schedule._registry import check_csv_shape
+from mpar.schedule._registry import check_csv_schedule
 
 __all__ = ["add_parser", "main", "run"]
 
@@ -242,7 +242,7 @@ def _build_and_simulate(args: argparse.Namespace) -> tuple[Schedule, SimulationR
         schedule = read_csv(args.pipeline, forward_only=args.forward_only)
         args.stages = args.stages or schedule.num_ranks
         args.microbatches = args.microbatches or schedule.num_microbatches
-        check_csv_shape(
+        check_csv_schedule(
             schedule, args.pipeline, args.stages, args.microbatches, schedule.virtual_stages
         )
     elif args.stages is None or args.microbatches is None:

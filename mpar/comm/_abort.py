@@ -17,11 +17,15 @@ import threading
 
 import torch.distributed as dist
 
-__all__ = ["publish_failure", "silence", "start_watcher", "stop_watcher"]
+__all__ = ["FAILED", "publish_failure", "silence", "start_watcher", "stop_watcher"]
 
 _KEY = "mpar/failure"
 _stop = threading.Event()
 _quiet = threading.Event()
+FAILED = threading.Event()
+"""Set once this rank failed (an exception in a step, an uncaught exception, a
+failure ``mpar launch``'s child entry recorded): ``shutdown`` then skips its final
+barrier, since the peers will not come."""
 _client: dist.TCPStore | None = None
 _thread: threading.Thread | None = None
 _POLL_S = 0.25
@@ -65,6 +69,7 @@ def start_watcher(host: str, port: int, rank: int, timeout_s: float) -> None:
     global _client, _thread
     _stop.clear()
     _quiet.clear()
+    FAILED.clear()
     try:
         _client = _connect(host, port, timeout_s)
         watcher_store = _connect(host, port, timeout_s)
@@ -79,6 +84,7 @@ def start_watcher(host: str, port: int, rank: int, timeout_s: float) -> None:
 
 def publish_failure(rank: int, traceback_text: str) -> None:
     """Tell every rank that this one failed (best effort; never raises)."""
+    FAILED.set()
     if _client is None or _quiet.is_set():
         return
     with contextlib.suppress(Exception):

@@ -1,7 +1,9 @@
 """``mpar.init`` / ``mpar.shutdown``: process groups, device, threads.
 
-The single mutable global of mpar is the :class:`State` held here; every other
-package asks :func:`state` for it.
+The single mutable global of mpar is the :class:`State` held here. Only the public
+entry points (``DistributedModel``, ``DistributedOptimizer``, the rank helpers,
+``mpar.barrier``) ask :func:`state` for it; they pass it, or its
+:class:`~mpar.comm.ProcessGrid`, to the code below them.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import atexit
 import contextlib
 import datetime
 import os
+import sys
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,8 +24,10 @@ import torch.distributed as dist
 from mpar import _device
 from mpar.comm import _abort, _watchdog
 from mpar.comm._consistency import check_same_config
+from mpar.comm._grid import ProcessGrid, build_process_grid
 from mpar.comm._layout import Layout, detect_layout
-from mpar.comm._progress import PROGRESS, RECENT
+from mpar.comm._p2p import Links
+from mpar.comm._progress import PROGRESS, RECENT, Waiting
 from mpar.comm._watchdog import transport_timeout
 from mpar.config import Config, load_config
 from mpar.errors import AlreadyInitializedError, ConfigError, NotInitializedError
@@ -36,19 +42,21 @@ class State:
 
     config: Config
     layout: Layout
-    grid: Grid
+    grid: ProcessGrid
+    """The rank grid and its process groups (passed to whoever needs them)."""
     device: torch.device
     backend: str
-    pp_rank: int
-    dp_rank: int
-    pp_ranks: list[int]
-    """Global ranks of this rank's pipeline, in stage order."""
-    dp_ranks: list[int]
-    """Global ranks of this rank's data-parallel group."""
-    pp_group: Any = None
-    dp_group: Any = None
     owns_process_group: bool = True
-    extras: dict[str, Any] = field(default_factory=dict)
+    p2p_links: Links = field(default_factory=Links)
+    """Point-to-point streams kept open across steps (pipeline transfers)."""
+    checkpoint_group: dist.ProcessGroup | None = None
+    """The checkpoints' gloo group over every rank, made at the first save or load."""
+    models: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
+    """The ``DistributedModel`` objects of this ``init`` (``memory_report`` sums them)."""
+    optimizers: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
+    """The ``DistributedOptimizer`` objects of this ``init`` (``memory_report``)."""
+    batch_checks: int = 0
+    """Steps so far that were due for the same-batch check (``runtime/_batch_check``)."""
 
 
 _STATE: State | None = None
@@ -81,14 +89,6 @@ def _pick_backend(config: Config, device: torch.device) -> str:
         return _device.default_backend(device, config.pipeline_parallel_degree)
     _device.check_backend(device, config.backend)
     return config.backend
-
-
-def _set_threads(layout: Layout) -> None:
-    """Give each rank its share of the host's cores unless the user chose."""
-    if "OMP_NUM_THREADS" in os.environ:
-        return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    torch.set_num_threads(max(1, (cores or 1) // max(1, layout.local_size)))
 
 
 def _init_process_group(layout: Layout, backend: str, timeout: datetime.timedelta) -> bool:
@@ -142,25 +142,6 @@ def _rendezvous_store(layout: Layout, timeout: datetime.timedelta) -> tuple[dist
     return _STORE[1], _GENERATION
 
 
-def _make_groups(
-    grid: Grid, rank: int, backends: tuple[str, str], timeout: datetime.timedelta
-) -> tuple[Any, Any]:
-    """Create every pipeline group and every data-parallel group (``backends``: the
-    pipeline groups', the data-parallel groups'); return this rank's."""
-    mine_pp = mine_dp = None
-    # Every rank must create every group, in the same order. A group of every rank
-    # is created as such (ranks None), as torch_xla's process group requires.
-    for ranks in grid.pp_groups:
-        group = dist.new_group(_members(ranks, grid), timeout=timeout, backend=backends[0])
-        if rank in ranks:
-            mine_pp = group
-    for ranks in grid.dp_groups:
-        group = dist.new_group(_members(ranks, grid), timeout=timeout, backend=backends[1])
-        if rank in ranks:
-            mine_dp = group
-    return mine_pp, mine_dp
-
-
 def _checked_same_config(config: Config, world_size: int, owns: bool) -> None:
     try:
         check_same_config(config, world_size)
@@ -168,10 +149,6 @@ def _checked_same_config(config: Config, world_size: int, owns: bool) -> None:
         if owns:  # leave this process as it was, so that init can be called again
             dist.destroy_process_group()
         raise
-
-
-def _members(ranks: list[int], grid: Grid) -> list[int] | None:
-    return None if len(ranks) == grid.world_size else ranks
 
 
 def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None) -> Config:
@@ -191,16 +168,18 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
     resolved = load_config(config)
     layout = detect_layout()
     resolved.check_world_size(layout.world_size)
-    grid = Grid(layout.world_size, resolved.pipeline_parallel_degree, resolved.placement_strategy)
+    topology = Grid(
+        layout.world_size, resolved.pipeline_parallel_degree, resolved.placement_strategy
+    )
     device = _device.pick_device(resolved.device, layout.local_rank)
     backend = _pick_backend(resolved, device)
-    _set_threads(layout)
+    _device.check_ranks_per_device(device, backend, layout.local_size)
+    _device.set_threads(layout.local_size)
     timeout = transport_timeout(resolved.timeout_s)  # the hang watchdog reports first
     world_backend, dp_backend = _device.group_backends(backend)
     owns = _init_process_group(layout, world_backend, timeout)
     _checked_same_config(resolved, layout.world_size, owns)
-    pp_group, dp_group = _make_groups(grid, layout.rank, (world_backend, dp_backend), timeout)
-    pp_rank, dp_rank = grid.coords(layout.rank)
+    grid = build_process_grid(topology, layout.rank, (world_backend, dp_backend), timeout)
     torch.manual_seed(resolved.seed)
     PROGRESS.reset(RECENT if resolved.trace is None else 16 * RECENT)
     if layout.world_size > 1:
@@ -214,16 +193,11 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
         grid=grid,
         device=device,
         backend=backend,
-        pp_rank=pp_rank,
-        dp_rank=dp_rank,
-        pp_ranks=grid.pp_group(dp_rank),
-        dp_ranks=grid.dp_group(pp_rank),
-        pp_group=pp_group,
-        dp_group=dp_group,
         owns_process_group=owns,
     )
     if not _EXIT_HOOKED:
         atexit.register(_shutdown_at_exit)
+        sys.excepthook = _mark_failed
         _EXIT_HOOKED = True
     return resolved
 
@@ -240,15 +214,51 @@ def _shutdown_at_exit() -> None:
         shutdown()
 
 
+def _final_barrier(current: State) -> None:
+    """Every rank waits for the others before tearing down, watched by the hang
+    watchdog: a rank that never comes (stuck after its last step, or gone early
+    with ``sys.exit``) is named with its stack within ``timeout_s``, instead of a
+    silent hang or "Connection closed by peer" on the others. Skipped once this
+    rank failed (its peers are stopping) or a hang was reported."""
+    if current.layout.world_size == 1 or not dist.is_initialized():
+        return
+    if _abort.FAILED.is_set() or _watchdog.HANG_REPORTED.is_set():
+        return
+    try:
+        with Waiting(("collective", "barrier (in mpar.shutdown)", None)):
+            dist.barrier()
+    except Exception as exc:  # a peer is gone: its launcher reports it; tear down anyway
+        with contextlib.suppress(Exception):
+            sys.stderr.write(f"mpar: shutdown's final barrier failed ({exc}); tearing down\n")
+
+
+def _mark_failed(kind: Any, value: Any, tb: Any) -> None:
+    """``sys.excepthook`` while mpar runs: an uncaught exception is a failure."""
+    _abort.FAILED.set()
+    _ORIGINAL_EXCEPTHOOK(kind, value, tb)
+
+
+_ORIGINAL_EXCEPTHOOK = sys.excepthook
+
+
 def shutdown() -> None:
-    """Tear down what ``init`` created; ``init`` may then be called again."""
+    """Tear down what ``init`` created; ``init`` may then be called again.
+
+    The hooks of :func:`on_shutdown` run first: a pending checkpoint finishes, and
+    every module-level cache of a run is cleared (the timeline's steps, saved-bytes
+    counts). What stays is what a process keeps on purpose: the rendezvous store and
+    its generation (see :func:`_rendezvous_store`), and the annotations on the user's
+    modules (``mpar.partition(i)`` placements, layers patched for the split backward).
+    """
     global _STATE
     if _STATE is None:
         return
     for hook in list(_SHUTDOWN_HOOKS):
         hook()
+    _final_barrier(_STATE)
     current, _STATE = _STATE, None
     _abort.stop_watcher()
     _watchdog.stop()
+    PROGRESS.reset(RECENT)
     if current.owns_process_group and dist.is_initialized():
         dist.destroy_process_group()

@@ -1,35 +1,48 @@
 """The process group and small collectives that checkpoints use.
 
 Checkpoints get a gloo group of their own over every rank, created at the
-first save or load (a collective call): an asynchronous save runs its
-collectives from a background thread while the step loop keeps using the
-training groups, and gloo needs host tensors whatever the training backend.
+first save or load (a collective call) and kept on the :class:`~mpar.comm.State`:
+an asynchronous save runs its collectives from a background thread while the step
+loop keeps using the training groups, and gloo needs host tensors whatever the
+training backend. Its collectives are watched by the hang watchdog, and time out
+only after it has reported: a rank that never reaches a save or a load is named
+with its stack.
 """
 
 from __future__ import annotations
 
-import datetime
+import contextlib
+import threading
 from typing import Any
 
 import torch.distributed as dist
 
-from mpar.comm._bootstrap import state
+from mpar.comm._bootstrap import State
+from mpar.comm._progress import Waiting
+from mpar.comm._watchdog import transport_timeout
 
 __all__ = ["all_gather_object_in", "broadcast_object_in", "checkpoint_group"]
 
-_KEY = "checkpoint_group"
+
+def checkpoint_group(st: State) -> dist.ProcessGroup:
+    """The checkpoint process group of ``st`` (every rank, gloo), created on first use:
+    the first call is collective."""
+    if st.checkpoint_group is None:
+        timeout = transport_timeout(st.config.timeout_s)
+        with _watched("new_group (checkpoint)"):
+            st.checkpoint_group = dist.new_group(
+                list(range(st.layout.world_size)), timeout=timeout, backend="gloo"
+            )
+    return st.checkpoint_group
 
 
-def checkpoint_group() -> Any:
-    """The checkpoint process group (every rank, gloo), created on first use: the
-    first call is collective."""
-    st = state()
-    if _KEY not in st.extras:
-        timeout = datetime.timedelta(seconds=st.config.timeout_s)
-        st.extras[_KEY] = dist.new_group(
-            list(range(st.layout.world_size)), timeout=timeout, backend="gloo"
-        )
-    return st.extras[_KEY]
+def _watched(name: str) -> Any:
+    """A checkpoint collective in the main thread is a wait the hang watchdog sees
+    (a rank that never comes is named); in the asynchronous save's thread it is not
+    (the main thread's position is the one reported)."""
+    if threading.current_thread() is threading.main_thread():
+        return Waiting(("collective", name, None))
+    return contextlib.nullcontext()
 
 
 def broadcast_object_in(obj: Any, group: Any) -> Any:
@@ -37,7 +50,8 @@ def broadcast_object_in(obj: Any, group: Any) -> Any:
     if dist.get_world_size(group) == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0, group=group)
+    with _watched("broadcast (checkpoint)"):
+        dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
@@ -47,5 +61,6 @@ def all_gather_object_in(obj: Any, group: Any) -> list[Any]:
     if size == 1:
         return [obj]
     out: list[Any] = [None] * size
-    dist.all_gather_object(out, obj, group=group)
+    with _watched("all_gather (checkpoint)"):
+        dist.all_gather_object(out, obj, group=group)
     return out

@@ -1,4 +1,5 @@
-"""Collectives over mpar's groups, with errors that name the group and cause."""
+"""Collectives over a :class:`~mpar.comm.ProcessGrid`'s groups, with errors that name
+the group and cause. Each takes the grid it runs on (nothing is looked up)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,8 @@ import torch
 import torch.distributed as dist
 
 from mpar.comm import _staging
-from mpar.comm._bootstrap import state
+from mpar.comm._grid import ProcessGrid
 from mpar.comm._progress import Waiting, watched
-from mpar.comm._watchdog import transport_timeout
 
 __all__ = [
     "all_gather_object_pp",
@@ -21,30 +21,27 @@ __all__ = [
     "barrier",
     "broadcast_object_world",
     "group_size",
-    "new_group",
     "world_all_reduce",
 ]
 
 
 def barrier() -> None:
-    """Wait until every rank reaches this point."""
-    state()
+    """Wait until every rank of the world group reaches this point."""
     with Waiting(("collective", "barrier", None)):
         dist.barrier()
 
 
-def all_reduce_dp(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+def all_reduce_dp(tensor: torch.Tensor, grid: ProcessGrid, op: str = "sum") -> torch.Tensor:
     """All-reduce ``tensor`` in place over this rank's data-parallel group."""
-    st = state()
-    if len(st.dp_ranks) > 1:
-        with Waiting(("collective", "all_reduce", st.dp_group)):
-            _staging.all_reduce(tensor, op=_op(op), group=st.dp_group)
+    if grid.dp_size > 1:
+        with Waiting(("collective", "all_reduce", grid.dp_group)):
+            _staging.all_reduce(tensor, op=_op(op), group=grid.dp_group)
     return tensor
 
 
-def world_all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+def world_all_reduce(tensor: torch.Tensor, grid: ProcessGrid, op: str = "sum") -> torch.Tensor:
     """All-reduce ``tensor`` in place over every rank."""
-    if state().layout.world_size > 1:
+    if grid.world_size > 1:
         with Waiting(("collective", "all_reduce", None)):
             _staging.all_reduce(tensor, op=_op(op), group=None)
     return tensor
@@ -57,9 +54,9 @@ def _op(name: str) -> Any:
     return ops[name]
 
 
-def broadcast_object_world(obj: Any, src: int = 0) -> Any:
+def broadcast_object_world(obj: Any, grid: ProcessGrid, src: int = 0) -> Any:
     """Send a picklable object from global rank ``src`` to every rank."""
-    if state().layout.world_size == 1:
+    if grid.world_size == 1:
         return obj
     box = [obj]
     with Waiting(("collective", "broadcast_object", None)):
@@ -67,38 +64,30 @@ def broadcast_object_world(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
-def all_gather_object_pp(obj: Any) -> list[Any]:
+def all_gather_object_pp(obj: Any, grid: ProcessGrid) -> list[Any]:
     """Every pipeline stage's ``obj`` (this rank's pipeline), in stage order."""
-    st = state()
-    if len(st.pp_ranks) == 1:
+    if grid.pp_size == 1:
         return [obj]
-    out: list[Any] = [None] * len(st.pp_ranks)
-    with Waiting(("collective", "all_gather_object", st.pp_group)):
-        dist.all_gather_object(out, obj, group=st.pp_group)
+    out: list[Any] = [None] * grid.pp_size
+    with Waiting(("collective", "all_gather_object", grid.pp_group)):
+        dist.all_gather_object(out, obj, group=grid.pp_group)
     return out
 
 
-def all_reduce_pp(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+def all_reduce_pp(tensor: torch.Tensor, grid: ProcessGrid, op: str = "sum") -> torch.Tensor:
     """All-reduce ``tensor`` in place over this rank's pipeline."""
-    st = state()
-    if len(st.pp_ranks) > 1:
-        with Waiting(("collective", "all_reduce", st.pp_group)):
-            _staging.all_reduce(tensor, op=_op(op), group=st.pp_group)
+    if grid.pp_size > 1:
+        with Waiting(("collective", "all_reduce", grid.pp_group)):
+            _staging.all_reduce(tensor, op=_op(op), group=grid.pp_group)
     return tensor
 
 
-def all_reduce_dp_async(tensor: torch.Tensor) -> Any:
+def all_reduce_dp_async(tensor: torch.Tensor, grid: ProcessGrid) -> Any:
     """Start a sum all-reduce over the data-parallel group; returns a waitable (or None)."""
-    st = state()
-    if len(st.dp_ranks) == 1:
+    if grid.dp_size == 1:
         return None
-    work = _staging.all_reduce(tensor, op=_op("sum"), group=st.dp_group, async_op=True)
-    return watched(work, "all_reduce", st.dp_group)
-
-
-def new_group(ranks: list[int]) -> Any:
-    """A process group over ``ranks`` (every rank must call this, in the same order)."""
-    return dist.new_group(sorted(ranks), timeout=transport_timeout(state().config.timeout_s))
+    work = _staging.all_reduce(tensor, op=_op("sum"), group=grid.dp_group, async_op=True)
+    return watched(work, "all_reduce", grid.dp_group)
 
 
 def all_reduce_group(tensor: torch.Tensor, group: Any) -> torch.Tensor:

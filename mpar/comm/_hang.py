@@ -77,6 +77,10 @@ def _oldest(ranks: list[int], snaps: Mapping[int, Snapshot], *, waiting: bool) -
     return min(ranks, key=age)
 
 
+_SHUTDOWN = "mpar.shutdown"
+"""In the name of the final barrier's wait (``comm._bootstrap``)."""
+
+
 def diagnose(snaps: Mapping[int, Snapshot], world_size: int, trigger: Mapping[str, Any]) -> Verdict:
     """Name the rank that is behind. ``trigger`` is the request of the rank that
     waited too long: its ``rank`` and its ``wait`` (as in a snapshot)."""
@@ -93,6 +97,9 @@ def diagnose(snaps: Mapping[int, Snapshot], world_size: int, trigger: Mapping[st
         culprit = int(trigger["rank"])
         return Verdict(culprit, False, waiters, f"rank {culprit} waited longer than timeout_s")
     mismatched = [r for r, s in snaps.items() if r in waiters and s["wait"]["kind"] == "collective"]
+    leaving = [r for r in mismatched if _SHUTDOWN in str(snaps[r]["wait"].get("name"))]
+    if leaving and len(leaving) < len(waiters):  # at the end while its peers still work
+        mismatched = leaving
     culprit = _oldest(mismatched or list(waiters), snaps, waiting=True)
     return Verdict(culprit, True, waiters, _deadlock_message(culprit, snaps, waiters))
 
@@ -124,7 +131,13 @@ def _deadlock_message(
     culprit: int, snaps: Mapping[int, Snapshot], waiters: Mapping[int, list[int]]
 ) -> str:
     wait = snaps[culprit]["wait"]
-    if wait["kind"] == "collective":
+    if _SHUTDOWN in str(wait.get("name")):
+        absent = ", ".join(map(str, waiters[culprit]))
+        head = (
+            f"deadlock: rank {culprit} waits in {wait['name']} (it reached the end of its "
+            f"script early, or skipped work) while rank(s) {absent} still run"
+        )
+    elif wait["kind"] == "collective":
         absent = ", ".join(map(str, waiters[culprit]))
         head = (
             f"deadlock: rank {culprit} waits in {wait['name']}, which rank(s) {absent} did not call"

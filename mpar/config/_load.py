@@ -9,12 +9,17 @@ Everything a user may write is translated here into the canonical keys of
   ``offload_optimizer.device``, ``offload_param.device``,
   ``reduce_bucket_size``) -> ``zero``.
 
-Unknown keys are rejected by name with the closest valid key suggested. The
-``MPAR_TRACE`` variable gives ``trace`` when the config leaves it out or null.
+Unknown keys are rejected by name with the closest valid key suggested.
+
+Two environment variables override the config, read once by :func:`load_config`
+(``mpar.init``): ``MPAR_TRACE`` gives ``trace`` when the config leaves it out or
+null; ``MPAR_SPLIT_BACKWARD`` (``0``/``1``, ``false``/``true``, ``off``/``on``,
+``no``/``yes``) sets ``split_backward``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import os
@@ -29,6 +34,7 @@ __all__ = [
     "ACCEPTED_KEYS",
     "AUTO_KEYS",
     "ENV_VAR",
+    "SPLIT_BACKWARD_ENV_VAR",
     "TRACE_ENV_VAR",
     "config_from_dict",
     "load_config",
@@ -36,6 +42,8 @@ __all__ = [
 
 ENV_VAR = "MPAR_CONFIG"
 TRACE_ENV_VAR = "MPAR_TRACE"
+SPLIT_BACKWARD_ENV_VAR = "MPAR_SPLIT_BACKWARD"
+_TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
 _CANONICAL = tuple(f.name for f in Config.__dataclass_fields__.values() if f.name != "auto_keys")
 #: Keys that accept "auto" (resolved by the planner at the first step; see Config.auto_keys).
@@ -196,8 +204,6 @@ def config_from_dict(raw: Mapping[str, Any] | None) -> Config:
         values[canonical] = value
     auto = _auto_requests(raw, values)
     values["zero"] = _zero_from(raw)
-    if values.get("trace") is None and os.environ.get(TRACE_ENV_VAR):
-        values["trace"] = os.environ[TRACE_ENV_VAR]
     if isinstance(values.get("trace"), os.PathLike):
         values["trace"] = os.fspath(values["trace"])
     return Config(**values, auto_keys=auto)
@@ -232,21 +238,44 @@ def _from_env() -> Any:
     return _read_file(Path(text))
 
 
-def load_config(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None) -> Config:
+def _with_env_overrides(config: Config) -> Config:
+    """``config`` with the overrides of ``MPAR_TRACE`` and ``MPAR_SPLIT_BACKWARD``."""
+    changes: dict[str, Any] = {}
+    trace = os.environ.get(TRACE_ENV_VAR, "")
+    if config.trace is None and trace:
+        changes["trace"] = trace
+    split = os.environ.get(SPLIT_BACKWARD_ENV_VAR, "").strip().lower()
+    if split:
+        if split not in _TRUE + _FALSE:
+            raise ConfigError(
+                f"{SPLIT_BACKWARD_ENV_VAR}={split!r} is not a switch; set it to 0 or 1 "
+                "(or unset it and use the config key 'split_backward')"
+            )
+        changes["split_backward"] = split in _TRUE
+    return dataclasses.replace(config, **changes) if changes else config
+
+
+def load_config(
+    config: Config | Mapping[str, Any] | str | os.PathLike[str] | None,
+    *,
+    defaults: Mapping[str, Any] | None = None,
+) -> Config:
     """Resolve what ``mpar.init`` was given into a :class:`Config`.
 
     ``config`` is a :class:`Config`, a dict, a path to a JSON or YAML file, or
-    None — then the ``MPAR_CONFIG`` variable (a path, or inline JSON), then the
-    defaults.
+    None — then the ``MPAR_CONFIG`` variable (a path, or inline JSON), then
+    ``defaults`` (a dict; None: the defaults of :class:`Config`). The environment overrides (``MPAR_TRACE``, ``MPAR_SPLIT_BACKWARD``)
+    apply to each; this is the only place they are read.
     """
     if isinstance(config, Config):
-        return config
+        return _with_env_overrides(config)
     if config is None:
-        return config_from_dict(_from_env())
+        raw = _from_env()
+        return _with_env_overrides(config_from_dict(defaults if raw is None else raw))
     if isinstance(config, str | os.PathLike):
-        return config_from_dict(_read_file(Path(config)))
+        return _with_env_overrides(config_from_dict(_read_file(Path(config))))
     if isinstance(config, Mapping):
-        return config_from_dict(config)
+        return _with_env_overrides(config_from_dict(config))
     raise ConfigTypeError(
         "mpar.init(config) takes a dict, a path to a JSON/YAML file, or None; "
         f"got {type(config).__name__}"

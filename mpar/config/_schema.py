@@ -17,7 +17,7 @@ from typing import Any, Literal
 from mpar._size import parse_bytes
 from mpar.errors import ConfigError, ConfigTypeError
 from mpar.schedule._csv import is_csv_path
-from mpar.schedule._registry import PIPELINES, check_csv_shape
+from mpar.schedule._registry import PIPELINES, check_csv_schedule
 
 __all__ = ["Config", "ZeroConfig"]
 
@@ -187,6 +187,11 @@ class Config:
     active_microbatches: int | None = None
     """Cap on microbatches in flight per rank (bounds activation memory); None: no cap."""
 
+    split_backward: bool = True
+    """Whether the I/W actions of the zero-bubble schedules split the backward (linear
+    layers' weight gradients wait for W); false runs the whole backward in I and leaves
+    W empty: the same gradients, an escape hatch (``MPAR_SPLIT_BACKWARD=0`` at init)."""
+
     optimize: OptimizeKind = "speed"
     """Partition objective; sets the default ``memory_weight`` (speed 0.2, memory 0.8)."""
 
@@ -239,7 +244,8 @@ class Config:
     trace: str | None = None
     """Directory where each rank writes its flight recorder (its last actions with
     times, its position and stacks) when the job hangs or its step raises, and the
-    reporting rank the hang report; None: ``MPAR_TRACE`` if set, else nowhere."""
+    reporting rank the hang report; None: nowhere (``MPAR_TRACE``, read at init, fills
+    it in when unset)."""
 
     device_memory: int | str | None = None
     """Memory per rank (bytes, or "16GiB" / "40GB"): caps the partition and the "auto" planner."""
@@ -258,7 +264,7 @@ class Config:
 
         try:
             schedule = read_csv(self.pipeline)
-            check_csv_shape(
+            check_csv_schedule(
                 schedule,
                 self.pipeline,
                 self.pipeline_parallel_degree,
@@ -284,7 +290,14 @@ class Config:
                     f"config key 'memory_weight' has value {self.memory_weight}; "
                     "it must be in [0, 1] (or null to follow 'optimize')"
                 )
-        for key in ("auto_partition", "ddp", "offload_activations", "bf16", "fp16"):
+        for key in (
+            "split_backward",
+            "auto_partition",
+            "ddp",
+            "offload_activations",
+            "bf16",
+            "fp16",
+        ):
             _check_bool(key, getattr(self, key))
         _check_int("default_partition", self.default_partition, minimum=0)
         _fail_choice("placement_strategy", self.placement_strategy, ("cluster", "spread"))

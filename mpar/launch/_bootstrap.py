@@ -18,7 +18,9 @@ record, ``mpar/_failure.py``, a standard-library leaf, is loaded by path). It
    exits 1 at once and quietly. The watchdog records its report with the same
    ``mpar/_failure.py``.
 
-``SystemExit`` and ``KeyboardInterrupt`` pass through unchanged (a non-zero
+Each process dies with its parent (Linux's parent-death signal): SIGKILL of
+``mpar launch`` leaves no worker behind. ``SystemExit`` and
+``KeyboardInterrupt`` pass through unchanged (a non-zero
 ``SystemExit`` is reported like an exception first). Under ``--mpi`` each rank
 also notes its pid at start and its normal exit in the launcher's run folder, so
 that the launcher can tell which rank was killed by a signal.
@@ -27,6 +29,7 @@ that the launcher can tell which rank was killed by a signal.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import faulthandler
 import importlib.util
 import os
@@ -127,6 +130,14 @@ def _hang_reported() -> bool:
     return watchdog is not None and bool(watchdog.HANG_REPORTED.is_set())
 
 
+def _mark_mpar_failed() -> None:
+    """Tell mpar (when the script uses it) that this rank failed: ``mpar.shutdown``
+    at exit then skips its final barrier, which the peers would never reach."""
+    abort = sys.modules.get("mpar.comm._abort")
+    if abort is not None:
+        abort.FAILED.set()
+
+
 def _abort_mpi_if_initialized() -> None:
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is None:
@@ -186,10 +197,30 @@ def supervise(argv: list[str]) -> int:
     return 128 - code
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Linux: the kernel sends this process SIGKILL when its parent (the launcher's
+    agent, or under --mpi the supervising process) dies, even by SIGKILL, so a
+    killed ``mpar launch`` leaves no worker training on. Elsewhere: nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the call took effect
+        os._exit(1)
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         sys.stderr.write("usage: python _bootstrap.py script.py [args...]\n")
         return 2
+    die_with_parent()
     if os.environ.get(SUPERVISE_ENV) == "1":
         return supervise(argv)
     script = os.path.abspath(argv[0])
@@ -201,6 +232,7 @@ def main(argv: list[str]) -> int:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         if exc.code not in (None, 0):
+            _mark_mpar_failed()
             _report_failure(exc, script)
         _record_exit(exc.code)
         raise
@@ -209,6 +241,7 @@ def main(argv: list[str]) -> int:
     except BaseException as exc:
         if _hang_reported():  # a consequence of the hang report
             os._exit(1)  # now, without the interpreter's teardown (it may abort)
+        _mark_mpar_failed()
         _report_failure(exc, script)
         _abort_mpi_if_initialized()
         return 1

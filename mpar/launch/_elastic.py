@@ -31,6 +31,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from mpar._compat import launch_config
 from mpar.launch._bootstrap import BOOTSTRAP_PATH
 from mpar.launch._checks import open_rendezvous_socket
 from mpar.launch._options import LaunchOptions
@@ -147,10 +148,8 @@ def _endpoint(options: LaunchOptions, port: int) -> str:
 
 def _launch_config(options: LaunchOptions, port: int, listen_fd: int, log_dir: str) -> LaunchConfig:
     shutdown = None if "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in os.environ else _SHUTDOWN_TIMEOUT_S
-    extra: dict[str, Any] = {}
-    if shutdown is not None and "shutdown_timeout" in _launch_config_fields():
-        extra["shutdown_timeout"] = shutdown  # not in older torch (2.9): its default applies
-    return LaunchConfig(
+    extra: dict[str, Any] = {} if shutdown is None else {"shutdown_timeout": shutdown}
+    return launch_config(
         min_nodes=options.nnodes,
         max_nodes=options.nnodes,
         nproc_per_node=options.nproc_per_node,
@@ -166,12 +165,6 @@ def _launch_config(options: LaunchOptions, port: int, listen_fd: int, log_dir: s
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
         **extra,
     )
-
-
-def _launch_config_fields() -> set[str]:
-    import dataclasses
-
-    return {f.name for f in dataclasses.fields(LaunchConfig)}
 
 
 def _failure(global_rank: int, failure: ProcessFailure) -> RankFailure:

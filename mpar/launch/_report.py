@@ -143,8 +143,13 @@ def format_report(failures: Iterable[RankFailure], *, launcher: str) -> str:
 
 
 def exit_status(failure: RankFailure) -> int:
-    """The launcher's exit status for a failed job (128 + signal, as shells do)."""
+    """The launcher's exit status for a failed job: 1 for an exception, 128 + signal
+    for a rank killed by a signal (as shells do), else the rank's own status. A
+    rank that recorded an exception and was then stopped by the launcher while
+    it tore down (SIGTERM) failed by the exception: 1, not 143."""
     if failure.exitcode is None or failure.exitcode == 0:
+        return 1
+    if failure.message and failure.exitcode < 0:
         return 1
     if failure.exitcode < 0:
         return 128 - failure.exitcode

@@ -149,7 +149,10 @@ class Candidate:
         )
 
     def config(self, device_memory: int | None = None) -> dict[str, Any]:
-        """The candidate as an mpar config dict (``mpar.config.load_config`` reads it)."""
+        """The candidate as an mpar config dict (``mpar.config.load_config`` reads it).
+
+        ``device`` is left to the runtime's ``"auto"`` (the plan's kind is
+        ``Candidate.device``): a plan made for CUDA on a laptop runs as is on the GPUs."""
         zero: dict[str, Any] = {"stage": self.zero_stage}
         if self.offload_optimizer:
             zero["offload_optimizer"] = "cpu"
@@ -168,7 +171,6 @@ class Candidate:
             "bf16": self.precision == "bf16",
             "fp16": self.precision == "fp16",
             "memory_weight": 0.0,
-            "device": self.device,
         }
         if device_memory is not None:
             config["device_memory"] = device_memory

@@ -11,6 +11,9 @@ rejects other sizes with a message naming the input and the axis.
 size 1 (a microbatch of one) is enlarged to 2 by repeating it along that axis for
 the capture only; values do not matter to the graph (the non-strict export runs
 on fake tensors) unless the model branches on them, which export rejects anyway.
+An example that is a view (``tokens[:, :-1]``) is exported as a contiguous copy:
+export would otherwise guard on its base's sizes, and the next batch — a fresh
+tensor of the same shape — would fail an internal ``Guard failed: idx._base``.
 """
 
 from __future__ import annotations
@@ -20,10 +23,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
-from torch.export import Dim, ExportedProgram, ShapesCollection
 
+from mpar._compat import Dim, ExportedProgram, ShapesCollection, export, pytree
 from mpar.errors import PartitionError
 
 __all__ = ["capture"]
@@ -55,7 +57,11 @@ def _dynamic_inputs(
     """Example inputs safe to export dynamically, and their ``dynamic_shapes``."""
 
     def enlarge(leaf: Any) -> Any:
-        return _enlarged(leaf, axes) if isinstance(leaf, torch.Tensor) else leaf
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        if leaf._base is not None or not leaf.is_contiguous():
+            leaf = leaf.clone(memory_format=torch.contiguous_format)  # no view base: no guard on it
+        return _enlarged(leaf, axes)
 
     args, kwargs = pytree.tree_map(enlarge, (args, kwargs))
     shapes = ShapesCollection()
@@ -82,9 +88,7 @@ def capture(
     try:
         ex_args, ex_kwargs, dynamic = _dynamic_inputs(module, args, kwargs, dynamic_axes)
         with _mode(module, training):
-            return torch.export.export(
-                module, ex_args, ex_kwargs, dynamic_shapes=dynamic, strict=False
-            )
+            return export(module, ex_args, ex_kwargs, dynamic_shapes=dynamic, strict=False)
     except Exception as exc:  # torch.export raises many types; report them all the same way
         text = str(exc).strip()
         first = text.splitlines()[0] if text else type(exc).__name__

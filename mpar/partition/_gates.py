@@ -31,8 +31,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import fx
 
+from mpar._compat import fx
 from mpar.partition._graph import _node_unit_stage, is_symbolic
 
 __all__ = ["GATE_ATTR", "enter", "gate_graph", "leave", "mark", "owners"]

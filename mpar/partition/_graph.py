@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import fx
 
+from mpar._compat import fx
 from mpar.errors import PartitionError
 
 __all__ = ["StageGraph", "cut_graph", "is_symbolic"]

@@ -61,6 +61,7 @@ __all__ = [
     "Transfers",
     "effective_gather",
     "loss_bytes",
+    "optimizer_step_bytes",
     "splits_backward",
     "stage_extra_bytes",
     "transfer_bytes",
@@ -303,6 +304,33 @@ def boundary_bytes(unit: UnitProfile, layout: Layout) -> float:
     return unit.output_bytes * layout.microbatch_scale * layout.dtype_factor
 
 
+def optimizer_step_bytes(units: Sequence[UnitProfile], layout: Layout) -> tuple[float, float]:
+    """What the optimizer update adds, after the backward (activations gone): the fp32
+    copies of the reduced gradients that mixed precision hands the optimizer
+    (``FlatBucket.opt_grad``, every bucket at once; none with offload, whose host
+    gradient is fp32 already), and the temporaries of one Adam update on the largest
+    optimizer segment (``sqrt`` and ``div`` of the second moment: 2 fp32 copies). A
+    segment is a bucket's optimizer range: up to ``bucket_bytes`` of compute-dtype
+    elements of one unit group (ZeRO-2/3 by unit or group) or of the stage, ``1/dp`` of
+    it at ZeRO >= 1. Returns (copies, temporaries): a rank adds its stages' copies and
+    takes the largest temporaries. Without flat buckets (fp32, ZeRO-0, one replica) the
+    optimizer updates each parameter: the largest unit bounds its temporaries."""
+    trainable = [u.grad_bytes / 4 for u in units]  # fp32 elements
+    plain = layout.zero_stage == 0 and not layout.mixed and layout.data_parallel_degree == 1
+    if plain:  # no flat buckets (``make_sharded``): the optimizer sees the parameters
+        return 0.0, 2 * 4 * max(trainable, default=0.0)  # bounded by the largest unit
+    if layout.zero_stage >= 2 and layout.gather != "chunk":
+        groups = [sum(u.grad_bytes / 4 for u in g) for g in _gather_groups(units, layout.gather)]
+    else:
+        groups = [sum(trainable)]
+    cap = layout.bucket_bytes / (4 * layout.dtype_factor)  # elements of one bucket
+    segment = 4 * min(max(groups, default=0.0), cap) / layout.shards
+    copies = 0.0
+    if layout.mixed and not layout.offloads_optimizer:
+        copies = 4 * sum(trainable) / layout.shards
+    return copies, 2 * segment
+
+
 def loss_bytes(last: UnitProfile, layout: Layout, in_flight: int) -> float:
     """The loss outside the model on the last stage, at its peak (the backward of the
     loss of one microbatch): the fp32 log-probabilities cross-entropy saves for every
@@ -383,11 +411,7 @@ def stage_extra_bytes(
     if not last:
         return extra + working
     # the loss's backward comes before the last group's: its temporaries are gone when
-    # the group's gradients are copied for the reduction (the gathered ones stay)
-    gathered = 0.0
-    if layout.zero_stage == 3 and (layout.data_parallel_degree > 1 or layout.offload_params):
-        groups = [g for g in _gather_groups(group, layout.gather) if any(u.param_bytes for u in g)]
-        pair = groups[-2:] if layout.gather != "chunk" else groups[-1:]
-        gathered = layout.dtype_factor * sum(u.param_bytes for g in pair for u in g)
-    loss_moment = loss_backward_bytes(units[-1], layout) + gathered
+    # the group's gradients are copied for the reduction (and at ZeRO-3 the group is
+    # gathered for its backward after the loss's: measured, issue 27's ZeRO-3 row)
+    loss_moment = loss_backward_bytes(units[-1], layout)
     return extra + loss_saved_bytes(units[-1], layout, in_flight) + max(working, loss_moment)

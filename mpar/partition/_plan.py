@@ -51,6 +51,7 @@ from mpar.partition._memory import (
     boundary_bytes,
     effective_gather,
     loss_bytes,
+    optimizer_step_bytes,
     stage_extra_bytes,
     unit_activation_bytes,
     unit_host_bytes,
@@ -134,6 +135,10 @@ class Plan:
     """Data-parallel sync and offload seconds per step (in ``step_time_s``)."""
     process_bytes: int = 0
     """Memory each rank's process holds besides tensors (in ``rank_memory_bytes``)."""
+    optimizer_step_bytes: list[int] = field(default_factory=list)
+    """Per pipeline rank: what the optimizer update adds to the rank's state after the
+    backward (mixed precision's fp32 gradient copies, Adam's temporaries). A rank's peak
+    is ``process + state + max(activations + extras, this)``."""
     host_memory_bytes: list[int] = field(default_factory=list)
     """Per pipeline rank: host bytes of offloaded state (optimizer state, master copy, the
     host gradient, parameter shards; ``unit_host_bytes``). On a CPU device the same memory
@@ -409,6 +414,7 @@ class _Laid:
     compute: list[float]
     rank_memory: list[int]
     host_memory: list[int] = field(default_factory=list)
+    optimizer_step: list[int] = field(default_factory=list)
 
 
 def lay_out(
@@ -438,11 +444,35 @@ def lay_out(
     starts = _boundaries(profile, method, p * v, memory, weight, cap, comm, compute)
     home = _placement(pipeline, p * v, p)
     stages = _stage_plans(units, starts, home, in_flight, layout, comm, compute, transfers)
+    step = optimizer_step(stages, units, layout, p)
     rank_memory = [
-        int(process) + sum(s.memory_bytes for s in stages if s.rank == r) for r in range(p)
+        int(process)
+        + sum(s.state_bytes for s in stages if s.rank == r)
+        + max(sum(s.memory_bytes - s.state_bytes for s in stages if s.rank == r), step[r])
+        for r in range(p)
     ]
     host = host_memory(stages, units, layout, p)
-    return _Laid(starts, stages, in_flight, sched, memory, comm, compute, rank_memory, host)
+    return _Laid(starts, stages, in_flight, sched, memory, comm, compute, rank_memory, host, step)
+
+
+def optimizer_step(
+    stages: Sequence[StagePlan], units: Sequence[UnitProfile], layout: Layout, p: int
+) -> list[int]:
+    """Per rank: what the optimizer update adds (``optimizer_step_bytes``): its stages'
+    gradient copies and the largest stage's temporaries. On a CUDA/XLA device with
+    offload the update runs on the host and adds nothing to the device."""
+    if layout.offloads_optimizer and not layout.host_is_device:
+        return [0] * p
+    by_name = {u.name: u for u in units}
+    out = []
+    for r in range(p):
+        parts = [
+            optimizer_step_bytes([by_name[n] for n in s.units], layout)
+            for s in stages
+            if s.rank == r
+        ]
+        out.append(int(sum(c for c, _ in parts) + max((t for _, t in parts), default=0.0)))
+    return out
 
 
 def make_plan(
@@ -557,6 +587,7 @@ def make_plan(
         overhead_s=overhead,
         process_bytes=int(process_bytes(p, cost, layout)),
         host_memory_bytes=laid.host_memory,
+        optimizer_step_bytes=laid.optimizer_step,
         microbatch_size=microbatch_size,
         layout=dataclasses.asdict(layout),
     )

@@ -23,10 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
-from torch import fx, nn
-from torch.export import ExportedProgram
+from torch import nn
 
+from mpar._compat import ExportedProgram, fx, pytree, spec_child
 from mpar.errors import PartitionError
 from mpar.partition._capture import capture
 from mpar.partition._graph import StageGraph, cut_graph
@@ -76,7 +75,7 @@ def _compile(graph: fx.Graph, name: str) -> tuple[Callable[..., Any], str]:
 def _input_spec(ep: ExportedProgram, placeholders: Sequence[fx.Node]) -> _InputSpec:
     in_spec = ep.call_spec.in_spec
     assert in_spec is not None
-    keys = list(in_spec.child(1).context or [])
+    keys = list(spec_child(in_spec, 1).context or [])
     dims: list[list[Any] | None] = []
     for p in placeholders:
         val = p.meta.get("val")
@@ -124,8 +123,10 @@ def _check_dims(spec: _InputSpec, leaves: Sequence[Any]) -> None:
 def _fixed_axis(name: str, axis: int, size: int, want: int) -> str:
     return (
         f"input {name!r} axis {axis} has size {size} but the stages were captured with "
-        f"{want} and this axis is fixed (it is not in dynamic_axes, or the model's code "
-        "pins its size); split with dynamic_axes including this axis, or feed this size"
+        f"{want} and this axis is fixed (the model's code pins it, or it is not among the "
+        f"dynamic axes). To vary it, build the model with "
+        f"mpar.DistributedModel(module, dynamic_axes=(0, {axis})) (for a sequence axis, say), "
+        "or feed this size (pad to it)"
     )
 
 
@@ -329,7 +330,7 @@ def _cut(
 def _check_leaves(
     ep: ExportedProgram, args: tuple[Any, ...], kwargs: dict[str, Any], count: int
 ) -> None:
-    keys = list(ep.call_spec.in_spec.child(1).context or [])
+    keys = list(spec_child(ep.call_spec.in_spec, 1).context or [])
     leaves = pytree.tree_leaves((args, {k: kwargs[k] for k in keys}))
     if len(leaves) != count:
         raise PartitionError(

@@ -29,13 +29,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
-from torch.utils.flop_counter import FlopCounterMode
 
 from mpar import _device
+from mpar._compat import FakeTensorMode, FlopCounterMode, pytree
 from mpar.errors import PartitionError
 from mpar.partition._units import find_units
 

@@ -5,7 +5,8 @@
 first step, before the batch is split, rank 0 profiles the model on this
 replica's whole batch, runs ``mpar.partition.search`` with the other keys
 fixed to their configured values, logs the choice on stderr and broadcasts it;
-every rank then runs with the resolved config (``mpar.config()`` shows it).
+every rank then runs the model with the resolved config (``model.config`` shows
+it; ``mpar.config()`` keeps what ``mpar.init`` was given).
 """
 
 from __future__ import annotations
@@ -107,8 +108,8 @@ def resolve_auto(
     *,
     non_split_inputs: Sequence[str] = (),
     input_split_axes: Mapping[str, int] | None = None,
-) -> None:
-    """Replace ``st.config`` by one with every "auto" key resolved (same on every rank)."""
+) -> Config:
+    """``st.config`` with every "auto" key resolved (the same on every rank)."""
     if model.partitioned:
         raise StepError(
             f"config keys {list(st.config.auto_keys)} are 'auto' but the model was already "
@@ -125,11 +126,11 @@ def resolve_auto(
             decision = ("ok", _choose(model, fn, whole, st))
         except Exception as exc:  # every rank must learn of the failure, not hang
             decision = ("error", exc)
-    decision = broadcast_object_world(decision, src=0)
+    decision = broadcast_object_world(decision, st.grid, src=0)
     if decision[0] == "error":
         raise decision[1]
     chosen, auto = decision[1], st.config.auto_keys
-    st.config = _apply(st.config, chosen)
+    resolved = _apply(st.config, chosen)
     if st.layout.rank == 0:
         shown = {k: chosen[k] for k in auto}
         print(
@@ -138,3 +139,4 @@ def resolve_auto(
             f"{chosen['predicted_peak_bytes'] / 2**20:.1f} MiB per rank)",
             file=sys.stderr,
         )
+    return resolved

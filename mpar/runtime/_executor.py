@@ -49,8 +49,10 @@ import torch
 from torch import nn
 
 from mpar import _device
+from mpar._compat import top_saved_tensors_hooks
 from mpar._tree import tree_leaves, tree_map
 from mpar.comm import State
+from mpar.comm._bootstrap import on_shutdown
 from mpar.comm._p2p import Links, PendingSends, recv_payload, send_payload
 from mpar.comm._progress import PROGRESS
 from mpar.errors import StepError
@@ -58,7 +60,7 @@ from mpar.runtime._microbatch import Microbatches
 from mpar.runtime._output import StepOutput, check_gatherable, detach_to_cpu
 from mpar.runtime._precision import cast_floats, compute_dtype
 from mpar.runtime._recompute import run_stage
-from mpar.runtime._split_backward import defer_weight_gradients, split_backward, split_enabled
+from mpar.runtime._split_backward import defer_weight_gradients, split_backward
 from mpar.runtime._timeline import StepTimeline
 
 if TYPE_CHECKING:
@@ -152,14 +154,14 @@ def _unshard_phases(actions: list[Any]) -> dict[int, list[bool]]:
 def _outer_saved_tensor_hooks() -> tuple[Any, Any] | None:
     """The ``saved_tensors_hooks`` active around the stage (the user's ``save_on_cpu``,
     say), which :class:`_SavedBytes` must keep applying."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return None if top is None else top(False)
+    return top_saved_tensors_hooks()
 
 
 _SAVED_BYTES: weakref.WeakKeyDictionary[nn.Module, dict[Any, int]] = weakref.WeakKeyDictionary()
 """Stage -> {input signature: bytes autograd saved inside its forward}: counted with
 :class:`_SavedBytes` on the first forward of each signature, reused after (saved-tensor
 hooks cost about as much as a third of a small stage's forward on the CPU)."""
+on_shutdown(_SAVED_BYTES.clear)
 _SIGNATURES_KEPT = 64
 
 
@@ -223,7 +225,7 @@ class StepRun:
         self.stages, self.sharded, self.batches, self.st = stages, sharded, batches, st
         self.call, self.capture, self.name = call, capture, name
         self.schedule = schedule
-        self.actions: list[Any] = schedule.actions.get(st.pp_rank, [])
+        self.actions: list[Any] = schedule.actions.get(st.grid.pp_rank, [])
         self.training = not schedule.is_forward_only
         self.num_stages = schedule.num_stages
         self.inputs: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
@@ -245,7 +247,7 @@ class StepRun:
         self.timeline: StepTimeline | None = StepTimeline(time.time()) if st.config.trace else None
         """With ``trace``: each action's start and end (``runtime._timeline``)."""
         self.pending = PendingSends()
-        self.links: Links = st.extras.setdefault("p2p_links", Links())
+        self.links: Links = st.p2p_links
         self.wire = _device.p2p_device(st.device, st.backend)
         """Where transfers are built and received (the host when they are staged)."""
         self.incoming = self._incoming_streams()
@@ -264,7 +266,7 @@ class StepRun:
         self.dtype = compute_dtype(st.config)
         """Mixed precision: stage 0 casts float inputs to it, the last stage casts back."""
         self.loss_scale = 1.0 if sharded is None else sharded.loss_scale
-        if self.training and split_enabled():  # I/W: linear layers keep their W for later
+        if self.training and st.config.split_backward:  # I/W: linear layers keep their W for later
             for s in {a.stage for a in self.actions if a.kind.value == "I"}:
                 defer_weight_gradients(stages.modules[s])
 
@@ -320,7 +322,7 @@ class StepRun:
 
     def _rank_of(self, stage: int) -> int:
         """Global rank of this replica that holds ``stage``."""
-        return self.st.pp_ranks[self.schedule.stage_to_rank(stage)]
+        return self.st.grid.pp_ranks[self.schedule.stage_to_rank(stage)]
 
     def _incoming_streams(self) -> dict[tuple[int, int], int]:
         """How many transfers this rank receives this step on each (source, tag) stream:
@@ -519,7 +521,9 @@ class StepRun:
         grads, work = None, _nothing
         if roots:
             if split:
-                work = split_backward(roots, root_grads, inputs)
+                work = split_backward(
+                    roots, root_grads, inputs, split=self.st.config.split_backward
+                )
             else:
                 try:
                     torch.autograd.backward(roots, root_grads)
@@ -605,7 +609,7 @@ class StepRun:
         for dst in range(st.layout.world_size):
             if dst != st.layout.rank:
                 send_payload(
-                    mine, dst, _OUTPUTS_TAG, (st.dp_rank,), self.pending, self.links, self.wire
+                    mine, dst, _OUTPUTS_TAG, (st.grid.dp_rank,), self.pending, self.links, self.wire
                 )
 
     def _gather_outputs(self) -> StepOutput:

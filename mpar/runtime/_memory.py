@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from mpar import _device
-from mpar.comm import state
-from mpar.runtime._model import live_models
-from mpar.runtime._optimizer import live_optimizers
+from mpar.comm import State, state
+from mpar.runtime._model import DistributedModel
+from mpar.runtime._optimizer import DistributedOptimizer
 from mpar.shard._memory import count_bytes
 
 __all__ = ["memory_report"]
@@ -22,10 +22,10 @@ _CATEGORIES = (
 )
 
 
-def _plain_groups(local: list[torch.nn.Parameter]) -> dict[str, list[torch.Tensor]]:
+def _plain_groups(local: list[torch.nn.Parameter], st: State) -> dict[str, list[torch.Tensor]]:
     ids = {id(p) for p in local}
     optimizer: list[torch.Tensor] = []
-    for opt in live_optimizers():
+    for opt in [o for o in list(st.optimizers) if isinstance(o, DistributedOptimizer)]:
         if opt.sharded_optimizer() is None:
             for param, values in opt.optimizer.state.items():
                 if id(param) in ids:
@@ -57,24 +57,24 @@ def memory_report() -> dict[str, dict[str, int]]:
     also has ``device_allocated`` and ``device_peak``: the allocator's current
     and peak bytes, everything included (not reset by mpar).
     """
-    state()
+    st = state()
     report: dict[str, dict[str, int]] = {}
-    for model in live_models():
+    for model in [m for m in list(st.models) if isinstance(m, DistributedModel)]:
         if model.sharded is not None:
             part = model.sharded.memory_report()
         else:
-            part = count_bytes(_plain_groups(model.local_parameters()))
+            part = count_bytes(_plain_groups(model.local_parameters(), st))
         for device, row in part.items():
             mine = report.setdefault(device, dict.fromkeys(_CATEGORIES, 0))
             for key, value in row.items():
                 mine[key] = mine.get(key, 0) + value
-        device = str(state().device)
+        device = str(st.device)
         report.setdefault(device, dict.fromkeys(_CATEGORIES, 0))
         report[device]["activations"] += model.activation_peak_bytes
         if model.sharded is not None:
             report[device]["gathered_peak"] += model.sharded.peak_gathered_bytes
             report[device]["gradients_peak"] += model.sharded.peak_grad_bytes
-    _add_allocator_stats(report, state().device)
+    _add_allocator_stats(report, st.device)
     return report
 
 

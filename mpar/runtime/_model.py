@@ -8,15 +8,16 @@ its own stages and frees the parameters of the others.
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Iterator, Mapping
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from mpar.comm import state
+from mpar.comm import ProcessGrid, State, state
 from mpar.comm._collectives import all_gather_object_pp
+from mpar.config import Config
 from mpar.errors import StepError
 from mpar.runtime._adapt import disable_caches
 from mpar.runtime._executor import Captured, StepRun
@@ -25,14 +26,15 @@ from mpar.runtime._sharding import gathered, make_sharded
 from mpar.runtime._stages import LocalStages, build_local_stages
 from mpar.shard import ShardedStages
 
-__all__ = ["DistributedModel", "live_models"]
-
-_MODELS: weakref.WeakSet[DistributedModel] = weakref.WeakSet()
+__all__ = ["DistributedModel"]
 
 
-def live_models() -> list[DistributedModel]:
-    """Every DistributedModel of this process (DistributedOptimizer looks here)."""
-    return list(_MODELS)
+def _check_axes(axes: Any) -> tuple[int, ...]:
+    if isinstance(axes, int) or not isinstance(axes, Sequence):
+        raise TypeError(f"dynamic_axes must be a tuple of axis numbers, got {axes!r}")
+    if not all(isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in axes):
+        raise ValueError(f"dynamic_axes must hold axis numbers >= 0, got {axes!r}")
+    return tuple(axes)
 
 
 class DistributedModel:
@@ -49,6 +51,7 @@ class DistributedModel:
         *,
         example_inputs: Any = None,
         example_kwargs: Mapping[str, Any] | None = None,
+        dynamic_axes: Sequence[int] = (0,),
         init_fn: Callable[[nn.Module], None] | None = None,
     ) -> None:
         from mpar.build import build_module, tensor_shapes
@@ -56,7 +59,15 @@ class DistributedModel:
         module = build_module(module)
         self._tensor_shapes = tensor_shapes(module)
         """Every parameter's and buffer's shape by name, before partitioning frees any."""
+        self.dynamic_axes = _check_axes(dynamic_axes)
+        """Axes of every tensor input whose size may change between steps in a
+        captured pipeline (``(0,)`` the batch; ``(0, 1)`` also the sequence)."""
         self._st = state()
+        self.grid: ProcessGrid = self._st.grid
+        """The rank grid and process groups this model runs on."""
+        self.config: Config = self._st.config
+        """The configuration this model runs with: ``mpar.config()``, with its ``"auto"``
+        values resolved at the first step."""
         self.module = module
         self.init_fn = init_fn
         """A meta-built model: called on each module to initialise it (default: its own
@@ -77,7 +88,7 @@ class DistributedModel:
         self._key_order = list(self._dtypes)
         self._aliases = _tensor_aliases(module)
         self._schedules: dict[bool, Any] = {}
-        _MODELS.add(self)
+        self._st.models.add(self)
         if example_inputs is not None or example_kwargs is not None:
             args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
             self._partition(tuple(a for a in args if a is not None), dict(example_kwargs or {}))
@@ -88,18 +99,27 @@ class DistributedModel:
     def partitioned(self) -> bool:
         return self.stages is not None
 
+    def run_state(self) -> State:
+        """What the runtime gets: the state of ``mpar.init`` with this model's config."""
+        if self.config is self._st.config:
+            return self._st
+        return dataclasses.replace(self._st, config=self.config)
+
     def _partition(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         from mpar.build import start_materialize
 
-        self.stages = build_local_stages(self.module, args, kwargs, self._st)
+        st = self.run_state()
+        self.stages = build_local_stages(
+            self.module, args, kwargs, st, dynamic_axes=self.dynamic_axes
+        )
         for stage in self.stages.modules.values():
             stage.train(self.module.training)
         # A meta model gets storage here: this rank's stages only, bucket by bucket.
         materializer = start_materialize(
-            self.module, self.stages, self._st, self.init_fn, self._tensor_shapes
+            self.module, self.stages, st, self.init_fn, self._tensor_shapes
         )
         ensure = None if materializer is None else materializer.ensure
-        self.sharded = make_sharded(self.stages, self._st, (args, kwargs), materialize=ensure)
+        self.sharded = make_sharded(self.stages, st, (args, kwargs), materialize=ensure)
         if materializer is not None:
             materializer.finish()
         hooks, self.after_partition = self.after_partition, []
@@ -124,7 +144,7 @@ class DistributedModel:
         if forward_only not in self._schedules:
             from mpar.schedule import executable_schedule
 
-            cfg = self._st.config
+            cfg = self.config
             self._schedules[forward_only] = executable_schedule(
                 cfg.pipeline,
                 cfg.pipeline_parallel_degree,
@@ -147,7 +167,7 @@ class DistributedModel:
             self.sharded,
             self.schedule(forward_only=not torch.is_grad_enabled()),
             batches,
-            self._st,
+            self.run_state(),
             call=lambda j: fn(self, *batches.args[j], **batches.kwargs[j]),
             capture=lambda j: self.capture(fn, batches, j),
             name=getattr(fn, "__name__", repr(fn)),
@@ -274,7 +294,7 @@ class DistributedModel:
                     local[key] = masters[pid].to("cpu", copy=True)
             local = {k: v.to(self._dtypes[k]) for k, v in local.items()}
         merged: dict[str, torch.Tensor] = {}
-        for part in all_gather_object_pp(local):
+        for part in all_gather_object_pp(local, self.grid):
             merged.update(part)
         missing = [k for k in self._key_order if k not in merged]
         if missing:

@@ -7,6 +7,11 @@ communication: the global gradient norm for clipping, and a gathered (full)
 optimizer ``state_dict`` that loads into the same optimizer on the unwrapped
 model.
 
+The wrapper belongs to one :class:`~mpar.DistributedModel`: the one given as
+``model=``, or else the one whose module holds the optimizer's parameters (found
+among the models of this ``mpar.init``; parameters of two models are refused as
+ambiguous).
+
 Under fp16 mixed precision the gradients arrive multiplied by the dynamic loss
 scale. Before the first of ``clip_grad_norm_`` / ``step`` in a step, every rank
 learns whether any rank's gradients hold an inf or NaN (one all-reduce of a
@@ -17,7 +22,6 @@ otherwise the scale is divided out first (see :class:`mpar.shard.ShardedStages`)
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -32,16 +36,9 @@ from mpar.comm._collectives import (
     world_all_reduce,
 )
 from mpar.errors import StepError
-from mpar.runtime._model import live_models
+from mpar.runtime._model import DistributedModel
 
-__all__ = ["DistributedOptimizer", "live_optimizers"]
-
-_OPTIMIZERS: weakref.WeakSet[DistributedOptimizer] = weakref.WeakSet()
-
-
-def live_optimizers() -> list[DistributedOptimizer]:
-    """Every DistributedOptimizer of this process (``memory_report`` looks here)."""
-    return list(_OPTIMIZERS)
+__all__ = ["DistributedOptimizer"]
 
 
 def _to_cpu(value: Any) -> Any:
@@ -53,22 +50,34 @@ def _to_cpu(value: Any) -> Any:
 
 
 class DistributedOptimizer:
-    """Wraps ``optimizer`` for a model trained with :class:`mpar.DistributedModel`."""
+    """Wraps ``optimizer`` for a model trained with :class:`mpar.DistributedModel`.
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    ``model``: the model whose parameters ``optimizer`` updates; by default the
+    one whose module holds them.
+    """
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, *, model: DistributedModel | None = None
+    ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 "mpar.DistributedOptimizer wraps a torch.optim.Optimizer, got "
                 f"{type(optimizer).__name__}"
             )
+        if model is not None and not isinstance(model, DistributedModel):
+            raise TypeError(
+                f"DistributedOptimizer(model=...) takes an mpar.DistributedModel, got "
+                f"{type(model).__name__}"
+            )
         self._st = state()
         self.optimizer = optimizer
+        self._model = model if model is not None else self._find_model()
         self._sharded: Any = None
         self._pending: dict[str, Any] | Callable[[], None] | None = None
         """A state loaded before the model was partitioned, applied right after."""
         self._finite: bool | None = None
         """fp16: whether this step's gradients are finite everywhere (None: not checked yet)."""
-        _OPTIMIZERS.add(self)
+        self._st.optimizers.add(self)
 
     def _apply_pending(self) -> None:
         if self._pending is not None and self._local_ids() is not None:
@@ -83,13 +92,33 @@ class DistributedOptimizer:
         ``step`` or ``state_dict`` call, on every rank."""
         self._pending = load
 
+    @property
+    def model(self) -> DistributedModel | None:
+        """The model this optimizer updates: the one given as ``model=``, else the one
+        whose module holds the optimizer's parameters (None while there is none)."""
+        if self._model is None:
+            self._model = self._find_model()
+        return self._model
+
+    def _find_model(self) -> DistributedModel | None:
+        mine = {id(p) for p in self._all_params()}
+        found = [
+            m
+            for m in list(self._st.models)
+            if not mine.isdisjoint(id(p) for p in m.module.parameters())
+        ]
+        if len(found) > 1:
+            raise ValueError(
+                f"the optimizer's parameters belong to {len(found)} DistributedModels; "
+                "say which one it updates: mpar.DistributedOptimizer(optimizer, model=model)"
+            )
+        return found[0] if found else None
+
     def sharded_optimizer(self) -> Any:
         """The ZeRO optimizer over this rank's shards, once a sharded model is partitioned."""
-        if self._sharded is None:
-            for model in live_models():
-                if model.sharded is not None:
-                    self._sharded = model.sharded.wrap_optimizer(self.optimizer)
-                    break
+        model = self.model
+        if self._sharded is None and model is not None and model.sharded is not None:
+            self._sharded = model.sharded.wrap_optimizer(self.optimizer)
         return self._sharded
 
     @property
@@ -101,10 +130,10 @@ class DistributedOptimizer:
 
     def _local_ids(self) -> set[int] | None:
         """ids of parameters held on this rank; None when nothing is partitioned."""
-        models = [m for m in live_models() if m.partitioned]
-        if not models:
+        model = self.model
+        if model is None or not model.partitioned:
             return None
-        return {id(p) for m in models for p in m.local_parameters()}
+        return {id(p) for p in model.local_parameters()}
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Update this rank's parameters (those of other stages have no gradient here)."""
@@ -133,7 +162,7 @@ class DistributedOptimizer:
         scale if they are all finite; returns whether they are."""
         if self._finite is None:
             found = torch.tensor([0.0 if sharded.grads_finite() else 1.0], device=self._st.device)
-            world_all_reduce(found)
+            world_all_reduce(found, self._st.grid)
             self._finite = found.item() == 0
             if self._finite:
                 sharded.scale_grads(1.0 / sharded.sharded.scaler.scale)
@@ -155,10 +184,10 @@ class DistributedOptimizer:
 
     def _tied_shares(self) -> dict[int, int]:
         shares: dict[int, int] = {}
-        for model in live_models():
-            if model.stages is not None:
-                for group, param in model.stages.tied_groups:
-                    shares[id(param)] = group_size(group)
+        model = self.model
+        if model is not None and model.stages is not None:
+            for group, param in model.stages.tied_groups:
+                shares[id(param)] = group_size(group)
         return shares
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -183,12 +212,12 @@ class DistributedOptimizer:
             total = torch.zeros(1, dtype=torch.float64, device=device)
             if local_value is not None:
                 total[0] = local_value
-            all_reduce_pp(total, op="max")
+            all_reduce_pp(total, self._st.grid, op="max")
         else:
             total = torch.zeros(1, dtype=torch.float64, device=device)
             for p, g in grads:
                 total += g.detach().double().norm(norm_type) ** norm_type / shares.get(id(p), 1)
-            all_reduce_pp(total)
+            all_reduce_pp(total, self._st.grid)
             total = total ** (1.0 / norm_type)
         norm = total[0].float()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -203,7 +232,7 @@ class DistributedOptimizer:
             )
         finite = sharded.sharded.scaler is None or self._unscale(sharded)
         total = sharded.grad_sq_norm().to(torch.float64).reshape(1)
-        world_all_reduce(total)  # every rank holds a distinct shard of its stages
+        world_all_reduce(total, self._st.grid)  # every rank holds a distinct shard of its stages
         norm = total[0].sqrt().float()
         coef = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
         if coef < 1.0 and finite:
@@ -232,7 +261,7 @@ class DistributedOptimizer:
         else:
             local = self.optimizer.state_dict()
         merged: dict[int, Any] = {}
-        for part in all_gather_object_pp(_to_cpu(local["state"])):
+        for part in all_gather_object_pp(_to_cpu(local["state"]), self._st.grid):
             merged.update(part)
         out = {"state": dict(sorted(merged.items())), "param_groups": local["param_groups"]}
         if sharded is not None and sharded.sharded.scaler is not None:

@@ -55,9 +55,9 @@ def make_sharded(
     sharded = ShardedStages(
         stages.modules,
         zero,
-        group=st.dp_group,
-        group_ranks=st.dp_ranks,
-        rank_in_group=st.dp_rank,
+        group=st.grid.dp_group,
+        group_ranks=st.grid.dp_ranks,
+        rank_in_group=st.grid.dp_rank,
         device=st.device,
         compute_dtype=dtype,
         tied=stages.tied_groups,

@@ -27,13 +27,13 @@ Together the two parts do the work of one ordinary backward, plus a Python
 autograd node per linear layer (about 20 microseconds each on the CPU). A stage
 whose inputs need no gradient (the first stage: token ids) has no I to compute,
 so W runs its whole backward. Activation checkpointing composes: the forward
-recomputed inside I goes through the same linear layers. ``MPAR_SPLIT_BACKWARD=0``
-runs the whole backward in I (W empty): an escape hatch, same gradients.
+recomputed inside I goes through the same linear layers. The config key
+``split_backward: false`` (or ``MPAR_SPLIT_BACKWARD=0`` at init) runs the whole
+backward in I (W empty): an escape hatch, same gradients.
 """
 
 from __future__ import annotations
 
-import os
 import types
 import weakref
 from collections.abc import Callable
@@ -44,33 +44,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpar._tree import tree_leaves
+from mpar.comm._bootstrap import on_shutdown
 
 __all__ = [
-    "SPLIT_ENV",
     "defer_weight_gradients",
     "deferred_linear",
     "split_backward",
-    "split_enabled",
 ]
 
 
-SPLIT_ENV = "MPAR_SPLIT_BACKWARD"
-"""Set to 0 to run the whole backward in I (W empty): an escape hatch, same gradients."""
-
 _Kept = tuple[nn.Parameter, "nn.Parameter | None", torch.Tensor, torch.Tensor]
 _KEEPING: list[list[_Kept]] = []
+on_shutdown(_KEEPING.clear)
 """The list the current I adds its linear layers' (weight, bias, input, output gradient)
 to; empty outside I. A plain module-level stack, not thread-local: the autograd engine
 may run a backward on a device thread of its own."""
 
 
 _DEFERRING: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
-"""Modules :func:`defer_weight_gradients` has gone through, and how many layers defer."""
-
-
-def split_enabled() -> bool:
-    """Whether I/W actions split the backward (on unless ``MPAR_SPLIT_BACKWARD=0``)."""
-    return os.environ.get(SPLIT_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+"""Modules :func:`defer_weight_gradients` has gone through, and how many layers defer.
+Not reset by ``mpar.shutdown``: it records what was done to the modules themselves
+(their linear layers stay patched), which outlive an ``init``."""
 
 
 class _DeferredLinear(torch.autograd.Function):
@@ -145,10 +139,15 @@ def defer_weight_gradients(module: nn.Module) -> int:
 
 
 def split_backward(
-    roots: list[torch.Tensor], root_grads: list[torch.Tensor] | None, inputs: Any
+    roots: list[torch.Tensor],
+    root_grads: list[torch.Tensor] | None,
+    inputs: Any,
+    *,
+    split: bool = True,
 ) -> Callable[[], None]:
     """Run I: the stage's input gradients (and every gradient that is not a deferring
-    linear layer's); return W."""
+    linear layer's); return W. ``split=False`` (config ``split_backward``) runs the
+    whole backward here and returns an empty W."""
     leaves = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
 
     def whole() -> None:
@@ -156,7 +155,7 @@ def split_backward(
 
     if not leaves:
         return whole  # nothing upstream waits: all of the backward is weight work
-    if not split_enabled():
+    if not split:
         whole()
         return _nothing
     kept: list[_Kept] = []

@@ -8,7 +8,7 @@ the parameters of the others.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +18,7 @@ from torch import nn
 
 from mpar import _device
 from mpar.comm import State
-from mpar.comm._collectives import broadcast_object_world, new_group
+from mpar.comm._collectives import broadcast_object_world
 from mpar.errors import PartitionError
 from mpar.runtime._precision import cast_floats, compute_dtype
 
@@ -128,9 +128,15 @@ def _module_device(module: nn.Module) -> torch.device:
 
 
 def build_local_stages(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], st: State
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    st: State,
+    *,
+    dynamic_axes: Sequence[int] = (0,),
 ) -> LocalStages:
-    """Partition ``module`` (identically on every rank) and keep this rank's stages."""
+    """Partition ``module`` (identically on every rank) and keep this rank's stages;
+    traced stages accept any size of the ``dynamic_axes`` of their inputs."""
     num_stages = st.config.num_stages
     meta = _has_meta(module)  # tensors get storage later, on this rank's share only
     if num_stages == 1:
@@ -156,16 +162,18 @@ def build_local_stages(
             decision = ("ok", *_decide_boundaries(module, args, kwargs, units, st))
         except Exception as exc:  # every rank must learn of the failure, not hang
             decision = ("error", exc, None)
-    decision = broadcast_object_world(decision, src=0)
+    decision = broadcast_object_world(decision, st.grid, src=0)
     if decision[0] == "error":
         raise decision[1]
     _, boundaries, plan = decision
     dtype = compute_dtype(st.config)
     with preserved_state(module), _parameters_in(module, dtype):
         args, kwargs = cast_floats((args, kwargs), dtype)
-        split = split_module(module, args, kwargs, boundaries, units=units)
+        split = split_module(
+            module, args, kwargs, boundaries, units=units, dynamic_axes=dynamic_axes
+        )
     home = _placement(st)
-    mine = {s: split.stages[s] for s in range(num_stages) if home(s) == st.pp_rank}
+    mine = {s: split.stages[s] for s in range(num_stages) if home(s) == st.grid.pp_rank}
     _free_unowned(module, list(mine.values()))
     for stage in mine.values():
         if not meta:
@@ -200,8 +208,8 @@ def _tied_groups(
         if len(pp_ranks) < 2:
             continue  # every copy is the same Parameter object on one rank
         for d in range(grid.dp_size):  # every rank creates every group, in order
-            handle = new_group([grid.rank_of(p, d) for p in pp_ranks])
-            if d == st.dp_rank and st.pp_rank in pp_ranks:
+            handle = grid.new_group([grid.rank_of(p, d) for p in pp_ranks])
+            if d == grid.dp_rank and grid.pp_rank in pp_ranks:
                 s, name = next((s, n) for s, n in group if s in mine)
                 out.append((handle, mine[s].get_parameter(name)))
     return out

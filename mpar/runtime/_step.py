@@ -9,13 +9,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar, overload
 
 from mpar import _device
-from mpar.comm import state
 from mpar.comm._abort import publish_failure
 from mpar.comm._progress import PROGRESS
 from mpar.comm._snapshot import write_trace
 from mpar.comm._watchdog import exit_if_reported
 from mpar.errors import StepError
-from mpar.runtime._batch_check import check_same_batch
+from mpar.runtime._batch_check import check_same_batch, due_fingerprint
 from mpar.runtime._microbatch import Microbatches, split_microbatches
 from mpar.runtime._model import DistributedModel
 from mpar.runtime._output import StepOutput
@@ -35,7 +34,6 @@ def _prepare(
     input_split_axes: Mapping[str, int] | None,
 ) -> Microbatches:
     """Check the call and split it into microbatches (the same on every rank)."""
-    st = state()
     if not isinstance(model, DistributedModel):
         raise TypeError(
             f"the first argument of @mpar.step function {fn.__name__!r} must be the "
@@ -43,13 +41,14 @@ def _prepare(
         )
     if model.active_run is not None:
         raise StepError("a @mpar.step function cannot be called from inside another step")
-    if st.config.auto_keys:
+    if model.config.auto_keys:
         from mpar.runtime._auto import resolve_auto
 
-        resolve_auto(
-            fn, model, args, kwargs, st,
+        model.config = resolve_auto(
+            fn, model, args, kwargs, model.run_state(),
             non_split_inputs=non_split_inputs, input_split_axes=input_split_axes,
         )  # fmt: skip
+    st = model.run_state()
     batches = split_microbatches(
         fn,
         (model, *args),
@@ -67,7 +66,7 @@ def _prepare(
 
 def _execute(fn: Callable[..., Any], model: DistributedModel, batches: Microbatches) -> StepOutput:
     """Partition if needed and run this rank's schedule; a failure stops every rank."""
-    st = state()
+    st = model.run_state()
     PROGRESS.begin_step()
     try:
         run = model.run_step(fn, batches)
@@ -92,8 +91,8 @@ def _trace_layout(st: Any, schedule: Any) -> dict[str, Any]:
     cfg = st.config
     return {
         "rank": st.layout.rank,
-        "pp_rank": st.pp_rank,
-        "dp_rank": st.dp_rank,
+        "pp_rank": st.grid.pp_rank,
+        "dp_rank": st.grid.dp_rank,
         "pipeline": cfg.pipeline,
         "num_ranks": cfg.pipeline_parallel_degree,
         "virtual_stages": cfg.virtual_stages,
@@ -145,7 +144,9 @@ def step(
     @functools.wraps(fn)
     def wrapper(model: Any, *args: Any, **kwargs: Any) -> StepOutput:
         batches = _prepare(fn, model, args, kwargs, non_split_inputs, input_split_axes)
-        check_same_batch(state(), batches.args, batches.kwargs)
-        return _execute(fn, model, batches)
+        prints = due_fingerprint(model._st, batches.args, batches.kwargs)
+        outputs = _execute(fn, model, batches)
+        check_same_batch(model._st, prints)
+        return outputs
 
     return wrapper

@@ -16,12 +16,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+from mpar.comm._bootstrap import on_shutdown
+
 __all__ = ["KEEP", "StepTimeline", "write_timeline"]
 
 KEEP = 8
 """Steps each rank keeps in its timeline file (the latest ones)."""
 
 _STEPS: list[dict[str, Any]] = []
+on_shutdown(_STEPS.clear)
 
 
 class StepTimeline:

@@ -13,12 +13,14 @@ from mpar.schedule._generators import _check_positive, interleaved, simple
 from mpar.schedule._ir import COMMUNICATION_KINDS, Schedule
 from mpar.schedule._lower import lower_communication
 from mpar.schedule._shard_lower import lower_sharding
+from mpar.schedule._validate import validate
 from mpar.schedule._zero_bubble import zbv, zero_bubble
 
 __all__ = [
     "PIPELINES",
     "SCHEDULE_HELP",
     "build_schedule",
+    "check_csv_schedule",
     "check_csv_shape",
     "ZERO3_PREFETCH",
     "executable_schedule",
@@ -133,8 +135,21 @@ def _from_file(
     path: str, num_ranks: int, num_microbatches: int, virtual_stages: int, forward_only: bool
 ) -> Schedule:
     schedule = read_csv(path, forward_only=forward_only)
-    check_csv_shape(schedule, path, num_ranks, num_microbatches, virtual_stages)
+    check_csv_schedule(schedule, path, num_ranks, num_microbatches, virtual_stages)
     return schedule
+
+
+def check_csv_schedule(
+    schedule: Schedule, path: str, num_ranks: int, num_microbatches: int, virtual_stages: int
+) -> None:
+    """What ``mpar schedule`` and ``mpar.init`` check of a schedule read from ``path``:
+    its shape against the config, then the schedule as the ranks run it (lowered
+    with its transfers: orders, counts, receives in the order of the sends)."""
+    check_csv_shape(schedule, path, num_ranks, num_microbatches, virtual_stages)
+    try:
+        validate(lower(schedule))
+    except ScheduleError as exc:
+        raise ScheduleError(f"{path!r}: {exc}") from None
 
 
 def check_csv_shape(

@@ -9,7 +9,7 @@ its pipeline stages and calls its methods where the lowered schedule (see
     sharded = ShardedStages(
         {0: stage0, 4: stage4},           # this rank's stages: index -> module
         config.zero,                      # ZeroConfig(stage, offload_*, bucket_mb)
-        group=st.dp_group, group_ranks=st.dp_ranks, rank_in_group=st.dp_rank,
+        group=grid.dp_group, group_ranks=grid.dp_ranks, rank_in_group=grid.dp_rank,
         device=st.device,
     )
     opt = sharded.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))

@@ -4,15 +4,20 @@ The loss is multiplied by ``scale`` before backward so that small fp16
 gradients do not flush to zero; the optimizer divides it out again. A step
 whose gradients hold an inf or NaN anywhere is skipped and the scale halves;
 after ``growth_interval`` finite steps in a row it doubles. The constants are
-those of ``torch.amp.GradScaler``'s defaults.
+those of ``torch.amp.GradScaler``'s defaults. A run of :data:`WARN_AFTER`
+skipped steps in a row (and every doubling of that run) warns: the gradients
+then overflow at any scale, and training has silently stopped.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LossScaler"]
+__all__ = ["WARN_AFTER", "LossScaler"]
+
+WARN_AFTER = 10
 
 
 @dataclass
@@ -27,6 +32,7 @@ class LossScaler:
     """Finite steps since the scale last changed."""
     skipped_steps: int = 0
     """Steps skipped so far because of inf or NaN gradients."""
+    skipped_in_a_row: int = 0
 
     def update(self, found_inf: bool) -> None:
         """Adjust the scale after a step (``found_inf``: the step was skipped)."""
@@ -34,11 +40,24 @@ class LossScaler:
             self.scale *= self.backoff_factor
             self.finite_steps = 0
             self.skipped_steps += 1
+            self.skipped_in_a_row += 1
+            n = self.skipped_in_a_row
+            if n == WARN_AFTER or (n > WARN_AFTER and n & (n - 1) == 0):  # 10, 16, 32, ...
+                warnings.warn(self._stuck_message(), RuntimeWarning, stacklevel=3)
             return
+        self.skipped_in_a_row = 0
         self.finite_steps += 1
         if self.finite_steps == self.growth_interval:
             self.scale *= self.growth_factor
             self.finite_steps = 0
+
+    def _stuck_message(self) -> str:
+        return (
+            f"fp16: the last {self.skipped_in_a_row} optimizer steps were all skipped "
+            f"(inf or NaN gradients) and the loss scale fell to {self.scale:g}: the parameters "
+            "do not change. The model overflows in fp16 at any scale, or its loss is NaN: "
+            "check the loss, lower the learning rate, or use bf16"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {

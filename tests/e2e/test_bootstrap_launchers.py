@@ -19,12 +19,12 @@ import json, torch, mpar
 from mpar.comm._collectives import all_reduce_dp
 mpar.init({"pipeline_parallel_degree": 2})
 value = torch.tensor([float(mpar.rank())])
-all_reduce_dp(value)
 st = mpar.comm.state()
+all_reduce_dp(value, st.grid)
 out = open(f"result{mpar.rank()}.json", "w")
 out.write(json.dumps({"rank": mpar.rank(), "pp_size": mpar.pp_size(),
-      "dp_size": mpar.dp_size(), "grid": st.grid.pp_groups, "sum": value.item(),
-      "dp_ranks": st.dp_ranks, "source": st.layout.source}))
+      "dp_size": mpar.dp_size(), "grid": st.grid.topology.pp_groups, "sum": value.item(),
+      "dp_ranks": st.grid.dp_ranks, "source": st.layout.source}))
 out.close()
 mpar.shutdown()
 """

@@ -145,7 +145,8 @@ def train_family(family: str, steps: int) -> dict[str, Any]:
                 if name in dict(build(family).named_parameters())
             )
         ]
-    return {"losses": losses, "state": state, "plan_param_counts": counts}
+    devices = sorted({p.device.type for p in model.local_parameters()})
+    return {"losses": losses, "state": state, "plan_param_counts": counts, "param_devices": devices}
 
 
 def train_ranks(families: list[str], config: dict[str, Any], steps: int) -> dict[str, Any]:

@@ -154,6 +154,7 @@ def train_ranks(
         "dp": (dp_rank, dp),
         "param_devices": sorted({p.device.type for p in dmodel.local_parameters()}),
         "memory_devices": sorted(mpar.memory_report()),
+        "config": dmodel.config,
     }
 
 

@@ -32,7 +32,8 @@ def _train_auto(config):
     import mpar
 
     out = train_ranks(config, "gpt", "sgd", 2)
-    resolved = mpar.config()
+    resolved = out.pop("config")  # the model's: resolved at its first step
+    out["init_auto"] = mpar.config().auto_keys  # what mpar.init was given is kept
     out["resolved"] = (
         resolved.microbatches,
         resolved.zero.stage,
@@ -57,5 +58,6 @@ def test_auto_values_resolve_at_the_first_step_and_train_transparently():
     assert len(resolved) == 1  # every rank runs the same choice
     m, _zero, ckpt, auto = resolved.pop()
     assert BATCH % m == 0 and isinstance(ckpt, bool) and auto == ()
+    assert all(r["init_auto"] for r in ranks)
     for got in ranks:
         torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=1e-6)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mpar.testing import DistributedTestError, run_distributed
-from tests.multiproc._pipeline_cases import batch, loss_fn, make_optimizer, mlp
+from tests.multiproc._pipeline_cases import batch, loss_fn, make_optimizer, mlp, start_training
 
 PP2 = {"pipeline_parallel_degree": 2, "microbatches": 2}
 STEPS, PER_STEP = 3, 8
@@ -23,22 +23,13 @@ def _train(sampler_kind):
     """Train STEPS steps from a DataLoader with the given sampler; the losses."""
     import mpar
 
-    mpar.init(PP2)
+    model, opt, train = start_training(PP2, lambda params: make_optimizer("sgd", params))
     data = _dataset()
     if sampler_kind == "mpar":
         sampler = mpar.data_sampler(data, shuffle=False)
     else:  # the usual data-parallel recipe: one shard per global rank
         sampler = torch.utils.data.DistributedSampler(data, shuffle=False)
     loader = torch.utils.data.DataLoader(data, batch_size=PER_STEP, sampler=sampler)
-    model = mpar.DistributedModel(mlp())
-    opt = mpar.DistributedOptimizer(make_optimizer("sgd", model.parameters()))
-
-    @mpar.step
-    def train(m, x, y):
-        loss = loss_fn(m(x), y)
-        m.backward(loss)
-        return loss
-
     losses = []
     for x, y in loader:
         losses.append(train(model, x, y).reduce_mean())

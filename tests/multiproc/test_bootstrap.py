@@ -15,16 +15,17 @@ def _grid_and_all_reduce(config):
 
     mpar.init(config)
     value = torch.tensor([float(mpar.rank())])
-    all_reduce_dp(value)
     st = mpar.comm.state()
+    all_reduce_dp(value, st.grid)
     return {
         "rank": mpar.rank(),
         "size": mpar.size(),
         "pp": (mpar.pp_rank(), mpar.pp_size()),
         "dp": (mpar.dp_rank(), mpar.dp_size()),
-        "pp_groups": st.grid.pp_groups,
+        "tp": (mpar.tp_rank(), mpar.tp_size()),
+        "pp_groups": st.grid.topology.pp_groups,
         "dp_sum": value.item(),
-        "dp_ranks": st.dp_ranks,
+        "dp_ranks": st.grid.dp_ranks,
     }
 
 
@@ -35,6 +36,7 @@ def test_pp2_dp2_grid_and_dp_all_reduce(placement):
     assert len({str(r["pp_groups"]) for r in results}) == 1  # same grid everywhere
     for r in results:
         assert r["size"] == 4 and r["pp"][1] == 2 and r["dp"][1] == 2
+        assert r["tp"] == (0, 1)  # no tensor parallelism configured: one rank per TP group
         assert r["dp_sum"] == float(sum(r["dp_ranks"]))
     assert sorted((r["pp"][0], r["dp"][0]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
@@ -132,3 +134,42 @@ def _bad_world_for_config():
 def test_pipeline_degree_must_divide_world_size():
     with pytest.raises(DistributedTestError, match="must divide the world size"):
         run_distributed(_bad_world_for_config, 2, timeout=60)
+
+
+def _mesh_and_fallback_groups(config):
+    import torch.distributed as dist
+
+    import mpar
+    from mpar.comm import _grid
+
+    mpar.init(config)
+    grid = mpar.comm.state().grid
+    # The path for backends a DeviceMesh cannot carry (MPI, XLA), built here over gloo.
+    fallback = _grid._with_new_groups(grid.topology, grid.rank, ("gloo", "gloo"), grid.timeout)
+
+    def ranks(g):
+        return [
+            sorted(dist.get_process_group_ranks(getattr(g, f"{a}_group")))
+            for a in ("pp", "dp", "tp")
+        ]
+
+    out = {
+        "mesh": (grid.mesh.mesh_dim_names, tuple(grid.mesh.shape), grid.mesh.get_coordinate()),
+        "coords": (grid.pp_rank, grid.dp_rank, grid.tp_rank),
+        "mesh_groups": ranks(grid),
+        "fallback_groups": ranks(fallback),
+        "expected": [sorted(grid.pp_ranks), sorted(grid.dp_ranks), sorted(grid.tp_ranks)],
+    }
+    mpar.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("placement", ["cluster", "spread"])
+def test_the_device_mesh_holds_the_grid_groups_as_new_group_would(placement):
+    """The DeviceMesh over (pp, dp, tp) gives each rank the groups of the pure grid, the
+    same as the ``new_group`` path that MPI and XLA backends take."""
+    config = {"pipeline_parallel_degree": 2, "placement_strategy": placement}
+    for r in run_distributed(_mesh_and_fallback_groups, 4, args=(config,), timeout=90):
+        assert r["mesh"][:2] == (("pp", "dp", "tp"), (2, 2, 1))
+        assert tuple(r["mesh"][2]) == r["coords"]
+        assert r["mesh_groups"] == r["fallback_groups"] == r["expected"]

@@ -250,3 +250,95 @@ def test_saved_activations_are_counted_once_per_input_shape():
     assert first[0] > 0 and first[1] == 1  # one stage, one shape: counted once
     assert again == first  # same shapes: same figure, nothing counted again
     assert smaller[1] == 2 and 0 < smaller[0] < first[0]  # a new shape is counted anew
+
+
+def _two_models(config):
+    import copy
+
+    import mpar
+    from tests.multiproc._pipeline_cases import BATCH
+
+    mpar.init(config)
+    torch.manual_seed(0)
+    nets = [mlp(), mlp()]
+    refs = [copy.deepcopy(n) for n in nets]
+    models = [mpar.DistributedModel(n) for n in nets]
+    found = {}
+    try:  # parameters of both models: which one it updates is not guessed
+        mpar.DistributedOptimizer(torch.optim.SGD([*nets[0].parameters(), *nets[1].parameters()]))
+    except ValueError as exc:
+        found["ambiguous"] = str(exc)
+    opt_a = mpar.DistributedOptimizer(torch.optim.SGD(models[0].parameters(), lr=0.1))
+    opt_b = mpar.DistributedOptimizer(
+        torch.optim.SGD(nets[1].parameters(), lr=0.05), model=models[1]
+    )
+    found["tied"] = (opt_a.model is models[0], opt_b.model is models[1])
+
+    @mpar.step
+    def train(m, x, y):
+        loss = loss_fn(m(x), y)
+        m.backward(loss)
+        return loss
+
+    x, y = batch("mlp", 0)
+    rows = slice(
+        mpar.dp_rank() * BATCH // mpar.dp_size(), (mpar.dp_rank() + 1) * BATCH // mpar.dp_size()
+    )
+    for model, opt in ((models[0], opt_a), (models[1], opt_b)):
+        train(model, x[rows], y[rows])
+        opt.step()
+        opt.zero_grad()
+    for ref, lr in zip(refs, (0.1, 0.05)):  # one process, whole batch
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
+        loss_fn(ref(x), y).backward()
+        ref_opt.step()
+    found["got"] = [m.state_dict() for m in models]
+    found["want"] = [r.state_dict() for r in refs]
+    return found
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{"microbatches": 2, "zero": {"stage": 1}}, {"pipeline_parallel_degree": 2, "microbatches": 2}],
+)
+def test_each_optimizer_updates_its_own_model(config):
+    """Two models, each with its optimizer (found by its parameters, or given as
+    ``model=``): each optimizer updates its own model, as in one process."""
+    for found in run_distributed(_two_models, 2, args=(config,), timeout=120):
+        assert "belong to 2 DistributedModels" in found["ambiguous"]
+        assert "model=model" in found["ambiguous"]
+        assert found["tied"] == (True, True)
+        for got, want in zip(found["got"], found["want"]):
+            for key in want:
+                torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def _caches_across_shutdown(trace_dir):
+    import mpar
+    from mpar.comm._progress import PROGRESS
+    from mpar.runtime import _executor, _timeline
+    from tests.multiproc._pipeline_cases import start_training
+
+    config = {"pipeline_parallel_degree": 2, "microbatches": 2, "trace": trace_dir}
+    seen = []
+    for _ in range(2):  # init, step, shutdown; again: the grid and caches start afresh
+        model, _, train = start_training(config, lambda p: torch.optim.SGD(p, lr=0.1))
+        loss = train(model, *batch("mlp", 0)).reduce_mean().item()
+        during = (len(_timeline._STEPS), len(_executor._SAVED_BYTES), PROGRESS.step)
+        mesh = mpar.comm.state().grid.mesh
+        mesh_dims = None if mesh is None else (mesh.mesh_dim_names, tuple(mesh.shape))
+        mpar.shutdown()  # the model is still alive: its saved-bytes counts would be too
+        after = (len(_timeline._STEPS), len(_executor._SAVED_BYTES), PROGRESS.step)
+        seen.append({"loss": loss, "during": during, "after": after, "mesh": mesh_dims})
+        del model
+    return seen
+
+
+def test_shutdown_resets_the_caches_and_init_starts_afresh(tmp_path):
+    for seen in run_distributed(_caches_across_shutdown, 2, args=(str(tmp_path),), timeout=120):
+        first, second = seen
+        assert first["during"][0] == 1 and first["during"][1] >= 1 and first["during"][2] == 0
+        assert first["after"] == second["after"] == (0, 0, -1)  # -1: no step started
+        assert second["during"] == first["during"]  # nothing left over from the first init
+        assert first["loss"] == second["loss"]
+        assert first["mesh"] == (("pp", "dp", "tp"), (2, 1, 1))

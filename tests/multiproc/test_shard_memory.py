@@ -38,9 +38,9 @@ def _report(stage, offload="none", *, model=None, steps=1):
     sharded = ShardedStages(
         {0: net},
         zero,
-        group=st.dp_group,
-        group_ranks=st.dp_ranks,
-        rank_in_group=st.dp_rank,
+        group=st.grid.dp_group,
+        group_ranks=st.grid.dp_ranks,
+        rank_in_group=st.grid.dp_rank,
         device=st.device,
     )
     opt = sharded.wrap_optimizer(torch.optim.AdamW(net.parameters(), lr=1e-3))

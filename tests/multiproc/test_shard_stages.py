@@ -60,14 +60,19 @@ def _two_stages(stage, offload):
 
     mpar.init({"timeout_s": 60})
     st = mpar.comm.state()
-    dp, r = len(st.dp_ranks), st.dp_rank
+    dp, r = len(st.grid.dp_ranks), st.grid.dp_rank
     reference = _model()
     ref_opt = _optimizer(reference)
     model = _model()
     stages = {0: model[0], 2: model[1]}  # as a rank holding chunks 0 and 2 would
     zero = ZeroConfig(stage, offload, "none", bucket_mb=40 * 4 / 2**20)
     sharded = ShardedStages(
-        stages, zero, group=st.dp_group, group_ranks=st.dp_ranks, rank_in_group=r, device=st.device
+        stages,
+        zero,
+        group=st.grid.dp_group,
+        group_ranks=st.grid.dp_ranks,
+        rank_in_group=r,
+        device=st.device,
     )
     opt = sharded.wrap_optimizer(_optimizer(model))
     for step in range(3):

@@ -19,9 +19,9 @@ def _setup(zero, net=None):
     sharded = ShardedStages(
         {0: net},
         zero,
-        group=st.dp_group,
-        group_ranks=st.dp_ranks,
-        rank_in_group=st.dp_rank,
+        group=st.grid.dp_group,
+        group_ranks=st.grid.dp_ranks,
+        rank_in_group=st.grid.dp_rank,
         device=st.device,
     )
     return net, sharded, sharded.wrap_optimizer(_optimizer("adamw", net.parameters()))
@@ -35,7 +35,7 @@ def _step(net, sharded, opt, step, *, clip=None):
     from tests.multiproc.test_shard_transparency import _batch
 
     st = mpar.comm.state()
-    dp, r = len(st.dp_ranks), st.dp_rank
+    dp, r = len(st.grid.dp_ranks), st.grid.dp_rank
     x, y = _batch(step)
     rows = slice(r * 8 // dp, (r + 1) * 8 // dp)
     sharded.unshard(0)
@@ -43,7 +43,7 @@ def _step(net, sharded, opt, step, *, clip=None):
     sharded.reduce_grads(0)
     sharded.reshard(0)
     sharded.finish_grads()
-    norm_sq = world_all_reduce(opt.grad_sq_norm())
+    norm_sq = world_all_reduce(opt.grad_sq_norm(), st.grid)
     if clip is not None:
         opt.scale_grads(clip)
     opt.step()

@@ -87,13 +87,13 @@ def _train_sharded(zero, kind, steps, reshard):
     from mpar.shard import ShardedStages
 
     st = mpar.comm.state()
-    dp, r = len(st.dp_ranks), st.dp_rank
+    dp, r = len(st.grid.dp_ranks), st.grid.dp_rank
     net = _net()
     sharded = ShardedStages(
         {0: net},
         zero,
-        group=st.dp_group,
-        group_ranks=st.dp_ranks,
+        group=st.grid.dp_group,
+        group_ranks=st.grid.dp_ranks,
         rank_in_group=r,
         device=st.device,
     )
@@ -157,7 +157,7 @@ def _overlapped(stages):
 
     mpar.init({"timeout_s": 60})
     st = mpar.comm.state()
-    dp, r = len(st.dp_ranks), st.dp_rank
+    dp, r = len(st.grid.dp_ranks), st.grid.dp_rank
     expected = _reference("adamw", 2).state_dict()
     started = []
     for stage in stages:
@@ -166,8 +166,8 @@ def _overlapped(stages):
         sharded = ShardedStages(
             {0: net},
             zero,
-            group=st.dp_group,
-            group_ranks=st.dp_ranks,
+            group=st.grid.dp_group,
+            group_ranks=st.grid.dp_ranks,
             rank_in_group=r,
             device=st.device,
         )

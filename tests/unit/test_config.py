@@ -20,6 +20,7 @@ def test_accepted_keys_are_frozen():
         "pipeline",
         "virtual_stages",
         "active_microbatches",
+        "split_backward",
         "optimize",
         "memory_weight",
         "auto_partition",
@@ -116,11 +117,28 @@ def test_timeout_from_json_nan_is_a_config_error(tmp_path):
 
 def test_trace_from_env(monkeypatch, tmp_path):
     monkeypatch.setenv("MPAR_TRACE", str(tmp_path))
-    assert config_from_dict({}).trace == str(tmp_path)
-    assert config_from_dict({"trace": "elsewhere"}).trace == "elsewhere"
+    assert load_config({}).trace == str(tmp_path)
+    assert load_config(Config()).trace == str(tmp_path)
+    assert load_config({"trace": "elsewhere"}).trace == "elsewhere"
+    assert config_from_dict({}).trace is None  # only load_config (mpar.init) reads it
     monkeypatch.delenv("MPAR_TRACE")
     assert config_from_dict({"trace": tmp_path}).trace == str(tmp_path)
-    assert config_from_dict({}).trace is None
+    assert load_config({}).trace is None
+
+
+def test_split_backward_key_and_its_env_override(monkeypatch):
+    monkeypatch.delenv("MPAR_SPLIT_BACKWARD", raising=False)
+    assert load_config({}).split_backward is True
+    assert load_config({"split_backward": False}).split_backward is False
+    with pytest.raises(ConfigTypeError, match="split_backward"):
+        load_config({"split_backward": "no"})
+    monkeypatch.setenv("MPAR_SPLIT_BACKWARD", "0")
+    assert load_config({}).split_backward is False
+    monkeypatch.setenv("MPAR_SPLIT_BACKWARD", "on")
+    assert load_config({"split_backward": False}).split_backward is True
+    monkeypatch.setenv("MPAR_SPLIT_BACKWARD", "maybe")
+    with pytest.raises(ConfigError, match="MPAR_SPLIT_BACKWARD='maybe'.*0 or 1"):
+        load_config({})
 
 
 def test_world_size_checks():

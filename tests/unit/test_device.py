@@ -134,3 +134,13 @@ def test_xla_backend_needs_the_xla_device():
 def test_xla_backend_refuses_pipelines():
     with pytest.raises(ConfigError, match="pipeline_parallel_degree 2"):
         load_config({"device": "xla", "backend": "xla", "pipeline_parallel_degree": 2})
+
+
+def test_nccl_with_more_ranks_than_gpus_is_a_config_error(monkeypatch):
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"2 ranks on this host but 1 visible GPU.*'gloo'"):
+        _device.check_ranks_per_device(gpu, "nccl", 2)
+    _device.check_ranks_per_device(gpu, "nccl", 1)  # one rank per GPU
+    _device.check_ranks_per_device(gpu, "gloo", 2)  # host-staged: any number
+    _device.check_ranks_per_device(torch.device("cpu"), "nccl", 2)  # not this check's

@@ -98,7 +98,7 @@ def test_offload_on_a_cpu_device_costs_memory_and_auto_drops_it():
                  profile_batch=8, device="cpu")  # fmt: skip
     assert not any(c.offload_optimizer or c.offload_params for c in cpu.ranked)
     assert cpu.rejected["offload on a CPU device (the host is the device: it saves nothing)"]
-    assert cpu.best.config()["device"] == "cpu"
+    assert cpu.best.device == cpu.device == "cpu"
     # on CUDA a host cap rejects what offloads more than it allows
     cuda = dict(world_size=2, device_memory="1GiB", global_batch=8, space=space, profile_batch=8)
     roomy = search(profile, **cuda, top=100)
@@ -146,3 +146,33 @@ def test_plan_scales_the_microbatch_for_the_global_batch(tmp_path, monkeypatch, 
     assert "microbatch: 4 samples (profile x1)" in text  # the example's, said so
     assert main([*argv, "--global-batch", "7"]) == 2
     assert "--global-batch 7 does not split into 1 replica(s) x 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("stage", "dtype"), [(0, torch.bfloat16), (2, torch.bfloat16), (1, None)])
+def test_optimizer_update_adds_what_the_plan_says(stage, dtype):
+    from mpar.partition._memory import optimizer_step_bytes
+    from tests.multiproc._tensor_peak import TensorPeak
+
+    x = torch.randn(8, 64)
+    profile = profile_model(_model(), (x,), repeats=1, warmup=0)
+    model = _model()
+    sharded = ShardedStages({0: model}, ZeroConfig(stage), group=None, group_ranks=[0],
+                            rank_in_group=0, device="cpu", compute_dtype=dtype)  # fmt: skip
+    opt = sharded.wrap_optimizer(torch.optim.Adam(model.parameters(), lr=0.1))
+    for i in range(2):
+        sharded.unshard(0)
+        model(x.to(dtype or torch.float32)).float().square().mean().backward()
+        sharded.reduce_grads(0)
+        sharded.reshard(0)
+        sharded.finish_grads()
+        if i:
+            with TensorPeak() as peak:
+                opt.step()
+        else:
+            opt.step()
+        opt.zero_grad()
+    layout = Layout(1, stage, "bf16" if dtype else "fp32", gather="chunk")
+    copies, temporaries = optimizer_step_bytes(profile.units, layout)
+    # mixed precision: an fp32 copy of the gradients, and Adam's sqrt and div of the
+    # second moment on the one segment (the whole bucket: one optimizer group)
+    assert peak.peak == copies + temporaries, peak.at_peak

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from mpar.runtime._split_backward import SPLIT_ENV, defer_weight_gradients, split_backward
+from mpar.runtime._split_backward import defer_weight_gradients, split_backward
 
 
 class PositionStage(nn.Module):
@@ -130,8 +130,7 @@ def test_input_then_weights_equal_one_backward(make, grad_start):
             assert p.grad._base is flat  # accumulated in place, still the bucket's view
 
 
-def test_without_split_I_runs_the_whole_backward(monkeypatch):
-    monkeypatch.setenv(SPLIT_ENV, "0")
+def test_without_split_I_runs_the_whole_backward():
     torch.manual_seed(0)
     stage = PositionStage()
     x = torch.randn(2, 5, 4)
@@ -139,7 +138,7 @@ def test_without_split_I_runs_the_whole_backward(monkeypatch):
     _, want = _oracle(stage, x, grads)
     stage.zero_grad(set_to_none=True)
     leaf = x.detach().requires_grad_()
-    weights = split_backward(list(stage(leaf)), grads, (leaf,))
+    weights = split_backward(list(stage(leaf)), grads, (leaf,), split=False)
     torch.testing.assert_close(stage.wpe.weight.grad, want["wpe.weight"])  # before W
     weights()
     torch.testing.assert_close(stage.wpe.weight.grad, want["wpe.weight"])
@@ -148,7 +147,7 @@ def test_without_split_I_runs_the_whole_backward(monkeypatch):
     _, want = _oracle(lin, x, None)
     lin.zero_grad(set_to_none=True)
     leaf = x.detach().requires_grad_()
-    split_backward([lin(leaf)], None, (leaf,))
+    split_backward([lin(leaf)], None, (leaf,), split=False)
     torch.testing.assert_close(lin.lin.weight.grad, want["lin.weight"])  # all in I
 
 

@@ -44,3 +44,28 @@ def test_bad_grids():
         make_grid(4, 2).coords(4)
     with pytest.raises(ValueError, match="outside"):
         make_grid(4, 2).rank_of(2, 0)
+
+
+@pytest.mark.parametrize("placement", ["cluster", "spread"])
+def test_the_tp_axis_is_innermost_and_the_grid_stays_a_bijection(placement):
+    for world, pp, tp in [(8, 2, 2), (12, 3, 2), (16, 2, 4), (6, 1, 3), (4, 2, 1)]:
+        grid = make_grid(world, pp, placement, tp_size=tp)
+        assert grid.dp_size * pp * tp == world
+        coords = [grid.coordinates(r) for r in range(world)]
+        assert len(set(coords)) == world
+        assert all(grid.rank_of(*c) == r for r, c in enumerate(coords))
+        for group in grid.tp_groups:  # consecutive ranks: one host
+            assert group == list(range(group[0], group[0] + tp))
+        mesh = grid.mesh()
+        assert (len(mesh), len(mesh[0]), len(mesh[0][0])) == (pp, grid.dp_size, tp)
+        assert all(
+            mesh[p][d][t] == grid.rank_of(p, d, t)
+            for p in range(pp)
+            for d in range(grid.dp_size)
+            for t in range(tp)
+        )
+    assert make_grid(8, 2, tp_size=2).pp_groups == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    with pytest.raises(ConfigError, match="tensor parallel degree 3 must divide the world size 8"):
+        make_grid(8, 2, tp_size=3)
+    with pytest.raises(ConfigError, match="pipeline degree 4 must divide .* / tensor parallel"):
+        make_grid(8, 4, tp_size=4)

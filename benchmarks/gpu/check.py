@@ -1,0 +1,362 @@
+"""One GPU check for a borrowed machine: install, CUDA tests, a 1B GPT, pp=1 against eager.
+
+Written for one H100 with torch 2.11+cu130, Python 3.12 and no network, in at most
+8 minutes (each part has its own time limit, the sum of which is 8 minutes):
+
+1. **install**: ``pip install --no-index --no-deps --no-build-isolation -e .`` (no
+   network, no dependency resolution: torch is the machine's). Where pip cannot build
+   offline (no setuptools in that Python), the parts below still import this checkout
+   (``PYTHONPATH``) and the JSON says so.
+2. **tests**: ``pytest`` on the CUDA tests: ``tests/multiproc/test_cuda_offload.py``
+   (one rank, NCCL: pinned offload buffers, non-blocking copies, stream syncs) and
+   ``tests/multiproc/test_cuda_ranks.py`` (two ranks on the one GPU through gloo,
+   host-staged: NCCL refuses two ranks on one GPU), and ``tests/unit/test_device.py``.
+3. **train**: a GPT of about 1B parameters (``TinyGPT``: d=2048, 18 layers, vocab
+   32768, sequence 1024) trained in bf16 with ZeRO-3 and the optimizer offloaded to the
+   host (AdamW on the CPU), 4 microbatches of 4 sequences per step; prints tokens/s and
+   MFU: model FLOPs (6 N + 12 L d s per token) per second over the GPU's dense bf16
+   peak (H100/H200: 989 TFLOP/s), for the forward+backward alone and for whole steps
+   with the host optimizer step.
+4. **sanity**: a small GPT trained three steps in fp32 by mpar at pp=1 (2 microbatches)
+   and by plain eager torch, on the same device, from the same weights and batches:
+   losses and parameters must agree.
+
+Results: ``check.json`` in ``$OUT``, else ``benchmarks/results/gpu/`` (``--out`` wins).
+The exit status is 0 when every part passed.
+
+``--cpu`` is the reduced mode CI runs (``tests/e2e/test_gpu_check.py``, seconds): the
+install is a dry run, the CUDA tests are collected and skip, and the
+training and the sanity comparison run a tiny GPT on the CPU (fp32; no MFU).
+
+    benchmarks/gpu/check.sh                    # on the GPU machine
+    python benchmarks/gpu/check.py --cpu --out /tmp/gpu-check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+CUDA_TESTS = [
+    "tests/multiproc/test_cuda_offload.py",
+    "tests/multiproc/test_cuda_ranks.py",
+    "tests/unit/test_device.py",
+]
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+"""Dense bf16 peak FLOP/s by GPU name (no sparsity)."""
+LIMITS_S = {"install": 60, "tests": 180, "train": 180, "sanity": 60}
+"""Each part's time limit on the GPU: 8 minutes in all."""
+CPU_LIMIT_S = 300
+"""Each part's time limit in ``--cpu`` mode (seconds unloaded; CI machines may be busy)."""
+SIZES = {
+    # name: (GPTConfig keyword arguments, microbatches, sequences per microbatch)
+    "1b": (
+        dict(vocab_size=32768, d_model=2048, num_layers=18, num_heads=16, d_ffn=8192),
+        4,
+        4,
+    ),
+    "sanity": (dict(vocab_size=1024, d_model=256, num_layers=4, num_heads=4, d_ffn=1024), 2, 4),
+    "tiny": (dict(vocab_size=128, d_model=32, num_layers=2, num_heads=2, d_ffn=64), 2, 2),
+}
+SEQ = {"1b": 1024, "sanity": 128, "tiny": 16}
+
+
+# -- parts run in child processes ------------------------------------------------------
+
+
+def _gpt(size: str, device: Any) -> Any:
+    import torch
+
+    from mpar.testing_models import GPTConfig, TinyGPT
+
+    cfg = GPTConfig(**SIZES[size][0], max_seq_len=SEQ[size])
+    torch.manual_seed(0)
+    with torch.device(device):  # built where it trains: a 1B model initialises in seconds
+        return TinyGPT(cfg)
+
+
+def _tokens(size: str, batch: int, device: Any, step: int = 0) -> tuple[Any, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, SIZES[size][0]["vocab_size"], (batch, SEQ[size] + 1), generator=g)
+    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+
+def _loss(logits: Any, y: Any) -> Any:
+    import torch
+
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def part_train(size: str, device: str, steps: int) -> dict[str, Any]:
+    """bf16 (CUDA) or fp32 (CPU) training with ZeRO-3 and optimizer offload; throughput."""
+    import torch
+
+    import mpar
+
+    microbatches, per_mb = SIZES[size][1:]
+    zero = {"stage": 3, "offload_optimizer": "cpu"}
+    mpar.init(
+        {"device": device, "bf16": device == "cuda", "microbatches": microbatches, "zero": zero}
+    )
+    net = _gpt(size, device)
+    params = sum(p.numel() for p in net.parameters())
+    model = mpar.DistributedModel(net)
+    opt = mpar.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
+
+    @mpar.step
+    def train(m: Any, x: Any, y: Any) -> Any:
+        loss = _loss(m(x), y)
+        m.backward(loss)
+        return loss
+
+    x, y = _tokens(size, microbatches * per_mb, device)  # one batch: the loss must fall
+    losses, compute_s, step_s = [], [], []
+    for _ in range(2 + steps):  # two warm-up steps
+        _sync(device)
+        t0 = time.perf_counter()
+        loss = train(model, x, y).reduce_mean()
+        _sync(device)
+        t1 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        _sync(device)
+        compute_s.append(t1 - t0)
+        step_s.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    result = _throughput(size, params, x.numel(), compute_s[2:], step_s[2:])
+    result.update(losses=losses, memory=mpar.memory_report(), config=mpar.config().to_dict())
+    if device == "cuda":
+        result["max_memory_allocated"] = int(torch.cuda.max_memory_allocated())
+    mpar.shutdown()
+    return result
+
+
+def _throughput(
+    size: str, params: int, tokens: int, compute_s: list[float], step_s: list[float]
+) -> dict[str, Any]:
+    """tokens/s and MFU of the timed steps: forward+backward alone, and whole steps."""
+    import torch
+
+    cfg = SIZES[size][0]
+    flops_per_token = 6 * params + 12 * cfg["num_layers"] * cfg["d_model"] * SEQ[size]
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
+    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+    out: dict[str, Any] = {"params": params, "tokens_per_step": tokens, "device_name": name}
+    out["flops_per_token"] = flops_per_token
+    out["peak_flops"] = peak
+    for key, times in (("compute", compute_s), ("step", step_s)):
+        rate = tokens * len(times) / sum(times)
+        out[f"{key}_tokens_per_s"] = rate
+        out[f"{key}_mfu"] = None if peak is None else rate * flops_per_token / peak
+        out[f"{key}_seconds"] = times
+    return out
+
+
+def part_sanity(device: str) -> dict[str, Any]:
+    """mpar at pp=1 against eager torch: three fp32 SGD steps of the same small GPT."""
+    import torch
+
+    import mpar
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 on both sides
+    size = "tiny" if device == "cpu" else "sanity"
+    eager = _gpt(size, device)
+    mpar.init({"device": device, "microbatches": 2})
+    model = mpar.DistributedModel(_gpt(size, device))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (eager, model)]
+    opts[1] = mpar.DistributedOptimizer(opts[1])
+
+    @mpar.step
+    def train(m: Any, x: Any, y: Any) -> Any:
+        loss = _loss(m(x), y)
+        m.backward(loss)
+        return loss
+
+    losses: dict[str, list[float]] = {"eager": [], "mpar": []}
+    for s in range(3):
+        x, y = _tokens(size, 8, device, s)
+        loss = _loss(eager(x), y)
+        loss.backward()
+        losses["eager"].append(loss.item())
+        losses["mpar"].append(float(train(model, x, y).reduce_mean()))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    got, want = model.state_dict(), eager.state_dict()
+    diff = max(float((got[k].float() - v.float()).abs().max()) for k, v in want.items())
+    torch.testing.assert_close(
+        torch.tensor(losses["mpar"]), torch.tensor(losses["eager"]), rtol=1e-4, atol=1e-5
+    )
+    for key, value in want.items():
+        torch.testing.assert_close(got[key].to(value.device), value, rtol=1e-4, atol=1e-5, msg=key)
+    mpar.shutdown()
+    return {"losses": losses, "max_param_diff": diff, "model": size}
+
+
+# -- the driver --------------------------------------------------------------------------
+
+
+def _env(extra_path: str | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    paths = [p for p in (extra_path, str(ROOT), env.get("PYTHONPATH")) if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+def _run(cmd: list[str], limit: float, **kwargs: Any) -> tuple[int, str, float]:
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=limit, cwd=ROOT, **kwargs
+        )
+        code, text = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        code, text = 124, f"timed out after {limit:.0f} s\n{exc.stdout or ''}{exc.stderr or ''}"
+    return code, text, time.perf_counter() - start
+
+
+def install(cpu: bool, limit: float) -> dict[str, Any]:
+    """The offline install; on ``cpu`` a dry run (pip builds mpar's metadata offline and
+    installs nothing: the environment running CI stays as it is)."""
+    cmd = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps"]
+    cmd += ["--no-build-isolation", "-q", *(["--dry-run"] if cpu else []), "-e", str(ROOT)]
+    code, text, took = _run(cmd, limit)
+    shown = " ".join(["pip", *cmd[3:-1], "."])
+    return {"ok": code == 0, "command": shown, "seconds": took, "log": text[-2000:]}
+
+
+def tests(cpu: bool, limit: float) -> dict[str, Any]:
+    """The CUDA tests; on ``cpu`` only the GPU files (collected, skipped: the main suite
+    runs the device seam's unit tests)."""
+    files = [f for f in CUDA_TESTS if not (cpu and f.startswith("tests/unit"))]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *files]
+    code, text, took = _run(cmd, limit, env=_env())
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", text)}
+    ok = code == 0 and counts.get("failed", 0) == 0 and ("passed" in counts or cpu)
+    return {
+        "ok": ok,
+        "command": " ".join(cmd[1:]),
+        "counts": counts,
+        "seconds": took,
+        "log": text[-4000:],
+    }
+
+
+def child(part: str, args: list[str], limit: float) -> dict[str, Any]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--part", part, *args]
+    code, text, took = _run(cmd, limit, env=_env())
+    lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
+    result = json.loads(lines[-1][len("RESULT ") :]) if lines and code == 0 else {}
+    return {
+        "ok": code == 0 and bool(result),
+        **result,
+        "seconds": took,
+        **({} if code == 0 else {"log": text[-4000:]}),
+    }
+
+
+def _environment() -> dict[str, Any]:
+    import torch
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "host": platform.node(),
+    }
+
+
+def _out_dir(arg: str | None) -> Path:
+    return Path(arg or os.environ.get("OUT") or ROOT / "benchmarks" / "results" / "gpu")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--cpu", action="store_true", help="reduced mode: tiny model on the CPU (seconds)"
+    )
+    parser.add_argument("--out", help="results folder (default: $OUT, else benchmarks/results/gpu)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="timed training steps (5; --cpu: 2)"
+    )
+    parser.add_argument("--part", choices=["train", "sanity"], help=argparse.SUPPRESS)
+    parser.add_argument("--size", default="1b", help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.part:  # a child: one part, its result as a JSON line
+        if args.part == "train":
+            result = part_train(args.size, args.device, args.steps)
+        else:
+            result = part_sanity(args.device)
+        print("RESULT " + json.dumps(result))
+        return 0
+    return run_check(args.cpu, _out_dir(args.out), args.steps or (2 if args.cpu else 5))
+
+
+def run_check(cpu: bool, out: Path, steps: int) -> int:
+    start = time.perf_counter()
+    device, size = ("cpu", "tiny") if cpu else ("cuda", "1b")
+    report: dict[str, Any] = {"mode": "cpu" if cpu else "gpu", "environment": _environment()}
+    limits = {part: CPU_LIMIT_S if cpu else limit for part, limit in LIMITS_S.items()}
+    report["install"] = install(cpu, limits["install"])
+    _say("install", report["install"])
+    report["tests"] = tests(cpu, limits["tests"])
+    _say("tests", report["tests"], f"{report['tests']['counts']}")
+    train_args = ["--size", size, "--device", device, "--steps", str(steps)]
+    report["train"] = child("train", train_args, limits["train"])
+    _say("train", report["train"], _throughput_line(report["train"]))
+    report["sanity"] = child("sanity", ["--device", device], limits["sanity"])
+    _say(
+        "sanity", report["sanity"], f"max |mpar - eager| = {report['sanity'].get('max_param_diff')}"
+    )
+    parts = ("install", "tests", "train", "sanity")
+    report["ok"] = all(report[p]["ok"] for p in parts)
+    report["seconds"] = time.perf_counter() - start
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / ("check_cpu.json" if cpu else "check.json")
+    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(
+        f"gpu check: {'passed' if report['ok'] else 'FAILED'} in {report['seconds']:.0f} s; {path}"
+    )
+    return 0 if report["ok"] else 1
+
+
+def _throughput_line(train: dict[str, Any]) -> str:
+    if not train.get("ok"):
+        return ""
+    mfu = train["step_mfu"]
+    line = f"{train['params'] / 1e9:.2f}B params, {train['step_tokens_per_s']:.0f} tokens/s"
+    line += f" per step ({train['compute_tokens_per_s']:.0f} forward+backward)"
+    if mfu is not None:
+        line += f", MFU {100 * mfu:.1f} % per step ({100 * train['compute_mfu']:.1f} % forward+backward)"
+    return line
+
+
+def _say(part: str, result: dict[str, Any], detail: str = "") -> None:
+    state = "ok" if result["ok"] else "FAILED"
+    print(f"gpu check: {part}: {state} ({result['seconds']:.0f} s) {detail}".rstrip(), flush=True)
+    if not result["ok"] and result.get("log"):
+        print(result["log"][-3000:], flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""This rank's place in the job's rank grid, with the process groups along each axis.
+
+``mpar.init`` builds one :class:`ProcessGrid` and hands it to whoever talks to
+other ranks (the runtime, sharding, checkpoints, the collectives here), the way
+torchtitan passes its ``ParallelDims``: nothing looks a global up to learn its
+peers. The pure layout (which global rank sits at which coordinates) is
+:class:`mpar.topology.Grid`; this object adds the processes.
+
+The groups come from torch's ``DeviceMesh`` over the axes ``("pp", "dp", "tp")``
+(tp innermost, of size 1 until tensor parallelism lands), so DTensor-based code
+can take :attr:`ProcessGrid.mesh` as is. Where a ``DeviceMesh`` cannot carry
+mpar's groups, they are made with ``new_group`` (same ranks, same order) and
+``mesh`` is None:
+
+- the MPI backend, whose process groups take no options (no timeout);
+- the XLA backend, where ``DeviceMesh`` makes no process groups at all.
+
+A process group the user created before ``mpar.init`` serves as the world group
+either way: the mesh's groups are new groups inside it.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mpar import _device
+from mpar._compat import DeviceMesh, backend_options
+from mpar.topology import AXES, Grid
+
+__all__ = ["ProcessGrid", "build_process_grid"]
+
+
+@dataclass(frozen=True)
+class ProcessGrid:
+    """This rank's coordinates in the pp x dp x tp grid and its groups along each axis."""
+
+    topology: Grid
+    """The pure layout: every rank's coordinates."""
+    rank: int
+    """This process's global rank."""
+    pp_group: dist.ProcessGroup
+    """The ranks of this rank's pipeline (same dp and tp coordinates), in stage order."""
+    dp_group: dist.ProcessGroup
+    """The ranks that hold the same stage (same pp and tp coordinates)."""
+    tp_group: dist.ProcessGroup
+    """The ranks that split the same layers (same pp and dp coordinates; one rank for now)."""
+    mesh: DeviceMesh | None
+    """torch's mesh over :data:`~mpar.topology.AXES`, or None (MPI, XLA; see the module)."""
+    timeout: datetime.timedelta
+    """The groups' transport timeout (a new group gets the same)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def pp_size(self) -> int:
+        return self.topology.pp_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.topology.dp_size
+
+    @property
+    def tp_size(self) -> int:
+        return self.topology.tp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.topology.coordinates(self.rank)[0]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.topology.coordinates(self.rank)[1]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.topology.coordinates(self.rank)[2]
+
+    @property
+    def pp_ranks(self) -> list[int]:
+        """Global ranks of this rank's pipeline, in stage order."""
+        return self.topology.pp_group(self.dp_rank, self.tp_rank)
+
+    @property
+    def dp_ranks(self) -> list[int]:
+        """Global ranks of this rank's data-parallel group."""
+        return self.topology.dp_group(self.pp_rank, self.tp_rank)
+
+    @property
+    def tp_ranks(self) -> list[int]:
+        """Global ranks of this rank's tensor-parallel group."""
+        return self.topology.tp_group(self.pp_rank, self.dp_rank)
+
+    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int = 0) -> int:
+        """Global rank at grid coordinates ``(pp_rank, dp_rank, tp_rank)``."""
+        return self.topology.rank_of(pp_rank, dp_rank, tp_rank)
+
+    def new_group(self, ranks: list[int]) -> dist.ProcessGroup:
+        """A process group over ``ranks`` with the grid's timeout (every rank must call
+        this, in the same order)."""
+        return dist.new_group(sorted(ranks), timeout=self.timeout)
+
+
+def _options(backend: str, timeout: datetime.timedelta) -> Any:
+    """``backend``'s process-group options carrying ``timeout`` (a DeviceMesh takes no
+    timeout of its own)."""
+    return backend_options(backend, timeout)
+
+
+def _with_mesh(
+    topology: Grid, rank: int, backends: tuple[str, str], timeout: datetime.timedelta
+) -> ProcessGrid:
+    pipeline, data = backends
+    mesh = DeviceMesh(
+        _device.mesh_device_type(data) or "cpu",
+        torch.tensor(topology.mesh(), dtype=torch.int),
+        mesh_dim_names=AXES,
+        backend_override=tuple((name, _options(name, timeout)) for name in (pipeline, data, data)),
+    )
+    pp, dp, tp = (mesh.get_group(axis) for axis in AXES)
+    return ProcessGrid(topology, rank, pp, dp, tp, mesh, timeout)
+
+
+def _with_new_groups(
+    topology: Grid, rank: int, backends: tuple[str, str], timeout: datetime.timedelta
+) -> ProcessGrid:
+    """Every group of every axis, made by every rank in the same order; this rank's kept.
+    A group of every rank is created as such (ranks None), as the XLA process group requires."""
+    mine: list[dist.ProcessGroup] = []
+    axes = (
+        (topology.pp_groups, backends[0]),
+        (topology.dp_groups, backends[1]),
+        (topology.tp_groups, backends[1]),
+    )
+    for groups, backend in axes:
+        found = None
+        for ranks in groups:
+            members = None if len(ranks) == topology.world_size else ranks
+            group = dist.new_group(members, timeout=timeout, backend=backend)
+            if rank in ranks:
+                found = group
+        if found is None:
+            raise ValueError(f"rank {rank} is in no group of {topology}")
+        mine.append(found)
+    return ProcessGrid(topology, rank, mine[0], mine[1], mine[2], None, timeout)
+
+
+def build_process_grid(
+    topology: Grid, rank: int, backends: tuple[str, str], timeout: datetime.timedelta
+) -> ProcessGrid:
+    """The process groups of ``topology`` for global ``rank`` (collective: every rank
+    calls it). ``backends``: the pipeline groups' and the data-parallel (and tp) groups'."""
+    if _device.mesh_device_type(backends[1]) is not None and len(set(backends)) == 1:
+        return _with_mesh(topology, rank, backends, timeout)
+    return _with_new_groups(topology, rank, backends, timeout)

@@ -1,0 +1,38 @@
+"""The GPU check (``benchmarks/gpu/check.py``) in its reduced CPU mode: every part starts
+and the CPU parts work — the offline install, the CUDA tests' collection (they skip
+without a GPU), ZeRO-3 training with optimizer offload, and pp=1 against eager."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(600)
+def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
+    cmd = [str(ROOT / "benchmarks" / "gpu" / "check.sh"), "--cpu", "--out", str(tmp_path)]
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=590, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((tmp_path / "check_cpu.json").read_text())
+    assert report["mode"] == "cpu" and report["ok"]
+    assert report["install"]["ok"], report["install"]
+    assert report["tests"]["counts"].get("skipped", 0) >= 3  # collected, no GPU here
+    assert "failed" not in report["tests"]["counts"]
+    train = report["train"]
+    assert train["ok"] and train["step_tokens_per_s"] > 0 and train["compute_mfu"] is None
+    assert train["params"] > 0 and train["memory"]["cpu"]["optimizer"] > 0
+    assert all(math.isfinite(v) for v in train["losses"])
+    assert train["losses"][-1] < train["losses"][0]  # one batch, trained on: the loss falls
+    sanity = report["sanity"]
+    assert sanity["ok"] and sanity["max_param_diff"] <= 1e-5
+    assert len(sanity["losses"]["mpar"]) == len(sanity["losses"]["eager"]) == 3
+    assert "tokens/s" in proc.stdout and "gpu check: passed" in proc.stdout
