@@ -257,14 +257,14 @@ def _pieces(model: Any) -> list[tuple[str, int, torch.Tensor]]:
     shares = local_shares(model)
     # The pipeline rank with the lowest stage holding a tensor writes it (tied copies).
     lowest: dict[str, int] = {}
-    for part in all_gather_object_pp({k: s.stage for k, s in shares.items()}):
+    for part in all_gather_object_pp({k: s.stage for k, s in shares.items()}, model.grid):
         for key, stage in part.items():
             lowest[key] = min(stage, lowest.get(key, stage))
     out = []
     for key, share in shares.items():
         if share.stage != lowest[key]:
             continue
-        start, stop = written_range(share, state().dp_rank)
+        start, stop = written_range(share, model.grid.dp_rank)
         if start < stop:
             out.append((key, start, read_range(share, start, stop)))
     return out
