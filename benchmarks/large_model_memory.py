@@ -1,7 +1,7 @@
 """Peak memory per rank of starting from a Hugging Face checkpoint, by construction path.
 
 Issue 24: a model larger than one host must never exist whole on a rank. A
-Llama of ``--layers`` layers (default 18: 1.09 GB of fp32 parameters) is saved
+Llama of ``--layers`` layers (default 18: 1024 MiB of fp32 parameters) is saved
 once as sharded safetensors; then, at pp=2 x dp=2 with ZeRO-3, each path builds
 it, loads the checkpoint and runs one training step (SGD without momentum: no
 optimizer state, so what remains is weights and gradients):
