@@ -63,7 +63,7 @@ def _grid() -> list[tuple[int, dict[str, Any]]]:
                         continue  # one stage per rank: no virtual stages
                     cfg: dict[str, Any] = {
                         "pipeline_parallel_degree": pp,
-                        "microbatches": 2 * pp,
+                        "microbatches": pp * (3 - dp),  # a replica gets 8 / dp samples
                         "virtual_stages": virtual,
                         "zero": {"stage": zero},
                     }
