@@ -19,7 +19,9 @@ from mpar._ranks import (
     tp_rank,
     tp_size,
 )
+from mpar.build import materialize
 from mpar.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, wait_checkpoint
+from mpar.checkpoint._hf import load_pretrained, save_pretrained
 from mpar.comm import init, is_initialized, shutdown
 from mpar.runtime import DistributedModel, DistributedOptimizer, StepOutput, memory_report, step
 
@@ -39,13 +41,16 @@ __all__ = [
     "is_initialized",
     "local_rank",
     "load_checkpoint",
+    "load_pretrained",
     "local_size",
+    "materialize",
     "memory_report",
     "partition",
     "pp_rank",
     "pp_size",
     "rank",
     "save_checkpoint",
+    "save_pretrained",
     "shutdown",
     "size",
     "step",

@@ -47,16 +47,18 @@ class DistributedModel:
 
     def __init__(
         self,
-        module: nn.Module,
+        module: nn.Module | Callable[[], nn.Module],
         *,
         example_inputs: Any = None,
         example_kwargs: Mapping[str, Any] | None = None,
         dynamic_axes: Sequence[int] = (0,),
+        init_fn: Callable[[nn.Module], None] | None = None,
     ) -> None:
-        if not isinstance(module, nn.Module):
-            raise TypeError(
-                f"mpar.DistributedModel wraps a torch.nn.Module, got {type(module).__name__}"
-            )
+        from mpar.build import build_module, tensor_shapes
+
+        module = build_module(module)
+        self._tensor_shapes = tensor_shapes(module)
+        """Every parameter's and buffer's shape by name, before partitioning frees any."""
         self.dynamic_axes = _check_axes(dynamic_axes)
         """Axes of every tensor input whose size may change between steps in a
         captured pipeline (``(0,)`` the batch; ``(0, 1)`` also the sequence)."""
@@ -67,6 +69,11 @@ class DistributedModel:
         """The configuration this model runs with: ``mpar.config()``, with its ``"auto"``
         values resolved at the first step."""
         self.module = module
+        self.init_fn = init_fn
+        """A meta-built model: called on each module to initialise it (default: its own
+        initialisers; see ``mpar.build``)."""
+        self.after_partition: list[Callable[[DistributedModel], None]] = []
+        """Run once the model is partitioned (a deferred ``mpar.load_pretrained``)."""
         self.caches_disabled = disable_caches(module)
         """Submodules whose ``config.use_cache`` mpar turned off (see ``runtime._adapt``)."""
         self.stages: LocalStages | None = None
@@ -77,6 +84,7 @@ class DistributedModel:
         self._capturing = False
         self._captured: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self._dtypes = {k: v.dtype for k, v in module.state_dict().items()}
+        self._shapes = {k: v.shape for k, v in module.state_dict().items()}
         self._key_order = list(self._dtypes)
         self._aliases = _tensor_aliases(module)
         self._schedules: dict[bool, Any] = {}
@@ -98,13 +106,25 @@ class DistributedModel:
         return dataclasses.replace(self._st, config=self.config)
 
     def _partition(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        from mpar.build import start_materialize
+
         st = self.run_state()
         self.stages = build_local_stages(
             self.module, args, kwargs, st, dynamic_axes=self.dynamic_axes
         )
         for stage in self.stages.modules.values():
             stage.train(self.module.training)
-        self.sharded = make_sharded(self.stages, st, (args, kwargs))
+        # A meta model gets storage here: this rank's stages only, bucket by bucket.
+        materializer = start_materialize(
+            self.module, self.stages, st, self.init_fn, self._tensor_shapes
+        )
+        ensure = None if materializer is None else materializer.ensure
+        self.sharded = make_sharded(self.stages, st, (args, kwargs), materialize=ensure)
+        if materializer is not None:
+            materializer.finish()
+        hooks, self.after_partition = self.after_partition, []
+        for hook in hooks:
+            hook(self)
 
     def ensure_partitioned(self, fn: Callable[..., Any], batches: Microbatches) -> None:
         if self.stages is None:

@@ -23,7 +23,10 @@ Inputs = tuple[tuple[object, ...], dict[str, object]]
 
 
 def make_sharded(
-    stages: LocalStages, st: State, example: Inputs | None = None
+    stages: LocalStages,
+    st: State,
+    example: Inputs | None = None,
+    materialize: Callable[[torch.Tensor], None] | None = None,
 ) -> ShardedStages | None:
     """ZeRO sharding of this rank's stages over its data-parallel group.
 
@@ -33,6 +36,8 @@ def make_sharded(
     reduce or shard. ``example``
     (the first microbatch's model inputs) finds the units of a stage that is
     the whole model (``pipeline_parallel_degree`` 1) for unit-granular ZeRO.
+    ``materialize`` (a meta model) gives a parameter its value right before its
+    bucket copies it (see ``mpar.build``).
     """
     zero, dtype = st.config.zero, compute_dtype(st.config)
     if zero.stage == 0 and dtype is None and st.grid.dp_size == 1 and not stages.tied_groups:
@@ -59,6 +64,7 @@ def make_sharded(
         compute_dtype=dtype,
         tied=stages.tied_groups,
         units=owners,
+        materialize=materialize,
     )
     for s, install in connect.items():
         install(sharded.unit_gather(s))
@@ -84,12 +90,16 @@ def _unit_groups(
         if names == ["<whole model>"]:
             if example is None:
                 continue
+            from mpar.build import find_units_meta, has_meta
             from mpar.partition import find_units
             from mpar.profile import preserved_state
 
             args, kwargs = _device.to_device(example, st.device)
-            with torch.no_grad(), preserved_state(module):
-                names = find_units(module, args, kwargs)
+            if has_meta(module):
+                names = find_units_meta(module, args, kwargs)
+            else:
+                with torch.no_grad(), preserved_state(module):
+                    names = find_units(module, args, kwargs)
         if len(names) > 1:
             out[s] = group_units(names, gather)
     return out

@@ -57,7 +57,11 @@ def _decide_boundaries(
         )
     if not cfg.auto_partition:
         return manual_boundaries(module, units, default=cfg.default_partition), None
-    profile = profile_model(module, args, kwargs, units=units, repeats=3, warmup=1)
+    # A meta model is profiled from FLOPs on fake tensors: nothing runs for real.
+    meta = _has_meta(module)
+    profile = profile_model(
+        module, args, kwargs, units=units, repeats=3, warmup=1, mode="meta" if meta else "measure"
+    )
     module.zero_grad(set_to_none=True)
     plan = make_plan(
         profile,
@@ -110,6 +114,12 @@ def _free_unowned(module: nn.Module, kept: list[nn.Module]) -> None:
             tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
 
 
+def _has_meta(module: nn.Module) -> bool:
+    from mpar.build import has_meta
+
+    return has_meta(module)
+
+
 def _module_device(module: nn.Module) -> torch.device:
     """Where ``module``'s parameters (else buffers) are; the CPU if it has none."""
     for tensor in [*module.parameters(), *module.buffers()]:
@@ -128,18 +138,24 @@ def build_local_stages(
     """Partition ``module`` (identically on every rank) and keep this rank's stages;
     traced stages accept any size of the ``dynamic_axes`` of their inputs."""
     num_stages = st.config.num_stages
+    meta = _has_meta(module)  # tensors get storage later, on this rank's share only
     if num_stages == 1:
-        _device.move_module(module, st.device)
+        if not meta:
+            _device.move_module(module, st.device)
         names = {n: n for n, _ in list(module.named_parameters()) + list(module.named_buffers())}
         return LocalStages(1, {0: module}, {0: names}, unit_names=[["<whole model>"]])
+    from mpar.build import find_units_meta
     from mpar.partition import find_units, split_module
     from mpar.profile import preserved_state
 
     # The whole model is traced, profiled and split where the user built it (the
     # host, usually: it need not fit on one device); only the stages move.
     args, kwargs = _device.to_device((args, kwargs), _module_device(module))
-    with torch.no_grad(), preserved_state(module):
-        units = find_units(module, args, kwargs)
+    if meta:
+        units = find_units_meta(module, args, kwargs)
+    else:
+        with torch.no_grad(), preserved_state(module):
+            units = find_units(module, args, kwargs)
     decision: Any = None
     if st.layout.rank == 0:
         try:
@@ -160,7 +176,8 @@ def build_local_stages(
     mine = {s: split.stages[s] for s in range(num_stages) if home(s) == st.grid.pp_rank}
     _free_unowned(module, list(mine.values()))
     for stage in mine.values():
-        _device.move_module(stage, st.device)
+        if not meta:
+            _device.move_module(stage, st.device)
     return LocalStages(
         num_stages=num_stages,
         modules=mine,

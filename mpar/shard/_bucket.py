@@ -60,6 +60,7 @@ from a stage's first backward to its reduction at both).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import NamedTuple
@@ -130,8 +131,11 @@ class FlatBucket:
         comm: GroupInfo,
         device: torch.device,
         compute_dtype: torch.dtype | None = None,
+        materialize: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         self.spec = spec
+        self.materialize = materialize
+        """Called on each parameter before it is copied in (a meta-built model)."""
         self.params = params
         self.shapes = [p.shape for p in params]
         self.zero_stage = zero_stage
@@ -169,6 +173,8 @@ class FlatBucket:
         the parameters' original dtype (what ``master`` starts from)."""
         flat = torch.zeros(self.spec.padded, dtype=self.master_dtype, device=self.device)
         for slot, p in zip(self.spec.slots, self.params):
+            if self.materialize is not None:
+                self.materialize(p)
             flat[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
         # Like DDP: every replica starts from the group's first rank's values.
         broadcast_flat(flat, src=self.comm.ranks[0], group=self.comm.group, size=self.comm.size)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -65,6 +65,10 @@ class ShardedStages:
     buckets of their own, gathered and reduced group by group
     (:mod:`mpar.shard._units`; the runtime calls :meth:`unit_gather`'s hooks).
     Parameters of the stage in no group stay stage-wide.
+
+    ``materialize`` (parameters on the meta device) is called on each parameter
+    right before its bucket copies it in, so a stage of a meta-built model
+    never exists whole on the rank (``mpar.build``).
     """
 
     def __init__(
@@ -79,6 +83,7 @@ class ShardedStages:
         compute_dtype: torch.dtype | None = None,
         tied: Sequence[tuple[ProcessGroup | None, nn.Parameter]] = (),
         units: Mapping[int, Sequence[Sequence[nn.Parameter]]] | None = None,
+        materialize: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         if not stages:
             raise ValueError("ShardedStages needs at least one stage module, got an empty dict")
@@ -103,6 +108,7 @@ class ShardedStages:
         self._tied_ids = {id(p): group for group, p in tied}
         self._unit_of = self._unit_index(owned, units or {})
         self._group_counts = {s: len(groups) for s, groups in (units or {}).items()}
+        self._materialize = materialize
         self.buckets = self._make_buckets(owned)
         self.tied_buckets = [self._bucket_of(p) for _, p in tied]
         """Buckets of tied parameters, in the order of ``tied`` (the same on every rank)."""
@@ -217,6 +223,7 @@ class ShardedStages:
                 comm=self.comm,
                 device=self.device,
                 compute_dtype=self.compute_dtype,
+                materialize=self._materialize,
             )
             for spec in specs
         ]

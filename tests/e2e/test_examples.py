@@ -69,3 +69,22 @@ def test_bert_example_zero3_offload_learns():
     out = _launch(4, "bert_zero3_offload.json", "finetune_bert.py", "--steps", "30", timeout=290)
     accuracy = float(re.findall(r"held-out accuracy ([0-9.]+)%", out)[-1])
     assert accuracy >= 90.0, out[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_finetune_pretrained_example_round_trips_through_hf(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    out = _launch(
+        4,
+        "llama_zero3_pp2_dp2.json",
+        "finetune_pretrained.py",
+        "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--steps", "4",
+        timeout=290,
+    )  # fmt: skip
+    first = float(re.findall(r"first loss ([0-9.]+)", out)[-1])
+    assert _final_loss(out) < first, out[-2000:]
+    assert len(list((tmp_path / "ckpt").glob("model-*.safetensors"))) >= 2
+    _, info = transformers.LlamaForCausalLM.from_pretrained(
+        tmp_path / "out", output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info

@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("partition", ("mpar.partition",)),
     ("comm", ("mpar.comm",)),
     ("shard", ("mpar.shard",)),
+    ("build", ("mpar.build",)),
     ("runtime", ("mpar.runtime",)),
     ("checkpoint", ("mpar.checkpoint",)),
     ("api", ("mpar", "mpar._ranks", "mpar._data", "mpar.testing", "mpar.testing_models")),
