@@ -1,5 +1,7 @@
 """Trains a few ZeRO-3 steps over data parallelism and ends without mpar.shutdown()."""
 
+import sys
+
 import torch
 from torch import nn
 
@@ -23,4 +25,7 @@ for _ in range(3):
     train(model, x, y)
     opt.step()
     opt.zero_grad()
-print(f"rank={mpar.rank()} done", flush=True)
+# One write per line: the ranks end together (shutdown's final barrier), and print's
+# separate write of the newline let two ranks' lines run into each other.
+sys.stdout.write(f"rank={mpar.rank()} done\n")
+sys.stdout.flush()
