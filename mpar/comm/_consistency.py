@@ -16,7 +16,7 @@ from mpar.comm._progress import Waiting
 from mpar.config import Config
 from mpar.errors import ConfigError
 
-__all__ = ["check_same_config", "config_differences", "gather_from_every_rank"]
+__all__ = ["check_same_config", "config_differences", "first_few", "gather_from_every_rank"]
 
 _PER_RANK_KEYS = frozenset({"trace"})
 """Keys that may differ between ranks (a trace folder on each node's own disk)."""
@@ -56,12 +56,17 @@ def check_same_config(config: Config, world_size: int) -> None:
         dist.all_gather_object(gathered, _flat(config))
     differences = config_differences(gathered)
     if differences:
-        shown = "; ".join(differences[:6]) + ("; ..." if len(differences) > 6 else "")
+        shown = first_few(differences, 6)
         raise ConfigError(
             f"the ranks were started with different configurations: {shown}. Give every rank "
             "the same config (the same file or MPAR_CONFIG): ranks with different schedules "
             "would wait for each other forever"
         )
+
+
+def first_few(problems: list[str], most: int) -> str:
+    """The first ``most`` of ``problems``, joined for an error message."""
+    return "; ".join(problems[:most]) + ("; ..." if len(problems) > most else "")
 
 
 def gather_from_every_rank(obj: T, world_size: int, what: str) -> list[T]:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from mpar.comm._bootstrap import State
-from mpar.comm._consistency import gather_from_every_rank
+from mpar.comm._consistency import first_few, gather_from_every_rank
 from mpar.errors import BatchMismatchError
 from mpar.topology import Grid
 
@@ -146,7 +146,7 @@ def check_same_batch(st: State, mine: list[Print] | None) -> None:
     prints = gather_from_every_rank(mine, st.layout.world_size, "same-batch check")
     found = mismatches(prints, replicas(grid), _label(grid))
     if found:
-        shown = "; ".join(found[:4]) + ("; ..." if len(found) > 4 else "")
+        shown = first_few(found, 4)
         raise BatchMismatchError(
             f"the ranks of a {_label(grid)} were given different batches: {shown}. Every "
             "rank of a pipeline (and of a tensor-parallel group) must call the step with the "
