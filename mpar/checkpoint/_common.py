@@ -9,6 +9,7 @@ from typing import Any
 
 from mpar._compat import CheckpointException
 from mpar.comm._checkpoint_comm import all_gather_object_in
+from mpar.comm._types import ProcessGroup
 from mpar.errors import MparError
 
 __all__ = ["FORMAT", "CheckpointError", "agree", "check_model", "describe_failure"]
@@ -20,7 +21,7 @@ class CheckpointError(MparError, ValueError):
     """A checkpoint is missing, incomplete, unreadable, or does not fit the model."""
 
 
-def agree(error: str | None, group: Any, what: str) -> None:
+def agree(error: str | None, group: ProcessGroup | None, what: str) -> None:
     """Every rank raises if any rank failed (its message), instead of hanging."""
     errors = [(r, e) for r, e in enumerate(all_gather_object_in(error, group)) if e]
     if errors:

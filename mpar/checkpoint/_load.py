@@ -32,11 +32,12 @@ from mpar.comm._checkpoint_comm import (
     broadcast_object_in,
     checkpoint_group,
 )
+from mpar.comm._types import ProcessGroup
 
 __all__ = ["PartialLoad", "load_checkpoint"]
 
 
-def _resolve(path: Path, group: Any, rank: int) -> tuple[str, Path]:
+def _resolve(path: Path, group: ProcessGroup | None, rank: int) -> tuple[str, Path]:
     decision: Any = None
     if rank == 0:
         try:
@@ -123,7 +124,7 @@ def _difference_text(
 
 
 def _union_skipped(
-    skipped: tuple[list[str], list[str], list[Any]], group: Any, model: Any
+    skipped: tuple[list[str], list[str], list[Any]], group: ProcessGroup | None, model: Any
 ) -> tuple[list[str], list[str], list[Any]]:
     """Every rank's skipped entries, merged, in the model's key order."""
     every = all_gather_object_in(skipped, group)
@@ -144,7 +145,7 @@ def _group_placeholders(saved: dict[tuple[str, ...], Any]) -> list[Any]:
     return list(holder.get("optim", {}).get("param_groups", []))
 
 
-def _read(directory: Path, group: Any, sections: dict[str, Any]) -> None:
+def _read(directory: Path, group: ProcessGroup | None, sections: dict[str, Any]) -> None:
     try:
         dcp.load(
             sections,
@@ -197,7 +198,7 @@ def _load_optimizer(directory: Path, model: Any, optimizer: Any) -> None:
 
 
 def _install(
-    install: Any, sections: dict[str, Any], optimizer: Any, where: Path, group: Any
+    install: Any, sections: dict[str, Any], optimizer: Any, where: Path, group: ProcessGroup | None
 ) -> None:
     """Hand the optimizer its loaded state (every rank learns of any rank's failure)."""
     error = None

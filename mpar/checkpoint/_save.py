@@ -38,6 +38,7 @@ from mpar.comm._checkpoint_comm import (
     broadcast_object_in,
     checkpoint_group,
 )
+from mpar.comm._types import ProcessGroup
 from mpar.errors import MparError
 
 __all__ = ["WRITE_BUFFER_BYTES", "save_checkpoint"]
@@ -96,7 +97,7 @@ def _claim_root(root: Path) -> tuple[tuple[Path, str], RootLock]:
         raise
 
 
-def _prepare_root(root: Path, group: Any, rank: int) -> _Save:
+def _prepare_root(root: Path, group: ProcessGroup | None, rank: int) -> _Save:
     """Rank 0 claims the root (every rank learns the temporary directory's name,
     or the error)."""
     decision: Any = None
@@ -140,7 +141,7 @@ def _check_loadable(raw: bytes) -> None:
         ) from None
 
 
-def _merge_groups(groups: list[dict[str, Any]], model: Any, group: Any) -> None:
+def _merge_groups(groups: list[dict[str, Any]], model: Any, group: ProcessGroup | None) -> None:
     local = [g["params"] for g in groups]
     merged = merge_param_groups(local, all_gather_object_in(local, group), model._key_order)
     for g, names in zip(groups, merged):
@@ -163,7 +164,7 @@ def _marker(model: Any) -> dict[str, Any]:
     }
 
 
-def _write(entries: dict[str, Any], save: _Save, group: Any) -> None:
+def _write(entries: dict[str, Any], save: _Save, group: ProcessGroup | None) -> None:
     try:
         dcp.save(
             entries,
@@ -194,7 +195,11 @@ def _commit(save: _Save, keep_last: int | None, model: Any) -> str | None:
 
 
 def _write_and_commit(
-    entries: dict[str, Any], save: _Save, group: Any, keep_last: int | None, model: Any
+    entries: dict[str, Any],
+    save: _Save,
+    group: ProcessGroup | None,
+    keep_last: int | None,
+    model: Any,
 ) -> Path:
     _write(entries, save, group)
     error = _commit(save, keep_last, model) if model.grid.rank == 0 else None

@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from mpar.comm._bootstrap import State
 from mpar.comm._progress import Waiting
+from mpar.comm._types import ProcessGroup
 from mpar.comm._watchdog import transport_timeout
 
 __all__ = ["all_gather_object_in", "broadcast_object_in", "checkpoint_group"]
+
+T = TypeVar("T")
 
 
 def checkpoint_group(st: State) -> dist.ProcessGroup:
@@ -45,7 +48,7 @@ def _watched(name: str) -> Any:
     return contextlib.nullcontext()
 
 
-def broadcast_object_in(obj: Any, group: Any) -> Any:
+def broadcast_object_in(obj: T, group: ProcessGroup | None) -> T:
     """Rank 0's ``obj`` on every rank of ``group`` (which holds every rank)."""
     if dist.get_world_size(group) == 1:
         return obj
@@ -55,12 +58,12 @@ def broadcast_object_in(obj: Any, group: Any) -> Any:
     return box[0]
 
 
-def all_gather_object_in(obj: Any, group: Any) -> list[Any]:
+def all_gather_object_in(obj: T, group: ProcessGroup | None) -> list[T]:
     """Every rank's ``obj``, in rank order, over ``group``."""
     size = dist.get_world_size(group)
     if size == 1:
         return [obj]
-    out: list[Any] = [None] * size
+    out: list[T] = [obj] * size  # placeholders, overwritten
     with _watched("all_gather (checkpoint)"):
         dist.all_gather_object(out, obj, group=group)
     return out

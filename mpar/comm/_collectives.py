@@ -3,14 +3,15 @@ the group and cause. Each takes the grid it runs on (nothing is looked up)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from mpar.comm import _staging
 from mpar.comm._grid import ProcessGrid
-from mpar.comm._progress import Waiting, watched
+from mpar.comm._progress import Waiting, WatchedWork, watched
+from mpar.comm._types import ProcessGroup
 
 __all__ = [
     "all_gather_object_pp",
@@ -23,6 +24,8 @@ __all__ = [
     "group_size",
     "world_all_reduce",
 ]
+
+T = TypeVar("T")
 
 
 def barrier() -> None:
@@ -47,14 +50,14 @@ def world_all_reduce(tensor: torch.Tensor, grid: ProcessGrid, op: str = "sum") -
     return tensor
 
 
-def _op(name: str) -> Any:
+def _op(name: str) -> dist.ReduceOp.RedOpType:
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     if name not in ops:
         raise ValueError(f"reduction {name!r} is not one of {sorted(ops)}")
     return ops[name]
 
 
-def broadcast_object_world(obj: Any, grid: ProcessGrid, src: int = 0) -> Any:
+def broadcast_object_world(obj: T, grid: ProcessGrid, src: int = 0) -> T:
     """Send a picklable object from global rank ``src`` to every rank."""
     if grid.world_size == 1:
         return obj
@@ -64,11 +67,11 @@ def broadcast_object_world(obj: Any, grid: ProcessGrid, src: int = 0) -> Any:
     return box[0]
 
 
-def all_gather_object_pp(obj: Any, grid: ProcessGrid) -> list[Any]:
+def all_gather_object_pp(obj: T, grid: ProcessGrid) -> list[T]:
     """Every pipeline stage's ``obj`` (this rank's pipeline), in stage order."""
     if grid.pp_size == 1:
         return [obj]
-    out: list[Any] = [None] * grid.pp_size
+    out: list[T] = [obj] * grid.pp_size  # placeholders, overwritten
     with Waiting(("collective", "all_gather_object", grid.pp_group)):
         dist.all_gather_object(out, obj, group=grid.pp_group)
     return out
@@ -82,7 +85,7 @@ def all_reduce_pp(tensor: torch.Tensor, grid: ProcessGrid, op: str = "sum") -> t
     return tensor
 
 
-def all_reduce_dp_async(tensor: torch.Tensor, grid: ProcessGrid) -> Any:
+def all_reduce_dp_async(tensor: torch.Tensor, grid: ProcessGrid) -> WatchedWork | None:
     """Start a sum all-reduce over the data-parallel group; returns a waitable (or None)."""
     if grid.dp_size == 1:
         return None
@@ -90,13 +93,13 @@ def all_reduce_dp_async(tensor: torch.Tensor, grid: ProcessGrid) -> Any:
     return watched(work, "all_reduce", grid.dp_group)
 
 
-def all_reduce_group(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+def all_reduce_group(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Sum all-reduce ``tensor`` in place over ``group``."""
     with Waiting(("collective", "all_reduce", group)):
         _staging.all_reduce(tensor, op=_op("sum"), group=group)
     return tensor
 
 
-def group_size(group: Any) -> int:
+def group_size(group: ProcessGroup | None) -> int:
     """Number of ranks in ``group``."""
     return int(dist.get_world_size(group))

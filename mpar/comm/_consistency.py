@@ -8,7 +8,7 @@ naming both ranks and the keys.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -20,6 +20,8 @@ __all__ = ["check_same_config", "config_differences", "gather_from_every_rank"]
 
 _PER_RANK_KEYS = frozenset({"trace"})
 """Keys that may differ between ranks (a trace folder on each node's own disk)."""
+
+T = TypeVar("T")
 
 
 def _flat(config: Config) -> dict[str, Any]:
@@ -49,7 +51,7 @@ def check_same_config(config: Config, world_size: int) -> None:
     """Raise :class:`ConfigError` on every rank unless all ranks hold the same config."""
     if world_size == 1:
         return
-    gathered: list[Any] = [None] * world_size
+    gathered: list[dict[str, Any]] = [{}] * world_size  # placeholders, overwritten
     with Waiting(("collective", "all_gather_object (config check)", None)):
         dist.all_gather_object(gathered, _flat(config))
     differences = config_differences(gathered)
@@ -62,11 +64,11 @@ def check_same_config(config: Config, world_size: int) -> None:
         )
 
 
-def gather_from_every_rank(obj: Any, world_size: int, what: str) -> list[Any]:
+def gather_from_every_rank(obj: T, world_size: int, what: str) -> list[T]:
     """Every rank's small picklable ``obj``, in rank order (a watched all-gather)."""
     if world_size == 1:
         return [obj]
-    gathered: list[Any] = [None] * world_size
+    gathered: list[T] = [obj] * world_size  # placeholders, overwritten
     with Waiting(("collective", f"all_gather_object ({what})", None)):
         dist.all_gather_object(gathered, obj)
     return gathered

@@ -9,8 +9,9 @@ transfer (a stage's activations, or its gradients), so activations and
 gradients between the same two ranks never mix.
 
 Wire format. Every transfer starts with a 64-byte control block: a kind
-(``SAME``/``NEW``), the header and data lengths, and the transfer's label (which
-stage and microbatch it belongs to), checked on receipt, so a schedule mismatch
+(``SAME``/``NEW``), the header and data lengths, and the transfer's
+:class:`~mpar.comm._types.TransferLabel` (which stage and microbatch it belongs
+to), checked on receipt, so a schedule mismatch
 is an error, not silent corruption. The *header* (the nesting, each tensor's
 shape and dtype, the non-tensor leaves) is pickled; the *data* is every tensor's
 bytes, packed at 16-byte aligned offsets. Both ends of a stream remember the
@@ -31,20 +32,21 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from mpar._tree import tree_leaves, tree_map
-from mpar.comm._progress import Waiting, describe_label
+from mpar.comm._progress import Waiting
+from mpar.comm._types import Transfer, TransferLabel, Work
 from mpar.errors import CommError
 
 __all__ = ["Links", "PendingSends", "recv_payload", "send_payload"]
 
 _CONTROL_BYTES = 64
 _CONTROL_WORDS = _CONTROL_BYTES // 8
-_LABEL_WORDS = _CONTROL_WORDS - 4  # kind, header bytes, data bytes, label length
+_LABEL_WORDS = len(TransferLabel._fields)  # after: kind, header bytes, data bytes, label length
+_TRANSFERS = frozenset(int(t) for t in Transfer)
 _ALIGN = 16
 _SAME, _NEW = 1, 2
 
@@ -60,14 +62,15 @@ class _TensorSlot:
 class PendingSends:
     """Non-blocking sends still in flight (their tensors are kept alive here)."""
 
-    works: list[Any] = field(default_factory=list)
+    works: list[Work | None] = field(default_factory=list)
     buffers: list[torch.Tensor] = field(default_factory=list)
     peers: list[int] = field(default_factory=list)
 
     def wait(self) -> None:
         for work, dst in zip(self.works, self.peers):
-            with Waiting(("send", dst, None)):
-                work.wait()
+            if work is not None:
+                with Waiting(("send", dst, None)):
+                    work.wait()
         self.works.clear()
         self.buffers.clear()
         self.peers.clear()
@@ -90,10 +93,11 @@ class _Sent:
 class _Received:
     """What the receiver knows of a stream: the last header and a posted receive."""
 
-    structure: Any = None
+    structure: object = None
+    """The last header: the payload's nesting with :class:`_TensorSlot` leaves."""
     slots: list[_TensorSlot] = field(default_factory=list)
     expect: int = _CONTROL_BYTES
-    posted: tuple[Any, torch.Tensor] | None = None
+    posted: tuple[Work | None, torch.Tensor] | None = None
 
 
 class Links:
@@ -121,7 +125,7 @@ class Links:
             link.posted = (dist.irecv(buffer, src, tag=tag), buffer)
 
 
-def _flatten(value: Any, tensors: list[torch.Tensor]) -> Any:
+def _flatten(value: object, tensors: list[torch.Tensor]) -> object:
     """Replace every tensor in ``value`` by a slot, appending it to ``tensors``."""
 
     def to_slot(t: torch.Tensor) -> _TensorSlot:
@@ -131,12 +135,12 @@ def _flatten(value: Any, tensors: list[torch.Tensor]) -> Any:
     return tree_map(to_slot, value)
 
 
-def _unflatten(value: Any, tensors: list[torch.Tensor]) -> Any:
+def _unflatten(value: object, tensors: list[torch.Tensor]) -> object:
     """Rebuild ``value``, taking tensors for its slots from the end of ``tensors`` reversed."""
     return tree_map(lambda _: tensors.pop(), value, leaf=_TensorSlot)
 
 
-def _slots(value: Any) -> list[_TensorSlot]:
+def _slots(value: object) -> list[_TensorSlot]:
     return [leaf for leaf in tree_leaves(value) if isinstance(leaf, _TensorSlot)]
 
 
@@ -156,11 +160,17 @@ def _offsets(slots: list[_TensorSlot]) -> tuple[list[int], int]:
     return offsets, end
 
 
-def _control(kind: int, header: int, data: int, label: tuple[Any, ...]) -> torch.Tensor:
-    if len(label) > _LABEL_WORDS or not all(isinstance(x, int) for x in label):
-        raise CommError(f"internal: a transfer label must be up to {_LABEL_WORDS} ints: {label}")
-    words = [kind, header, data, len(label), *label]
-    return torch.tensor(words + [0] * (_CONTROL_WORDS - len(words)), dtype=torch.int64)
+def _control(kind: int, header: int, data: int, label: TransferLabel) -> torch.Tensor:
+    words = [kind, header, data, _LABEL_WORDS, *label]
+    return torch.tensor(words, dtype=torch.int64)
+
+
+def _label_in(words: list[int]) -> TransferLabel | None:
+    """The label a control block carries (None when its words are no label)."""
+    fields = words[4 : 4 + _LABEL_WORDS]
+    if words[3] != _LABEL_WORDS or fields[0] not in _TRANSFERS:
+        return None
+    return TransferLabel(Transfer(fields[0]), *fields[1:])
 
 
 def _pack(
@@ -174,10 +184,10 @@ def _pack(
 
 
 def send_payload(
-    payload: Any,
+    payload: object,
     dst: int,
     tag: int,
-    label: tuple[int, ...],
+    label: TransferLabel,
     pending: PendingSends,
     links: Links,
     device: torch.device | None = None,
@@ -232,26 +242,28 @@ def _unpack(buffer: torch.Tensor, start: int, slots: list[_TensorSlot]) -> list[
 
 
 def recv_payload(
-    src: int, tag: int, label: tuple[int, ...], device: torch.device, links: Links
-) -> Any:
+    src: int, tag: int, label: TransferLabel, device: torch.device, links: Links
+) -> object:
     """Receive what :func:`send_payload` sent from ``src`` on stream ``tag``."""
     link = links.received(src, tag)
-    with Waiting(("recv", src, tuple(label))):
+    with Waiting(("recv", src, label)):
         if link.posted is not None:
             work, message = link.posted
             link.posted = None
-            work.wait()
+            if work is not None:
+                work.wait()
         else:
             message = torch.empty(link.expect, dtype=torch.uint8, device=device)
             dist.recv(message, src, tag=tag)
     words = message[:_CONTROL_BYTES].view(torch.int64).tolist()
     kind, header_bytes, data = words[0], words[1], words[2]
-    got_label = tuple(words[4 : 4 + words[3]])
-    if got_label != tuple(label):
+    got_label = _label_in(words)
+    if got_label != label:
+        sent = "an unlabelled message" if got_label is None else got_label.describe()
         raise CommError(
             f"pipeline transfer mismatch: rank {dist.get_rank()} expected "
-            f"{describe_label(tuple(label))} from rank {src}, but rank {src} sent "
-            f"{describe_label(got_label)}; the two ranks run different schedules (give every "
+            f"{label.describe()} from rank {src}, but rank {src} sent "
+            f"{sent}; the two ranks run different schedules (give every "
             "rank the same config: microbatches, pipeline, virtual_stages; and call the same "
             "steps in the same order)"
         )
@@ -265,7 +277,7 @@ def recv_payload(
         return _unflatten(link.structure, tensors[::-1])
     start = -(-header_bytes // _ALIGN) * _ALIGN
     body = torch.empty(start + data, dtype=torch.uint8, device=device)
-    with Waiting(("recv", src, tuple(label))):
+    with Waiting(("recv", src, label)):
         dist.recv(body, src, tag=tag)
     link.structure = pickle.loads(body[:header_bytes].cpu().numpy().tobytes())
     link.slots = _slots(link.structure)

@@ -5,12 +5,11 @@ goes (a few hundred nanoseconds per event, no lock, no I/O); the hang watchdog
 (:mod:`mpar.comm._watchdog`) reads them from its own thread. Events are kept in
 a ring of the last :data:`RECENT` entries: the *flight recorder*.
 
-A wait is described by a small tuple, formatted only when a report is written:
+A wait is described by a small tuple (:data:`~mpar.comm._types.Wait`), formatted
+only when a report is written:
 
-* ``("recv", src, label)``: a pipeline transfer from global rank ``src``;
-  ``label`` is ``(stage, microbatch, direction)`` (direction 0: activations for
-  ``{stage}F{microbatch}``, 1: gradients for ``{stage}B{microbatch}``) or
-  ``(replica,)`` for a replica's step outputs;
+* ``("recv", src, label)``: a pipeline transfer from global rank ``src``, with its
+  :class:`~mpar.comm._types.TransferLabel`;
 * ``("send", dst, None)``: sends to ``dst`` still in flight at the end of a step;
 * ``("collective", name, group)``: a collective over ``group`` (None: every rank).
 """
@@ -18,7 +17,8 @@ A wait is described by a small tuple, formatted only when a report is written:
 from __future__ import annotations
 
 import time
-from typing import Any
+
+from mpar.comm._types import ProcessGroup, TransferLabel, Wait, Work
 
 __all__ = [
     "PROGRESS",
@@ -30,6 +30,9 @@ __all__ = [
     "describe_wait",
     "watched",
 ]
+
+Event = tuple[float, int, str, object]
+"""A flight-recorder entry: (time, step, kind, what: an action, a wait or None)."""
 
 RECENT = 64
 """Events the flight recorder keeps (more with the ``trace`` key)."""
@@ -46,20 +49,20 @@ class Progress:
     def reset(self, capacity: int = RECENT) -> None:
         """Forget everything (``mpar.init``); keep ``capacity`` events from now on."""
         self.capacity = capacity
-        self.ring: list[tuple[float, int, str, Any] | None] = [None] * capacity
+        self.ring: list[Event | None] = [None] * capacity
         self.count = 0
         self.step = -1
         """Steps started on this rank, minus one (0 is the first step)."""
         self.in_step = False
-        self.action: Any = None
+        self.action: object = None
         """The schedule action running now or last (``1F3``); None before the step's first."""
-        self.wait: tuple[str, Any, Any] | None = None
+        self.wait: Wait | None = None
         self.since = 0.0
         """When ``wait`` began (``time.time()``)."""
         self.last = time.time()
         """When this rank last made progress: its latest event."""
 
-    def _record(self, kind: str, what: Any) -> None:
+    def _record(self, kind: str, what: object) -> None:
         now = time.time()
         self.last = now
         self.ring[self.count % self.capacity] = (now, self.step, kind, what)
@@ -75,12 +78,12 @@ class Progress:
         self.in_step = False
         self._record("end" if ok else "raised", None)
 
-    def begin(self, action: Any) -> None:
+    def begin(self, action: object) -> None:
         """A schedule action starts (its text form is ``str(action)``)."""
         self.action = action
         self._record("action", action)
 
-    def begin_wait(self, what: tuple[str, Any, Any]) -> None:
+    def begin_wait(self, what: Wait) -> None:
         self.since = time.time()
         self.wait = what
         if what[0] == "collective":
@@ -90,7 +93,7 @@ class Progress:
         self.wait = None
         self.last = time.time()
 
-    def recent(self) -> list[tuple[float, int, str, Any]]:
+    def recent(self) -> list[Event]:
         """The flight recorder, oldest first."""
         count, ring = self.count, self.ring[:]  # the main thread may record meanwhile:
         start = max(0, count - self.capacity)  # a slot may then hold a newer event,
@@ -107,7 +110,7 @@ class Waiting:
 
     __slots__ = ("what",)
 
-    def __init__(self, what: tuple[str, Any, Any]) -> None:
+    def __init__(self, what: Wait) -> None:
         self.what = what
 
     def __enter__(self) -> None:
@@ -122,40 +125,35 @@ class WatchedWork:
 
     __slots__ = ("what", "work")
 
-    def __init__(self, work: Any, what: tuple[str, Any, Any]) -> None:
+    def __init__(self, work: Work, what: Wait) -> None:
         self.work, self.what = work, what
 
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
+    def wait(self) -> object:
         with Waiting(self.what):
-            return self.work.wait(*args, **kwargs)
+            return self.work.wait()
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:
         return getattr(self.work, name)
 
 
-def watched(work: Any, name: str, group: Any) -> Any:
+def watched(work: Work | None, name: str, group: ProcessGroup | None) -> WatchedWork | None:
     """``work`` (or None) wrapped so that waiting on it shows in this rank's position."""
     return None if work is None else WatchedWork(work, ("collective", name, group))
 
 
-def describe_label(label: Any) -> str:
+def describe_label(label: TransferLabel) -> str:
     """A transfer's label in words: ``"activations for 1F3"``."""
-    if isinstance(label, tuple) and len(label) == 3:
-        stage, microbatch, direction = label
-        data = "gradients" if direction else "activations"
-        return f"{data} for {stage}{'B' if direction else 'F'}{microbatch}"
-    if isinstance(label, tuple) and len(label) == 1:
-        return f"the step outputs of replica {label[0]}"
-    return f"transfer {label}"
+    return label.describe()
 
 
-def describe_wait(what: tuple[str, Any, Any] | None, group_ranks: list[int] | None = None) -> str:
+def describe_wait(what: Wait | None, group_ranks: list[int] | None = None) -> str:
     """``what`` in words, e.g. ``"recv of activations for 1F0 from rank 0"``."""
     if what is None:
         return "nothing"
     kind, peer, detail = what
     if kind == "recv":
-        return f"recv of {describe_label(detail)} from rank {peer}"
+        data = detail.describe() if isinstance(detail, TransferLabel) else f"transfer {detail}"
+        return f"recv of {data} from rank {peer}"
     if kind == "send":
         return f"sends to rank {peer} to complete"
     over = "every rank" if group_ranks is None else f"ranks {group_ranks}"

@@ -9,7 +9,7 @@ started); flat tensors only.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,9 @@ import torch.distributed as dist
 from mpar import _device
 from mpar.comm import _staging
 from mpar.comm._progress import Waiting, watched
+from mpar.comm._types import ProcessGroup, Work
+
+T = TypeVar("T")
 
 __all__ = [
     "all_gather_flat",
@@ -31,10 +34,10 @@ def all_gather_flat(
     output: torch.Tensor,
     shard: torch.Tensor,
     *,
-    group: Any,
+    group: ProcessGroup | None,
     size: int,
     async_op: bool = False,
-) -> Any:
+) -> Work | None:
     """Concatenate every rank's ``shard`` (equal sizes) into ``output``.
 
     ``shard`` may be this rank's own slice of ``output`` (in place).
@@ -58,7 +61,9 @@ def all_gather_flat(
 class _SliceAfter:
     """Work handle of an all-reduce whose ``wait()`` then copies this rank's slice out."""
 
-    def __init__(self, work: Any, flat: torch.Tensor, output: torch.Tensor, rank: int) -> None:
+    def __init__(
+        self, work: Work | None, flat: torch.Tensor, output: torch.Tensor, rank: int
+    ) -> None:
         self.work, self.flat, self.output, self.rank = work, flat, output, rank
 
     def wait(self) -> bool:
@@ -70,7 +75,7 @@ class _SliceAfter:
         return True
 
 
-def _scatter_by_all_reduce(group: Any) -> bool:
+def _scatter_by_all_reduce(group: ProcessGroup | None) -> bool:
     """Gloo's reduce-scatter is about twice as slow as its all-reduce of the same
     buffer (measured with torch 2.13 on 2 and 4 CPU ranks: 25 vs 12 ms and 75 vs
     34 ms for 18 MB), so on gloo the sum is an all-reduce and the slice a copy."""
@@ -81,10 +86,10 @@ def reduce_scatter_flat(
     output: torch.Tensor,
     flat: torch.Tensor,
     *,
-    group: Any,
+    group: ProcessGroup | None,
     size: int,
     async_op: bool = False,
-) -> Any:
+) -> Work | None:
     """Sum ``flat`` over the group and leave this rank's equal slice in ``output``.
 
     ``flat`` is scratch: its contents afterwards are unspecified (on gloo it
@@ -98,12 +103,12 @@ def reduce_scatter_flat(
         output.copy_(flat)
         return None
     if _scatter_by_all_reduce(group):
-        work = watched(
+        summed = watched(
             _staging.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True),
             "reduce_scatter",
             group,
         )
-        handle = _SliceAfter(work, flat, output, dist.get_rank(group))
+        handle = _SliceAfter(summed, flat, output, dist.get_rank(group))
         if async_op:
             return handle
         handle.wait()
@@ -115,7 +120,9 @@ def reduce_scatter_flat(
         return _staging.reduce_scatter_into(output, flat, group=group, async_op=False)
 
 
-def all_reduce_flat(tensor: torch.Tensor, *, group: Any, size: int, async_op: bool = False) -> Any:
+def all_reduce_flat(
+    tensor: torch.Tensor, *, group: ProcessGroup | None, size: int, async_op: bool = False
+) -> Work | None:
     """Sum ``tensor`` in place over the group."""
     if size == 1:
         return None
@@ -126,18 +133,20 @@ def all_reduce_flat(tensor: torch.Tensor, *, group: Any, size: int, async_op: bo
         return _staging.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=False)
 
 
-def broadcast_flat(tensor: torch.Tensor, *, src: int, group: Any, size: int) -> None:
+def broadcast_flat(
+    tensor: torch.Tensor, *, src: int, group: ProcessGroup | None, size: int
+) -> None:
     """Overwrite ``tensor`` with global rank ``src``'s copy (``src`` is in the group)."""
     if size > 1:
         with Waiting(("collective", "broadcast", group)):
             _staging.broadcast(tensor, src=src, group=group)
 
 
-def all_gather_objects(obj: Any, *, group: Any, size: int) -> list[Any]:
+def all_gather_objects(obj: T, *, group: ProcessGroup | None, size: int) -> list[T]:
     """Every group member's picklable ``obj``, in group order."""
     if size == 1:
         return [obj]
-    out: list[Any] = [None] * size
+    out: list[T] = [obj] * size  # placeholders, overwritten
     with Waiting(("collective", "all_gather_object", group)):
         dist.all_gather_object(out, obj, group=group)
     return out

@@ -17,12 +17,14 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch.distributed as dist
 
 from mpar.comm._hang import position
 from mpar.comm._progress import PROGRESS, describe_wait
+from mpar.comm._types import ProcessGroup, Wait
 
 __all__ = ["flight_record", "snapshot", "thread_stacks", "wait_info", "write_trace"]
 
@@ -30,13 +32,13 @@ _LAUNCH_ENTRY = os.path.join("mpar", "launch", "_bootstrap.py")
 """``mpar launch``'s child entry, which runs the user's script: its frames are left out."""
 
 
-def wait_info(what: tuple[str, Any, Any], since: float, me: int) -> dict[str, Any]:
+def wait_info(what: Wait, since: float, me: int) -> dict[str, Any]:
     """A wait of :class:`~mpar.comm._progress.Waiting` with its peers resolved to global
     ranks (``peers``: the ones this rank waits for; ``peers_all``: the whole group)."""
     kind, peer, detail = what
     if kind == "collective":
         group_ranks = list(range(dist.get_world_size())) if detail is None else None
-        if group_ranks is None:
+        if group_ranks is None and isinstance(detail, ProcessGroup):
             with contextlib.suppress(Exception):
                 group_ranks = list(dist.get_process_group_ranks(detail))
         members = group_ranks or []
@@ -58,7 +60,7 @@ def wait_info(what: tuple[str, Any, Any], since: float, me: int) -> dict[str, An
     }
 
 
-def _user_frames(frame: Any) -> traceback.StackSummary:
+def _user_frames(frame: FrameType) -> traceback.StackSummary:
     """The stack of ``frame``, without the launcher's frames above the user's script."""
     summary = traceback.extract_stack(frame)
     skip = 0
@@ -88,7 +90,7 @@ def thread_stacks() -> tuple[str, str]:
     return "\n".join(texts), main
 
 
-def _torch_call(frame: Any) -> str | None:
+def _torch_call(frame: FrameType | None) -> str | None:
     """The ``torch.distributed`` function the main thread is inside, if any."""
     found = None
     while frame is not None:
@@ -98,10 +100,10 @@ def _torch_call(frame: Any) -> str | None:
     return None if found is None else f"torch.distributed.{found}"
 
 
-def _event_text(kind: str, what: Any) -> str:
+def _event_text(kind: str, what: object) -> str:
     if kind == "action":
         return str(what)
-    if kind == "collective":
+    if kind == "collective" and isinstance(what, tuple):
         return describe_wait(what)
     return {"step": "step begins", "end": "step ends", "raised": "step raised"}.get(kind, kind)
 

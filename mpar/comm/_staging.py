@@ -11,12 +11,11 @@ backend takes the tensor as it is, nothing is copied.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
 from mpar import _device
+from mpar.comm._types import ProcessGroup, Work
 
 __all__ = ["StagedWork", "all_gather_into", "all_reduce", "broadcast", "reduce_scatter_into"]
 
@@ -24,7 +23,7 @@ __all__ = ["StagedWork", "all_gather_into", "all_reduce", "broadcast", "reduce_s
 class StagedWork:
     """A collective's work handle; ``wait()`` also copies host results back."""
 
-    def __init__(self, work: Any, results: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(self, work: Work | None, results: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.work, self.results = work, results
 
     def wait(self) -> bool:
@@ -37,13 +36,15 @@ class StagedWork:
         return True
 
 
-def _wire(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+def _wire(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """``tensor``, or a host copy of it when the group's backend cannot take it."""
     where = _device.wire_device(tensor.device, str(dist.get_backend(group)))
     return tensor if where == tensor.device else tensor.to(where)
 
 
-def _finish(work: Any, results: list[tuple[torch.Tensor, torch.Tensor]], async_op: bool) -> Any:
+def _finish(
+    work: Work | None, results: list[tuple[torch.Tensor, torch.Tensor]], async_op: bool
+) -> Work | None:
     staged = [(t, h) for t, h in results if t is not h]
     if not staged:
         return work
@@ -54,7 +55,13 @@ def _finish(work: Any, results: list[tuple[torch.Tensor, torch.Tensor]], async_o
     return None
 
 
-def all_reduce(tensor: torch.Tensor, *, op: Any, group: Any, async_op: bool = False) -> Any:
+def all_reduce(
+    tensor: torch.Tensor,
+    *,
+    op: dist.ReduceOp.RedOpType,
+    group: ProcessGroup | None,
+    async_op: bool = False,
+) -> Work | None:
     """``dist.all_reduce`` in place on ``tensor``."""
     wire = _wire(tensor, group)
     work = dist.all_reduce(wire, op=op, group=group, async_op=async_op)
@@ -62,8 +69,8 @@ def all_reduce(tensor: torch.Tensor, *, op: Any, group: Any, async_op: bool = Fa
 
 
 def all_gather_into(
-    output: torch.Tensor, shard: torch.Tensor, *, group: Any, async_op: bool = False
-) -> Any:
+    output: torch.Tensor, shard: torch.Tensor, *, group: ProcessGroup | None, async_op: bool = False
+) -> Work | None:
     """Every rank's equal ``shard`` concatenated into ``output`` (``shard`` may be a view of it)."""
     wire_out, wire_in = _wire(output, group), _wire(shard, group)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -72,8 +79,8 @@ def all_gather_into(
 
 
 def reduce_scatter_into(
-    output: torch.Tensor, flat: torch.Tensor, *, group: Any, async_op: bool = False
-) -> Any:
+    output: torch.Tensor, flat: torch.Tensor, *, group: ProcessGroup | None, async_op: bool = False
+) -> Work | None:
     """This rank's equal slice of the sum of every rank's ``flat``, into ``output``."""
     wire_out, wire_in = _wire(output, group), _wire(flat, group)
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -81,7 +88,7 @@ def reduce_scatter_into(
     return _finish(work, [(output, wire_out)], async_op)
 
 
-def broadcast(tensor: torch.Tensor, *, src: int, group: Any) -> None:
+def broadcast(tensor: torch.Tensor, *, src: int, group: ProcessGroup | None) -> None:
     """``dist.broadcast`` of global rank ``src``'s ``tensor``, in place."""
     wire = _wire(tensor, group)
     dist.broadcast(wire, src=src, group=group)

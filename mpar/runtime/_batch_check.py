@@ -8,7 +8,9 @@ on the first :data:`FIRST_STEPS` steps and every :data:`EVERY` steps after,
 each rank takes a fingerprint of its microbatches — per tensor its shape,
 dtype and two sums over a strided sample of at most ~512 elements — and after
 the step (where every rank is at the same point, before the optimizer steps)
-one all-gather compares them within every pipeline. A mismatch raises
+one all-gather compares them within every model replica: the ranks of one
+data-parallel rank, its pipeline stages and (with tensor parallelism) their
+TP ranks. A mismatch raises
 :class:`~mpar.errors.BatchMismatchError` on every rank, naming the ranks and
 the fix (shard by ``dp_rank()``/``dp_size()``, or ``mpar.data_sampler``).
 """
@@ -23,6 +25,7 @@ import torch
 from mpar.comm._bootstrap import State
 from mpar.comm._consistency import gather_from_every_rank
 from mpar.errors import BatchMismatchError
+from mpar.topology import Grid
 
 __all__ = [
     "EVERY",
@@ -31,6 +34,7 @@ __all__ = [
     "due_fingerprint",
     "fingerprint",
     "mismatches",
+    "replicas",
 ]
 
 FIRST_STEPS = 3
@@ -85,19 +89,34 @@ def _first_difference(a: list[Print], b: list[Print]) -> str:
     return "?"
 
 
-def mismatches(prints: list[list[Print]], pipelines: list[list[int]]) -> list[str]:
+def mismatches(
+    prints: list[list[Print]], replicas: list[list[int]], label: str = "pipeline"
+) -> list[str]:
     """``"ranks 0 and 1 (pipeline [0, 1]): ..."`` for each rank whose batch differs
-    from its pipeline's first rank."""
+    from the first rank of its model replica (``label`` names the group)."""
     found = []
-    for ranks in pipelines:
+    for ranks in replicas:
         first = ranks[0]
         for other in ranks[1:]:
             if prints[other] != prints[first]:
                 found.append(
-                    f"ranks {first} and {other} (pipeline {ranks}): "
+                    f"ranks {first} and {other} ({label} {ranks}): "
                     f"{_first_difference(prints[first], prints[other])}"
                 )
     return found
+
+
+def replicas(grid: Grid) -> list[list[int]]:
+    """The ranks of each model replica (one data-parallel rank): its pipeline stages
+    and their tensor-parallel ranks, which all read the same batch."""
+    return [
+        sorted(grid.rank_of(p, d, t) for p in range(grid.pp_size) for t in range(grid.tp_size))
+        for d in range(grid.dp_size)
+    ]
+
+
+def _label(grid: Grid) -> str:
+    return "pipeline" if grid.tp_size == 1 else "model replica (pipeline x tensor parallel)"
 
 
 def _due(st: State) -> bool:
@@ -110,8 +129,8 @@ def due_fingerprint(
     st: State, args: list[tuple[Any, ...]], kwargs: list[dict[str, Any]]
 ) -> list[Print] | None:
     """Before a step: this rank's fingerprint when the step is checked, else None
-    (always None without pipeline parallelism)."""
-    if max(len(p) for p in st.grid.topology.pp_groups) == 1 or not _due(st):
+    (always None when a model replica is one rank)."""
+    if st.grid.topology.pp_size * st.grid.topology.tp_size == 1 or not _due(st):
         return None
     return fingerprint(args, kwargs)
 
@@ -123,15 +142,15 @@ def check_same_batch(st: State, mine: list[Print] | None) -> None:
     stepped yet: the parameters are untouched."""
     if mine is None:
         return
-    pipelines = st.grid.topology.pp_groups
+    grid = st.grid.topology
     prints = gather_from_every_rank(mine, st.layout.world_size, "same-batch check")
-    found = mismatches(prints, pipelines)
+    found = mismatches(prints, replicas(grid), _label(grid))
     if found:
         shown = "; ".join(found[:4]) + ("; ..." if len(found) > 4 else "")
         raise BatchMismatchError(
-            f"the ranks of a pipeline were given different batches: {shown}. Every rank of "
-            "a pipeline must call the step with the same batch (stage 0 reads the inputs, "
-            "the last stage the targets). Shard the data by data-parallel rank, not by "
+            f"the ranks of a {_label(grid)} were given different batches: {shown}. Every "
+            "rank of a pipeline (and of a tensor-parallel group) must call the step with the "
+            "same batch (stage 0 reads the inputs, the last stage the targets). Shard the data by data-parallel rank, not by "
             "global rank: DataLoader(dataset, sampler=mpar.data_sampler(dataset)), or "
             "DistributedSampler(dataset, num_replicas=mpar.dp_size(), rank=mpar.dp_rank())"
         )

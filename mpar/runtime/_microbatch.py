@@ -27,8 +27,8 @@ __all__ = ["Microbatches", "split_microbatches"]
 class Microbatches:
     """The per-microbatch ``(args, kwargs)`` and their weights."""
 
-    args: list[tuple[Any, ...]]
-    kwargs: list[dict[str, Any]]
+    args: list[tuple[object, ...]]
+    kwargs: list[dict[str, object]]
     sizes: list[int]
 
     @property
@@ -40,7 +40,7 @@ class Microbatches:
         return len(self.sizes)
 
 
-def _batch_sizes(value: Any, axis: int, name: str, found: list[tuple[str, int]]) -> None:
+def _batch_sizes(value: object, axis: int, name: str, found: list[tuple[str, int]]) -> None:
     if isinstance(value, torch.Tensor):
         if value.dim() == 0:
             raise StepError(
@@ -61,14 +61,15 @@ def _batch_sizes(value: Any, axis: int, name: str, found: list[tuple[str, int]])
             _batch_sizes(item, axis, f"{name}[{key!r}]", found)
 
 
-def _split_value(value: Any, axis: int, n: int) -> list[Any]:
+def _split_value(value: object, axis: int, n: int) -> list[object]:
     if isinstance(value, torch.Tensor):
         return list(torch.tensor_split(value, n, dim=axis))
     if isinstance(value, tuple | list):
         columns = [_split_value(item, axis, n) for item in value]
         rows = [[column[j] for column in columns] for j in range(n)]
         if isinstance(value, tuple) and hasattr(value, "_fields"):
-            return [type(value)(*row) for row in rows]
+            namedtuple: Callable[..., object] = type(value)
+            return [namedtuple(*row) for row in rows]
         return [type(value)(row) for row in rows]
     if isinstance(value, Mapping):
         parts = {key: _split_value(item, axis, n) for key, item in value.items()}
@@ -77,7 +78,9 @@ def _split_value(value: Any, axis: int, n: int) -> list[Any]:
     return [value] * n
 
 
-def _bind(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+def _bind(
+    fn: Callable[..., object], args: Sequence[object], kwargs: Mapping[str, object]
+) -> inspect.BoundArguments:
     try:
         return inspect.signature(fn).bind(*args, **kwargs)
     except TypeError as exc:
@@ -87,7 +90,7 @@ def _bind(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
 
 
 def _check_names(
-    bound: Any, non_split: Sequence[str], axes: Mapping[str, int], fn_name: str
+    bound: inspect.BoundArguments, non_split: Sequence[str], axes: Mapping[str, int], fn_name: str
 ) -> None:
     names = set(bound.signature.parameters)
     for name in list(non_split) + list(axes):
@@ -99,9 +102,9 @@ def _check_names(
 
 
 def split_microbatches(
-    fn: Callable[..., Any],
-    args: Sequence[Any],
-    kwargs: Mapping[str, Any],
+    fn: Callable[..., object],
+    args: Sequence[object],
+    kwargs: Mapping[str, object],
     num_microbatches: int,
     *,
     non_split_inputs: Sequence[str] = (),
@@ -119,7 +122,7 @@ def split_microbatches(
         if name not in whole:
             _batch_sizes(value, axes.get(name, 0), name, sizes)
     batch = _common_batch(sizes, num_microbatches, fn.__name__)
-    pieces: dict[str, list[Any]] = {}
+    pieces: dict[str, list[object]] = {}
     for name, value in bound.arguments.items():
         if name in whole:
             pieces[name] = [value] * num_microbatches
@@ -151,11 +154,16 @@ def _common_batch(sizes: list[tuple[str, int]], n: int, fn_name: str) -> int:
 
 
 def _rebind(
-    bound: Any, pieces: dict[str, list[Any]], n: int, batch: int, *, drop_first: bool
+    bound: inspect.BoundArguments,
+    pieces: dict[str, list[object]],
+    n: int,
+    batch: int,
+    *,
+    drop_first: bool,
 ) -> Microbatches:
     sig = bound.signature
-    all_args: list[tuple[Any, ...]] = []
-    all_kwargs: list[dict[str, Any]] = []
+    all_args: list[tuple[object, ...]] = []
+    all_kwargs: list[dict[str, object]] = []
     for j in range(n):
         local = sig.bind_partial()
         local.arguments.update({name: parts[j] for name, parts in pieces.items()})

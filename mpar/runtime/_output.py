@@ -9,7 +9,7 @@ would compute on the whole global batch.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -19,10 +19,11 @@ from mpar.errors import StepError
 __all__ = ["StepOutput"]
 
 
+T = TypeVar("T")
 _SCALARS = (int, float, bool, str, bytes, type(None))
 
 
-def check_gatherable(value: Any, where: str = "the step function's return value") -> None:
+def check_gatherable(value: object, where: str = "the step function's return value") -> None:
     """Raise StepError unless ``value`` is tensors/numbers/strings in lists, tuples, dicts."""
     if isinstance(value, (torch.Tensor, *_SCALARS)):
         return
@@ -40,7 +41,7 @@ def check_gatherable(value: Any, where: str = "the step function's return value"
     )
 
 
-def detach_to_cpu(value: Any) -> Any:
+def detach_to_cpu(value: T) -> T:
     """A copy of ``value`` with every tensor detached and on the CPU."""
     return tree_map(lambda t: t.detach().to("cpu", copy=True), value)
 

@@ -10,7 +10,7 @@ back to float32 before the step function sees them, so losses are computed
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeVar
 
 import torch
 
@@ -18,6 +18,8 @@ from mpar._tree import tree_map
 from mpar.config import Config
 
 __all__ = ["cast_floats", "compute_dtype"]
+
+T = TypeVar("T")
 
 
 def compute_dtype(config: Config) -> torch.dtype | None:
@@ -29,7 +31,7 @@ def compute_dtype(config: Config) -> torch.dtype | None:
     return None
 
 
-def cast_floats(value: Any, dtype: torch.dtype | None) -> Any:
+def cast_floats(value: T, dtype: torch.dtype | None) -> T:
     """``value`` with every floating-point tensor (also nested) cast to ``dtype``."""
     if dtype is None:
         return value

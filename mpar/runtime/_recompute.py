@@ -23,16 +23,16 @@ __all__ = ["run_stage"]
 
 def run_stage(
     stage: torch.nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    args: tuple[object, ...],
+    kwargs: dict[str, Any],  # passed on to checkpoint(), whose own keywords are typed
     config: Config,
     device: torch.device,
-) -> Any:
+) -> object:
     """``stage(*args, **kwargs)``, recomputed in backward when checkpointing is on."""
     if config.activation_checkpointing in (False, "none") or not torch.is_grad_enabled():
         return stage(*args, **kwargs)
     _device.prepare_recompute(device)
-    offload: Any = contextlib.nullcontext()
+    offload: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
     if config.offload_activations:
         offload = _device.activation_offload(device)
     with offload:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 from torch import nn
@@ -14,14 +13,17 @@ from mpar.comm import State
 from mpar.partition._memory import effective_gather
 from mpar.runtime._precision import compute_dtype
 from mpar.runtime._stages import LocalStages
-from mpar.runtime._unit_hooks import group_units, install_groups
+from mpar.runtime._unit_hooks import Gate, group_units, install_groups
 from mpar.shard import ShardedStages
 
 __all__ = ["gathered", "make_sharded"]
 
+Inputs = tuple[tuple[object, ...], dict[str, object]]
+"""A model call's ``(args, kwargs)``."""
+
 
 def make_sharded(
-    stages: LocalStages, st: State, example: tuple[Any, dict[str, Any]] | None = None
+    stages: LocalStages, st: State, example: Inputs | None = None
 ) -> ShardedStages | None:
     """ZeRO sharding of this rank's stages over its data-parallel group.
 
@@ -37,7 +39,7 @@ def make_sharded(
         return None
     groups = _unit_groups(stages, st, example)
     owners: dict[int, list[list[nn.Parameter]]] = {}
-    connect: dict[int, Any] = {}
+    connect: dict[int, Callable[[Gate], None]] = {}
     for s, names in groups.items():
         connect[s], owner = install_groups(stages.modules[s], names)
         elsewhere = _other_stages_parameters(s, stages)
@@ -69,7 +71,7 @@ def _other_stages_parameters(s: int, stages: LocalStages) -> set[int]:
 
 
 def _unit_groups(
-    stages: LocalStages, st: State, example: tuple[Any, dict[str, Any]] | None
+    stages: LocalStages, st: State, example: Inputs | None
 ) -> dict[int, list[list[str]]]:
     """Stage -> its unit groups, where ZeRO works unit by unit (see ``_unit_hooks``)."""
     cfg = st.config

@@ -17,25 +17,34 @@ per forward.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from mpar._tree import tree_leaves, tree_map
 from mpar.partition._gates import GATE_ATTR, enter, leave
+from mpar.shard._units import UnitGather
 
 __all__ = ["group_units", "install_groups"]
 
+T = TypeVar("T")
+Gate = UnitGather | None
+"""What unit-group hooks call (None until ZeRO sharding exists)."""
+GateHook = Callable[..., tuple[torch.Tensor, ...]]
+"""``enter`` or ``leave`` of :mod:`mpar.partition._gates`: ``hook(gate, g, *tensors)``."""
 
-def group_units(units: Sequence[str], gather: Any) -> list[list[str]]:
+
+def group_units(units: Sequence[str], gather: str | int) -> list[list[str]]:
     """Consecutive ``units`` in groups of ``gather`` (``"unit"``: one each)."""
     size = 1 if gather == "unit" else int(gather)
     return [list(units[i : i + size]) for i in range(0, len(units), size)]
 
 
-def _tensors_through(fn: Any, gate: Any, g: int, value: Any) -> Any:
+def _tensors_through(fn: GateHook, gate: Gate, g: int, value: T) -> T:
+    """``value`` with its tensors passed through ``fn(gate, g, *tensors)``."""
     leaves = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
     passed = iter(fn(gate, g, *leaves))
     return tree_map(lambda _t: next(passed), value)
@@ -69,18 +78,20 @@ class ModuleGroupHooks:
 
     def __init__(self, modules: list[list[tuple[str, nn.Module]]]) -> None:
         self.modules = modules
-        self.handles: list[Any] = []
+        self.handles: list[RemovableHandle] = []
 
-    def install(self, gate: Any) -> None:
+    def install(self, gate: Gate) -> None:
         for g, found in enumerate(self.modules):
             if not found:
                 continue
             first, last = found[0][1], found[-1][1]
 
-            def pre(_m: nn.Module, args: Any, kwargs: Any, g: int = g) -> Any:
+            def pre(
+                _m: nn.Module, args: tuple[object, ...], kwargs: dict[str, object], g: int = g
+            ) -> tuple[tuple[object, ...], dict[str, object]]:
                 return _tensors_through(enter, gate, g, (args, kwargs))
 
-            def post(_m: nn.Module, _a: Any, _kw: Any, out: Any, g: int = g) -> Any:
+            def post(_m: nn.Module, _a: object, _kw: object, out: object, g: int = g) -> object:
                 return _tensors_through(leave, gate, g, out)
 
             self.handles.append(first.register_forward_pre_hook(pre, with_kwargs=True))
@@ -92,7 +103,9 @@ class ModuleGroupHooks:
         self.handles = []
 
 
-def install_groups(stage: nn.Module, groups: list[list[str]]) -> tuple[Any, dict[int, int | None]]:
+def install_groups(
+    stage: nn.Module, groups: list[list[str]]
+) -> tuple[Callable[[Gate], None], dict[int, int | None]]:
     """Prepare ``stage`` for unit-group hooks; returns ``(installer, owner)``.
 
     ``installer(gate)`` connects the hooks to ``gate`` once it exists;
@@ -103,7 +116,7 @@ def install_groups(stage: nn.Module, groups: list[list[str]]) -> tuple[Any, dict
     if isinstance(stage, TracedStage):
         owner = stage.install_unit_gates(groups, None)
 
-        def connect(gate: Any) -> None:
+        def connect(gate: Gate) -> None:
             object.__setattr__(stage, GATE_ATTR, gate)
 
         return connect, owner

@@ -1,5 +1,9 @@
 """One flat bucket of parameters on one rank: its storage in every ZeRO stage.
 
+:class:`FlatBucket` holds the parameters (gathered and released at ZeRO-3, its
+:class:`Residence`) and ``master``; its :class:`BucketGrads` (``bucket.grads``)
+holds the gradient buffers and runs their reductions.
+
 Tensors a bucket may hold (``P`` padded elements, ``n`` group size, ``S = P/n``):
 
 =============  ======================================  =====================
@@ -8,8 +12,8 @@ name           what                                     stages
 ``full``       all ``P`` parameters; the module's       0-2 always, 3 while
                parameters are views into it             gathered (its storage
                                                         is freed in between)
-``shard``      this rank's ``S`` parameters (CPU with   3
-               ``offload_params``)
+``shard``      this rank's ``S`` parameters (CPU with   3 (below: a view of
+               ``offload_params``)                      ``full``)
 ``grad_full``  reduced gradients of all ``P``; the      0
                parameters' ``.grad`` are views into it
 ``spare_grad`` ``grad_full`` after ``zero_grad``:        0
@@ -31,7 +35,7 @@ parameters become views of that type; ``master`` is a separate copy in the
 parameters' original dtype (fp32), the only one the optimizer updates, and
 :meth:`FlatBucket.start_publish` rounds it back into the compute-dtype
 parameters. The optimizer reads an fp32 copy of the reduced gradient made at
-step time (:meth:`FlatBucket.opt_grad`), multiplied by ``grad_factor`` (loss
+step time (:meth:`BucketGrads.opt_grad`), multiplied by ``grad_factor`` (loss
 unscaling and clipping), so low-precision gradients are never rescaled in place.
 
 ZeRO-3 gathers reuse one ``full`` tensor per bucket: releasing it frees its
@@ -43,7 +47,7 @@ values in the backward, which must gather the bucket first.
 
 *Unit buckets* (``unit_grads``, ZeRO 2 and 3 with unit-granular gathering) hold
 one partition unit's parameters and reduce-scatter their gradients after every
-backward of the unit (:meth:`FlatBucket.reduce_unit`), so only the unit being
+backward of the unit (:meth:`BucketGrads.reduce_unit`), so only the unit being
 differentiated has full-size gradients; the other buckets reduce once per
 step, after the stage's last backward.
 
@@ -57,10 +61,12 @@ from a stage's first backward to its reduction at both).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from enum import Enum
+from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from mpar import _device
 from mpar.comm._shard_comm import (
@@ -69,16 +75,17 @@ from mpar.comm._shard_comm import (
     broadcast_flat,
     reduce_scatter_flat,
 )
+from mpar.comm._types import ProcessGroup, Work
 from mpar.shard._layout import BucketSpec
 
-__all__ = ["FlatBucket", "GroupInfo"]
+__all__ = ["BucketGrads", "FlatBucket", "GroupInfo", "Residence"]
 
 
 @dataclass(frozen=True)
 class GroupInfo:
     """The data-parallel group a stage is sharded over."""
 
-    group: Any
+    group: ProcessGroup | None
     ranks: tuple[int, ...]
     """Global ranks of the group, in group order."""
     rank: int
@@ -89,8 +96,28 @@ class GroupInfo:
         return len(self.ranks)
 
 
+class Residence(Enum):
+    """Where a bucket's parameters are (:attr:`FlatBucket.residence`)."""
+
+    REPLICATED = "replicated"
+    """ZeRO 0-2: ``full`` holds every parameter, always (``shard`` is a view of it)."""
+    SHARDED = "sharded"
+    """ZeRO-3, released: only this rank's ``shard``; ``full`` has no memory."""
+    GATHERED = "gathered"
+    """ZeRO-3: ``full`` holds every parameter (or will, once ``gathering`` is waited for)."""
+
+
+class _Reduction(NamedTuple):
+    """A reduction in flight: its work handle, where the result lands, and the buffer sent."""
+
+    work: Work | None
+    out: torch.Tensor
+    flat: torch.Tensor
+
+
 class FlatBucket:
-    """Storage, gathers and gradient reductions of one bucket."""
+    """The storage of one bucket: its parameters (gathered, released, updated) and
+    ``master``; its gradients and their reduction are :attr:`grads`."""
 
     def __init__(
         self,
@@ -114,44 +141,20 @@ class FlatBucket:
         """The parameters' original dtype: what the optimizer updates."""
         self.dtype = compute_dtype or self.master_dtype
         """The dtype of parameters and gradients in compute (lower under mixed precision)."""
-        self.mixed = self.dtype != self.master_dtype
-        self.grad_factor = 1.0
-        """Mixed precision: factor applied to the reduced gradient when it is converted
-        for the optimizer (1 / loss scale, times any clipping coefficient)."""
         self.lo, self.hi = spec.shard_range(comm.rank)
         self.offload_optimizer = offload_optimizer or offload_params
         self.offload_params = offload_params
-        self.full: torch.Tensor | None = None
-        self.shard: torch.Tensor | None = None
-        self.grad_full: torch.Tensor | None = None
-        self.spare_grad: torch.Tensor | None = None
-        """Stages 0-1: the last ``grad_full``, kept by ``zero_grad(set_to_none=True)``
-        for the next reduction (as DDP keeps its buckets): no new allocation,
-        page faults and zero fill of ``P`` elements every step."""
-        self.grad_shard: torch.Tensor | None = None
-        self.cpu_grad: torch.Tensor | None = None
-        self.has_grad = False
-        """True once a reduction has landed since the last ``zero_grad``."""
-        self.cpu_valid = False
-        """Offload: ``cpu_grad`` holds gradients of this step (added to, not overwritten)."""
-        self.pending: tuple[Any, torch.Tensor, torch.Tensor] | None = None
-        self.users: set[int] = set()
-        """Local stages that currently hold this (ZeRO-3) bucket gathered."""
-        self.hooks: list[Any] = []
-        self.arrived: set[int] = set()
-        self.started_in_backward = False
-        self.staging: torch.Tensor | None = None
-        """The flat gradient buffer ``.grad`` views point into (see :meth:`bind_grads`)."""
-        self.gathering: Any = None
+        self.users: set[object] = set()
+        """Local stages (or other keys) that currently hold this (ZeRO-3) bucket gathered."""
+        self.gathering: Work | None = None
         """ZeRO-3: the work handle of a gather started but not yet waited for."""
-        self.tied_group: Any = None
-        """Tied parameter (the bucket's only one): the group of ranks holding its copies."""
-        self.tied_size = 1
-        self.gathered = zero_stage < 3
-        """Whether ``full`` holds the parameters now (always below ZeRO-3)."""
-        self.unit_grads = False
-        """A unit bucket: gradients reduced after every backward (see the module docstring)."""
+        self.residence = Residence.REPLICATED if zero_stage < 3 else Residence.SHARDED
+        self.full = torch.empty(0, dtype=self.dtype, device=device)
+        """All ``P`` parameters (no memory while :attr:`residence` is ``SHARDED``)."""
+        self.shard = self.full
+        """This rank's ``S`` parameters (below ZeRO-3 a view of ``full``)."""
         self.master = self._make_master(self._init_storage())
+        self.grads = BucketGrads(self)
 
     # ---------------------------------------------------------------- storage
     @property
@@ -162,7 +165,7 @@ class FlatBucket:
         return self.lo, self.hi
 
     def _init_storage(self) -> torch.Tensor:
-        """Fill ``full`` or ``shard``; returns the initial values of ``opt_range`` in
+        """Fill ``full`` and ``shard``; returns the initial values of ``opt_range`` in
         the parameters' original dtype (what ``master`` starts from)."""
         flat = torch.zeros(self.spec.padded, dtype=self.master_dtype, device=self.device)
         for slot, p in zip(self.spec.slots, self.params):
@@ -172,11 +175,11 @@ class FlatBucket:
         lo, hi = self.opt_range
         initial = flat[lo:hi]
         flat = flat.to(self.dtype)  # the same tensor unless mixed precision
-        if self.zero_stage < 3:
-            self.full = flat
+        local = flat[self.lo : self.hi]
+        if self.residence is Residence.REPLICATED:
+            self.full, self.shard = flat, local
             self._bind_params()
             return initial
-        local = flat[self.lo : self.hi]
         if self.offload_params:
             self.shard = _device.host_buffer(local.numel(), self.dtype, self.device)
             self.shard.copy_(local)
@@ -187,9 +190,8 @@ class FlatBucket:
 
     def _make_master(self, initial: torch.Tensor) -> torch.Tensor:
         lo, hi = self.opt_range
-        local = self.shard if self.full is None else self.full[lo:hi]
-        assert local is not None
-        if self.mixed:
+        local = self.full[lo:hi] if self.residence is Residence.REPLICATED else self.shard
+        if self.dtype != self.master_dtype:
             device = "cpu" if self.offload_optimizer else self.device
             if device == "cpu":
                 master = _device.host_buffer(initial.numel(), self.master_dtype, self.device)
@@ -203,7 +205,6 @@ class FlatBucket:
         return master
 
     def _bind_params(self) -> None:
-        assert self.full is not None
         for slot, p, shape in zip(self.spec.slots, self.params, self.shapes):
             p.data = self.full[slot.offset : slot.offset + slot.numel].view(shape)
 
@@ -213,11 +214,17 @@ class FlatBucket:
             p.data = empty
 
     def _device_shard(self) -> torch.Tensor:
-        assert self.shard is not None
         return _device.to_device(self.shard, self.device)
 
+    def _gather(self) -> Work | None:
+        """Start gathering every rank's shard into ``full``."""
+        return all_gather_flat(
+            self.full, self._device_shard(), group=self.comm.group, size=self.comm.size,
+            async_op=True,
+        )  # fmt: skip
+
     # ------------------------------------------------------- ZeRO-3 gathering
-    def acquire(self, stage: Any, *, wait: bool = True) -> None:
+    def acquire(self, stage: object, *, wait: bool = True) -> None:
         """Gather the full parameters for ``stage`` (ZeRO-3; no-op if gathered).
 
         With ``wait=False`` the gather only starts (a prefetch): the parameters
@@ -225,22 +232,16 @@ class FlatBucket:
         before they are read.
         """
         self.users.add(stage)
-        if self.gathered:
+        if self.residence is not Residence.SHARDED:
             if wait:
                 self.wait_gathered()
             return
-        if self.full is None or not _device.can_free_storage(self.device):
+        if self.full.numel() == 0 or not _device.can_free_storage(self.device):
             self.full = torch.empty(self.spec.padded, dtype=self.dtype, device=self.device)
         else:
             _device.restore_storage(self.full)
-        self.gathering = all_gather_flat(
-            self.full,
-            self._device_shard(),
-            group=self.comm.group,
-            size=self.comm.size,
-            async_op=True,
-        )
-        self.gathered = True
+        self.gathering = self._gather()
+        self.residence = Residence.GATHERED
         self._bind_params()
         if wait:
             self.wait_gathered()
@@ -251,19 +252,18 @@ class FlatBucket:
         if work is not None:
             work.wait()
 
-    def release(self, stage: Any) -> None:
+    def release(self, stage: object) -> None:
         """Drop ``stage``'s use (a stage index, or any key a caller acquired with);
         free the gathered copy when nothing uses it any more."""
         self.users.discard(stage)
-        if self.zero_stage < 3 or self.users or not self.gathered:
+        if self.residence is not Residence.GATHERED or self.users:
             return
         self.wait_gathered()  # never free a buffer a collective is still writing
-        assert self.full is not None
         if _device.can_free_storage(self.device):
             _device.free_storage(self.full)
         else:
-            self.full = None
-        self.gathered = False
+            self.full = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.residence = Residence.SHARDED
         self._release_params()
 
     def load_values(self, flat: torch.Tensor) -> None:
@@ -274,10 +274,9 @@ class FlatBucket:
         lo, hi = self.opt_range
         with torch.no_grad():
             self.master.copy_(flat[lo:hi])
-            if self.gathered:
-                assert self.full is not None
+            if self.residence is not Residence.SHARDED:
                 self.full.copy_(flat)
-            if self.shard is not None:
+            if self.zero_stage == 3:
                 self.shard.copy_(flat[self.lo : self.hi])
 
     def gather_master(self) -> torch.Tensor:
@@ -294,17 +293,90 @@ class FlatBucket:
         """After the gathered parameters were overwritten in place (e.g. by
         ``load_state_dict``): refresh this rank's shard and master copy from them."""
         self.wait_gathered()
-        if not self.gathered or self.full is None:
+        if self.residence is Residence.SHARDED:
             return
         local = self.full[self.lo : self.hi]
-        if self.shard is not None and not _device.same_memory(self.shard, local):
+        if not _device.same_memory(self.shard, local):
             self.shard.copy_(local)
         lo, hi = self.opt_range
         source = self.full[lo:hi]
         if not _device.same_memory(self.master, source):
             self.master.copy_(source)
 
-    # ------------------------------------------------------------ gradients
+    # --------------------------------------------------------- after a step
+    def start_publish(self) -> Work | None:
+        """Put the updated ``master`` back into the parameters; returns a work handle.
+
+        Stages 1-2 all-gather the updated slices into ``full``; stage 3 writes
+        its shard and re-gathers a bucket that is currently gathered.
+        """
+        lo, hi = self.opt_range
+        if self.residence is Residence.REPLICATED:
+            local = self.full[lo:hi]
+            if not _device.same_memory(local, self.master):
+                _device.copy_(local, self.master)
+            if self.zero_stage == 0:
+                return None
+            return all_gather_flat(
+                self.full, local, group=self.comm.group, size=self.comm.size, async_op=True
+            )
+        self.wait_gathered()
+        if not _device.same_memory(self.shard, self.master):
+            _device.copy_(self.shard, self.master)
+        if self.residence is Residence.SHARDED:
+            return None
+        return self._gather()
+
+    # ---------------------------------------------------------------- report
+    def tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this bucket holds, by memory category."""
+        params = [] if self.residence is Residence.SHARDED else [self.full]
+        if self.zero_stage == 3:
+            params.append(self.shard)
+        return {
+            "parameters": params,
+            "gradients": self.grads.tensors(),
+            "optimizer": [self.master],
+        }
+
+
+class BucketGrads:
+    """The gradients of one bucket's parameters: accumulated in a flat buffer,
+    reduced over the group, kept reduced for the optimizer."""
+
+    def __init__(self, bucket: FlatBucket) -> None:
+        self.spec, self.params, self.shapes = bucket.spec, bucket.params, bucket.shapes
+        self.zero_stage, self.comm, self.device = bucket.zero_stage, bucket.comm, bucket.device
+        self.dtype, self.master_dtype = bucket.dtype, bucket.master_dtype
+        self.offload_optimizer = bucket.offload_optimizer
+        self.own = (bucket.lo, bucket.hi)
+        """This rank's slice of the padded buffer."""
+        self.grad_factor = 1.0
+        """Mixed precision: factor applied to the reduced gradient when it is converted
+        for the optimizer (1 / loss scale, times any clipping coefficient)."""
+        self.staging: torch.Tensor | None = None
+        """The flat gradient buffer ``.grad`` views point into (see :meth:`bind_grads`)."""
+        self.pending: _Reduction | None = None
+        self.grad_full: torch.Tensor | None = None
+        self.spare_grad: torch.Tensor | None = None
+        """Stages 0-1: the last ``grad_full``, kept by ``zero_grad(set_to_none=True)``
+        for the next reduction (as DDP keeps its buckets): no new allocation,
+        page faults and zero fill of ``P`` elements every step."""
+        self.grad_shard: torch.Tensor | None = None
+        self.cpu_grad: torch.Tensor | None = None
+        self.has_grad = False
+        """True once a reduction has landed since the last ``zero_grad``."""
+        self.cpu_valid = False
+        """Offload: ``cpu_grad`` holds gradients of this step (added to, not overwritten)."""
+        self.hooks: list[RemovableHandle] = []
+        self.arrived: set[int] = set()
+        self.started_in_backward = False
+        self.tied_group: ProcessGroup | None = None
+        """Tied parameter (the bucket's only one): the group of ranks holding its copies."""
+        self.tied_size = 1
+        self.unit_grads = False
+        """A unit bucket: gradients reduced after every backward (see the module docstring)."""
+
     def arm(self) -> None:
         """Start the reduction from the backward, once every parameter's gradient is final.
 
@@ -396,11 +468,11 @@ class FlatBucket:
         group, size = self.comm.group, self.comm.size
         if self.zero_stage == 0:
             work = all_reduce_flat(flat, group=group, size=size, async_op=True)
-            self.pending = (work, flat, flat)
+            self.pending = _Reduction(work, flat, flat)
         else:
             out = torch.empty(self.spec.shard_numel, dtype=self.dtype, device=self.device)
             work = reduce_scatter_flat(out, flat, group=group, size=size, async_op=True)
-            self.pending = (work, out, flat)
+            self.pending = _Reduction(work, out, flat)
 
     def _flat_grad(self) -> torch.Tensor:
         """The buffer to flatten the gradients into (contents stale or uninitialised).
@@ -460,7 +532,8 @@ class FlatBucket:
             self.grad_shard = None  # the device copy is no longer needed
 
     def reduced_grad(self) -> torch.Tensor | None:
-        """The reduced gradient of ``opt_range``, as stored (None before any reduction).
+        """The reduced gradient of the optimizer's range, as stored (None before any
+        reduction).
 
         Under mixed precision it is still to be multiplied by ``grad_factor``,
         except the CPU copy of offloaded ones, which is scaled in place.
@@ -485,7 +558,8 @@ class FlatBucket:
         return grad.mul_(self.grad_factor) if self.grad_factor != 1.0 else grad
 
     def _own_slice(self, grad: torch.Tensor) -> torch.Tensor:
-        return grad[self.lo : self.hi] if self.zero_stage == 0 else grad
+        lo, hi = self.own
+        return grad[lo:hi] if self.zero_stage == 0 else grad
 
     def grad_sq_sum(self) -> torch.Tensor:
         """Sum of squares of this rank's slice of the reduced gradient (float32)."""
@@ -507,7 +581,7 @@ class FlatBucket:
         (under mixed precision: ``grad_factor``, or the fp32 CPU copy in place)."""
         if not self.has_grad:
             return
-        if self.mixed:
+        if self.dtype != self.master_dtype:
             if self.cpu_grad is not None:
                 self.cpu_grad.mul_(factor)
             else:
@@ -534,48 +608,17 @@ class FlatBucket:
             if p.grad is not None:
                 p.grad.zero_()
 
-    # --------------------------------------------------------- after a step
-    def start_publish(self) -> Any:
-        """Put the updated ``master`` back into the parameters; returns a work handle.
+    def in_flight(self) -> list[torch.Tensor]:
+        """The gradient buffers being accumulated into or reduced, and the reduced shard."""
+        tensors = [t for t in (self.staging, self.grad_full, self.grad_shard) if t is not None]
+        if self.pending is not None:
+            tensors += [self.pending.out, self.pending.flat]
+        return tensors
 
-        Stages 1-2 all-gather the updated slices into ``full``; stage 3 writes
-        its shard and re-gathers a bucket that is currently gathered.
-        """
-        lo, hi = self.opt_range
-        if self.zero_stage < 3:
-            assert self.full is not None
-            local = self.full[lo:hi]
-            if not _device.same_memory(local, self.master):
-                _device.copy_(local, self.master)
-            if self.zero_stage == 0:
-                return None
-            return all_gather_flat(
-                self.full, local, group=self.comm.group, size=self.comm.size, async_op=True
-            )
-        self.wait_gathered()
-        assert self.shard is not None
-        if not _device.same_memory(self.shard, self.master):
-            _device.copy_(self.shard, self.master)
-        if not self.gathered or self.full is None:
-            return None
-        return all_gather_flat(
-            self.full,
-            self._device_shard(),
-            group=self.comm.group,
-            size=self.comm.size,
-            async_op=True,
-        )
-
-    # ---------------------------------------------------------------- report
-    def tensors(self) -> dict[str, list[torch.Tensor]]:
-        """The tensors this bucket holds, by memory category."""
+    def tensors(self) -> list[torch.Tensor]:
+        """Every gradient tensor of the bucket (for the memory report)."""
         grads = [self.grad_full, self.spare_grad, self.grad_shard, self.cpu_grad, self.staging]
         grads += [p.grad for p in self.params]
         if self.pending is not None:
-            grads += [self.pending[1], self.pending[2]]
-        full = self.full if self.gathered else None
-        return {
-            "parameters": [t for t in (full, self.shard) if t is not None],
-            "gradients": [t for t in grads if t is not None],
-            "optimizer": [self.master],
-        }
+            grads += [self.pending.out, self.pending.flat]
+        return [t for t in grads if t is not None]

@@ -34,7 +34,9 @@ class SegmentParam:
         return tensor[self.segment.lo - lo : self.segment.hi - lo]
 
 
-def _rebuild(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> Any:
+def _rebuild(
+    optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]
+) -> torch.optim.Optimizer:
     """``type(optimizer)`` over ``groups``, with the constructor arguments it accepts."""
     cls = type(optimizer)
     accepted = inspect.signature(cls.__init__).parameters
@@ -91,12 +93,12 @@ class ShardedOptimizer:
         return self.inner.state
 
     # ------------------------------------------------------------------ step
-    def step(self, closure: Callable[[], Any] | None = None) -> None:
+    def step(self, closure: Callable[[], object] | None = None) -> None:
         """Update this rank's shard, then publish it to the parameters."""
         if closure is not None:
             raise ValueError("ShardedOptimizer.step() does not take a closure")
         self.sharded.synchronize()
-        grads = [bucket.opt_grad() for bucket in self.sharded.buckets]
+        grads = [bucket.grads.opt_grad() for bucket in self.sharded.buckets]
         for sp in self.segments:
             grad = grads[sp.bucket_index]
             sp.param.grad = None if grad is None else sp.slice(grad)
@@ -104,7 +106,7 @@ class ShardedOptimizer:
         for sp in self.segments:
             sp.param.grad = None  # under mixed precision, frees the step's fp32 gradients
         for bucket in self.sharded.buckets:
-            bucket.grad_factor = 1.0
+            bucket.grads.grad_factor = 1.0
         works = [bucket.start_publish() for bucket in self.sharded.buckets]
         for work in works:
             if work is not None:
@@ -120,18 +122,18 @@ class ShardedOptimizer:
         """This rank's share of the squared global gradient norm (sum-all-reduce it)."""
         total = torch.zeros((), dtype=torch.float32, device=self.sharded.device)
         for bucket in self.sharded.buckets:
-            total += bucket.grad_sq_sum()
+            total += bucket.grads.grad_sq_sum()
         return total
 
     def grads_finite(self) -> bool:
         """Whether this rank's share of the reduced gradients has no inf or NaN."""
-        return all(bucket.grads_finite() for bucket in self.sharded.buckets)
+        return all(bucket.grads.grads_finite() for bucket in self.sharded.buckets)
 
     def scale_grads(self, factor: float | torch.Tensor) -> None:
         """Multiply the reduced gradients by ``factor`` (gradient clipping)."""
         value = float(factor)
         for bucket in self.sharded.buckets:
-            bucket.scale_grads(value)
+            bucket.grads.scale_grads(value)
 
     # ----------------------------------------------------------- state dicts
     def state_dict(self) -> dict[str, Any]:

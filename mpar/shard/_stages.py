@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from mpar import _device
 from mpar.comm._collectives import group_size
+from mpar.comm._types import ProcessGroup
 from mpar.config import ZeroConfig
-from mpar.shard._bucket import FlatBucket, GroupInfo
+from mpar.shard._bucket import FlatBucket, GroupInfo, Residence
 from mpar.shard._layout import plan_buckets
 from mpar.shard._memory import count_bytes
 from mpar.shard._scaler import LossScaler
@@ -71,12 +72,12 @@ class ShardedStages:
         stages: Mapping[int, nn.Module],
         zero: ZeroConfig,
         *,
-        group: Any,
+        group: ProcessGroup | None,
         group_ranks: Sequence[int],
         rank_in_group: int,
         device: torch.device | str,
         compute_dtype: torch.dtype | None = None,
-        tied: Sequence[tuple[Any, nn.Parameter]] = (),
+        tied: Sequence[tuple[ProcessGroup | None, nn.Parameter]] = (),
         units: Mapping[int, Sequence[Sequence[nn.Parameter]]] | None = None,
     ) -> None:
         if not stages:
@@ -106,8 +107,8 @@ class ShardedStages:
         self.tied_buckets = [self._bucket_of(p) for _, p in tied]
         """Buckets of tied parameters, in the order of ``tied`` (the same on every rank)."""
         for (group, _), bucket in zip(tied, self.tied_buckets):
-            bucket.tied_group = group
-            bucket.tied_size = group_size(group)
+            bucket.grads.tied_group = group
+            bucket.grads.tied_size = group_size(group)
         if compute_dtype is not None:
             self._cast_rest(compute_dtype)
         self._owned = {s: [b for b in self.buckets if b.spec.stage == s] for s in self.stages}
@@ -150,7 +151,7 @@ class ShardedStages:
             place = self._unit_of.get(id(bucket.params[0]))
             if place is None:
                 continue
-            bucket.unit_grads = self.zero.stage >= 2
+            bucket.grads.unit_grads = self.zero.stage >= 2
             by_stage.setdefault(place[0], {}).setdefault(place[1], []).append(bucket)
         for s, count in self._group_counts.items():
             groups = by_stage.get(s, {})
@@ -176,11 +177,9 @@ class ShardedStages:
         seen: set[int] = set()
         total = 0
         for b in self.buckets:
-            tensors = [b.staging, b.grad_full, b.grad_shard]
-            if b.unit_grads:  # gradients autograd allocated, not yet flattened
+            tensors: list[torch.Tensor | None] = [*b.grads.in_flight()]
+            if b.grads.unit_grads:  # gradients autograd allocated, not yet flattened
                 tensors += [p.grad for p in b.params]
-            if b.pending is not None:
-                tensors += [b.pending[1], b.pending[2]]
             for t in tensors:
                 if t is not None:
                     key = _device.storage_key(t)
@@ -322,14 +321,14 @@ class ShardedStages:
     def reduce_grads(self, s: int) -> None:
         """Start the sum reduction of stage ``s``'s gradients (after its last backward)."""
         for bucket in self._owned[self._stage(s)]:
-            bucket.reduce()
+            bucket.grads.reduce()
 
     def bind_grads(self, s: int) -> None:
         """Before stage ``s``'s first backward of the step: its parameters' ``.grad``
         become views into the flat buffers their reduction sends (no copies)."""
         for bucket in self._owned[self._stage(s)]:
-            if not bucket.unit_grads:
-                bucket.bind_grads()
+            if not bucket.grads.unit_grads:
+                bucket.grads.bind_grads()
         self._note_grads()
 
     def reduce_grads_in_backward(self, s: int) -> None:
@@ -343,8 +342,8 @@ class ShardedStages:
         buckets whose parameters got no gradient.
         """
         for bucket in self._owned[self._stage(s)]:
-            if not bucket.unit_grads:
-                bucket.arm()
+            if not bucket.grads.unit_grads:
+                bucket.grads.arm()
 
     def finish_grads(self) -> None:
         """Wait for every pending reduction (end of the step's schedule); tied
@@ -352,9 +351,9 @@ class ShardedStages:
         tied = {id(b) for b in self.tied_buckets}
         for bucket in self.buckets:
             if id(bucket) not in tied:
-                bucket.finish_reduce()
+                bucket.grads.finish_reduce()
         for bucket in self.tied_buckets:
-            bucket.finish_reduce()
+            bucket.grads.finish_reduce()
         self.synchronize()
 
     # ------------------------------------------------------------ full values
@@ -386,6 +385,10 @@ class ShardedStages:
                     target.copy_(values[i].reshape(-1))
             bucket.load_values(flat)
 
+    def flat_buffers(self) -> list[torch.Tensor]:
+        """The flat buffers the parameters are views into now (gathered ones at ZeRO-3)."""
+        return [b.full for b in self.buckets if b.full.numel() > 0]
+
     def reset_peak(self) -> None:
         """Start counting ``peak_gathered_bytes`` and ``peak_grad_bytes`` afresh
         (from what is held now)."""
@@ -396,11 +399,11 @@ class ShardedStages:
         """Bytes of the full (gathered) parameter buffers held now (ZeRO-3)."""
         if self.zero.stage < 3:
             return 0
-        return sum(b.full.nbytes for b in self.buckets if b.gathered and b.full is not None)
+        return sum(b.full.nbytes for b in self.buckets if b.residence is Residence.GATHERED)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for bucket in self.buckets:
-            bucket.zero_grad(set_to_none)
+            bucket.grads.zero_grad(set_to_none)
 
     def synchronize(self) -> None:
         """Wait for non-blocking host/device copies (CUDA offload)."""

@@ -149,13 +149,13 @@ class UnitGather:
         self._reduce(group)  # flatten and reduce-scatter the gradients
 
     def _reduce(self, group: UnitGroup) -> None:
-        units = [b for b in group.buckets if b.unit_grads]
+        units = [b for b in group.buckets if b.grads.unit_grads]
         if not units:
             return
         if callable(self.on_grads):
             self.on_grads()
         for bucket in units:
-            bucket.reduce_unit()
+            bucket.grads.reduce_unit()
         self.reducing.append(group)
         if callable(self.on_grads):
             self.on_grads()
@@ -163,7 +163,7 @@ class UnitGather:
     def _finish_reductions(self) -> None:
         while self.reducing:
             for bucket in self.reducing.pop(0).buckets:
-                bucket.finish_reduce(to_host=False)
+                bucket.grads.finish_reduce(to_host=False)
 
     # --------------------------------------------------------- stage-level ends
     def start(self, backward: bool) -> None:
@@ -187,7 +187,9 @@ class UnitGather:
         for group in reversed(self.groups):
             if group.holds:
                 self._drop(group, _PREFETCH, _FORWARD, _BACKWARD)
-            if any(p.grad is not None for b in group.buckets if b.unit_grads for p in b.params):
+            if any(
+                p.grad is not None for b in group.buckets if b.grads.unit_grads for p in b.params
+            ):
                 self._finish_reductions()
                 self._reduce(group)
 

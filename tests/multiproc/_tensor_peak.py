@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import warnings
 from typing import Any
 
 import torch
@@ -32,7 +33,10 @@ class TensorPeak(TorchDispatchMode):
         self.current = self.peak = 0
         self.at_peak: list[tuple[int, str]] = []
         self.before = set()
-        for obj in gc.get_objects():
+        with warnings.catch_warnings():  # isinstance on deprecated module attributes warns
+            warnings.simplefilter("ignore", FutureWarning)
+            objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+        for obj in objects:
             if isinstance(obj, torch.Tensor) and not obj.is_meta:
                 grad = obj.grad if isinstance(obj, torch.nn.Parameter) else None
                 for t in (obj, grad):

@@ -18,18 +18,22 @@ def _mismatched_transfer():
     import mpar
     from mpar.comm import state
     from mpar.comm._p2p import PendingSends, recv_payload, send_payload
+    from mpar.comm._types import Transfer, TransferLabel
     from mpar.errors import CommError
+
+    def label(j):
+        return TransferLabel(Transfer.ACTIVATIONS, 1, j)
 
     mpar.init({"timeout_s": 30})
     links, pending = state().p2p_links, PendingSends()
     if mpar.rank() == 0:  # microbatches 0 and 1, where rank 1 expects 0 and 2
         for j in (0, 1):
-            send_payload((torch.full((3,), float(j)),), 1, 2, (1, j, 0), pending, links)
+            send_payload((torch.full((3,), float(j)),), 1, 2, label(j), pending, links)
         pending.wait()
         return None
-    first = recv_payload(0, 2, (1, 0, 0), torch.device("cpu"), links)
+    first = recv_payload(0, 2, label(0), torch.device("cpu"), links)
     try:
-        recv_payload(0, 2, (1, 2, 0), torch.device("cpu"), links)
+        recv_payload(0, 2, label(2), torch.device("cpu"), links)
     except CommError as exc:
         return first[0].tolist(), str(exc)
     return first[0].tolist(), "no error"

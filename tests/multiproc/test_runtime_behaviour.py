@@ -211,7 +211,7 @@ def test_activation_checkpointing_keeps_far_fewer_activations():
 
 def _activations_over_steps():
     import mpar
-    from mpar.runtime import _executor
+    from mpar.runtime import _activations
     from tests.multiproc._pipeline_cases import tiny_gpt
 
     mpar.init({"microbatches": 2})
@@ -225,21 +225,21 @@ def _activations_over_steps():
 
     x, y = batch("gpt", 0)
     counted = []
-    original = _executor._SavedBytes
+    original = _activations._SavedBytes
 
     class Counting(original):
         def __init__(self, *args):
             counted.append(1)
             super().__init__(*args)
 
-    _executor._SavedBytes = Counting
+    _activations._SavedBytes = Counting
     try:
         reports = []
         for xs, ys in ((x, y), (x, y), (x[:-2], y[:-2])):  # the last: smaller microbatches
             train(model, xs, ys)
             reports.append((mpar.memory_report()["cpu"]["activations"], len(counted)))
     finally:
-        _executor._SavedBytes = original
+        _activations._SavedBytes = original
     return reports
 
 
@@ -316,7 +316,7 @@ def test_each_optimizer_updates_its_own_model(config):
 def _caches_across_shutdown(trace_dir):
     import mpar
     from mpar.comm._progress import PROGRESS
-    from mpar.runtime import _executor, _timeline
+    from mpar.runtime import _activations, _timeline
     from tests.multiproc._pipeline_cases import start_training
 
     config = {"pipeline_parallel_degree": 2, "microbatches": 2, "trace": trace_dir}
@@ -324,11 +324,11 @@ def _caches_across_shutdown(trace_dir):
     for _ in range(2):  # init, step, shutdown; again: the grid and caches start afresh
         model, _, train = start_training(config, lambda p: torch.optim.SGD(p, lr=0.1))
         loss = train(model, *batch("mlp", 0)).reduce_mean().item()
-        during = (len(_timeline._STEPS), len(_executor._SAVED_BYTES), PROGRESS.step)
+        during = (len(_timeline._STEPS), len(_activations._SAVED_BYTES), PROGRESS.step)
         mesh = mpar.comm.state().grid.mesh
         mesh_dims = None if mesh is None else (mesh.mesh_dim_names, tuple(mesh.shape))
         mpar.shutdown()  # the model is still alive: its saved-bytes counts would be too
-        after = (len(_timeline._STEPS), len(_executor._SAVED_BYTES), PROGRESS.step)
+        after = (len(_timeline._STEPS), len(_activations._SAVED_BYTES), PROGRESS.step)
         seen.append({"loss": loss, "during": during, "after": after, "mesh": mesh_dims})
         del model
     return seen

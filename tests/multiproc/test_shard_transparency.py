@@ -181,7 +181,7 @@ def _overlapped(stages):
                     sharded.reduce_grads_in_backward(0)
                 out = net(x[rows][half])
                 (torch.nn.functional.mse_loss(out, y[rows][half]) / dp / 2).backward()
-            started.append(all(b.pending is not None for b in sharded.buckets))
+            started.append(all(b.grads.pending is not None for b in sharded.buckets))
             sharded.reduce_grads(0)
             sharded.finish_grads()
             opt.step()

@@ -37,3 +37,13 @@ def test_it_runs_on_the_first_steps_then_periodically():
     st = SimpleNamespace(batch_checks=0)
     due = [n for n in range(3 * EVERY + 1) if _due(st)]
     assert due == [*range(FIRST_STEPS), EVERY, 2 * EVERY, 3 * EVERY]
+
+
+def test_a_replica_is_a_pipeline_with_its_tensor_parallel_ranks():
+    from mpar.runtime._batch_check import replicas
+    from mpar.topology import Grid
+
+    assert replicas(Grid(4, 2)) == [[0, 1], [2, 3]]  # pp 2 x dp 2, cluster placement
+    assert replicas(Grid(4, 2, placement="spread")) == [[0, 2], [1, 3]]
+    assert replicas(Grid(8, 2, tp_size=2)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert replicas(Grid(4, 1, tp_size=2)) == [[0, 1], [2, 3]]  # TP alone: one batch per group

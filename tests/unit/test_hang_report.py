@@ -12,6 +12,7 @@ from mpar.comm._consistency import config_differences
 from mpar.comm._hang import diagnose, format_report, position
 from mpar.comm._progress import PROGRESS, Progress, describe_label, describe_wait, watched
 from mpar.comm._snapshot import thread_stacks
+from mpar.comm._types import Transfer, TransferLabel
 from mpar.comm._watchdog import transport_timeout
 
 NOW = 1000.0
@@ -37,7 +38,7 @@ def _snap(rank: int, *, wait: dict[str, Any] | None = None, **fields: Any) -> di
 
 
 def _recv(src: int, since: float = NOW - 9.0) -> dict[str, Any]:
-    text = describe_wait(("recv", src, (1, 0, 0)))
+    text = describe_wait(("recv", src, TransferLabel(Transfer.ACTIVATIONS, 1, 0)))
     return {"kind": "recv", "name": None, "text": text, "peers": [src], "peers_all": [src],
             "since": since}  # fmt: skip
 
@@ -75,10 +76,13 @@ def test_progress_keeps_the_last_events_in_order() -> None:
 
 
 def test_waits_in_words() -> None:
-    assert describe_label((1, 3, 0)) == "activations for 1F3"
-    assert describe_label((0, 2, 1)) == "gradients for 0B2"
-    assert describe_label((1,)) == "the step outputs of replica 1"
-    assert describe_wait(("recv", 0, (1, 3, 0))) == "recv of activations for 1F3 from rank 0"
+    assert describe_label(TransferLabel(Transfer.ACTIVATIONS, 1, 3)) == "activations for 1F3"
+    assert describe_label(TransferLabel(Transfer.GRADIENTS, 0, 2)) == "gradients for 0B2"
+    assert describe_label(TransferLabel.outputs(1)) == "the step outputs of replica 1"
+    assert (
+        describe_wait(("recv", 0, TransferLabel(Transfer.ACTIVATIONS, 1, 3)))
+        == "recv of activations for 1F3 from rank 0"
+    )
     assert describe_wait(("collective", "all_reduce", "g"), [0, 2]) == (
         "collective all_reduce over ranks [0, 2]"
     )

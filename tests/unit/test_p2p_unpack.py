@@ -34,3 +34,14 @@ def test_a_lone_tensor_is_a_view_of_the_message():
     (got,) = _unpack(buffer, 0, slots)
     torch.testing.assert_close(got, hidden)
     assert got.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+
+
+def test_the_control_block_carries_the_transfer_label():
+    from mpar.comm._p2p import _control, _label_in
+    from mpar.comm._types import Transfer, TransferLabel
+
+    for label in (TransferLabel(Transfer.GRADIENTS, 3, 7), TransferLabel.outputs(2)):
+        words = _control(1, 10, 20, label).tolist()
+        assert words[:3] == [1, 10, 20] and _label_in(words) == label
+    assert _label_in([1, 10, 20, 4, 9, 0, 0, 0]) is None  # no such transfer kind
+    assert TransferLabel(Transfer.GRADIENTS, 0, 2).describe() == "gradients for 0B2"

@@ -28,7 +28,9 @@ def _host_tensors(sharded, opt):
     it), the host gradient and, with parameter offload, the parameter shards."""
     tensors = list(opt.state_tensors())
     for b in sharded.buckets:
-        tensors += [t for t in (b.cpu_grad, b.shard if b.offload_params else None) if t is not None]
+        tensors += [
+            t for t in (b.grads.cpu_grad, b.shard if b.offload_params else None) if t is not None
+        ]
     seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(n for n in seen.values() if n > 8)  # Adam's scalar step counters left out
 
@@ -70,7 +72,7 @@ def test_host_bytes_are_what_offload_keeps_on_the_host(stage, offload, dtype):
                     offload_params="offload_params" in kw)  # fmt: skip
     predicted = sum(unit_host_bytes(u, layout) for u in profile.units)
     # the host gradient (fp32) stays between steps: it is part of the offloaded state
-    assert all(b.cpu_grad is not None for b in sharded.buckets)
+    assert all(b.grads.cpu_grad is not None for b in sharded.buckets)
     assert _host_tensors(sharded, opt) == predicted
     # on a CUDA device it is beside the device's memory; on a CPU device inside it
     cpu = Layout(1, stage, precision, offload_optimizer=layout.offload_optimizer,

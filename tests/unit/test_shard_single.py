@@ -106,3 +106,26 @@ def test_memory_report_counts_each_storage_once_by_device():
     assert sharded.memory_report() == {
         "cpu": {"parameters": 4 * psi, "gradients": 0, "optimizer": 0}
     }
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_bucket_names_where_its_parameters_are(stage):
+    from mpar.shard._bucket import Residence
+
+    model = _model()
+    expected = [p.detach().clone() for p in model.parameters()]
+    sharded = _sharded(stage, model)
+    (bucket,) = sharded.buckets
+    if stage < 3:
+        assert bucket.residence is Residence.REPLICATED
+        assert sharded.flat_buffers() == [bucket.full]
+        return
+    assert bucket.residence is Residence.SHARDED and sharded.flat_buffers() == []
+    sharded.unshard(0)
+    assert bucket.residence is Residence.GATHERED
+    for p, want in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.detach(), want, rtol=0, atol=0)
+    sharded.reshard(0)
+    assert bucket.residence is Residence.SHARDED
+    assert model[0].weight.shape == (0,) and bucket.full.untyped_storage().nbytes() == 0
+    assert sharded.flat_buffers() == [bucket.full]  # freed, but the same storage comes back

@@ -10,8 +10,6 @@ tolerances. Skipped where torch_xla is not installed; CI's XLA job runs it.
 
 from __future__ import annotations
 
-import traceback
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -21,7 +19,6 @@ pytest.importorskip("torch_xla", reason="needs torch_xla (run by CI's XLA job, .
 pytest.importorskip("transformers")
 
 from mpar._tree import tree_map
-from mpar.comm import free_port
 from mpar.testing import run_distributed
 from tests.multiproc import _hf_cases as hf
 from tests.multiproc import _pipeline_cases as gpt
@@ -38,48 +35,14 @@ MODELS = ("tiny_gpt", "hf_llama")
 
 
 def _train(model: str, config: dict[str, Any]) -> dict[str, Any]:
-    """One model trained under ``config`` on XLA; every tensor moved to the CPU."""
+    """Rank body: one model trained under ``config`` on XLA; every tensor moved to the
+    CPU."""
     config = {**config, "device": "xla"}
     if model == "tiny_gpt":
         got = gpt.train_ranks(config, "gpt", "sgd", STEPS)
     else:
         got = hf.train_ranks(["llama"], config, STEPS)["llama"]
     return tree_map(lambda t: t.detach().cpu(), got)
-
-
-def _train_all(config: dict[str, Any], ports: list[int]) -> list[dict[str, Any]]:
-    """Rank body: both models in turn in one process (torch_xla starts once per rank),
-    each at a rendezvous port of its own; a failing model returns its traceback."""
-    import os
-
-    import mpar
-
-    results = []
-    for model, port in zip(MODELS, ports):
-        os.environ["MASTER_PORT"] = str(port)
-        try:
-            results.append(_train(model, config))
-        except Exception:
-            results.append({"error": traceback.format_exc()})
-        finally:
-            mpar.shutdown()
-    return results
-
-
-@pytest.fixture(scope="module")
-def trained() -> Callable[[str, str], list[dict[str, Any]]]:
-    done: dict[tuple[str, str], list[dict[str, Any]]] = {}
-
-    def results(layout: str, model: str) -> list[dict[str, Any]]:
-        if (layout, model) not in done:
-            config, world = LAYOUTS[layout]
-            ports = [free_port() for _ in MODELS]
-            ranks = run_distributed(_train_all, world, args=(config, ports), env=ENV, timeout=600)
-            for i, name in enumerate(MODELS):
-                done[layout, name] = [rank[i] for rank in ranks]
-        return done[layout, model]
-
-    return results
 
 
 def _reference(model: str) -> dict[str, Any]:
@@ -91,10 +54,11 @@ def _reference(model: str) -> dict[str, Any]:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_traced_model_on_xla_is_transparent(layout, model, trained):
+def test_traced_model_on_xla_is_transparent(layout, model):
+    config, world = LAYOUTS[layout]
+    results = run_distributed(_train, world, args=(model, config), env=ENV, timeout=840)
     ref = _reference(model)
-    for got in trained(layout, model):
-        assert "error" not in got, got.get("error")
+    for got in results:
         assert got["param_devices"] == ["xla"], got["param_devices"]
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **TOL)
         assert set(got["state"]) == set(ref["state"])

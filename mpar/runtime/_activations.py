@@ -1,0 +1,127 @@
+"""Activation accounting of one step: the bytes kept for backward, and their peak.
+
+What a rank keeps between a stage's forward and its backward is the stage's
+inputs and outputs (held by the run) and what autograd saved inside the stage.
+The latter is counted with :class:`_SavedBytes` (saved-tensor hooks) on the first
+forward of each input signature of a stage and reused after, since the hooks
+cost about as much as a third of a small stage's forward on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from mpar import _device
+from mpar._compat import top_saved_tensors_hooks
+from mpar._tree import tree_leaves
+from mpar.comm._bootstrap import on_shutdown
+
+__all__ = ["ActivationMemory", "tensor_bytes"]
+
+_SAVED_BYTES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[object, ...], int]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Stage -> {input signature: bytes autograd saved inside its forward}."""
+on_shutdown(_SAVED_BYTES.clear)
+_SIGNATURES_KEPT = 64
+
+SavedHooks = tuple[Callable[[torch.Tensor], object], Callable[[object], torch.Tensor]]
+"""A ``saved_tensors_hooks`` pair: (pack, unpack)."""
+
+
+def tensor_bytes(value: object) -> int:
+    """Bytes of the storages of the tensors in ``value`` (a nesting of them)."""
+    return sum(
+        t.untyped_storage().nbytes() for t in tree_leaves(value) if isinstance(t, torch.Tensor)
+    )
+
+
+def _signature(value: object) -> tuple[object, ...]:
+    """What decides a stage's saved bytes: its inputs' shapes, dtypes and grad flags,
+    and any plain values among them."""
+    return tuple(
+        (tuple(leaf.shape), leaf.dtype, leaf.requires_grad)
+        if isinstance(leaf, torch.Tensor)
+        else leaf
+        if isinstance(leaf, int | float | bool | str | None)
+        else type(leaf)
+        for leaf in tree_leaves(value)
+    )
+
+
+def _outer_saved_tensor_hooks() -> SavedHooks | None:
+    """The ``saved_tensors_hooks`` active around the stage (the user's ``save_on_cpu``,
+    say), which :class:`_SavedBytes` must keep applying."""
+    return top_saved_tensors_hooks()
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Counts the distinct storages autograd saves for backward inside a stage's
+    forward (parameters and gathered parameter buffers excluded); hooks already
+    active outside still pack and unpack every tensor."""
+
+    def __init__(self, excluded: set[int]) -> None:
+        self.bytes = 0
+        seen: set[int] = set()
+        outer = _outer_saved_tensor_hooks()
+
+        def pack(t: torch.Tensor) -> object:
+            if not (isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)):
+                key = _device.storage_key(t)
+                if key not in seen and key not in excluded:
+                    seen.add(key)
+                    self.bytes += t.untyped_storage().nbytes()
+            return t if outer is None else outer[0](t)
+
+        super().__init__(pack, _identity if outer is None else outer[1])
+
+
+class ActivationMemory:
+    """The bytes one step keeps for backward on this rank, and their peak."""
+
+    def __init__(self, excluded: Iterable[torch.Tensor]) -> None:
+        """``excluded``: parameters and flat parameter buffers (never activations)."""
+        self.excluded = {_device.storage_key(t) for t in excluded}
+        self.held_bytes = 0
+        """Bytes now kept for backward: stage inputs and outputs, and what autograd
+        saved inside the stages."""
+        self.peak_bytes = 0
+        """Peak of ``held_bytes`` during the step."""
+        self.saved_inside: dict[tuple[int, int], int] = {}
+        """(stage, microbatch) -> bytes autograd saved inside its forward."""
+
+    def hold(self, value: object) -> None:
+        """The tensors of ``value`` are kept for a backward."""
+        self.held_bytes += tensor_bytes(value)
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
+    def drop(self, stage: int, j: int, value: object) -> None:
+        """The backward of ``stage`` for microbatch ``j`` ran: ``value`` (what :meth:`hold`
+        was given) and what autograd saved inside its forward are gone."""
+        self.held_bytes -= tensor_bytes(value) + self.saved_inside.pop((stage, j), 0)
+
+    @contextlib.contextmanager
+    def counting(self, stage: nn.Module, s: int, j: int, inputs: object) -> Iterator[None]:
+        """Around a training forward of ``stage`` (index ``s``) for microbatch ``j``: what
+        autograd saves inside it (measured once per input signature) is held."""
+        known = _SAVED_BYTES.setdefault(stage, {})
+        key = _signature((inputs, stage.training))
+        counter = None if key in known else _SavedBytes(self.excluded)
+        with counter or contextlib.nullcontext():
+            yield
+        if counter is not None:
+            if len(known) >= _SIGNATURES_KEPT:
+                known.pop(next(iter(known)))
+            known[key] = counter.bytes
+        saved = known[key]
+        self.saved_inside[(s, j)] = saved
+        self.held_bytes += saved
