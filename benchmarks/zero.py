@@ -10,7 +10,10 @@ batch, one intra-op thread per rank, pp = 1, on ``--dps`` data-parallel ranks by
   off/on, CPU accelerator, gloo, torch AdamW as client optimizer; ``torchrun``;
 * FSDP2: ``fully_shard`` per ``Linear`` + root (stage 3), without and with
   ``CPUOffloadPolicy``; ``torchrun``;
-* torch ``ZeroRedundancyOptimizer`` + DDP (stage 1); ``torchrun``.
+* torch ``ZeroRedundancyOptimizer`` + DDP (stage 1); ``torchrun``;
+* fairscale: ``OSS`` + ``ShardedDataParallel`` (stage 2, no offload: it has none) and
+  ``FullyShardedDataParallel`` per ``Linear`` + root (stage 3, offload =
+  ``move_params_to_cpu``); ``torchrun``.
 
 Each case runs in its own processes: ``--warmup`` untimed steps, then ``--steps``
 timed steps between barriers; cases run ``--repeats`` times round-robin and the
@@ -52,9 +55,10 @@ sys.path.insert(0, str(HERE))
 from _harness import launch_job, missing_module  # noqa: E402
 from zero_peers.common import MLPSpec, ZeroCase  # noqa: E402
 
-FRAMEWORKS = ("mpar", "deepspeed", "fsdp2", "torch_zero")
+FRAMEWORKS = ("mpar", "deepspeed", "fsdp2", "torch_zero", "fairscale")
 PEER_MODULES = {
     "deepspeed": "deepspeed",
+    "fairscale": "fairscale",
     "fsdp2": "torch.distributed.fsdp",
     "torch_zero": "torch.distributed.optim",
 }
@@ -64,8 +68,11 @@ QUICK_CELLS = {
     ("mpar", 3, True),
     ("deepspeed", 3, True),
     ("fsdp2", 3, True),
+    ("fairscale", 2, False),
 }
-"""``--quick``: every framework once (five jobs), each peer next to mpar at its stage."""
+"""``--quick``: every framework once (six jobs), DeepSpeed, FSDP2 and torch's next to
+mpar at their stage; fairscale at stage 2 (its stage 3 needs CUDA), checked against
+the one-process reference."""
 TOLERANCE = {"atol": 1e-5, "rtol": 1e-4}
 """fp32 agreement of trained parameters (AdamW, a few steps)."""
 
@@ -81,6 +88,7 @@ def _worker(case: ZeroCase, out: Path) -> None:
         "deepspeed": "deepspeed_zero",
         "fsdp2": "fsdp2",
         "torch_zero": "torch_zero",
+        "fairscale": "fairscale_zero",
     }[case.framework]
     impl = importlib.import_module(f"zero_peers.{module}")
     profile_dir = os.environ.get("ZERO_BENCH_PROFILE")
@@ -102,6 +110,15 @@ def _worker(case: ZeroCase, out: Path) -> None:
 # -- launching -----------------------------------------------------------------------
 
 
+def _unsupported(case: ZeroCase) -> str | None:
+    """Why an installed peer cannot run this case here (reported as skipped), or None."""
+    if case.framework != "fairscale":
+        return None
+    from zero_peers.fairscale_zero import unsupported
+
+    return unsupported(case.stage)
+
+
 def _launch(case: ZeroCase, threads: int, timeout: float) -> dict[str, Any]:
     """Start one job; its rank 0 writes the result to a file we read back."""
     worker = ["--worker", case.to_json()]
@@ -121,6 +138,8 @@ def _cases(args: argparse.Namespace, spec: MLPSpec) -> list[ZeroCase]:
                     rows.append("fsdp2")
                 if stage == 1 and not offload:
                     rows.append("torch_zero")
+                if stage == 3 or (stage == 2 and not offload):
+                    rows.append("fairscale")  # OSS + ShardedDataParallel has no offload
                 for fw in rows:
                     if args.quick and (fw, stage, offload) not in QUICK_CELLS:
                         continue
@@ -290,8 +309,9 @@ def _markdown(report: dict[str, Any]) -> str:
         "",
         f"Command: `{meta['command']}`",
         "",
-        f"{meta['machine']}; torch {meta['torch']}; deepspeed {meta['deepspeed']}; "
-        f"{meta['threads']} thread(s) per rank; gloo on loopback; pp = 1.",
+        f"{meta['machine']}; {meta['threads']} thread(s) per rank; gloo on loopback; pp = 1.",
+        f"Versions: mpar {meta.get('mpar', '?')}, torch {meta['torch']}, "
+        f"deepspeed {meta['deepspeed']}, fairscale {meta.get('fairscale', '?')}.",
         f"mpar imported from `{meta['mpar_source']}` (repository HEAD {meta['git_head']}).",
         f"Model: MLP {spec['d_in']} -> {spec['layers'] + 1} x {spec['hidden']} -> "
         f"{spec['classes']} (GELU), {meta['parameters']:,} fp32 parameters; global batch "
@@ -314,7 +334,7 @@ def _markdown(report: dict[str, Any]) -> str:
     for r in report["rows"]:
         head = (
             f"| {r['dp']} | {r['stage']} | {'cpu' if r['offload'] else '-'} | "
-            f"{_name(r['framework'])} "
+            f"{_name(r['framework'], r['stage'])} "
         )
         if r["status"] != "ok":
             lines.append(
@@ -341,7 +361,7 @@ def _markdown(report: dict[str, Any]) -> str:
     ]
     for q in report["ratios"]:
         lines.append(
-            f"| {q['dp']} | {q['stage']} | {'cpu' if q['offload'] else '-'} | {_name(q['peer'])} "
+            f"| {q['dp']} | {q['stage']} | {'cpu' if q['offload'] else '-'} | {_name(q['peer'], q['stage'])} "
             f"| {q['ratio']:.2f} | {q['memory_ratio']:.2f} | {q['peak_ratio']:.2f} |"
         )
     retried = [r for r in report["rows"] if r.get("retried_after")]
@@ -351,7 +371,7 @@ def _markdown(report: dict[str, Any]) -> str:
             label = f"dp {r['dp']} stage {r['stage']}{' offload' if r['offload'] else ''}"
             for reason in r["retried_after"]:
                 lines.append(
-                    f"- {_name(r['framework'])} {label}: `{_first_line(reason.split(chr(10), 1)[-1])}`"
+                    f"- {_name(r['framework'], r['stage'])} {label}: `{_first_line(reason.split(chr(10), 1)[-1])}`"
                 )
     accounted = [
         r for r in report["rows"] if r["status"] == "ok" and r.get("reported_peaks_per_rank")
@@ -401,16 +421,30 @@ NOTES = [
     "torch AdamW as client optimizer, `zero_force_ds_cpu_optimizer: false`, "
     "`gradient_clipping: 0` because its default 1.0 would clip where nobody else does; "
     "FSDP2: `fully_shard` per Linear + root on a 1-D CPU mesh; "
-    "ZeroRedundancyOptimizer: DDP with `gradient_as_bucket_view=True`).",
+    "ZeroRedundancyOptimizer: DDP with `gradient_as_bucket_view=True`; "
+    "fairscale: `OSS(AdamW)` + `ShardedDataParallel` at stage 2, which has no offload, and "
+    "`FullyShardedDataParallel` per Linear + root at stage 3 with `compute_device=cpu`, "
+    "`flatten_parameters=True`, `mixed_precision=False`, offload = `move_params_to_cpu`).",
     "On this CPU-only machine the offload target is the same memory as the 'device': "
     "offload adds host copies (fp32 master, gradient slice) instead of moving bytes, so "
     "offload rows hold more model state than the formula, not less.",
     "DeepSpeed keeps an fp32 master partition even in fp32 training (the paper's K = 12 "
     "instead of 8), visible as its larger optimizer column.",
+    "fairscale's ShardedDataParallel reduces each gradient to its owner only, but its "
+    "reduce buckets (one per destination rank, `reduce_buffer_size` 2**23 elements by "
+    "default) hold every gradient on every rank as bucket views, so its gradient column is "
+    "the full 4 bytes per parameter (ZeRO-1's), not ZeRO-2's 4 / dp. Its steps end with "
+    "`model.zero_grad()` (ShardedDataParallel's): `OSS.zero_grad()` left stale bucket "
+    "contents in the next step's gradients and the trained parameters off.",
+    "fairscale's FullyShardedDataParallel (0.4.13) runs only with CUDA: its forward enters "
+    "`torch.cuda.stream(self._streams['all_gather'])`, and `_streams` is filled only when "
+    "`torch.cuda.is_available()`; on a CPU-only torch its rows are reported as skipped.",
 ]
 
 
-def _name(framework: str) -> str:
+def _name(framework: str, stage: int) -> str:
+    if framework == "fairscale":
+        return "fairscale FSDP" if stage == 3 else "fairscale OSS + ShardedDDP"
     return {
         "mpar": "mpar",
         "deepspeed": "DeepSpeed",
@@ -419,15 +453,18 @@ def _name(framework: str) -> str:
     }[framework]
 
 
+def _version(distribution: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return "not installed"
+
+
 def _meta(args: argparse.Namespace, spec: MLPSpec) -> dict[str, Any]:
     import torch
 
-    try:
-        from importlib.metadata import version
-
-        ds = version("deepspeed")
-    except Exception:
-        ds = "not installed"
     import mpar
 
     try:
@@ -442,8 +479,10 @@ def _meta(args: argparse.Namespace, spec: MLPSpec) -> dict[str, Any]:
         "git_head": head,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
         "python": platform.python_version(),
+        "mpar": mpar.__version__,
         "torch": torch.__version__,
-        "deepspeed": ds,
+        "deepspeed": _version("deepspeed"),
+        "fairscale": _version("fairscale"),
         "threads": args.threads,
         "model": spec.__dict__,
         "parameters": spec.num_parameters(),
@@ -477,14 +516,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-offload", action="store_true", help="only the rows without offload")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
     p.add_argument(
-        "--quick", action="store_true", help="tiny model, dp 2, 5 jobs, 1 repeat: a smoke run"
+        "--quick", action="store_true", help="tiny model, dp 2, 6 jobs, 1 repeat: a smoke run"
     )
     p.add_argument("--out", type=Path, default=HERE / "results", help="results folder")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
-        args.repeats, args.warmup, args.steps, args.dps, args.stages = 1, 1, 2, [2], [1, 3]
+        args.repeats, args.warmup, args.steps, args.dps, args.stages = 1, 1, 2, [2], [1, 2, 3]
         args.d_in, args.hidden, args.layers, args.classes, args.batch = 16, 32, 1, 8, 8
     return args
 
@@ -497,7 +536,7 @@ def _run_all(args: argparse.Namespace, cases: list[ZeroCase], tmp: Path) -> tupl
         for i, case in enumerate(cases):
             if len(runs[i]) > repeat:
                 continue  # failed or skipped in the first repeat: recorded once
-            reason = missing_module(PEER_MODULES.get(case.framework))
+            reason = missing_module(PEER_MODULES.get(case.framework)) or _unsupported(case)
             if reason is not None:
                 runs[i] += [{"status": "skipped", "reason": reason}] * args.repeats
                 continue

@@ -55,11 +55,12 @@ class ZeroCase:
     """One run: a framework at a ZeRO stage (or its equivalent) on ``dp`` ranks."""
 
     framework: str
-    """``mpar``, ``deepspeed``, ``fsdp2`` or ``torch_zero`` (ZeroRedundancyOptimizer + DDP)."""
+    """``mpar``, ``deepspeed``, ``fsdp2``, ``torch_zero`` (ZeroRedundancyOptimizer + DDP)
+    or ``fairscale``."""
     stage: int
     offload: bool
     """mpar/DeepSpeed: optimizer offload to the CPU (+ parameters at stage 3);
-    FSDP2: ``CPUOffloadPolicy``."""
+    FSDP2: ``CPUOffloadPolicy``; fairscale FSDP: ``move_params_to_cpu``."""
     dp: int
     model: MLPSpec
     warmup: int = 3
