@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["Block", "GPTConfig", "TinyGPT", "gpt_param_count"]
+__all__ = ["GPT_TP_PLAN", "Block", "GPTConfig", "TinyGPT", "gpt_param_count"]
 
 
 @dataclass
@@ -29,6 +29,9 @@ class GPTConfig:
     bias: bool = True
     dropout: float = 0.0
     """Dropout probability on each block's attention and MLP outputs (0: none)."""
+    fused_qkv: bool = True
+    """One ``qkv`` projection; false: separate ``q``, ``k``, ``v`` with heads taken from
+    the tensor shape (the form tensor parallelism splits with a plain plan)."""
 
 
 class Block(nn.Module):
@@ -37,8 +40,14 @@ class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
+        self.head_dim = cfg.d_model // cfg.num_heads
         self.ln_1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        if cfg.fused_qkv:
+            self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        else:
+            self.q, self.k, self.v = (
+                nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias) for _ in range(3)
+            )
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.ln_2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.mlp = nn.Sequential(
@@ -49,12 +58,22 @@ class Block(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "qkv"):
+            return self._forward_separate(x)
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln_1(x)).split(d, dim=-1)
         shape = (b, t, self.num_heads, d // self.num_heads)
         q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
         att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.drop(self.proj(att.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.mlp(self.ln_2(x)))
+
+    def _forward_separate(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.ln_1(x)
+        q, k, v = (lin(h).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.drop(self.proj(att.transpose(1, 2).reshape(b, t, -1)))
         return x + self.drop(self.mlp(self.ln_2(x)))
 
 
@@ -89,3 +108,15 @@ def gpt_param_count(cfg: GPTConfig) -> int:
     block += (d * f + f * bias) + (f * d + d * bias)
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
     return cfg.vocab_size * d + cfg.max_seq_len * d + cfg.num_layers * block + norm + head
+
+
+GPT_TP_PLAN = {
+    "blocks.*.q": "colwise",
+    "blocks.*.k": "colwise",
+    "blocks.*.v": "colwise",
+    "blocks.*.proj": "rowwise",
+    "blocks.*.mlp.0": "colwise",
+    "blocks.*.mlp.2": "rowwise",
+}
+"""A tensor-parallel plan for ``TinyGPT`` built with ``fused_qkv=False`` (Megatron's split:
+attention by heads, the MLP by hidden features)."""

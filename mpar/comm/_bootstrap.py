@@ -28,6 +28,7 @@ from mpar.comm._grid import ProcessGrid, build_process_grid
 from mpar.comm._layout import Layout, detect_layout
 from mpar.comm._p2p import Links
 from mpar.comm._progress import PROGRESS, RECENT, Waiting
+from mpar.comm._tp import TP_GROUP, clear_tp_groups, register_tp_group
 from mpar.comm._watchdog import transport_timeout
 from mpar.config import Config, load_config
 from mpar.errors import AlreadyInitializedError, ConfigError, NotInitializedError
@@ -169,7 +170,10 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
     layout = detect_layout()
     resolved.check_world_size(layout.world_size)
     topology = Grid(
-        layout.world_size, resolved.pipeline_parallel_degree, resolved.placement_strategy
+        layout.world_size,
+        resolved.pipeline_parallel_degree,
+        resolved.placement_strategy,
+        resolved.tensor_parallel_degree,
     )
     device = _device.pick_device(resolved.device, layout.local_rank)
     backend = _pick_backend(resolved, device)
@@ -180,6 +184,13 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
     owns = _init_process_group(layout, world_backend, timeout)
     _checked_same_config(resolved, layout.world_size, owns)
     grid = build_process_grid(topology, layout.rank, (world_backend, dp_backend), timeout)
+    register_tp_group(
+        TP_GROUP,
+        grid.tp_group,
+        None if grid.mesh is None or grid.tp_size == 1 else grid.mesh["tp"],
+        grid.tp_size,
+        grid.tp_rank,
+    )
     torch.manual_seed(resolved.seed)
     PROGRESS.reset(RECENT if resolved.trace is None else 16 * RECENT)
     if layout.world_size > 1:
@@ -260,5 +271,6 @@ def shutdown() -> None:
     _abort.stop_watcher()
     _watchdog.stop()
     PROGRESS.reset(RECENT)
+    clear_tp_groups()
     if current.owns_process_group and dist.is_initialized():
         dist.destroy_process_group()

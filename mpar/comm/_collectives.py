@@ -77,6 +77,24 @@ def all_gather_object_pp(obj: T, grid: ProcessGrid) -> list[T]:
     return out
 
 
+def all_gather_object_tp(obj: T, grid: ProcessGrid) -> list[T]:
+    """Every tensor-parallel rank's ``obj`` (this rank's TP group), in TP rank order."""
+    if grid.tp_size == 1:
+        return [obj]
+    out: list[T] = [obj] * grid.tp_size  # placeholders, overwritten
+    with Waiting(("collective", "all_gather_object", grid.tp_group)):
+        dist.all_gather_object(out, obj, group=grid.tp_group)
+    return out
+
+
+def all_reduce_tp(tensor: torch.Tensor, grid: ProcessGrid, op: str = "sum") -> torch.Tensor:
+    """All-reduce ``tensor`` in place over this rank's tensor-parallel group."""
+    if grid.tp_size > 1:
+        with Waiting(("collective", "all_reduce", grid.tp_group)):
+            _staging.all_reduce(tensor, op=_op(op), group=grid.tp_group)
+    return tensor
+
+
 def all_reduce_pp(tensor: torch.Tensor, grid: ProcessGrid, op: str = "sum") -> torch.Tensor:
     """All-reduce ``tensor`` in place over this rank's pipeline."""
     if grid.pp_size > 1:

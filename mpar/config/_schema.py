@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from mpar._size import parse_bytes
@@ -171,6 +172,16 @@ class Config:
     pipeline_parallel_degree: int = 1
     """Pipeline stages, i.e. ranks per pipeline (alias ``partitions``)."""
 
+    tensor_parallel_degree: int = 1
+    """Ranks that split each layer (the TP group, innermost in the rank grid; alias
+    ``tp``). The ranks of a TP group take the same batch: dp = world / (pp * tp)."""
+
+    tp_plan: dict[str, str] | None = field(default=None, hash=False)
+    """Module-name patterns (``*`` = one name component) -> tensor-parallel style
+    (``"colwise"``, ``"rowwise"``, ``"colwise_rep"``, ``"rowwise_rep"``,
+    ``"embedding_rowwise"``, ``"packed_colwise:k"``, ``"replicate"``); None: the model's
+    own ``base_model_tp_plan``, or mpar's plan for its family (see docs/tensor_parallel.md)."""
+
     microbatches: int = 1
     """Microbatches each step's batch is split into."""
 
@@ -277,6 +288,8 @@ class Config:
     def _check_fields(self) -> None:
         _check_int("pipeline_parallel_degree", self.pipeline_parallel_degree, minimum=1)
         _check_int("microbatches", self.microbatches, minimum=1)
+        _check_int("tensor_parallel_degree", self.tensor_parallel_degree, minimum=1)
+        _check_tp_plan(self.tp_plan)
         if not is_csv_path(self.pipeline):
             _fail_choice("pipeline", self.pipeline, PIPELINES)
         _check_int("virtual_stages", self.virtual_stages, minimum=1)
@@ -397,17 +410,25 @@ class Config:
                 "config (microbatches, virtual_stages, zero.stage and activation_checkpointing "
                 "may stay 'auto': they are resolved at the first step)"
             )
-        pp = self.pipeline_parallel_degree
+        pp, tp = self.pipeline_parallel_degree, self.tensor_parallel_degree
+        if tp > 1 and world_size % (pp * tp) != 0:
+            raise ConfigError(
+                f"config keys 'pipeline_parallel_degree' {pp} x 'tensor_parallel_degree' {tp} "
+                f"= {pp * tp} do not divide the world size {world_size}; every pipeline stage "
+                f"needs a whole TP group (try a tensor_parallel_degree in "
+                f"{[d for d in _divisors(world_size // pp) if world_size % pp == 0]})"
+            )
         if world_size % pp != 0:
             raise ConfigError(
                 f"config key 'pipeline_parallel_degree' is {pp} but the world size is {world_size}; "
                 f"the pipeline degree must divide the world size (try one of "
                 f"{_divisors(world_size)})"
             )
-        dp = world_size // pp
+        dp = world_size // (pp * tp)
         if dp > 1 and not self.ddp:
             raise ConfigError(
-                f"world size {world_size} with pipeline_parallel_degree {pp} leaves {dp} "
+                f"world size {world_size} with pipeline_parallel_degree {pp} "
+                f"(tensor_parallel_degree {tp}) leaves {dp} "
                 "data-parallel replicas but 'ddp' is false; set 'ddp' to true or "
                 f"pipeline_parallel_degree to {world_size}"
             )
@@ -420,6 +441,22 @@ class Config:
             section, _, name = key.rpartition(".")
             (data[section] if section else data)[name] = "auto"
         return data
+
+
+def _check_tp_plan(plan: Any) -> None:
+    if plan is None:
+        return
+    if not isinstance(plan, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in plan.items()
+    ):
+        raise ConfigTypeError(
+            f"config key 'tp_plan' must be a dict from module-name patterns to style names "
+            f"(e.g. {{'blocks.*.attn.q': 'colwise'}}) or null, got {plan!r}"
+        )
+    from mpar.tensor_parallel._plan import parse_style
+
+    for pattern, style in plan.items():
+        parse_style(style, f"config key 'tp_plan' entry {pattern!r}")
 
 
 def _divisors(n: int) -> list[int]:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from mpar.comm import ProcessGrid, State, state
-from mpar.comm._collectives import all_gather_object_pp
+from mpar.comm._collectives import all_gather_object_pp, all_gather_object_tp
 from mpar.config import Config
 from mpar.errors import StepError
 from mpar.runtime._adapt import disable_caches
@@ -25,6 +25,7 @@ from mpar.runtime._microbatch import Microbatches
 from mpar.runtime._sharding import gathered, make_sharded
 from mpar.runtime._stages import LocalStages, build_local_stages
 from mpar.shard import ShardedStages
+from mpar.tensor_parallel import TPLayout, TPShard
 
 __all__ = ["DistributedModel"]
 
@@ -88,6 +89,8 @@ class DistributedModel:
         self._key_order = list(self._dtypes)
         self._aliases = _tensor_aliases(module)
         self._schedules: dict[bool, Any] = {}
+        self.tp_layout: TPLayout | None = _tp_layout(module, self.grid, self.config)
+        """How tensor parallelism splits this model (None at tensor_parallel_degree 1)."""
         self._st.models.add(self)
         if example_inputs is not None or example_kwargs is not None:
             args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
@@ -110,7 +113,7 @@ class DistributedModel:
 
         st = self.run_state()
         self.stages = build_local_stages(
-            self.module, args, kwargs, st, dynamic_axes=self.dynamic_axes
+            self.module, args, kwargs, st, dynamic_axes=self.dynamic_axes, tp=self.tp_layout
         )
         for stage in self.stages.modules.values():
             stage.train(self.module.training)
@@ -293,6 +296,7 @@ class DistributedModel:
                 if pid in masters:
                     local[key] = masters[pid].to("cpu", copy=True)
             local = {k: v.to(self._dtypes[k]) for k, v in local.items()}
+        local = self._tp_gathered(local)
         merged: dict[str, torch.Tensor] = {}
         for part in all_gather_object_pp(local, self.grid):
             merged.update(part)
@@ -313,6 +317,7 @@ class DistributedModel:
                 raise KeyError(
                     f"load_state_dict: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}"
                 )
+        state_dict = self._tp_pieces(state_dict)
         with torch.no_grad(), gathered(self.sharded, self.stages, write_back=True):
             for key, tensor in self.local_state_dict().items():
                 if key in state_dict:
@@ -321,6 +326,39 @@ class DistributedModel:
             assert self.sharded is not None
             ids = self._param_ids()
             self.sharded.load_values({ids[k]: v for k, v in state_dict.items() if k in ids})
+
+    def tp_shard_of(self, key: str) -> TPShard | None:
+        """How tensor parallelism splits the tensor under ``key`` (None: kept whole)."""
+        if self.tp_layout is None:
+            return None
+        for name in (key, *self._aliases.get(key, ())):
+            if name in self.tp_layout.shards:
+                return self.tp_layout.shards[name]
+        return None
+
+    def _tp_gathered(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``local`` with every TP-split tensor assembled from the TP group's pieces."""
+        split = {k: v for k, v in local.items() if self.tp_shard_of(k) is not None}
+        if not split:
+            return local
+        parts = all_gather_object_tp(split, self.grid)
+        out = dict(local)
+        for key in split:
+            shard = self.tp_shard_of(key)
+            assert shard is not None
+            out[key] = shard.assemble([part[key] for part in parts])
+        return out
+
+    def _tp_pieces(self, state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """``state`` (whole tensors) with every TP-split tensor cut to this rank's piece."""
+        if self.tp_layout is None:
+            return state
+        out = dict(state)
+        for key, value in state.items():
+            shard = self.tp_shard_of(key)
+            if shard is not None:
+                out[key] = shard.local(value, self.grid.tp_rank)
+        return out
 
     def _mixed_precision(self) -> bool:
         return self.sharded is not None and self.sharded.compute_dtype is not None
@@ -332,6 +370,17 @@ class DistributedModel:
             for key, tensor in self._local_tensors().items()
             if isinstance(tensor, nn.Parameter)
         }
+
+
+def _tp_layout(module: nn.Module, grid: ProcessGrid, config: Config) -> TPLayout | None:
+    """The checked tensor-parallel layout of ``module`` (raises before any step when the
+    plan cannot apply), or None without tensor parallelism."""
+    if grid.tp_size == 1:
+        return None
+    from mpar.tensor_parallel import plan_layout, resolve_plan
+
+    plan, source = resolve_plan(module, config.tp_plan)
+    return plan_layout(module, plan, grid.tp_size, source)
 
 
 def _tensor_aliases(module: nn.Module) -> dict[str, list[str]]:

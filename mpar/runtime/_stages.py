@@ -19,8 +19,10 @@ from torch import nn
 from mpar import _device
 from mpar.comm import State
 from mpar.comm._collectives import broadcast_object_world
+from mpar.comm._tp import TP_GROUP
 from mpar.errors import PartitionError
 from mpar.runtime._precision import cast_floats, compute_dtype
+from mpar.tensor_parallel import TPLayout, apply_layout
 
 __all__ = ["LocalStages", "build_local_stages"]
 
@@ -134,12 +136,17 @@ def build_local_stages(
     st: State,
     *,
     dynamic_axes: Sequence[int] = (0,),
+    tp: TPLayout | None = None,
 ) -> LocalStages:
     """Partition ``module`` (identically on every rank) and keep this rank's stages;
-    traced stages accept any size of the ``dynamic_axes`` of their inputs."""
+    traced stages accept any size of the ``dynamic_axes`` of their inputs. With a
+    tensor-parallel layout ``tp``, the model is profiled and partitioned whole, then
+    made this rank's TP share before it is split into stages."""
     num_stages = st.config.num_stages
     meta = _has_meta(module)  # tensors get storage later, on this rank's share only
     if num_stages == 1:
+        if tp is not None:
+            apply_layout(module, tp, st.grid.tp_rank, TP_GROUP)
         if not meta:
             _device.move_module(module, st.device)
         names = {n: n for n, _ in list(module.named_parameters()) + list(module.named_buffers())}
@@ -166,6 +173,8 @@ def build_local_stages(
     if decision[0] == "error":
         raise decision[1]
     _, boundaries, plan = decision
+    if tp is not None:
+        apply_layout(module, tp, st.grid.tp_rank, TP_GROUP)
     dtype = compute_dtype(st.config)
     with preserved_state(module), _parameters_in(module, dtype):
         args, kwargs = cast_floats((args, kwargs), dtype)

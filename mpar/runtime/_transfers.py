@@ -88,7 +88,8 @@ class Transfers:
         return self._rank_of(source), _tag(label)
 
     def output_ranks(self) -> list[int]:
-        """Global rank of each data-parallel replica's last stage (where its outputs are)."""
+        """Global rank of each data-parallel replica's last stage (where its outputs are;
+        TP rank 0 of it, which sends them)."""
         grid = self.st.grid
         last = self.schedule.stage_to_rank(self.num_stages - 1)
         return [grid.rank_of(last, d) for d in range(grid.dp_size)]
@@ -156,9 +157,12 @@ class Transfers:
             )
 
     def send_outputs(self, outputs: ReplicaOutputs) -> None:
-        """Send this replica's outputs to every other rank as soon as the last one exists."""
+        """Send this replica's outputs to every other rank as soon as the last one exists
+        (TP rank 0 sends for its TP group, whose ranks computed the same outputs)."""
         st = self.st
         self.own_outputs = outputs
+        if st.grid.tp_rank != 0:
+            return
         label = TransferLabel.outputs(st.grid.dp_rank)
         for dst in range(st.layout.world_size):
             if dst != st.layout.rank:

@@ -38,12 +38,29 @@ def tiny_gpt() -> nn.Module:
     return TinyGPT(cfg)
 
 
-MODELS = {"mlp": mlp, "gpt": tiny_gpt}
+def tp_gpt() -> nn.Module:
+    """TinyGPT with separate q/k/v (split by ``mpar.testing_models.GPT_TP_PLAN``), 4 heads."""
+    from mpar.testing_models import GPTConfig, TinyGPT
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(
+        vocab_size=32,
+        d_model=16,
+        num_layers=4,
+        num_heads=4,
+        d_ffn=32,
+        max_seq_len=8,
+        fused_qkv=False,
+    )
+    return TinyGPT(cfg)
+
+
+MODELS = {"mlp": mlp, "gpt": tiny_gpt, "tp_gpt": tp_gpt}
 
 
 def batch(model: str, step: int, size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
-    if model == "gpt":
+    if model in ("gpt", "tp_gpt"):
         tokens = torch.randint(0, 32, (size, 9), generator=g)
         return tokens[:, :-1], tokens[:, 1:]
     return torch.randn(size, 8, generator=g), torch.randint(0, 4, (size,), generator=g)
@@ -153,6 +170,9 @@ def train_ranks(
         "pp": (mpar.pp_rank(), mpar.pp_size()),
         "dp": (dp_rank, dp),
         "param_devices": sorted({p.device.type for p in dmodel.local_parameters()}),
+        "tp": (mpar.tp_rank(), mpar.tp_size()),
+        "tp_shards": {} if dmodel.tp_layout is None else dict(dmodel.tp_layout.shards),
+        "param_bytes": sum(p.numel() * p.element_size() for p in dmodel.local_parameters()),
         "memory_devices": sorted(mpar.memory_report()),
         "config": dmodel.config,
     }

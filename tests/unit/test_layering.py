@@ -29,6 +29,7 @@ import mpar
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("leaves", ("mpar.errors", "mpar._size", "mpar._failure", "mpar._tree", "mpar._compat")),
     ("schedule", ("mpar.schedule",)),
+    ("tp plans", ("mpar.tensor_parallel._plan",)),
     ("config", ("mpar.config",)),
     ("topology", ("mpar.topology",)),
     ("device", ("mpar._device",)),
@@ -36,6 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("profile", ("mpar.profile",)),
     ("partition", ("mpar.partition",)),
     ("comm", ("mpar.comm",)),
+    ("tensor_parallel", ("mpar.tensor_parallel",)),
     ("shard", ("mpar.shard",)),
     ("build", ("mpar.build",)),
     ("runtime", ("mpar.runtime",)),

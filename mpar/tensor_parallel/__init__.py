@@ -1,0 +1,29 @@
+"""Tensor parallelism: plans (which module is split how) and applying them to a model.
+
+See ``docs/tensor_parallel.md``. The collectives are operators in ``mpar.comm._tp``.
+"""
+
+from mpar.tensor_parallel._apply import HEAD_ATTRS, TPLayout, TPShard, apply_layout, plan_layout
+from mpar.tensor_parallel._plan import (
+    FAMILY_PLANS,
+    STYLES,
+    Style,
+    TPPlanError,
+    match_plan,
+    parse_style,
+    resolve_plan,
+)
+
+__all__ = [
+    "FAMILY_PLANS",
+    "HEAD_ATTRS",
+    "STYLES",
+    "Style",
+    "TPLayout",
+    "TPPlanError",
+    "TPShard",
+    "apply_layout",
+    "match_plan",
+    "parse_style",
+    "resolve_plan",
+]

@@ -1,0 +1,301 @@
+"""Turning a module into this rank's tensor-parallel share of it.
+
+:func:`plan_layout` checks a plan against the whole model when it is wrapped
+(before any step): every planned module has a supported type, every split size
+and head count divides by the TP degree, and no split weight is shared with a
+module that uses it whole. :func:`apply_layout` then, on every rank, keeps this
+rank's piece of each split parameter and gives each planned module a forward
+that communicates through the TP operators of :mod:`mpar.comm._tp`:
+
+=====================  ==================================  ==========================
+style                  parameters kept                     forward
+=====================  ==================================  ==========================
+colwise (Linear)       rows of ``weight``, of ``bias``     ``tp_copy`` input, local
+                                                           output (``tp_gather`` for
+                                                           ``colwise_rep``)
+colwise (Conv1D)       columns of ``weight``, ``bias``     the same
+colwise (Embedding)    columns (embedding features)        local output features
+rowwise (Linear)       columns of ``weight``; ``bias``     ``tp_reduce`` the partial
+                       whole                               product, then add ``bias``
+rowwise (Conv1D)       rows of ``weight``                  the same
+embedding_rowwise      rows (vocabulary) of ``weight``     out-of-range ids give 0,
+                                                           ``tp_reduce``
+=====================  ==================================  ==========================
+
+Modules holding a split module keep their head counts right: integer attributes
+named like head counts (:data:`HEAD_ATTRS`) are divided by the TP degree, so a
+reshape by ``self.num_heads`` stays right. A model whose reshapes take the head
+count from the tensor (``view(b, t, -1, head_dim)``, as Hugging Face's models do)
+needs nothing else.
+
+Replicated parameters (norms, embeddings left whole, rowwise biases) see the same
+inputs on every TP rank, so their gradients agree without communication.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mpar.comm._tp import tp_copy, tp_gather, tp_reduce, tp_split
+from mpar.tensor_parallel._plan import Style, TPPlanError, match_plan
+
+__all__ = ["HEAD_ATTRS", "TPLayout", "TPShard", "apply_layout", "plan_layout"]
+
+HEAD_ATTRS = (
+    "num_heads",
+    "num_attention_heads",
+    "n_heads",
+    "n_head",
+    "num_key_value_heads",
+    "num_kv_heads",
+    "n_kv_heads",
+    "all_head_size",
+    "inner_dim",
+    "split_size",
+)
+"""Attributes of a split module's parent (and of a Hugging Face config: the head
+counts) that count heads or split features, divided by the TP degree."""
+
+_CONFIG_HEADS = ("num_attention_heads", "num_key_value_heads", "n_head", "num_heads")
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """How one parameter is split: along ``dim``, in ``packs`` equal blocks each split
+    ``size`` ways (rank ``r`` keeps piece ``r`` of every block)."""
+
+    dim: int
+    size: int
+    packs: int = 1
+
+    def local(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s piece of the whole tensor ``full``."""
+        blocks = full.chunk(self.packs, self.dim)
+        return torch.cat([b.chunk(self.size, self.dim)[rank] for b in blocks], self.dim)
+
+    def local_shape(self, shape: torch.Size) -> torch.Size:
+        out = list(shape)
+        out[self.dim] //= self.size
+        return torch.Size(out)
+
+    def assemble(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """The whole tensor from every rank's piece, in TP rank order."""
+        per_rank = [p.chunk(self.packs, self.dim) for p in pieces]
+        return torch.cat([per_rank[r][j] for j in range(self.packs) for r in range(self.size)], self.dim)
+
+    def boxes(self, shape: torch.Size, rank: int) -> list[tuple[int, int]]:
+        """``(offset, length)`` along ``dim`` of the whole tensor that rank ``rank``'s piece
+        holds, block by block (its piece is their concatenation)."""
+        block = shape[self.dim] // self.packs
+        step = block // self.size
+        return [(j * block + rank * step, step) for j in range(self.packs)]
+
+
+@dataclass
+class TPLayout:
+    """The checked plan of one model: modules' styles and parameters' splits."""
+
+    size: int
+    modules: dict[str, Style]
+    """Module name -> style (only split modules)."""
+    shards: dict[str, TPShard] = field(default_factory=dict)
+    """Parameter name (the original model's) -> its split; absent: replicated."""
+    source: str = ""
+    """Where the plan came from (for messages)."""
+
+
+def _weight_dims(module: nn.Module, style: Style) -> tuple[int, int | None]:
+    """(dim of ``weight`` split, dim of ``bias`` split or None) for ``module`` under ``style``."""
+    conv1d = type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+    if isinstance(module, nn.Embedding):
+        if style.kind == "colwise":
+            return 1, None
+        if style.kind == "embedding_rowwise":
+            return 0, None
+    elif isinstance(module, nn.Linear) or conv1d:
+        out_dim, in_dim = (1, 0) if conv1d else (0, 1)
+        if style.kind == "colwise":
+            return out_dim, 0
+        if style.kind == "rowwise":
+            return in_dim, None
+    raise TPPlanError(
+        f"module of type {type(module).__name__} cannot take the tensor-parallel style "
+        f"{style.kind!r}: colwise and rowwise split nn.Linear and transformers' Conv1D, "
+        "colwise and embedding_rowwise split nn.Embedding"
+    )
+
+
+def _check_divisible(what: str, value: int, tp: int, hint: str) -> None:
+    if value % tp:
+        raise TPPlanError(f"{what} is {value}, not divisible by tensor_parallel_degree {tp}; {hint}")
+
+
+def plan_layout(module: nn.Module, plan: dict[str, Style], tp: int, source: str) -> TPLayout:
+    """Check ``plan`` against ``module`` for TP degree ``tp``; raises :class:`TPPlanError`
+    naming the module and the numbers when it cannot be applied."""
+    styles = match_plan(module, plan)
+    if not styles:
+        raise TPPlanError(
+            f"{source} matches no module of {type(module).__name__} (patterns: "
+            f"{sorted(plan)}); module names look like "
+            f"{[n for n, _ in module.named_modules()][1:6]}"
+        )
+    layout = TPLayout(tp, styles, source=source)
+    owner: dict[int, tuple[str, TPShard | None]] = {}
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        style = styles.get(mod_name)
+        for p_name, param in mod.named_parameters(recurse=False):
+            full = f"{mod_name}.{p_name}" if mod_name else p_name
+            shard = None
+            if style is not None:
+                w_dim, b_dim = _weight_dims(mod, style)
+                dim = {"weight": w_dim, "bias": b_dim}.get(p_name)
+                if dim is not None:
+                    packs = style.packs if style.kind == "colwise" else 1
+                    shard = TPShard(dim, tp, packs)
+                    size = param.shape[dim]
+                    if size % (packs * tp):
+                        raise TPPlanError(
+                            f"{full}: dimension {dim} of shape {tuple(param.shape)} has {size} "
+                            f"elements, which do not split into {packs} block(s) x "
+                            f"tensor_parallel_degree {tp}; pick a degree that divides it, or "
+                            "leave the module out of the plan ('replicate')"
+                        )
+            seen = owner.get(id(param))
+            if seen is not None and seen[1] != shard:
+                raise TPPlanError(
+                    f"parameter {full} is shared with {seen[0]} but the plan splits one use and "
+                    "not the other (a tied weight); mark both modules 'replicate' in tp_plan, or "
+                    "split both the same way"
+                )
+            owner.setdefault(id(param), (full, shard))
+            if shard is not None and seen is None:
+                layout.shards[full] = shard
+    _check_heads(module, styles, tp)
+    return layout
+
+
+def _parents(styles: dict[str, Style]) -> set[str]:
+    return {name.rpartition(".")[0] for name, s in styles.items() if s.kind == "colwise"}
+
+
+def _check_heads(module: nn.Module, styles: dict[str, Style], tp: int) -> None:
+    config = getattr(module, "config", None)
+    for attr in _CONFIG_HEADS:
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            _check_divisible(
+                f"{type(module).__name__}: config.{attr}",
+                value,
+                tp,
+                "each tensor-parallel rank computes whole attention heads; pick a "
+                "tensor_parallel_degree that divides the head counts",
+            )
+    for parent in sorted(_parents(styles)):
+        mod = module.get_submodule(parent) if parent else module
+        for attr in HEAD_ATTRS:
+            value = mod.__dict__.get(attr)
+            if isinstance(value, int) and not isinstance(value, bool):
+                _check_divisible(
+                    f"module {parent or '<root>'} ({type(mod).__name__}): {attr}",
+                    value,
+                    tp,
+                    "each tensor-parallel rank computes whole attention heads; pick a "
+                    "tensor_parallel_degree that divides it",
+                )
+
+
+# -- applying ---------------------------------------------------------------------------
+
+
+def _local_param(param: nn.Parameter, shard: TPShard, rank: int) -> None:
+    if param.is_meta:
+        param.data = torch.empty(shard.local_shape(param.shape), dtype=param.dtype, device="meta")
+    else:
+        param.data = shard.local(param.data, rank).clone()
+
+
+def _linear_colwise(style: Style, group: str) -> Any:
+    def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(tp_copy(x, group), self.weight, self.bias)
+        return tp_gather(out, -1, group) if style.gather_output else out
+
+    return forward
+
+
+def _conv1d_colwise(style: Style, group: str) -> Any:
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        x = tp_copy(x, group)
+        shape = x.size()[:-1] + (self.weight.shape[1],)
+        out = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(shape)
+        return tp_gather(out, -1, group) if style.gather_output else out
+
+    return forward
+
+
+def _linear_rowwise(style: Style, group: str) -> Any:
+    def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if style.split_input:
+            x = tp_split(x, -1, group)
+        out = tp_reduce(F.linear(x, self.weight), group)
+        return out if self.bias is None else out + self.bias
+
+    return forward
+
+
+def _conv1d_rowwise(style: Style, group: str) -> Any:
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if style.split_input:
+            x = tp_split(x, -1, group)
+        shape = x.size()[:-1] + (self.weight.shape[1],)
+        out = tp_reduce(torch.mm(x.reshape(-1, x.size(-1)), self.weight).view(shape), group)
+        return out + self.bias
+
+    return forward
+
+
+def _embedding_rowwise(rank: int, group: str) -> Any:
+    def forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight.shape[0]
+        lo = rank * rows
+        outside = (ids < lo) | (ids >= lo + rows)
+        local = (ids - lo).masked_fill(outside, 0)
+        pad = self.padding_idx
+        pad = pad - lo if pad is not None and lo <= pad < lo + rows else None
+        out = F.embedding(local, self.weight, pad, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse)
+        return tp_reduce(out.masked_fill(outside.unsqueeze(-1), 0.0), group)
+
+    return forward
+
+
+def _new_forward(module: nn.Module, style: Style, rank: int, group: str) -> Any:
+    if isinstance(module, nn.Embedding):
+        return _embedding_rowwise(rank, group) if style.kind == "embedding_rowwise" else None
+    conv1d = not isinstance(module, nn.Linear)
+    if style.kind == "colwise":
+        return (_conv1d_colwise if conv1d else _linear_colwise)(style, group)
+    return (_conv1d_rowwise if conv1d else _linear_rowwise)(style, group)
+
+
+def apply_layout(module: nn.Module, layout: TPLayout, rank: int, group: str) -> None:
+    """Make ``module`` TP rank ``rank``'s share of itself, in place (see the module docs)."""
+    params = dict(module.named_parameters())
+    for name, shard in layout.shards.items():
+        _local_param(params[name], shard, rank)
+    for name, style in layout.modules.items():
+        mod = module.get_submodule(name)
+        forward = _new_forward(mod, style, rank, group)
+        if forward is not None:
+            mod.forward = types.MethodType(forward, mod)  # type: ignore[method-assign]
+    for parent in _parents(layout.modules):
+        mod = module.get_submodule(parent) if parent else module
+        for attr in HEAD_ATTRS:
+            value = mod.__dict__.get(attr)
+            if isinstance(value, int) and not isinstance(value, bool):
+                setattr(mod, attr, value // layout.size)

@@ -1,0 +1,176 @@
+"""Tensor-parallel plans: which module gets which style, found before anything is split.
+
+A plan maps module-name patterns to styles, spelled as Hugging Face spells them.
+A pattern matches a module when it equals the module's name, or its last
+components (so Hugging Face's plans, written relative to the base model, match
+inside any task head); ``*`` stands for exactly one name component
+(``"layers.*.self_attn.q_proj"``). The first matching pattern wins.
+
+Where the plan comes from (:func:`resolve_plan`): the config's ``tp_plan``; else
+the model's own ``config.base_model_tp_plan`` (Llama, Mistral, Qwen2 have one);
+else mpar's plan for its family (:data:`FAMILY_PLANS`: GPT-2, BERT, ViT, T5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from mpar.errors import ConfigError
+
+__all__ = [
+    "FAMILY_PLANS",
+    "STYLES",
+    "Style",
+    "TPPlanError",
+    "match_plan",
+    "parse_style",
+    "resolve_plan",
+]
+
+
+class TPPlanError(ConfigError):
+    """A tensor-parallel plan that cannot be applied to this model."""
+
+
+@dataclass(frozen=True)
+class Style:
+    """How one module is split across the TP group."""
+
+    kind: str
+    """``"colwise"`` (output features split), ``"rowwise"`` (input features split),
+    ``"embedding_rowwise"`` (vocabulary split) or ``"replicate"``."""
+    gather_output: bool = False
+    """colwise: all-gather the output pieces (the next module needs the whole output)."""
+    split_input: bool = False
+    """rowwise: the input arrives whole; take this rank's piece first."""
+    packs: int = 1
+    """colwise: the output features are ``packs`` equal blocks split each (fused q|k|v)."""
+
+
+STYLES: dict[str, Style] = {
+    "colwise": Style("colwise"),
+    "colwise_rep": Style("colwise", gather_output=True),
+    "colwise_gather_output": Style("colwise", gather_output=True),
+    "rowwise": Style("rowwise"),
+    "rowwise_rep": Style("rowwise", split_input=True),
+    "embedding_rowwise": Style("embedding_rowwise"),
+    "packed_colwise": Style("colwise", packs=2),
+    "replicate": Style("replicate"),
+}
+"""The style names a plan may use; ``"packed_colwise:k"`` packs ``k`` blocks."""
+
+
+def parse_style(name: Any, where: str) -> Style:
+    """The :class:`Style` spelled ``name`` (``where`` names the plan entry in errors)."""
+    if not isinstance(name, str):
+        raise TPPlanError(f"{where}: a style must be a string, got {name!r}")
+    base, _, count = name.partition(":")
+    if base == "packed_colwise" and count:
+        if not count.isdigit() or int(count) < 1:
+            raise TPPlanError(f"{where}: 'packed_colwise:k' needs a block count k >= 1, got {name!r}")
+        return Style("colwise", packs=int(count))
+    if count or base not in STYLES:
+        raise TPPlanError(
+            f"{where}: unknown tensor-parallel style {name!r}; use one of "
+            f"{sorted(STYLES)} or 'packed_colwise:k' (sequence_parallel is not supported yet)"
+        )
+    return STYLES[base]
+
+
+FAMILY_PLANS: dict[str, dict[str, str]] = {
+    "gpt2": {
+        "h.*.attn.c_attn": "packed_colwise:3",
+        "h.*.attn.c_proj": "rowwise",
+        "h.*.mlp.c_fc": "colwise",
+        "h.*.mlp.c_proj": "rowwise",
+    },
+    "bert": {
+        "encoder.layer.*.attention.self.query": "colwise",
+        "encoder.layer.*.attention.self.key": "colwise",
+        "encoder.layer.*.attention.self.value": "colwise",
+        "encoder.layer.*.attention.output.dense": "rowwise",
+        "encoder.layer.*.intermediate.dense": "colwise",
+        "encoder.layer.*.output.dense": "rowwise",
+    },
+    "vit": {
+        "layers.*.attention.q_proj": "colwise",
+        "layers.*.attention.k_proj": "colwise",
+        "layers.*.attention.v_proj": "colwise",
+        "layers.*.attention.o_proj": "rowwise",
+        "layers.*.mlp.fc1": "colwise",
+        "layers.*.mlp.fc2": "rowwise",
+    },
+    "t5": {
+        "block.*.layer.*.SelfAttention.q": "colwise",
+        "block.*.layer.*.SelfAttention.k": "colwise",
+        "block.*.layer.*.SelfAttention.v": "colwise",
+        "block.*.layer.*.SelfAttention.o": "rowwise",
+        "block.*.layer.*.SelfAttention.relative_attention_bias": "colwise",
+        "block.*.layer.*.EncDecAttention.q": "colwise",
+        "block.*.layer.*.EncDecAttention.k": "colwise",
+        "block.*.layer.*.EncDecAttention.v": "colwise",
+        "block.*.layer.*.EncDecAttention.o": "rowwise",
+        "block.*.layer.*.DenseReluDense.wi": "colwise",
+        "block.*.layer.*.DenseReluDense.wi_0": "colwise",
+        "block.*.layer.*.DenseReluDense.wi_1": "colwise",
+        "block.*.layer.*.DenseReluDense.wo": "rowwise",
+    },
+}
+"""mpar's plans for Hugging Face families that ship none (keys relative to the base model)."""
+
+
+def _model_plan(module: nn.Module) -> tuple[dict[str, str] | None, str]:
+    config = getattr(module, "config", None)
+    own = getattr(config, "base_model_tp_plan", None)
+    if own:
+        return dict(own), f"{type(module).__name__}'s config.base_model_tp_plan"
+    model_type = getattr(config, "model_type", None)
+    if isinstance(model_type, str) and model_type in FAMILY_PLANS:
+        return dict(FAMILY_PLANS[model_type]), f"mpar's plan for {model_type!r} models"
+    return None, ""
+
+
+def resolve_plan(module: nn.Module, user_plan: Mapping[str, Any] | None) -> tuple[dict[str, Style], str]:
+    """The plan for ``module`` as ``{pattern: Style}`` and where it came from."""
+    if user_plan is not None:
+        plan, source = dict(user_plan), "the config's tp_plan"
+    else:
+        found, source = _model_plan(module)
+        if found is None:
+            raise TPPlanError(
+                f"tensor_parallel_degree > 1 but {type(module).__name__} has no tensor-parallel "
+                "plan: it has no config.base_model_tp_plan and mpar ships none for it; give one "
+                "in the config key 'tp_plan', e.g. {'blocks.*.attn.q': 'colwise', "
+                "'blocks.*.attn.out': 'rowwise'} (module-name patterns, '*' = one name component)"
+            )
+        plan = found
+    styles = {pattern: parse_style(style, f"{source} entry {pattern!r}") for pattern, style in plan.items()}
+    return styles, source
+
+
+def _component_match(pattern: list[str], name: list[str]) -> bool:
+    return len(pattern) == len(name) and all(p in ("*", n) for p, n in zip(pattern, name))
+
+
+def _matches(pattern: str, name: str) -> bool:
+    want, have = pattern.split("."), name.split(".")
+    return len(have) >= len(want) and _component_match(want, have[len(have) - len(want) :])
+
+
+def match_plan(module: nn.Module, plan: Mapping[str, Style]) -> dict[str, Style]:
+    """Module name -> style, for every module of ``module`` some pattern matches
+    (``"replicate"`` entries left out)."""
+    found: dict[str, Style] = {}
+    for name, _ in module.named_modules():
+        if not name:
+            continue
+        for pattern, style in plan.items():
+            if _matches(pattern, name):
+                if style.kind != "replicate":
+                    found[name] = style
+                break
+    return found

@@ -1,0 +1,63 @@
+"""Tensor parallelism, alone and composed with pipeline and ZeRO, is transparent.
+
+The oracle is one process training the whole model on the whole batch
+(``_pipeline_cases.reference``). Each rank's local gradients are compared with
+its TP piece of the reference gradients (``TPShard.local``), and the gathered
+``state_dict`` with the reference's parameters after the last step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from mpar.testing import run_distributed
+from mpar.testing_models import GPT_TP_PLAN
+from tests.multiproc._pipeline_cases import reference, train_ranks
+
+STEPS = 3
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def _config(tp: int, **extra):
+    return {"tensor_parallel_degree": tp, "tp_plan": GPT_TP_PLAN, "microbatches": 2, **extra}
+
+
+def _check(results, ref, tol=TOL):
+    for r in results:
+        assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), **tol)
+        for step, out in enumerate(r["outputs"]):
+            assert_close(out, ref["outputs"][step], **tol)
+        for key, value in ref["state"].items():
+            assert_close(r["state"][key], value, **tol, msg=lambda m, k=key: f"{k}: {m}")
+        tp_rank, _ = r["tp"]
+        for step, grads in enumerate(r["grads"]):
+            for name, grad in grads.items():
+                want = ref["grads"][step][name]
+                shard = r["tp_shards"].get(name)
+                if shard is not None:
+                    want = shard.local(want, tp_rank)
+                assert_close(grad, want, **tol, msg=lambda m, n=name: f"grad {n}: {m}")
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_alone(tp, optimizer):
+    results = run_distributed(
+        train_ranks, tp, args=(_config(tp), "tp_gpt", optimizer, STEPS), timeout=240
+    )
+    _check(results, reference("tp_gpt", optimizer, STEPS))
+    shards = results[0]["tp_shards"]
+    assert "blocks.0.q.weight" in shards and "blocks.0.ln_1.weight" not in shards
+
+
+def test_pp2_tp2():
+    results = run_distributed(
+        train_ranks,
+        4,
+        args=(_config(2, pipeline_parallel_degree=2, microbatches=4), "tp_gpt", "sgd", STEPS),
+        timeout=240,
+    )
+    assert sorted(r["tp"] for r in results) == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    _check(results, reference("tp_gpt", "sgd", STEPS))
