@@ -32,6 +32,7 @@ from mpar.comm import state
 from mpar.comm._collectives import (
     all_gather_object_pp,
     all_reduce_pp,
+    all_reduce_tp,
     group_size,
     world_all_reduce,
 )
@@ -183,11 +184,18 @@ class DistributedOptimizer:
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def _tied_shares(self) -> dict[int, int]:
+        """``id`` -> how many ranks outside this pipeline stage's data-parallel group hold
+        the same gradient (copies of a tied parameter, TP ranks of a replicated one)."""
         shares: dict[int, int] = {}
         model = self.model
         if model is not None and model.stages is not None:
             for group, param in model.stages.tied_groups:
                 shares[id(param)] = group_size(group)
+            stages = model.stages
+            if stages.tp_size > 1:
+                for p in model.local_parameters():
+                    if id(p) not in stages.tp_split:
+                        shares[id(p)] = shares.get(id(p), 1) * stages.tp_size
         return shares
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -212,12 +220,12 @@ class DistributedOptimizer:
             total = torch.zeros(1, dtype=torch.float64, device=device)
             if local_value is not None:
                 total[0] = local_value
-            all_reduce_pp(total, self._st.grid, op="max")
+            all_reduce_tp(all_reduce_pp(total, self._st.grid, op="max"), self._st.grid, op="max")
         else:
             total = torch.zeros(1, dtype=torch.float64, device=device)
             for p, g in grads:
                 total += g.detach().double().norm(norm_type) ** norm_type / shares.get(id(p), 1)
-            all_reduce_pp(total, self._st.grid)
+            all_reduce_tp(all_reduce_pp(total, self._st.grid), self._st.grid)
             total = total ** (1.0 / norm_type)
         norm = total[0].float()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)

@@ -65,6 +65,8 @@ def make_sharded(
         tied=stages.tied_groups,
         units=owners,
         materialize=materialize,
+        tp_size=stages.tp_size,
+        tp_split=stages.tp_split,
     )
     for s, install in connect.items():
         install(sharded.unit_gather(s))

@@ -41,6 +41,10 @@ class LocalStages:
     unit_names: list[list[str]] = field(default_factory=list)
     tied_groups: list[tuple[Any, nn.Parameter]] = field(default_factory=list)
     """(process group, local parameter) for tied parameters whose copies live on other ranks."""
+    tp_size: int = 1
+    """Ranks of the tensor-parallel group that split these stages' layers."""
+    tp_split: frozenset[int] = frozenset()
+    """``id`` of every parameter tensor parallelism split (the rest are replicated over TP)."""
 
 
 def _decide_boundaries(
@@ -145,12 +149,18 @@ def build_local_stages(
     num_stages = st.config.num_stages
     meta = _has_meta(module)  # tensors get storage later, on this rank's share only
     if num_stages == 1:
-        if tp is not None:
-            apply_layout(module, tp, st.grid.tp_rank, TP_GROUP)
+        tp_split = _apply_tp(module, tp, st)
         if not meta:
             _device.move_module(module, st.device)
         names = {n: n for n, _ in list(module.named_parameters()) + list(module.named_buffers())}
-        return LocalStages(1, {0: module}, {0: names}, unit_names=[["<whole model>"]])
+        return LocalStages(
+            1,
+            {0: module},
+            {0: names},
+            unit_names=[["<whole model>"]],
+            tp_size=st.grid.tp_size,
+            tp_split=tp_split,
+        )
     from mpar.build import find_units_meta
     from mpar.partition import find_units, split_module
     from mpar.profile import preserved_state
@@ -173,8 +183,7 @@ def build_local_stages(
     if decision[0] == "error":
         raise decision[1]
     _, boundaries, plan = decision
-    if tp is not None:
-        apply_layout(module, tp, st.grid.tp_rank, TP_GROUP)
+    tp_split = _apply_tp(module, tp, st)  # profiled whole; split as this rank's TP share
     dtype = compute_dtype(st.config)
     with preserved_state(module), _parameters_in(module, dtype):
         args, kwargs = cast_floats((args, kwargs), dtype)
@@ -195,7 +204,17 @@ def build_local_stages(
         plan=plan,
         unit_names=split.units,
         tied_groups=_tied_groups(split.tied, mine, st),
+        tp_size=st.grid.tp_size,
+        tp_split=tp_split,
     )
+
+
+def _apply_tp(module: nn.Module, tp: TPLayout | None, st: State) -> frozenset[int]:
+    """Make ``module`` this rank's TP share; the ids of the parameters split."""
+    if tp is None:
+        return frozenset()
+    apply_layout(module, tp, st.grid.tp_rank, TP_GROUP)
+    return frozenset(id(p) for name, p in module.named_parameters() if name in tp.shards)
 
 
 def _placement(st: State) -> Callable[[int], int]:
@@ -217,8 +236,10 @@ def _tied_groups(
         if len(pp_ranks) < 2:
             continue  # every copy is the same Parameter object on one rank
         for d in range(grid.dp_size):  # every rank creates every group, in order
-            handle = grid.new_group([grid.rank_of(p, d) for p in pp_ranks])
-            if d == grid.dp_rank and grid.pp_rank in pp_ranks:
+            for t in range(grid.tp_size):
+                handle = grid.new_group([grid.rank_of(p, d, t) for p in pp_ranks])
+                if (d, t) != (grid.dp_rank, grid.tp_rank) or grid.pp_rank not in pp_ranks:
+                    continue
                 s, name = next((s, n) for s, n in group if s in mine)
                 out.append((handle, mine[s].get_parameter(name)))
     return out

@@ -380,6 +380,9 @@ class BucketGrads:
         self.tied_group: ProcessGroup | None = None
         """Tied parameter (the bucket's only one): the group of ranks holding its copies."""
         self.tied_size = 1
+        self.norm_copies = 1
+        """Ranks outside the data-parallel group holding the same gradients (a parameter
+        replicated over tensor parallelism): the global norm counts it once."""
         self.unit_grads = False
         """A unit bucket: gradients reduced after every backward (see the module docstring)."""
 
@@ -575,7 +578,8 @@ class BucketGrads:
         total = self._own_slice(grad).float().pow(2).sum().to(self.device)
         if grad.dtype != self.master_dtype:
             total = total * self.grad_factor**2
-        return total / self.tied_size  # each copy of a tied parameter counts once overall
+        # each copy of a tied (or TP-replicated) parameter counts once overall
+        return total / (self.tied_size * self.norm_copies)
 
     def grads_finite(self) -> bool:
         """Whether this rank's slice of the reduced gradient has no inf or NaN."""

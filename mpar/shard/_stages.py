@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -84,6 +84,8 @@ class ShardedStages:
         tied: Sequence[tuple[ProcessGroup | None, nn.Parameter]] = (),
         units: Mapping[int, Sequence[Sequence[nn.Parameter]]] | None = None,
         materialize: Callable[[torch.Tensor], None] | None = None,
+        tp_size: int = 1,
+        tp_split: Collection[int] = (),
     ) -> None:
         if not stages:
             raise ValueError("ShardedStages needs at least one stage module, got an empty dict")
@@ -109,7 +111,11 @@ class ShardedStages:
         self._unit_of = self._unit_index(owned, units or {})
         self._group_counts = {s: len(groups) for s, groups in (units or {}).items()}
         self._materialize = materialize
+        self._tp_split = frozenset(tp_split) if tp_size > 1 else None
         self.buckets = self._make_buckets(owned)
+        for bucket in self.buckets:  # the same on every TP rank: its norm counts once
+            if self._tp_split is not None and id(bucket.params[0]) not in self._tp_split:
+                bucket.grads.norm_copies = tp_size
         self.tied_buckets = [self._bucket_of(p) for _, p in tied]
         """Buckets of tied parameters, in the order of ``tied`` (the same on every rank)."""
         for (group, _), bucket in zip(tied, self.tied_buckets):
@@ -206,7 +212,8 @@ class ShardedStages:
             # A tied parameter's kind is its own: it gets a bucket to itself; a
             # unit group's parameters never share a bucket with another group's.
             tied = index[id(p)] if id(p) in self._tied_ids else None
-            return (p.dtype, p.device, tied, self._unit_of.get(id(p)))
+            tp = None if self._tp_split is None else id(p) in self._tp_split
+            return (p.dtype, p.device, tied, self._unit_of.get(id(p)), tp)
 
         specs = plan_buckets(
             {s: [(index[id(p)], p.numel(), kind(p)) for p in ps] for s, ps in owned.items()},

@@ -61,3 +61,27 @@ def test_pp2_tp2():
     )
     assert sorted(r["tp"] for r in results) == [(0, 2), (0, 2), (1, 2), (1, 2)]
     _check(results, reference("tp_gpt", "sgd", STEPS))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_tp2_clip_global_norm(optimizer):
+    """clip_grad_norm_ sees the one-process norm: split parameters' pieces summed over
+    TP, replicated ones counted once (a small max_norm makes every step clip)."""
+    results = run_distributed(
+        train_ranks, 2, args=(_config(2), "tp_gpt", optimizer, STEPS, 0.05), timeout=240
+    )
+    _check(results, reference("tp_gpt", optimizer, STEPS, clip=0.05))
+
+
+@pytest.mark.parametrize(
+    "zero", [{"stage": 1}, {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"}]
+)
+def test_tp2_dp2_zero(zero):
+    results = run_distributed(
+        train_ranks,
+        4,
+        args=(_config(2, zero=zero), "tp_gpt", "adamw", STEPS, 0.05),
+        timeout=300,
+    )
+    assert sorted(r["dp"] for r in results) == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    _check(results, reference("tp_gpt", "adamw", STEPS, clip=0.05))
