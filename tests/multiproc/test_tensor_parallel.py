@@ -85,3 +85,38 @@ def test_tp2_dp2_zero(zero):
     )
     assert sorted(r["dp"] for r in results) == [(0, 2), (0, 2), (1, 2), (1, 2)]
     _check(results, reference("tp_gpt", "adamw", STEPS, clip=0.05))
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"pipeline": "zero_bubble"},
+        {"pipeline": "interleaved", "virtual_stages": 2},
+        {"activation_checkpointing": True},
+    ],
+    ids=["zero_bubble", "virtual", "checkpointing"],
+)
+def test_pp2_tp2_schedules(extra):
+    config = _config(2, pipeline_parallel_degree=2, microbatches=4, **extra)
+    results = run_distributed(train_ranks, 4, args=(config, "tp_gpt", "sgd", STEPS), timeout=300)
+    _check(results, reference("tp_gpt", "sgd", STEPS))
+
+
+def test_tp2_bf16():
+    results = run_distributed(
+        train_ranks, 2, args=(_config(2, bf16=True), "tp_gpt", "sgd", STEPS), timeout=240
+    )
+    ref = reference("tp_gpt", "sgd", STEPS)
+    for r in results:  # bf16 compute: losses to bf16 accuracy, masters stay fp32
+        assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=2e-2, atol=2e-2)
+        for key, value in ref["state"].items():
+            assert r["state"][key].dtype == value.dtype
+            assert_close(r["state"][key], value, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.slow
+def test_pp2_tp2_dp2_zero1():
+    config = _config(2, pipeline_parallel_degree=2, microbatches=4, zero={"stage": 1})
+    results = run_distributed(train_ranks, 8, args=(config, "tp_gpt", "adamw", STEPS), timeout=600)
+    assert sorted({r["tp"] for r in results}) == [(0, 2), (1, 2)]
+    _check(results, reference("tp_gpt", "adamw", STEPS))
