@@ -58,6 +58,23 @@ def test_every_family_pp2_dp2(config):
     _check(results, config)
 
 
+TP = [
+    (2, {"tensor_parallel_degree": 2, "microbatches": 2}),
+    (4, {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 4}),
+]
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize(("world", "config"), TP, ids=["tp2", "pp2-tp2"])
+def test_every_family_tensor_parallel(world, config):
+    """No tp_plan given: Llama, Mistral and Qwen2 use their own base_model_tp_plan;
+    GPT-2 (fused c_attn, Conv1D), T5 (relative attention bias), BERT and ViT mpar's."""
+    results = run_distributed(
+        cases.train_ranks, world, args=(list(cases.FAMILIES), config, STEPS), timeout=480
+    )
+    _check(results, config)
+
+
 SLOW_GRID = [
     (2, {"microbatches": 2, "zero": {"stage": 3}}),  # pp=1: ZeRO-3 hooks on HF modules
     (2, {"pipeline_parallel_degree": 2, "microbatches": 4}),
