@@ -71,7 +71,9 @@ class Block(nn.Module):
     def _forward_separate(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         h = self.ln_1(x)
-        q, k, v = (lin(h).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        q, k, v = (
+            lin(h).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v)
+        )
         att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.drop(self.proj(att.transpose(1, 2).reshape(b, t, -1)))
         return x + self.drop(self.mlp(self.ln_2(x)))

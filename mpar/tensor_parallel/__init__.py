@@ -25,5 +25,6 @@ __all__ = [
     "apply_layout",
     "match_plan",
     "parse_style",
+    "plan_layout",
     "resolve_plan",
 ]

@@ -87,7 +87,9 @@ class TPShard:
     def assemble(self, pieces: list[torch.Tensor]) -> torch.Tensor:
         """The whole tensor from every rank's piece, in TP rank order."""
         per_rank = [p.chunk(self.packs, self.dim) for p in pieces]
-        return torch.cat([per_rank[r][j] for j in range(self.packs) for r in range(self.size)], self.dim)
+        return torch.cat(
+            [per_rank[r][j] for j in range(self.packs) for r in range(self.size)], self.dim
+        )
 
     def boxes(self, shape: torch.Size, rank: int) -> list[tuple[int, int]]:
         """``(offset, length)`` along ``dim`` of the whole tensor that rank ``rank``'s piece
@@ -133,7 +135,9 @@ def _weight_dims(module: nn.Module, style: Style) -> tuple[int, int | None]:
 
 def _check_divisible(what: str, value: int, tp: int, hint: str) -> None:
     if value % tp:
-        raise TPPlanError(f"{what} is {value}, not divisible by tensor_parallel_degree {tp}; {hint}")
+        raise TPPlanError(
+            f"{what} is {value}, not divisible by tensor_parallel_degree {tp}; {hint}"
+        )
 
 
 def plan_layout(module: nn.Module, plan: dict[str, Style], tp: int, source: str) -> TPLayout:
@@ -230,10 +234,11 @@ def _linear_colwise(style: Style, group: str) -> Any:
 
 
 def _conv1d_colwise(style: Style, group: str) -> Any:
-    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
         x = tp_copy(x, group)
-        shape = x.size()[:-1] + (self.weight.shape[1],)
-        out = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(shape)
+        weight: torch.Tensor = self.weight
+        shape = (*x.shape[:-1], weight.shape[1])
+        out = torch.addmm(self.bias, x.view(-1, x.size(-1)), weight).view(shape)
         return tp_gather(out, -1, group) if style.gather_output else out
 
     return forward
@@ -250,11 +255,12 @@ def _linear_rowwise(style: Style, group: str) -> Any:
 
 
 def _conv1d_rowwise(style: Style, group: str) -> Any:
-    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
         if style.split_input:
             x = tp_split(x, -1, group)
-        shape = x.size()[:-1] + (self.weight.shape[1],)
-        out = tp_reduce(torch.mm(x.reshape(-1, x.size(-1)), self.weight).view(shape), group)
+        weight: torch.Tensor = self.weight
+        shape = (*x.shape[:-1], weight.shape[1])
+        out = tp_reduce(torch.mm(x.reshape(-1, x.size(-1)), weight).view(shape), group)
         return out + self.bias
 
     return forward
@@ -268,7 +274,15 @@ def _embedding_rowwise(rank: int, group: str) -> Any:
         local = (ids - lo).masked_fill(outside, 0)
         pad = self.padding_idx
         pad = pad - lo if pad is not None and lo <= pad < lo + rows else None
-        out = F.embedding(local, self.weight, pad, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse)
+        out = F.embedding(
+            local,
+            self.weight,
+            pad,
+            self.max_norm,
+            self.norm_type,
+            self.scale_grad_by_freq,
+            self.sparse,
+        )
         return tp_reduce(out.masked_fill(outside.unsqueeze(-1), 0.0), group)
 
     return forward
@@ -292,7 +306,7 @@ def apply_layout(module: nn.Module, layout: TPLayout, rank: int, group: str) -> 
         mod = module.get_submodule(name)
         forward = _new_forward(mod, style, rank, group)
         if forward is not None:
-            mod.forward = types.MethodType(forward, mod)  # type: ignore[method-assign]
+            mod.forward = types.MethodType(forward, mod)
     for parent in _parents(layout.modules):
         mod = module.get_submodule(parent) if parent else module
         for attr in HEAD_ATTRS:

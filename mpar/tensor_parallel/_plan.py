@@ -71,7 +71,9 @@ def parse_style(name: Any, where: str) -> Style:
     base, _, count = name.partition(":")
     if base == "packed_colwise" and count:
         if not count.isdigit() or int(count) < 1:
-            raise TPPlanError(f"{where}: 'packed_colwise:k' needs a block count k >= 1, got {name!r}")
+            raise TPPlanError(
+                f"{where}: 'packed_colwise:k' needs a block count k >= 1, got {name!r}"
+            )
         return Style("colwise", packs=int(count))
     if count or base not in STYLES:
         raise TPPlanError(
@@ -134,7 +136,9 @@ def _model_plan(module: nn.Module) -> tuple[dict[str, str] | None, str]:
     return None, ""
 
 
-def resolve_plan(module: nn.Module, user_plan: Mapping[str, Any] | None) -> tuple[dict[str, Style], str]:
+def resolve_plan(
+    module: nn.Module, user_plan: Mapping[str, Any] | None
+) -> tuple[dict[str, Style], str]:
     """The plan for ``module`` as ``{pattern: Style}`` and where it came from."""
     if user_plan is not None:
         plan, source = dict(user_plan), "the config's tp_plan"
@@ -148,7 +152,10 @@ def resolve_plan(module: nn.Module, user_plan: Mapping[str, Any] | None) -> tupl
                 "'blocks.*.attn.out': 'rowwise'} (module-name patterns, '*' = one name component)"
             )
         plan = found
-    styles = {pattern: parse_style(style, f"{source} entry {pattern!r}") for pattern, style in plan.items()}
+    styles = {
+        pattern: parse_style(style, f"{source} entry {pattern!r}")
+        for pattern, style in plan.items()
+    }
     return styles, source
 
 

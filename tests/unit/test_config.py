@@ -40,6 +40,9 @@ def test_accepted_keys_are_frozen():
         "device_memory",
         "shard_optimizer_state",
         "zero_optimization",
+        "tensor_parallel_degree",
+        "tp",
+        "tp_plan",
     }
 
 

@@ -1,0 +1,140 @@
+"""Tensor-parallel plans: matching, checks at wrap time, and how parameters are split."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from mpar.config import load_config
+from mpar.errors import ConfigError
+from mpar.tensor_parallel import (
+    TPPlanError,
+    TPShard,
+    match_plan,
+    parse_style,
+    plan_layout,
+    resolve_plan,
+)
+from mpar.testing_models import GPT_TP_PLAN, GPTConfig, TinyGPT
+
+
+def _gpt(**kw):
+    cfg = dict(vocab_size=32, d_model=16, num_layers=2, num_heads=4, d_ffn=32, max_seq_len=8)
+    return TinyGPT(GPTConfig(**{**cfg, "fused_qkv": False, **kw}))
+
+
+def test_patterns_match_one_component_and_suffixes():
+    model = _gpt()
+    plan, _ = resolve_plan(model, {"blocks.*.q": "colwise", "mlp.0": "colwise"})
+    found = match_plan(model, plan)
+    assert sorted(found) == ["blocks.0.mlp.0", "blocks.0.q", "blocks.1.mlp.0", "blocks.1.q"]
+    assert not match_plan(model, resolve_plan(model, {"blocks.q": "colwise"})[0])
+
+
+def test_layout_splits_and_replicates():
+    model = _gpt()
+    plan, source = resolve_plan(model, GPT_TP_PLAN)
+    layout = plan_layout(model, plan, 2, source)
+    assert layout.shards["blocks.0.q.weight"] == TPShard(0, 2)
+    assert layout.shards["blocks.0.q.bias"] == TPShard(0, 2)
+    assert layout.shards["blocks.0.proj.weight"] == TPShard(1, 2)
+    assert "blocks.0.proj.bias" not in layout.shards  # rowwise bias: added once, whole
+    assert "wte.weight" not in layout.shards and "blocks.0.ln_1.weight" not in layout.shards
+
+
+def test_packed_shard_round_trip():
+    full = torch.arange(24.0).reshape(12, 2)  # three blocks (q|k|v) of 4 rows
+    shard = TPShard(0, 2, packs=3)
+    pieces = [shard.local(full, r) for r in range(2)]
+    assert pieces[0][:, 0].tolist() == [0, 2, 8, 10, 16, 18]
+    assert torch.equal(shard.assemble(pieces), full)
+    assert shard.boxes(full.shape, 1) == [(2, 2), (6, 2), (10, 2)]
+
+
+def test_heads_not_divisible_is_a_clear_error():
+    model = _gpt(num_heads=2, d_model=16)
+    plan, source = resolve_plan(model, GPT_TP_PLAN)
+    with pytest.raises(
+        TPPlanError, match=r"num_heads is 2, not divisible by tensor_parallel_degree 4"
+    ):
+        plan_layout(model, plan, 4, source)
+
+
+def test_sizes_not_divisible_name_the_parameter():
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 4))
+    plan, source = resolve_plan(model, {"0": "colwise", "1": "rowwise"})
+    with pytest.raises(TPPlanError, match=r"0.weight: dimension 0 of shape \(6, 4\) has 6"):
+        plan_layout(model, plan, 4, source)
+
+
+def test_model_without_plan():
+    with pytest.raises(TPPlanError, match="has no tensor-parallel plan.*tp_plan"):
+        resolve_plan(nn.Sequential(nn.Linear(2, 2)), None)
+
+
+def test_plan_matching_nothing():
+    model = _gpt()
+    plan, source = resolve_plan(model, {"layers.*.q_proj": "colwise"})
+    with pytest.raises(TPPlanError, match="matches no module"):
+        plan_layout(model, plan, 2, source)
+
+
+def test_tied_weight_split_on_one_side_only():
+    model = _gpt()  # head.weight is wte.weight
+    plan, source = resolve_plan(model, {"head": "colwise"})
+    with pytest.raises(TPPlanError, match="shared with wte.weight"):
+        plan_layout(model, plan, 2, source)
+
+
+def test_unsupported_module_type():
+    model = nn.Sequential(nn.LayerNorm(4))
+    plan, source = resolve_plan(model, {"0": "colwise"})
+    with pytest.raises(TPPlanError, match="LayerNorm cannot take"):
+        plan_layout(model, plan, 2, source)
+
+
+@pytest.mark.parametrize("bad", ["columnwise", "packed_colwise:x", "sequence_parallel:2"])
+def test_unknown_style(bad):
+    with pytest.raises(TPPlanError, match="tensor-parallel style|packed_colwise"):
+        parse_style(bad, "entry")
+    with pytest.raises(ConfigError):
+        load_config({"tp_plan": {"a": bad}})
+
+
+def test_config_keys_and_world_size():
+    cfg = load_config({"tp": 2, "tp_plan": {"blocks.*.q": "colwise"}})
+    assert cfg.tensor_parallel_degree == 2
+    cfg.check_world_size(4)
+    with pytest.raises(ConfigError, match="do not divide the world size 6"):
+        load_config({"tp": 4}).check_world_size(6)
+    with pytest.raises(ConfigError, match="tensor_parallel_degree"):
+        load_config({"tensor_parallel_degree": 0})
+    with pytest.raises(TypeError, match="tp_plan"):
+        load_config({"tp_plan": ["colwise"]})
+    with pytest.raises(ConfigError, match="alias"):
+        load_config({"tp": 2, "tensor_parallel_degree": 2})
+
+
+def test_hf_plans_resolve():
+    transformers = pytest.importorskip("transformers")
+    llama = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=64,
+        )
+    )
+    plan, source = resolve_plan(llama, None)
+    assert "base_model_tp_plan" in source
+    layout = plan_layout(llama, plan, 2, source)
+    assert layout.shards["model.layers.0.self_attn.k_proj.weight"] == TPShard(0, 2)
+    with pytest.raises(TPPlanError, match="num_key_value_heads is 2"):
+        plan_layout(llama, plan, 4, source)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4))
+    plan, source = resolve_plan(gpt2, None)
+    layout = plan_layout(gpt2, plan, 2, source)
+    assert layout.shards["transformer.h.0.attn.c_attn.weight"] == TPShard(1, 2, packs=3)
