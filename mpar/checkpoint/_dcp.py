@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import pickle
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from queue import Queue
 from typing import Any
 
@@ -46,9 +47,52 @@ from mpar._compat import (
 )
 from mpar.checkpoint._boxes import Box, run_boxes
 
-__all__ = ["BoundedWriter", "Pieces", "SafeLoadPlanner", "SafeReader", "SavePlannerWithPieces"]
+__all__ = [
+    "BoundedWriter",
+    "LocalSplit",
+    "Pieces",
+    "SafeLoadPlanner",
+    "SafeReader",
+    "SavePlannerWithPieces",
+]
 
 DEFAULT_SUFFIX = ".distcp"
+
+
+@dataclass(frozen=True)
+class LocalSplit:
+    """This rank's tensor-parallel piece of a tensor: ``dim`` of the whole tensor
+    (``full_shape``) cut into ``packs`` blocks, each cut ``size`` ways; the piece is
+    the concatenation of part ``rank`` of every block (``mpar.tensor_parallel.TPShard``)."""
+
+    full_shape: torch.Size
+    dim: int
+    size: int
+    packs: int
+    rank: int
+
+    @property
+    def local_shape(self) -> torch.Size:
+        out = list(self.full_shape)
+        out[self.dim] //= self.size
+        return torch.Size(out)
+
+    def to_full(self, box: Box, view: torch.Tensor) -> list[tuple[Box, torch.Tensor]]:
+        """A box of the piece (and its view) as boxes of the whole tensor."""
+        d = self.dim
+        step = self.full_shape[d] // (self.packs * self.size)
+        lo, hi = box.offsets[d], box.offsets[d] + box.sizes[d]
+        out = []
+        while lo < hi:
+            block, within = divmod(lo, step)
+            end = min(hi, (block + 1) * step)
+            offsets, sizes = list(box.offsets), list(box.sizes)
+            offsets[d] = block * step * self.size + self.rank * step + within
+            sizes[d] = end - lo
+            part = view.narrow(d, lo - box.offsets[d], end - lo)
+            out.append((Box(tuple(offsets), tuple(sizes), box.flat_start), part))
+            lo = end
+        return out
 
 
 class Pieces:
@@ -59,10 +103,16 @@ class Pieces:
     (save) or filled (load).
     """
 
-    def __init__(self, shape: Sequence[int], dtype: torch.dtype) -> None:
-        self.shape = torch.Size(shape)
+    def __init__(
+        self, shape: Sequence[int], dtype: torch.dtype, split: LocalSplit | None = None
+    ) -> None:
+        self.split = split
+        """Runs are of this rank's TP piece of the tensor (None: of the whole tensor)."""
+        self.shape = torch.Size(shape) if split is None else split.full_shape
         self.dtype = dtype
         self.parts: list[tuple[Box, torch.Tensor]] = []
+        self.local: torch.Tensor | None = None
+        """Set by whoever made these pieces to stand for one whole local tensor."""
 
     def add_run(self, flat: torch.Tensor, start: int, stop: int) -> None:
         if flat.dim() != 1 or flat.numel() != stop - start:
@@ -70,9 +120,14 @@ class Pieces:
                 f"a run [{start}, {stop}) needs a 1-D tensor of {stop - start} elements, "
                 f"got shape {tuple(flat.shape)}"
             )
-        for box in run_boxes(self.shape, start, stop):
+        shape = self.shape if self.split is None else self.split.local_shape
+        for box in run_boxes(shape, start, stop):
             lo = box.flat_start - start
-            self.parts.append((box, flat[lo : lo + box.numel].view(box.sizes)))
+            view = flat[lo : lo + box.numel].view(box.sizes)
+            if self.split is None:
+                self.parts.append((box, view))
+            else:
+                self.parts += self.split.to_full(box, view)
 
     def size(self) -> torch.Size:
         return self.shape

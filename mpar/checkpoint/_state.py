@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpar.checkpoint._dcp import Pieces
+from mpar.checkpoint._dcp import LocalSplit, Pieces
 
 __all__ = [
     "load_model_targets",
@@ -56,6 +56,29 @@ def param_names(model: Any) -> dict[int, str]:
     return names
 
 
+def _pieces(model: Any, key: str, shape: torch.Size, dtype: torch.dtype) -> Pieces:
+    """Empty pieces of the tensor under ``key``, of which this rank holds runs of
+    ``shape`` elements: the whole tensor, or its tensor-parallel piece."""
+    shard = model.tp_shard_of(key)
+    if shard is None:
+        return Pieces(shape, dtype)
+    full = torch.Size(model._shapes[key])
+    return Pieces(
+        full, dtype, LocalSplit(full, shard.dim, shard.size, shard.packs, model.grid.tp_rank)
+    )
+
+
+def _split_whole(model: Any, key: str, tensor: torch.Tensor) -> Any:
+    """``tensor`` as it goes into the checkpoint: itself, or (a tensor-parallel piece)
+    :class:`Pieces` over all of it."""
+    if model.tp_shard_of(key) is None:
+        return tensor
+    pieces = _pieces(model, key, tensor.shape, tensor.dtype)
+    pieces.add_run(tensor.view(-1), 0, tensor.numel())
+    pieces.local = tensor
+    return pieces
+
+
 def _keys_by_tensor(local: dict[str, torch.Tensor]) -> dict[int, list[str]]:
     out: dict[int, list[str]] = {}
     for key, tensor in local.items():
@@ -83,7 +106,7 @@ def _master_pieces(model: Any, keys: dict[int, list[str]], copy: Copy) -> dict[s
         if id(bucket) not in copies:
             copies[id(bucket)] = copy(bucket.master)
         for key in keys.get(id(param), []):
-            pieces = out.setdefault(key, Pieces(shape, bucket.master_dtype))
+            pieces = out.setdefault(key, _pieces(model, key, shape, bucket.master_dtype))
             pieces.add_run(copies[id(bucket)][a:b], start, stop)
     return out
 
@@ -102,7 +125,7 @@ def model_entries(model: Any, copy: Copy = _same) -> dict[str, Any]:
         if id(tensor) in bucketed:
             continue
         value = copy(tensor)
-        out[key] = value.to(model._dtypes[key])
+        out[key] = _split_whole(model, key, value.to(model._dtypes[key]).contiguous())
     return out
 
 
@@ -119,7 +142,9 @@ def _param_groups(optimizer: Any, names: dict[int, str], source: Any) -> list[di
     return groups
 
 
-def _sharded_state(so: Any, names: dict[int, str], copy: Copy) -> dict[str, dict[str, Any]]:
+def _sharded_state(
+    so: Any, model: Any, names: dict[int, str], copy: Copy
+) -> dict[str, dict[str, Any]]:
     shapes = {
         slot.index: shape
         for bucket in so.sharded.buckets
@@ -136,7 +161,9 @@ def _sharded_state(so: Any, names: dict[int, str], copy: Copy) -> dict[str, dict
             length = piece.stop - piece.start
             for key, value in staged.items():
                 if _elementwise(value, sp.segment.numel):
-                    pieces = entry.setdefault(key, Pieces(shapes[piece.index], value.dtype))
+                    pieces = entry.setdefault(
+                        key, _pieces(model, names[id(param)], shapes[piece.index], value.dtype)
+                    )
                     pieces.add_run(value[offset : offset + length], piece.start, piece.stop)
                 else:
                     entry.setdefault(key, value)
@@ -149,10 +176,20 @@ def _plain_state(optimizer: Any, model: Any, names: dict[int, str], copy: Copy) 
     for param in model.local_parameters():
         state = optimizer.optimizer.state.get(param)
         if state:
-            out[names[id(param)]] = {
-                k: copy(v) if torch.is_tensor(v) else v for k, v in state.items()
+            fqn = names[id(param)]
+            out[fqn] = {
+                k: _split_whole(model, fqn, copy(v).contiguous())
+                if _elementwise_like(v, param)
+                else copy(v)
+                if torch.is_tensor(v)
+                else v
+                for k, v in state.items()
             }
     return out
+
+
+def _elementwise_like(value: Any, param: torch.Tensor) -> bool:
+    return torch.is_tensor(value) and value.shape == param.shape and value.dim() > 0
 
 
 def _pending_entries(
@@ -179,7 +216,7 @@ def optimizer_entries(optimizer: Any, model: Any, copy: Copy = _same) -> dict[st
     if isinstance(pending, dict):  # a full state loaded before partitioning, not applied yet
         return _pending_entries(optimizer, names, pending, copy)
     if so is not None:
-        state = _sharded_state(so, names, copy)
+        state = _sharded_state(so, model, names, copy)
         groups = _param_groups(optimizer, names, so.inner)
     else:
         state = _plain_state(optimizer, model, names, copy)
@@ -200,7 +237,7 @@ def load_model_targets(model: Any) -> dict[str, Any]:
         bucketed = {id(p) for b in model.sharded.buckets for p in b.params}
     for key, tensor in local.items():
         if id(tensor) not in bucketed:
-            out[key] = tensor.detach()
+            out[key] = _split_whole(model, key, tensor.detach())
     return out
 
 
@@ -249,12 +286,12 @@ def load_optimizer_targets(
     names = param_names(model)
     so = optimizer.sharded_optimizer()
     if so is not None:
-        return _sharded_targets(so, names, saved, optimizer)
+        return _sharded_targets(so, model, names, saved, optimizer)
     return _plain_targets(optimizer, model, names, saved)
 
 
 def _sharded_targets(
-    so: Any, names: dict[int, str], saved: dict[str, dict[str, Any]], optimizer: Any
+    so: Any, model: Any, names: dict[int, str], saved: dict[str, dict[str, Any]], optimizer: Any
 ) -> tuple[dict[str, Any], Callable[[dict[str, Any]], None]]:
     shapes = {
         slot.index: shape
@@ -270,15 +307,18 @@ def _sharded_targets(
             fqn = names[id(so.sharded.params[piece.index])]
             entry = targets.setdefault(fqn, {})
             length = piece.stop - piece.start
+            full_shape = torch.Size(model._shapes.get(fqn, shapes[piece.index]))
             for key, md in saved.get(fqn, {}).items():
-                if _is_elementwise_md(key, md, shapes[piece.index]):
+                if _is_elementwise_md(key, md, full_shape):
                     flat = seg.setdefault(
                         key,
                         torch.empty(
                             sp.segment.numel, dtype=md.properties.dtype, device=sp.param.device
                         ),
                     )
-                    pieces = entry.setdefault(key, Pieces(shapes[piece.index], md.properties.dtype))
+                    pieces = entry.setdefault(
+                        key, _pieces(model, fqn, shapes[piece.index], md.properties.dtype)
+                    )
                     pieces.add_run(flat[offset : offset + length], piece.start, piece.stop)
                 else:
                     entry.setdefault(key, _target_like(md))
@@ -322,19 +362,26 @@ def _plain_targets(
     for param in model.local_parameters():
         fqn = names[id(param)]
         if fqn in saved:
-            targets[fqn] = {
+            full_shape = torch.Size(model._shapes.get(fqn, param.shape))
+            entry: dict[str, Any] = {}
+            for k, md in saved[fqn].items():
                 # element-wise state beside the parameter; ``step`` and the like on the CPU
-                k: _target_like(
-                    md, param.device if _is_elementwise_md(k, md, param.shape) else "cpu"
-                )
-                for k, md in saved[fqn].items()
-            }
+                if _is_elementwise_md(k, md, full_shape):
+                    local = torch.empty(param.shape, dtype=md.properties.dtype, device=param.device)
+                    entry[k] = _split_whole(model, fqn, local)
+                else:
+                    entry[k] = _target_like(md, "cpu")
+            targets[fqn] = entry
     index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
 
     def install(loaded: dict[str, Any]) -> None:
         groups = _check_groups(optimizer, names, loaded["param_groups"])
         by_name = {names[id(p)]: index[id(p)] for p in model.local_parameters() if id(p) in index}
-        state = {by_name[f]: dict(loaded["state"][f]) for f in targets if f in by_name}
+        state = {
+            by_name[f]: {k: _unwrapped(v) for k, v in loaded["state"][f].items()}
+            for f in targets
+            if f in by_name
+        }
         start, full_groups = 0, []
         for options, group in zip(groups, optimizer.param_groups):
             size = len(group["params"])
@@ -343,6 +390,10 @@ def _plain_targets(
         optimizer.optimizer.load_state_dict({"state": state, "param_groups": full_groups})
 
     return targets, install
+
+
+def _unwrapped(value: Any) -> Any:
+    return value.local if isinstance(value, Pieces) and value.local is not None else value
 
 
 def _check_groups(
