@@ -169,8 +169,12 @@ class RankMaterializer:
         device: torch.device,
         init_fn: InitFn | None = None,
         shapes: Mapping[str, torch.Size] | None = None,
+        pieces: Mapping[int, Callable[[torch.Tensor], torch.Tensor]] | None = None,
     ) -> None:
         self.module = module
+        self.pieces = dict(pieces or {})
+        """id(tensor) -> this rank's tensor-parallel piece of its initialised whole value
+        (a tensor split by TP: it is initialised whole, one init group at a time, and cut)."""
         self.stage_modules = list(stage_modules)
         self.seed = seed
         self.device = torch.device(device)
@@ -197,6 +201,9 @@ class RankMaterializer:
         fresh = [t for t in group.tensors.values() if t.is_meta and id(t) in self.needed]
         initialize_group(group, seed=self.seed, run=self.run, shapes=self.shapes, keep=self._keep)
         for t in fresh:  # initialised on the host: the same values on every device kind
+            cut = self.pieces.get(id(t))
+            if cut is not None and not t.is_meta:
+                replace_storage(t, cut(t.data).clone())
             if not t.is_meta and t.device != self.device:
                 replace_storage(t, _device.to_device(t.data, self.device))
 
@@ -248,6 +255,7 @@ def start_materialize(
     st: Any,
     init_fn: InitFn | None,
     shapes: Mapping[str, torch.Size] | None = None,
+    pieces: Mapping[int, Callable[[torch.Tensor], torch.Tensor]] | None = None,
 ) -> RankMaterializer | None:
     """For a meta model just split into ``stages`` (a ``LocalStages``): fresh tensor
     objects, and a materializer with buffers and frozen parameters done; None for a
@@ -263,7 +271,13 @@ def start_materialize(
             "a weak reference to it (torch.utils.swap_tensors refuses); please report this"
         )
     materializer = RankMaterializer(
-        module, local, seed=st.config.seed, device=st.device, init_fn=init_fn, shapes=shapes
+        module,
+        local,
+        seed=st.config.seed,
+        device=st.device,
+        init_fn=init_fn,
+        shapes=shapes,
+        pieces=pieces,
     )
     materializer.prepare()
     return materializer

@@ -11,8 +11,11 @@ A tensor of the model (under its state-dict key) is held on a rank as one of:
 Ranges are of the tensor's elements in row-major order (``tensor.reshape(-1)``).
 ``load_pretrained`` fills :func:`stored_range`; ``save_pretrained`` writes
 :func:`written_range`, so that the ranks of a data-parallel group each write a
-different part of every parameter and no element is written twice. (Tensor
-parallelism will add a slicing of the parameter itself here.)
+different part of every parameter and no element is written twice.
+
+Under tensor parallelism a rank holds its TP piece of a split tensor
+(``Share.split``): the ranges are then of the piece's elements, and
+:func:`full_runs` maps them back to runs of the whole tensor.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ import torch
 
 from mpar.shard._bucket import FlatBucket, Residence
 from mpar.shard._layout import SlotSpec
+from mpar.tensor_parallel import TPShard
 
-__all__ = ["Share", "local_shares", "stored_range", "written_range"]
+__all__ = ["Share", "full_runs", "local_shares", "stored_range", "written_range"]
 
 
 @dataclass
@@ -41,10 +45,18 @@ class Share:
     """The lowest local stage that holds it."""
     bucket: FlatBucket | None = None
     slot: SlotSpec | None = None
+    split: TPShard | None = None
+    """How tensor parallelism splits it (this rank holds its piece); None: whole."""
+
+    @property
+    def local_shape(self) -> torch.Size:
+        """The shape of what this rank holds of it: the whole, or its TP piece."""
+        return self.shape if self.split is None else self.split.local_shape(self.shape)
 
     @property
     def numel(self) -> int:
-        return self.shape.numel()
+        """Elements of what this rank holds (ranges below are of these, row-major)."""
+        return self.local_shape.numel()
 
 
 def local_shares(model: Any) -> dict[str, Share]:
@@ -73,8 +85,34 @@ def local_shares(model: Any) -> dict[str, Share]:
             default=0,
         )
         bucket, slot = where.get(id(t), (None, None))
-        out[key] = Share(key, t, model._shapes[key], stage, bucket, slot)
+        split = model.tp_shard_of(key)
+        out[key] = Share(key, t, model._shapes[key], stage, bucket, slot, split)
     return out
+
+
+def full_runs(
+    share: Share, tp_rank: int, start: int, values: torch.Tensor
+) -> list[tuple[int, torch.Tensor]]:
+    """Elements ``[start, start + len(values))`` of what this rank holds of ``share``, as
+    ``(first element, values)`` runs of the whole tensor (row-major)."""
+    split = share.split
+    if split is None:
+        return [(start, values)]
+    d, shape = split.dim, share.shape
+    inner = shape[d + 1 :].numel()
+    block = shape[d] // split.packs
+    step = block // split.size
+    chunk = step * inner  # held elements that are consecutive in the whole tensor too
+    runs: list[tuple[int, torch.Tensor]] = []
+    i, end = start, start + values.numel()
+    while i < end:
+        c, within = divmod(i, chunk)
+        outer, pack = divmod(c, split.packs)
+        stop = min(end, (c + 1) * chunk)
+        first = (outer * shape[d] + pack * block + tp_rank * step) * inner + within
+        runs.append((first, values[i - start : stop - start]))
+        i = stop
+    return runs
 
 
 def _in_bucket(share: Share, lo: int, hi: int) -> tuple[int, int]:

@@ -174,12 +174,12 @@ def _load_partitioned(model: Any, ckpt: Checkpoint, matched: Mapping[str, str]) 
             if key not in matched:
                 continue
             start, stop = stored_range(share)
+            values = _read(ckpt, matched[key], share, model.grid.tp_rank, start, stop)
             if share.bucket is None:
-                values = ckpt.read(matched[key], start, stop)
                 share.tensor.copy_(values.reshape(share.tensor.shape))
                 continue
             assert share.slot is not None
-            values = ckpt.read(matched[key], start, stop).to(share.bucket.master_dtype)
+            values = values.to(share.bucket.master_dtype)
             index = share.bucket.spec.slots.index(share.slot)
             entry = per_bucket.setdefault(id(share.bucket), (share.bucket, {}))
             entry[1][index] = (start, values)
@@ -187,6 +187,17 @@ def _load_partitioned(model: Any, ckpt: Checkpoint, matched: Mapping[str, str]) 
                 fill_bucket(*per_bucket.pop(id(share.bucket)))  # one bucket's values at a time
         for bucket, given in per_bucket.values():
             fill_bucket(bucket, given)
+
+
+def _read(
+    ckpt: Checkpoint, ckey: str, share: Any, tp_rank: int, start: int, stop: int
+) -> torch.Tensor:
+    """Elements ``[start, stop)`` of what this rank holds of ``share``: of the tensor, or
+    of its tensor-parallel piece (only the piece's blocks are read)."""
+    if share.split is None:
+        return ckpt.read(ckey, start, stop)
+    boxes = share.split.boxes(share.shape, tp_rank)
+    return ckpt.read_piece(ckey, share.split.dim, boxes).reshape(-1)[start:stop]
 
 
 # ---------------------------------------------------------------------------- saving
@@ -242,7 +253,7 @@ def _saved_keys(model: Any) -> list[str]:
 
 def _pieces(model: Any) -> list[tuple[str, int, torch.Tensor]]:
     """(key, first element, values) this rank writes."""
-    from mpar.build._owned import local_shares, read_range, written_range
+    from mpar.build._owned import full_runs, local_shares, read_range, written_range
 
     if not model.partitioned:
         if any(t.is_meta for t in model.module.state_dict().values()):
@@ -264,7 +275,10 @@ def _pieces(model: Any) -> list[tuple[str, int, torch.Tensor]]:
     for key, share in shares.items():
         if share.stage != lowest[key]:
             continue
+        if share.split is None and model.grid.tp_rank != 0:
+            continue  # whole on every TP rank: TP rank 0 writes it
         start, stop = written_range(share, model.grid.dp_rank)
         if start < stop:
-            out.append((key, start, read_range(share, start, stop)))
+            values = read_range(share, start, stop)
+            out += [(key, a, run) for a, run in full_runs(share, model.grid.tp_rank, start, values)]
     return out

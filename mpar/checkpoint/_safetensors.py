@@ -139,6 +139,19 @@ class Checkpoint:
         rows = handle.get_slice(key)[first:last]
         return rows.reshape(-1)[start - first * row : stop - first * row]
 
+    def read_piece(self, key: str, dim: int, pieces: list[tuple[int, int]]) -> torch.Tensor:
+        """The blocks ``(offset, length)`` along ``dim`` of tensor ``key``, concatenated
+        (a tensor-parallel piece), read block by block."""
+        handle = self._open(self.file_of[key])
+        ndim = len(self.shapes[key])
+        blocks = []
+        for offset, length in pieces:
+            index = tuple(
+                slice(offset, offset + length) if d == dim else slice(None) for d in range(ndim)
+            )
+            blocks.append(handle.get_slice(key)[index])
+        return torch.cat(blocks, dim)
+
     def close(self) -> None:
         self._handles.clear()
 

@@ -9,6 +9,7 @@ its own stages and frees the parameters of the others.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -119,7 +120,7 @@ class DistributedModel:
             stage.train(self.module.training)
         # A meta model gets storage here: this rank's stages only, bucket by bucket.
         materializer = start_materialize(
-            self.module, self.stages, st, self.init_fn, self._tensor_shapes
+            self.module, self.stages, st, self.init_fn, self._tensor_shapes, self._tp_cuts()
         )
         ensure = None if materializer is None else materializer.ensure
         self.sharded = make_sharded(self.stages, st, (args, kwargs), materialize=ensure)
@@ -335,6 +336,17 @@ class DistributedModel:
             if name in self.tp_layout.shards:
                 return self.tp_layout.shards[name]
         return None
+
+    def _tp_cuts(self) -> dict[int, Callable[[torch.Tensor], torch.Tensor]]:
+        """id(parameter) -> cut of this rank's TP piece from its whole value."""
+        layout, rank = self.tp_layout, self.grid.tp_rank
+        if layout is None:
+            return {}
+        return {
+            id(p): functools.partial(layout.shards[name].local, rank=rank)
+            for name, p in self.module.named_parameters()
+            if name in layout.shards
+        }
 
     def _tp_gathered(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``local`` with every TP-split tensor assembled from the TP group's pieces."""

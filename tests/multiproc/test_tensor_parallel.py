@@ -180,3 +180,65 @@ def test_checkpoint_at_pp2_tp2_resumes_at_other_tp(tmp_path, world, tp):
         for got, want in zip(got_states, states[SAVE_AT:]):
             for key, value in want.items():
                 assert_close(got[key], value, **TOL, msg=lambda m, k=key: f"{k}: {m}")
+
+
+# ------------------------------------------------------- meta build, HF weights
+def _gpt2_factory():
+    from tests.multiproc import _hf_cases as hf
+
+    return hf.build("gpt2")
+
+
+def _body_meta_pretrained(config, root, out):
+    """A meta-built GPT-2 under TP: its initial state, then one loaded from ``root``
+    (applied when partitioned) and written back to ``out`` with save_pretrained."""
+    import mpar
+
+    mpar.init(config)
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    fresh = mpar.DistributedModel(_gpt2_factory, example_kwargs={"input_ids": ids})
+    split = [p.shape for n, p in fresh.named_parameters() if n.endswith("c_attn.weight")]
+    initial = fresh.state_dict()
+    loaded = mpar.DistributedModel(_gpt2_factory)
+    mpar.load_pretrained(loaded, root)
+    loaded._partition((), {"input_ids": ids})
+    mpar.save_pretrained(loaded, out, max_shard_size="40KB")
+    return initial, loaded.state_dict(), split
+
+
+@pytest.mark.parametrize(
+    ("world", "extra"),
+    [(4, {"zero": {"stage": 3}}), (4, {"pipeline_parallel_degree": 2})],
+    ids=["tp2-dp2-zero3", "pp2-tp2"],
+)
+def test_meta_build_and_pretrained_weights_under_tp(tmp_path, world, extra):
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file, save_file
+
+    import mpar
+
+    with torch.device("meta"):
+        reference = _gpt2_factory()
+    mpar.materialize(reference, seed=0)
+    torch.manual_seed(3)
+    weights = {k: torch.randn_like(v) for k, v in reference.state_dict().items()}
+    del weights["lm_head.weight"]  # tied to transformer.wte.weight
+    (tmp_path / "in").mkdir()
+    save_file(weights, tmp_path / "in" / "model.safetensors")
+    config = {"tensor_parallel_degree": 2, "microbatches": 1, **extra}
+    out = tmp_path / "out"
+    results = run_distributed(
+        _body_meta_pretrained, world, args=(config, str(tmp_path / "in"), str(out)), timeout=300
+    )
+    written = {}
+    for file in out.glob("*.safetensors"):
+        written.update(load_file(file))
+    assert len(list(out.glob("*.safetensors"))) > 1
+    for initial, loaded, split in results:
+        held = [shape for shape in split if shape.numel()]  # ZeRO-3 releases between steps
+        assert held == [torch.Size([32, 48])] * len(held)  # 3 x 32 / 2 columns of c_attn
+        for key, value in reference.state_dict().items():
+            assert torch.equal(initial[key], value), key
+        for key, value in weights.items():
+            assert torch.equal(loaded[key], value), key
+            assert torch.equal(written[key], value), key

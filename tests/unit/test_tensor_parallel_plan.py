@@ -138,3 +138,22 @@ def test_hf_plans_resolve():
     plan, source = resolve_plan(gpt2, None)
     layout = plan_layout(gpt2, plan, 2, source)
     assert layout.shards["transformer.h.0.attn.c_attn.weight"] == TPShard(1, 2, packs=3)
+
+
+@pytest.mark.parametrize(
+    "shard", [TPShard(0, 2), TPShard(1, 2), TPShard(1, 2, packs=3), TPShard(0, 4)]
+)
+def test_full_runs_place_every_held_element(shard):
+    from mpar.build._owned import Share, full_runs
+
+    whole = torch.arange(12 * 12).reshape(12, 12)
+    for rank in range(shard.size):
+        piece = shard.local(whole, rank).reshape(-1)
+        share = Share("w", piece, whole.shape, 0, split=shard)
+        for start, stop in [(0, piece.numel()), (5, 31)]:
+            flat = whole.reshape(-1).clone().zero_()
+            for first, run in full_runs(share, rank, start, piece[start:stop]):
+                flat[first : first + run.numel()] = run
+            placed = flat != 0
+            assert torch.equal(flat[placed], whole.reshape(-1)[placed])
+            assert int(placed.sum()) == stop - start - int((piece[start:stop] == 0).sum())
