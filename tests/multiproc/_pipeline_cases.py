@@ -173,6 +173,13 @@ def train_ranks(
         "tp": (mpar.tp_rank(), mpar.tp_size()),
         "tp_shards": {} if dmodel.tp_layout is None else dict(dmodel.tp_layout.shards),
         "param_bytes": sum(p.numel() * p.element_size() for p in dmodel.local_parameters()),
+        "param_storage_bytes": sum(
+            {
+                p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                for p in dmodel.local_parameters()
+            }.values()
+        ),
+        "report_param_bytes": mpar.memory_report()["cpu"]["parameters"],
         "memory_devices": sorted(mpar.memory_report()),
         "config": dmodel.config,
     }

@@ -14,7 +14,7 @@ from torch.testing import assert_close
 
 from mpar.testing import run_distributed
 from mpar.testing_models import GPT_TP_PLAN
-from tests.multiproc._pipeline_cases import reference, train_ranks
+from tests.multiproc._pipeline_cases import MODELS, reference, train_ranks
 
 STEPS = 3
 TOL = {"rtol": 1e-4, "atol": 1e-5}
@@ -50,6 +50,14 @@ def test_tp_alone(tp, optimizer):
     _check(results, reference("tp_gpt", optimizer, STEPS))
     shards = results[0]["tp_shards"]
     assert "blocks.0.q.weight" in shards and "blocks.0.ln_1.weight" not in shards
+    # Memory: each rank holds 1/tp of every split parameter and all of the replicated ones.
+    params = dict(MODELS["tp_gpt"]().named_parameters())
+    split = sum(params[n].numel() for n in shards)
+    replicated = sum(p.numel() for n, p in params.items() if n not in shards)
+    for r in results:
+        want = 4 * (split // tp + replicated)
+        assert r["param_bytes"] == r["report_param_bytes"] == want  # counted
+        assert r["param_storage_bytes"] == want  # measured: the storage allocated
 
 
 def test_pp2_tp2():
