@@ -22,6 +22,14 @@ With ``--global-batch`` each microbatch holds ``global-batch / dp / microbatches
 samples and the profiled microbatch's figures are scaled to it; without it, the
 profiled microbatch is the plan's. The plan prints the microbatch size it assumed.
 
+With ``--tp N`` (or the config's ``tensor_parallel_degree``) the figures are one
+tensor-parallel rank's: the model's TP plan (the config's ``tp_plan``, the model's
+own ``base_model_tp_plan``, or mpar's plan for its family) is checked at ``N`` as
+the runtime checks it, split parameters, their gradients and optimizer state count
+``1/N``, activations saved inside split layers ``1/N``, and each stage's time gains
+the TP collectives over ``--tp-bandwidth`` (default: the link bandwidth); dp =
+world-size / (pp * N). See docs/planning.md.
+
 Memory is per rank of the device kind the plan is for (``--device``; default: the
 config's ``device``, where ``auto`` means CUDA when this machine has it, else the
 CPU). On a CPU device offloaded state stays in the same memory and counts in the
@@ -32,9 +40,10 @@ With ``--auto`` the layout itself is searched (``mpar.partition.search``):
     mpar plan --auto --hf-config config.json --seq-len 4096 --world-size 16 \\
         --device-memory 80GiB --global-batch 64 [--json]
 
-pipeline degree, virtual stages, microbatches, schedule, ZeRO stage, offload,
-activation checkpointing and bf16, under the memory cap, fastest predicted step
-first. The model is profiled once (at ``--batch`` samples with ``--hf-config``,
+tensor-parallel degree (the divisors of the world size the model's TP plan
+accepts; tp = 1 without a plan), pipeline degree, virtual stages, microbatches,
+schedule, ZeRO stage, offload, activation checkpointing and bf16, under the memory
+cap, fastest predicted step first. The model is profiled once (at ``--batch`` samples with ``--hf-config``,
 at the example inputs' first dimension with ``--model``) and scaled linearly to
 each candidate's microbatch size. ``--json`` prints ``{"config", "predicted",
 "candidates", "rejected", "plan"}``; ``config`` runs as is with ``mpar.init``.
@@ -45,6 +54,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -101,6 +111,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="bytes each rank's process holds besides tensors (default: the CPU runtime's "
         "measured 5MiB, 6MiB more per pipeline rank, 12MiB more under bf16/fp16); set it "
         "for your device, e.g. 1GiB",
+    )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        help="tensor-parallel degree (default: the config's tensor_parallel_degree); with "
+        "--auto: search only this degree",
+    )
+    parser.add_argument(
+        "--tp-bandwidth",
+        help="bytes/s per rank in tensor-parallel collectives, e.g. 150GB for NVLink "
+        "(default: the link bandwidth); 'none' leaves them out",
     )
     parser.add_argument("--meta", action="store_true", help="build and profile on the meta device")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -182,10 +203,18 @@ def _build(spec: str, meta: bool) -> tuple[Any, tuple[Any, ...], dict[str, Any]]
     return made[0], args, kwargs
 
 
-def _read_config(path: str | None, world_size: int) -> Config:
+def _read_config(path: str | None, world_size: int, tp: int | None = None) -> Config:
+    import dataclasses
+
     from mpar.config import load_config
 
     config = load_config(path, defaults={"pipeline_parallel_degree": world_size})
+    if tp is not None:  # --tp wins over the config's
+        if tp < 1:
+            raise ValueError(f"--tp must be a positive integer, got {tp}")
+        config = dataclasses.replace(config, tensor_parallel_degree=tp)
+        if path is None and os.environ.get("MPAR_CONFIG") is None:
+            config = dataclasses.replace(config, pipeline_parallel_degree=world_size // tp)
     config.check_world_size(world_size)
     if config.auto_keys:
         raise ValueError(
@@ -196,15 +225,16 @@ def _read_config(path: str | None, world_size: int) -> Config:
 
 
 def _plan_options(config: Config, world_size: int) -> dict[str, Any]:
-    pp = config.pipeline_parallel_degree
+    pp, tp = config.pipeline_parallel_degree, config.tensor_parallel_degree
     return {
         "num_ranks": pp,
+        "tensor_parallel_degree": tp,
         "virtual_stages": config.virtual_stages,
         "microbatches": config.microbatches,
         "pipeline": config.pipeline,
         "optimize": config.optimize,
         "memory_weight": config.memory_weight,
-        "data_parallel_degree": world_size // pp,
+        "data_parallel_degree": world_size // (pp * tp),
         "zero_stage": config.zero.stage,
         "precision": "bf16" if config.bf16 else "fp16" if config.fp16 else "fp32",
         "activation_checkpointing": config.activation_checkpointing not in (False, "none"),
@@ -215,8 +245,9 @@ def _plan_options(config: Config, world_size: int) -> dict[str, Any]:
     }
 
 
-def _profile(args: argparse.Namespace) -> tuple[Any, int]:
-    """Profile the model; returns the profile and its samples per microbatch.
+def _profile(args: argparse.Namespace) -> tuple[Any, int, Any]:
+    """Profile the model; returns the profile, its samples per microbatch and the
+    ``(module, (args, kwargs))`` it profiled (for the TP plan).
 
     With ``--auto`` on a measured (not meta) model whose example holds two or more
     samples, a second profile at half of them fits each unit's per-call fixed
@@ -241,7 +272,7 @@ def _profile(args: argparse.Namespace) -> tuple[Any, int]:
         half_args, half_kwargs = _first_samples((ex_args, ex_kwargs), batch, batch // 2)
         half = profile_model(module, half_args, half_kwargs, units=profile.names)
         profile = fit_fixed_times(profile, batch, half, batch // 2)
-    return profile, batch
+    return profile, batch, (module, (ex_args, ex_kwargs))
 
 
 def _first_samples(inputs: Any, batch: int, keep: int) -> Any:
@@ -309,22 +340,44 @@ def microbatch_size(global_batch: int | None, dp: int, microbatches: int, profil
     return global_batch // (dp * microbatches)
 
 
-def _run_plan(args: argparse.Namespace) -> str:
-    from mpar.partition import CostModel, make_plan
+def tp_bandwidth(args: argparse.Namespace, link: float | None) -> float | None:
+    """``--tp-bandwidth`` in bytes per second (the link bandwidth without it)."""
+    from mpar.partition._plan import _bandwidth
 
-    config = _read_config(args.config, args.world_size)
+    text = args.tp_bandwidth
+    if text is None:
+        return link
+    return None if text.lower() == "none" else _bandwidth(text, "--tp-bandwidth")
+
+
+def _run_plan(args: argparse.Namespace) -> str:
+    from mpar.cli._plan_tp import tp_splits
+    from mpar.partition import CostModel, make_plan
+    from mpar.partition._plan import _bandwidth
+
+    config = _read_config(args.config, args.world_size, args.tp)
     options = _plan_options(config, args.world_size)
     size = microbatch_size(
         args.global_batch, options["data_parallel_degree"], config.microbatches, 1
     )  # checked before profiling
-    profile, batch = _profile(args)
+    link = _link(args.link_bandwidth)
+    cost = CostModel(
+        tp_bandwidth=tp_bandwidth(args, None if link is None else _bandwidth(link)),
+        **process_overrides(args.process_memory),
+    )
+    profile, batch, (module, inputs) = _profile(args)
+    tp = config.tensor_parallel_degree
+    splits = None
+    if tp > 1:
+        splits = tp_splits(module, profile, inputs, [tp], user_plan=config.tp_plan, required=tp)
     size = size if args.global_batch is not None else batch
     if args.device_memory is not None:
         options["device_memory"] = args.device_memory
     plan = make_plan(
         profile,
-        link_bandwidth=_link(args.link_bandwidth),
-        cost=CostModel(**process_overrides(args.process_memory)),
+        link_bandwidth=link,
+        cost=cost,
+        tp_splits=splits,
         device=device_kind(args.device, config.device),
         microbatch_scale=size / batch,
         microbatch_size=size,

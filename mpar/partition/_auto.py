@@ -2,7 +2,12 @@
 
 ``search`` enumerates, for ``world_size`` ranks and a global batch:
 
-* pipeline degree ``pp``: the divisors of the world size (``dp = world / pp``;
+* tensor-parallel degree ``tp``: the divisors of the world size that the model's
+  TP plan accepts (heads and split sizes divisible, ``TPSplits.degrees``); a model
+  without a plan gets ``tp = 1`` only. Each degree is laid out from one TP rank's
+  share of the profile (``mpar.partition._tp.tp_share``: split parameters and
+  activations ``1/tp``, TP collectives added to each unit's time);
+* pipeline degree ``pp``: the divisors of ``world / tp`` (``dp = world / (pp * tp)``;
   the global batch must split evenly over the ``dp`` replicas);
 * microbatches ``m``: the divisors of the per-replica batch, so every microbatch
   has the same whole number of samples;
@@ -43,6 +48,7 @@ from mpar.partition._plan import (
     lower_bound_s,
     rank_overheads,
 )
+from mpar.partition._tp import TPSplits, tp_share
 
 if TYPE_CHECKING:
     from mpar.profile import ModelProfile
@@ -59,6 +65,9 @@ NO_DP = "ZeRO without data parallelism or offload shards nothing"
 SLOWER = "slower than the top candidates (not simulated)"
 OVER_HOST = "over host memory cap"
 CPU_OFFLOAD = "offload on a CPU device (the host is the device: it saves nothing)"
+TP_REFUSED = "tensor-parallel degree the model's plan refuses (heads or sizes not divisible)"
+NO_TP_PLAN = "tensor-parallel degree > 1 for a model without a TP plan"
+TP_PP = "pipeline degree that does not divide world / tp"
 
 
 @dataclass(frozen=True)
@@ -82,6 +91,9 @@ class SearchSpace:
     """Only these (offload optimizer, offload params) pairs (None: what ``offload`` allows)."""
     gather: str | int = "unit"
     """``zero.gather`` of every candidate (split-backward schedules gather by chunk anyway)."""
+    tensor_parallel_degrees: tuple[int, ...] | None = None
+    """Only these TP degrees (None: every divisor of the world size the model's plan
+    accepts; 1 without a plan)."""
 
     def __post_init__(self) -> None:
         bad = [p for p in self.pipelines if p not in SEARCHABLE]
@@ -130,6 +142,8 @@ class Candidate:
     host_memory_bytes: list[int] = field(default_factory=list)
     """Per pipeline rank: host bytes of offloaded state (inside ``rank_memory_bytes`` on a
     CPU device, beside it elsewhere)."""
+    tensor_parallel_degree: int = 1
+    """Ranks splitting each layer; the memory figures are one TP rank's."""
 
     @property
     def max_host_memory_bytes(self) -> int:
@@ -162,6 +176,7 @@ class Candidate:
             zero["gather"] = self.gather
         config: dict[str, Any] = {
             "pipeline_parallel_degree": self.pipeline_parallel_degree,
+            "tensor_parallel_degree": self.tensor_parallel_degree,
             "microbatches": self.microbatches,
             "pipeline": self.pipeline,
             "virtual_stages": self.virtual_stages,
@@ -198,6 +213,8 @@ class SearchResult:
     device: str = "cuda"
     host_memory: int | None = None
     """The cap on each rank's host memory (None: none)."""
+    tp_degrees: tuple[int, ...] = (1,)
+    """The TP degrees searched."""
 
     @property
     def best(self) -> Candidate:
@@ -212,6 +229,8 @@ class SearchResult:
         best = self.best
         return {
             "config": best.config(self.device_memory),
+            "tensor_parallel_degree": best.tensor_parallel_degree,
+            "tp_degrees": list(self.tp_degrees),
             "predicted": {
                 "step_time_s": best.step_time_s,
                 "bubble": best.bubble,
@@ -329,8 +348,9 @@ def _evaluate(
     cost: CostModel,
     gather: str | int = "unit",
     device: str = "cuda",
+    tp: int = 1,
 ) -> Candidate | None:
-    """Lay out one candidate; None when it does not fit the cap."""
+    """Lay out one candidate (``profile``: one TP rank's); None when it does not fit."""
     pp, dp, m, pipeline, v = shape
     zero, opt, par, ckpt, precision = knobs
     gathered = effective_gather(pipeline, gather)
@@ -348,7 +368,7 @@ def _evaluate(
     return Candidate(
         pp, dp, v, m, 0, pipeline, zero, opt, par, ckpt, precision,
         max(laid.rank_memory), laid.rank_memory, laid.starts, bound, overhead, gather=gather,
-        device=device, host_memory_bytes=laid.host_memory,
+        device=device, host_memory_bytes=laid.host_memory, tensor_parallel_degree=tp,
     )  # fmt: skip
 
 
@@ -363,7 +383,7 @@ def _simulate(profile: ModelProfile, c: Candidate, scale: float, cap: int, cost:
 
 
 def _rank(
-    profile: ModelProfile,
+    profiles: dict[int, ModelProfile],
     fitting: list[tuple[Candidate, float]],
     top: int,
     cap: int,
@@ -377,7 +397,7 @@ def _rank(
         if len(best) >= top and cand.lower_bound_s > -best[0][0]:
             skipped = len(fitting) - order
             break
-        _simulate(profile, cand, scale, cap, cost)
+        _simulate(profiles[cand.tensor_parallel_degree], cand, scale, cap, cost)
         key = (-(cand.step_time_s or 0.0), -cand.max_rank_memory_bytes, -order, cand)
         if len(best) < top:
             heapq.heappush(best, key)
@@ -389,7 +409,12 @@ def _rank(
 def _preference(c: Candidate) -> tuple[float, ...]:
     """Faster first; at equal time (to 1e-9) the smaller peak, then the simpler layout."""
     time = float(f"{c.step_time_s or 0.0:.9g}")
-    features = (c.zero_stage, c.offload_optimizer + c.offload_params, c.activation_checkpointing)
+    features = (
+        c.tensor_parallel_degree,
+        c.zero_stage,
+        c.offload_optimizer + c.offload_params,
+        c.activation_checkpointing,
+    )
     return (time, c.max_rank_memory_bytes, *features, c.virtual_stages)
 
 
@@ -405,6 +430,7 @@ def search(
     top: int = 10,
     device: str = "cuda",
     host_memory: int | str | None = None,
+    tp_splits: TPSplits | None = None,
 ) -> SearchResult:
     """Search every layout of ``world_size`` ranks for ``global_batch`` samples a step.
 
@@ -418,6 +444,8 @@ def search(
             ``space.offload_choices`` names it).
         host_memory: bytes (or "64GiB") of host memory per rank for offloaded state on a
             CUDA or XLA device; None: not capped.
+        tp_splits: what the model's TP plan splits and the degrees it accepts
+            (``mpar.partition._tp``); None: no plan, ``tp = 1`` only.
 
     Returns a ``SearchResult``; ``result.best`` raises ``PartitionError`` when nothing fits.
     """
@@ -429,29 +457,83 @@ def search(
     reject: Counter[str] = Counter()
     fitting: list[tuple[Candidate, float]] = []
     evaluated = 0
-    for shape in _shapes(len(profile.units), world_size, global_batch, space, reject):
-        _pp, dp, m, _pipeline, _v = shape
-        size = global_batch // dp // m
-        for knobs in _knobs(dp, space, reject, device):
-            evaluated += 1
-            scale = size / profile_batch
-            cand = _evaluate(profile, shape, knobs, scale, cap, cost, space.gather, device)
-            if cand is None:
-                reject[OVER_CAP] += 1
-                continue
-            if host_cap is not None and device != "cpu" and cand.max_host_memory_bytes > host_cap:
-                reject[OVER_HOST] += 1
-                continue
-            cand.microbatch_size = size
-            fitting.append((cand, size / profile_batch))
+    splits = tp_splits or TPSplits.none()
+    profiles: dict[int, ModelProfile] = {}
+    for tp in _tp_degrees(world_size, space, splits, reject):
+        tp_space = _space_for(space, world_size // tp, reject)
+        if tp_space is None:
+            continue
+        profiles[tp] = tp_profile = tp_share(profile, splits, tp)
+        world = world_size // tp
+        for shape in _shapes(len(profile.units), world, global_batch, tp_space, reject):
+            _pp, dp, m, _pipeline, _v = shape
+            size = global_batch // dp // m
+            for knobs in _knobs(dp, space, reject, device):
+                evaluated += 1
+                scale = size / profile_batch
+                cand = _evaluate(
+                    tp_profile, shape, knobs, scale, cap, cost, space.gather, device, tp
+                )
+                if cand is None:
+                    reject[OVER_CAP] += 1
+                    continue
+                if (
+                    host_cap is not None
+                    and device != "cpu"
+                    and cand.max_host_memory_bytes > host_cap
+                ):
+                    reject[OVER_HOST] += 1
+                    continue
+                cand.microbatch_size = size
+                fitting.append((cand, size / profile_batch))
     count = len(fitting)
-    ranked, skipped = _rank(profile, fitting, top, cap, cost)
+    ranked, skipped = _rank(profiles, fitting, top, cap, cost)
     if skipped:
         reject[SLOWER] += skipped
     return SearchResult(
         ranked, dict(reject), evaluated, count, world_size, global_batch, cap,
         profile_batch, cost, space, device=device, host_memory=host_cap,
+        tp_degrees=tuple(profiles), notes=_tp_notes(world_size, space, splits),
     )  # fmt: skip
+
+
+def _tp_degrees(
+    world: int, space: SearchSpace, splits: TPSplits, reject: Counter[str]
+) -> list[int]:
+    """TP degrees to search: divisors of ``world`` (or ``space``'s) the plan accepts."""
+    wanted = space.tensor_parallel_degrees or tuple(_divisors(world))
+    out = []
+    for tp in wanted:
+        if world % tp:
+            raise PartitionError(
+                f"tensor-parallel degree {tp} does not divide the world size {world}"
+            )
+        if tp == 1 or tp in splits.degrees:
+            out.append(tp)
+        else:
+            reject[TP_REFUSED if tp in splits.refused else NO_TP_PLAN] += 1
+    return out
+
+
+def _space_for(space: SearchSpace, world: int, reject: Counter[str]) -> SearchSpace | None:
+    """``space`` with the pipeline degrees that divide ``world`` (= world / tp); None
+    when none does."""
+    if space.pipeline_degrees is None:
+        return space
+    kept = tuple(pp for pp in space.pipeline_degrees if world % pp == 0)
+    reject[TP_PP] += len(space.pipeline_degrees) - len(kept)
+    return dataclasses.replace(space, pipeline_degrees=kept) if kept else None
+
+
+def _tp_notes(world: int, space: SearchSpace, splits: TPSplits) -> list[str]:
+    """Why TP degrees were left out, one line each."""
+    wanted = space.tensor_parallel_degrees or tuple(_divisors(world))
+    left = [tp for tp in wanted if tp > 1 and tp not in splits.degrees]
+    refused = [tp for tp in left if tp in splits.refused]
+    lines = [f"tp {tp} left out: {splits.refused[tp]}" for tp in refused]
+    if len(refused) < len(left):
+        lines.append(f"tensor parallelism not searched: {splits.source or NO_TP_PLAN}")
+    return lines
 
 
 def _check_inputs(world_size: int, global_batch: int, profile_batch: int, top: int) -> None:
@@ -485,7 +567,7 @@ def _row(rank: int, c: Candidate) -> tuple[str, ...]:
     )
     return (
         str(rank),
-        f"{c.pipeline_parallel_degree}x{c.data_parallel_degree}",
+        f"{c.pipeline_parallel_degree}x{c.data_parallel_degree}x{c.tensor_parallel_degree}",
         str(c.virtual_stages),
         f"{c.microbatches}x{c.microbatch_size}",
         c.pipeline,
@@ -509,7 +591,7 @@ def render(result: SearchResult) -> str:
         f"{result.evaluated} layouts evaluated, {result.fitting} fit"
     )
     rows = [
-        ("#", "pp x dp", "v", "m x size", "schedule", "zero", "offload", "ckpt", "precision",
+        ("#", "pp x dp x tp", "v", "m x size", "schedule", "zero", "offload", "ckpt", "precision",
          "step ms", "bubble", "peak GiB", "host GiB"),
         *(_row(i + 1, c) for i, c in enumerate(result.ranked)),
     ]  # fmt: skip
@@ -518,12 +600,14 @@ def render(result: SearchResult) -> str:
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     if not result.ranked:
         lines.append("(nothing fits)")
+    lines += result.notes
     lines += ["", "rejected:"]
     lines += [f"  {n:>6}  {r}" for r, n in sorted(result.rejected.items(), key=lambda x: -x[1])]
     cost = result.cost
     lines += [
         "",
-        f"cost model: links {cost.link_bandwidth}, dp {cost.dp_bandwidth}, host "
+        f"cost model: links {cost.link_bandwidth}, dp {cost.dp_bandwidth}, tp "
+        f"{cost.tp_bandwidth}, host "
         f"{cost.host_bandwidth} B/s; bf16 speedup x{cost.mixed_speedup:g}; profiled at "
         f"{result.profile_batch} sample(s) per microbatch, scaled linearly",
         _where_note(result.device),

@@ -16,6 +16,8 @@ meta device) and are scaled, per layout, by:
   the gradients plus an all-gather of each unit's parameters for every forward and
   every backward of every microbatch, or of each chunk at most twice a step when
   gathered by chunk (:func:`zero3_gathers_per_step`);
+* tensor parallelism: each unit's TP collectives per microbatch over
+  ``tp_bandwidth``, added to its time (``mpar.partition._tp``);
 * offload, over ``host_bandwidth``: gradients to the host and parameters back
   (optimizer offload) plus the host optimizer at ``host_optimizer_rate``
   parameters per second; parameter shards copied in at every gather.
@@ -44,6 +46,9 @@ class CostModel:
     """Between neighbouring pipeline stages; None leaves p2p communication out."""
     dp_bandwidth: float | None = 10e9
     """Per rank in data-parallel collectives; None leaves them out."""
+    tp_bandwidth: float | None = 10e9
+    """Per rank in tensor-parallel collectives (ring all-reduce and all-gather inside a
+    TP group, usually one host's links); None leaves them out (``mpar.partition._tp``)."""
     host_bandwidth: float = 10e9
     """Device <-> host copies of offloaded state."""
     host_optimizer_rate: float = 1e9
@@ -77,7 +82,7 @@ class CostModel:
                 raise PartitionError(
                     f"{name} must be >= 0 bytes (0 leaves it out), got {getattr(self, name)!r}"
                 )
-        for name in ("link_bandwidth", "dp_bandwidth"):
+        for name in ("link_bandwidth", "dp_bandwidth", "tp_bandwidth"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise PartitionError(f"{name} must be > 0 or None, got {value!r}")

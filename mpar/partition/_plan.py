@@ -60,6 +60,7 @@ from mpar.partition._memory import (
 )
 from mpar.partition._methods import parameter_boundaries, uniform_boundaries
 from mpar.partition._solver import _fmt, memory_weight_for, solve, stage_costs
+from mpar.partition._tp import TPSplits, tp_comm_s, tp_share
 from mpar.schedule._csv import is_csv_path
 from mpar.schedule._registry import PIPELINES
 
@@ -107,6 +108,8 @@ class StagePlan:
     """Parameters outside every unit held by this stage (a root-level position table, say)."""
     extra_bytes: int = 0
     """Kept boundary tensors, send/receive buffers, a gradient bucket, the loss (last stage)."""
+    tp_comm_s: float = 0.0
+    """Seconds per microbatch of the stage's tensor-parallel collectives (in ``time_s``)."""
 
 
 @dataclass
@@ -148,6 +151,14 @@ class Plan:
     layout: dict[str, Any] = field(default_factory=dict)
     """The ``Layout`` knobs (dp, ZeRO, precision, checkpointing, offload, microbatch scale,
     the ZeRO 2/3 gather granularity the runtime will use)."""
+    tensor_parallel_degree: int = 1
+    """Ranks that split each layer; every figure above is one TP rank's (``mpar.partition._tp``)."""
+    tp_bandwidth: float | None = None
+    """Bytes per second per rank in TP collectives; None when they are not modelled."""
+    tp_comm_bytes: list[int] = field(default_factory=list)
+    """Per pipeline rank: bytes one TP rank sends in TP collectives per step."""
+    tp_source: str = ""
+    """Where the TP plan came from (empty at tp = 1)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -440,10 +451,13 @@ def lay_out(
     comm = _comm(units, layout, cost.link_bandwidth)
     speed = cost.mixed_speedup if layout.mixed else 1.0
     k = layout.microbatch_scale
-    compute = [(u.fixed_time_s + (u.time_s - u.fixed_time_s) * k) / speed for u in units]
+    tp = [tp_comm_s(u, k * layout.dtype_factor, cost.tp_bandwidth) for u in units]
+    compute = [
+        (u.fixed_time_s + (u.time_s - u.fixed_time_s) * k) / speed + t for u, t in zip(units, tp)
+    ]
     starts = _boundaries(profile, method, p * v, memory, weight, cap, comm, compute)
     home = _placement(pipeline, p * v, p)
-    stages = _stage_plans(units, starts, home, in_flight, layout, comm, compute, transfers)
+    stages = _stage_plans(units, starts, home, in_flight, layout, comm, compute, transfers, tp)
     step = optimizer_step(stages, units, layout, p)
     rank_memory = [
         int(process)
@@ -498,6 +512,8 @@ def make_plan(
     gather: str | int = "unit",
     device: str = "cuda",
     microbatch_size: int | None = None,
+    tensor_parallel_degree: int = 1,
+    tp_splits: TPSplits | None = None,
 ) -> Plan:
     """Partition a profiled model over ``num_ranks`` pipeline ranks and predict its cost.
 
@@ -531,8 +547,18 @@ def make_plan(
             state counts in the rank's memory (``Layout.device``).
         microbatch_size: samples per microbatch, only reported (``microbatch_scale``
             scales the figures).
+        tensor_parallel_degree, tp_splits: ranks splitting each layer, and what the TP
+            plan splits (``mpar.partition._tp``); the figures become one TP rank's and
+            each unit's time gains its TP collectives over ``cost.tp_bandwidth``.
     """
-    p, v, m = num_ranks, virtual_stages, microbatches
+    p, v, m, tp = num_ranks, virtual_stages, microbatches, tensor_parallel_degree
+    if tp != 1:
+        if tp_splits is None:
+            raise PartitionError(
+                f"tensor_parallel_degree {tp} needs tp_splits (what the model's TP plan "
+                "splits, from mpar.partition._tp_measure.measure_splits)"
+            )
+        profile = tp_share(profile, tp_splits, tp)
     _check(profile, p, v, m, pipeline, method)
     weight = memory_weight_for(optimize, memory_weight)
     cap_rank = None if device_memory is None else parse_bytes(device_memory)
@@ -590,7 +616,23 @@ def make_plan(
         optimizer_step_bytes=laid.optimizer_step,
         microbatch_size=microbatch_size,
         layout=dataclasses.asdict(layout),
+        tensor_parallel_degree=tp,
+        tp_bandwidth=cost.tp_bandwidth if tp > 1 else None,
+        tp_comm_bytes=tp_step_bytes(laid.stages, profile.units, layout, p, m),
+        tp_source=tp_splits.source if tp > 1 and tp_splits is not None else "",
     )
+
+
+def tp_step_bytes(
+    stages: Sequence[StagePlan], units: Sequence[UnitProfile], layout: Layout, p: int, m: int
+) -> list[int]:
+    """Per rank: bytes one TP rank sends in TP collectives per step (``m`` microbatches)."""
+    by_name = {u.name: u for u in units}
+    scale = layout.microbatch_scale * layout.dtype_factor * m
+    return [
+        int(scale * sum(by_name[n].tp_comm_bytes for s in stages if s.rank == r for n in s.units))
+        for r in range(p)
+    ]
 
 
 def rank_overheads(
@@ -636,6 +678,7 @@ def _stage_plans(
     comm: Sequence[float] | None,
     compute: Sequence[float],
     transfers: Sequence[Transfers] = (),
+    tp_comm: Sequence[float] = (),
 ) -> list[StagePlan]:
     total = math.fsum(compute) or 1.0
     plans = []
@@ -668,6 +711,7 @@ def _stage_plans(
                 comm[b - 1] if comm is not None and b < len(units) else 0.0,
                 [n for u in group for n in u.outer_params],
                 extra,
+                math.fsum(tp_comm[a:b]),
             )
         )
     return plans
@@ -704,8 +748,10 @@ def _units_label(names: Sequence[str]) -> str:
 
 
 def _render(plan: Plan) -> str:
+    tp = plan.tensor_parallel_degree
     head = (
         f"pipeline plan: {plan.num_ranks} ranks x {plan.virtual_stages} virtual stages, "
+        f"{f'tensor parallel x{tp}, ' if tp > 1 else ''}"
         f"{plan.microbatches} microbatches, {plan.pipeline}, method={plan.method}, "
         f"memory_weight={plan.memory_weight:g}"
     )
@@ -753,6 +799,7 @@ def _render(plan: Plan) -> str:
         if s.outer_params
     ]
     lines += _gather_note(plan.layout, plan.pipeline)
+    lines += _tp_note(plan)
     lines += _host_note(plan)
     lines += [
         "",
@@ -773,6 +820,20 @@ def _gather_note(layout: dict[str, Any], pipeline: str) -> list[str]:
     how = "the whole stage" if gather == "chunk" else f"groups of {gather} units"
     why = " (the schedule splits the backward)" if effective_gather(pipeline) == "chunk" else ""
     return [f"ZeRO-{layout['zero_stage']} gathers and reduces by {how}{why}"]
+
+
+def _tp_note(plan: Plan) -> list[str]:
+    """What tensor parallelism does to the figures, when it is on."""
+    tp = plan.tensor_parallel_degree
+    if tp == 1:
+        return []
+    link = "not modelled" if plan.tp_bandwidth is None else f"{_fmt(plan.tp_bandwidth)}/s"
+    sent = _fmt(max(plan.tp_comm_bytes, default=0))
+    return [
+        f"tensor parallel x{tp} ({plan.tp_source}): figures are one TP rank's (split "
+        f"parameters and their state 1/{tp}, activations in split regions 1/{tp}); TP "
+        f"collectives send {sent} per rank per step over {link} (in each stage's time ms)"
+    ]
 
 
 def _microbatch_note(plan: Plan) -> str:

@@ -76,6 +76,9 @@ class UnitProfile:
     fixed_time_s: float = 0.0
     """Part of ``time_s`` that does not grow with the microbatch size (per-call overhead);
     0 unless fitted from two profiles (``mpar.partition.fit_fixed_times``)."""
+    tp_comm_bytes: int = 0
+    """Bytes one rank sends over its tensor-parallel group per microbatch (forward and
+    backward collectives); 0 except in a TP rank's profile (``mpar.partition._tp``)."""
 
     @property
     def state_bytes(self) -> int:

@@ -7,6 +7,10 @@ replica's whole batch, runs ``mpar.partition.search`` with the other keys
 fixed to their configured values, logs the choice on stderr and broadcasts it;
 every rank then runs the model with the resolved config (``model.config`` shows
 it; ``mpar.config()`` keeps what ``mpar.init`` was given).
+
+Under tensor parallelism the search keeps the configured degree and lays out one TP
+rank's share of the profile (``mpar.partition._tp``), measured from the model's
+checked TP layout.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ if TYPE_CHECKING:
 __all__ = ["resolve_auto"]
 
 
-def _space(cfg: Config, auto: Sequence[str]) -> SearchSpace:
+def _space(cfg: Config, auto: Sequence[str], tp: int = 1) -> SearchSpace:
     from mpar.partition import SearchSpace
 
     zero = cfg.zero
@@ -51,6 +55,7 @@ def _space(cfg: Config, auto: Sequence[str]) -> SearchSpace:
         virtual_stage_choices=None if "virtual_stages" in auto else (cfg.virtual_stages,),
         microbatch_choices=None if "microbatches" in auto else (cfg.microbatches,),
         gather=zero.gather,
+        tensor_parallel_degrees=(tp,),
     )
 
 
@@ -69,15 +74,17 @@ def _choose(
     profile = profile_model(module, args, kwargs, units=units, repeats=1, warmup=1)
     module.zero_grad(set_to_none=True)
     batch = whole.sizes[0]
+    tp = st.grid.tp_size
     result = search(
         profile,
-        world_size=st.grid.pp_size * st.grid.dp_size,
+        world_size=st.grid.pp_size * st.grid.dp_size * tp,
         device_memory=cfg.device_memory or 0,
         global_batch=batch * st.grid.dp_size,
         profile_batch=batch,
-        space=_space(cfg, cfg.auto_keys),
+        space=_space(cfg, cfg.auto_keys, tp),
         top=3,
         device=st.device.type,
+        tp_splits=_tp_splits(model, profile, args, kwargs),
     )
     best = result.best
     return {
@@ -88,6 +95,21 @@ def _choose(
         "predicted_step_time_s": best.step_time_s,
         "predicted_peak_bytes": best.max_rank_memory_bytes,
     }
+
+
+def _tp_splits(model: DistributedModel, profile: Any, args: Any, kwargs: Any) -> Any:
+    """What the model's checked TP layout splits per unit (None without TP)."""
+    layout = model.tp_layout
+    if layout is None or layout.size == 1:
+        return None
+    from mpar.partition._tp import TPSplits
+    from mpar.partition._tp_measure import measure_splits
+
+    units = measure_splits(
+        model.module, profile.units, layout.modules, layout.shards, args, kwargs,
+        optimizer=profile.optimizer,
+    )  # fmt: skip
+    return TPSplits(units, (1, layout.size), {}, layout.source)
 
 
 def _apply(cfg: Config, chosen: Mapping[str, Any]) -> Config:
