@@ -382,6 +382,12 @@ class Config:
                 "collectives need every rank to run the same program, which pipeline stages "
                 "do not; use backend 'gloo' or 'auto' (host-staged, see docs/devices.md)"
             )
+        if self.device == "xla" and self.tensor_parallel_degree > 1:
+            raise ConfigError(
+                f"config key 'tensor_parallel_degree' is {self.tensor_parallel_degree} with "
+                "device 'xla': tensor parallelism runs on cpu and cuda only for now; use "
+                "pipeline and data parallelism (and ZeRO) on XLA"
+            )
         if self.device == "cpu" and self.backend == "nccl":
             raise ConfigError(
                 "config key 'backend' is 'nccl' but 'device' is 'cpu'; NCCL needs CUDA: "

@@ -112,6 +112,8 @@ def test_config_keys_and_world_size():
         load_config({"tensor_parallel_degree": 0})
     with pytest.raises(TypeError, match="tp_plan"):
         load_config({"tp_plan": ["colwise"]})
+    with pytest.raises(ConfigError, match="cpu and cuda only"):
+        load_config({"tp": 2, "device": "xla"})
     with pytest.raises(ConfigError, match="alias"):
         load_config({"tp": 2, "tensor_parallel_degree": 2})
 
