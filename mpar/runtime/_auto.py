@@ -98,18 +98,13 @@ def _choose(
 
 
 def _tp_splits(model: DistributedModel, profile: Any, args: Any, kwargs: Any) -> Any:
-    """What the model's checked TP layout splits per unit (None without TP)."""
-    layout = model.tp_layout
-    if layout is None or layout.size == 1:
-        return None
-    from mpar.partition._tp import TPSplits
-    from mpar.partition._tp_measure import measure_splits
+    """What the model's TP layout splits per unit; None: the whole-model profile is used.
 
-    units = measure_splits(
-        model.module, profile.units, layout.modules, layout.shards, args, kwargs,
-        optimizer=profile.optimizer,
-    )  # fmt: skip
-    return TPSplits(units, (1, layout.size), {}, layout.source)
+    ``mpar plan --tp`` measures the splits in its own process; measuring them here, in
+    the process that goes on to train, left the model unable to split afterwards (a
+    traced stage kept a whole weight), so the "auto" values under TP are resolved from
+    the whole model's figures, which overstate one TP rank's memory: a safe bound."""
+    return None
 
 
 def _apply(cfg: Config, chosen: Mapping[str, Any]) -> Config:
