@@ -67,24 +67,23 @@ def broadcast_object_world(obj: T, grid: ProcessGrid, src: int = 0) -> T:
     return box[0]
 
 
+def _all_gather_object(obj: T, group: ProcessGroup, size: int) -> list[T]:
+    if size == 1:
+        return [obj]
+    out: list[T] = [obj] * size  # placeholders, overwritten
+    with Waiting(("collective", "all_gather_object", group)):
+        dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 def all_gather_object_pp(obj: T, grid: ProcessGrid) -> list[T]:
     """Every pipeline stage's ``obj`` (this rank's pipeline), in stage order."""
-    if grid.pp_size == 1:
-        return [obj]
-    out: list[T] = [obj] * grid.pp_size  # placeholders, overwritten
-    with Waiting(("collective", "all_gather_object", grid.pp_group)):
-        dist.all_gather_object(out, obj, group=grid.pp_group)
-    return out
+    return _all_gather_object(obj, grid.pp_group, grid.pp_size)
 
 
 def all_gather_object_tp(obj: T, grid: ProcessGrid) -> list[T]:
     """Every tensor-parallel rank's ``obj`` (this rank's TP group), in TP rank order."""
-    if grid.tp_size == 1:
-        return [obj]
-    out: list[T] = [obj] * grid.tp_size  # placeholders, overwritten
-    with Waiting(("collective", "all_gather_object", grid.tp_group)):
-        dist.all_gather_object(out, obj, group=grid.tp_group)
-    return out
+    return _all_gather_object(obj, grid.tp_group, grid.tp_size)
 
 
 def all_reduce_tp(tensor: torch.Tensor, grid: ProcessGrid, op: str = "sum") -> torch.Tensor:
