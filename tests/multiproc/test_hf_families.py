@@ -60,7 +60,11 @@ def test_every_family_pp2_dp2(config):
 
 TP = [
     (2, {"tensor_parallel_degree": 2, "microbatches": 2}),
-    (4, {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 4}),
+    pytest.param(
+        4,
+        {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 4},
+        marks=pytest.mark.slow,
+    ),
 ]
 
 

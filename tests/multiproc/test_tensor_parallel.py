@@ -41,8 +41,18 @@ def _check(results, ref, tol=TOL):
                 assert_close(grad, want, **tol, msg=lambda m, n=name: f"grad {n}: {m}")
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-@pytest.mark.parametrize("tp", [2, 4])
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    ("tp", "optimizer"),
+    [
+        (2, "sgd"),
+        (4, "adamw"),
+        pytest.param(2, "adamw", marks=SLOW),
+        pytest.param(4, "sgd", marks=SLOW),
+    ],
+)
 def test_tp_alone(tp, optimizer):
     results = run_distributed(
         train_ranks, tp, args=(_config(tp), "tp_gpt", optimizer, STEPS), timeout=240
@@ -71,7 +81,7 @@ def test_pp2_tp2():
     _check(results, reference("tp_gpt", "sgd", STEPS))
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("optimizer", ["adamw", pytest.param("sgd", marks=SLOW)])
 def test_tp2_clip_global_norm(optimizer):
     """clip_grad_norm_ sees the one-process norm: split parameters' pieces summed over
     TP, replicated ones counted once (a small max_norm makes every step clip)."""
@@ -82,7 +92,11 @@ def test_tp2_clip_global_norm(optimizer):
 
 
 @pytest.mark.parametrize(
-    "zero", [{"stage": 1}, {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"}]
+    "zero",
+    [
+        pytest.param({"stage": 1}, marks=SLOW),
+        {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
+    ],
 )
 def test_tp2_dp2_zero(zero):
     results = run_distributed(
@@ -99,8 +113,8 @@ def test_tp2_dp2_zero(zero):
     "extra",
     [
         {"pipeline": "zero_bubble"},
-        {"pipeline": "interleaved", "virtual_stages": 2},
-        {"activation_checkpointing": True},
+        pytest.param({"pipeline": "interleaved", "virtual_stages": 2}, marks=SLOW),
+        pytest.param({"activation_checkpointing": True}, marks=SLOW),
     ],
     ids=["zero_bubble", "virtual", "checkpointing"],
 )
@@ -172,7 +186,9 @@ def _body_checkpoint(config, root, start, steps, load):
     return losses, states
 
 
-@pytest.mark.parametrize(("world", "tp"), [(1, 1), (4, 4)], ids=["tp1", "tp4"])
+@pytest.mark.parametrize(
+    ("world", "tp"), [pytest.param(1, 1, marks=SLOW), (4, 4)], ids=["tp1", "tp4"]
+)
 def test_checkpoint_at_pp2_tp2_resumes_at_other_tp(tmp_path, world, tp):
     """Saved at pp=2 x tp=2; resumed at tp=1 (one process) and tp=4: the next steps
     equal the uninterrupted run's (to fp32 rounding: the TP sums differ in order)."""
@@ -216,7 +232,7 @@ def _body_meta_pretrained(config, root, out):
 
 @pytest.mark.parametrize(
     ("world", "extra"),
-    [(4, {"zero": {"stage": 3}}), (4, {"pipeline_parallel_degree": 2})],
+    [(4, {"zero": {"stage": 3}}), pytest.param(4, {"pipeline_parallel_degree": 2}, marks=SLOW)],
     ids=["tp2-dp2-zero3", "pp2-tp2"],
 )
 def test_meta_build_and_pretrained_weights_under_tp(tmp_path, world, extra):
