@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -206,14 +205,14 @@ def _build(spec: str, meta: bool) -> tuple[Any, tuple[Any, ...], dict[str, Any]]
 def _read_config(path: str | None, world_size: int, tp: int | None = None) -> Config:
     import dataclasses
 
-    from mpar.config import load_config
+    from mpar.config import Config, load_config
 
     config = load_config(path, defaults={"pipeline_parallel_degree": world_size})
     if tp is not None:  # --tp wins over the config's
         if tp < 1:
             raise ValueError(f"--tp must be a positive integer, got {tp}")
         config = dataclasses.replace(config, tensor_parallel_degree=tp)
-        if path is None and os.environ.get("MPAR_CONFIG") is None:
+        if path is None and load_config(None) == Config():  # no config given (nor MPAR_CONFIG)
             config = dataclasses.replace(config, pipeline_parallel_degree=world_size // tp)
     config.check_world_size(world_size)
     if config.auto_keys:

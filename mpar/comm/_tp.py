@@ -30,13 +30,16 @@ Operators name their group by a key registered with :func:`register_tp_group`;
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
 
 from mpar._compat import DeviceMesh
 from mpar.comm._types import ProcessGroup
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.placement_types import Placement
 
 __all__ = [
     "TP_GROUP",
@@ -85,7 +88,7 @@ def _group(key: str) -> _TPGroup:
         ) from None
 
 
-def _dtensor_replicate(x: torch.Tensor, g: _TPGroup, placement: Any) -> torch.Tensor:
+def _dtensor_replicate(x: torch.Tensor, g: _TPGroup, placement: Placement) -> torch.Tensor:
     from torch.distributed.tensor import DTensor, Replicate
 
     assert g.mesh is not None
@@ -125,13 +128,13 @@ def _piece(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:
     return x.chunk(g.size, dim=dim)[g.rank].clone()
 
 
-def _gathered_shape(x: torch.Tensor, dim: int, key: str) -> list[Any]:
+def _gathered_shape(x: torch.Tensor, dim: int, key: str) -> list[int]:
     shape = list(x.shape)
     shape[dim] = shape[dim] * _group(key).size
     return shape
 
 
-def _split_shape(x: torch.Tensor, dim: int, key: str) -> list[Any]:
+def _split_shape(x: torch.Tensor, dim: int, key: str) -> list[int]:
     shape = list(x.shape)
     shape[dim] = shape[dim] // _group(key).size
     return shape
@@ -181,26 +184,38 @@ def _(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     return x.new_empty(_split_shape(x, dim % x.dim(), group))
 
 
-def _setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+class _Ctx(Protocol):
+    """What the backward formulas keep: the operator's arguments after the tensor."""
+
+    args: tuple[object, ...]
+
+
+Grads = tuple[torch.Tensor | None, ...]
+
+
+def _setup(ctx: _Ctx, inputs: tuple[object, ...], output: object) -> None:
     ctx.args = inputs[1:]
 
 
-def _copy_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+def _copy_backward(ctx: _Ctx, grad: torch.Tensor) -> Grads:
     (group,) = ctx.args
+    assert isinstance(group, str)
     return tp_reduce(grad, group), None
 
 
-def _reduce_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+def _reduce_backward(ctx: _Ctx, grad: torch.Tensor) -> Grads:
     return grad, None
 
 
-def _gather_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+def _gather_backward(ctx: _Ctx, grad: torch.Tensor) -> Grads:
     dim, group = ctx.args
+    assert isinstance(dim, int) and isinstance(group, str)
     return tp_split(grad, dim, group), None, None
 
 
-def _split_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+def _split_backward(ctx: _Ctx, grad: torch.Tensor) -> Grads:
     dim, group = ctx.args
+    assert isinstance(dim, int) and isinstance(group, str)
     return tp_gather(grad, dim, group), None, None
 
 

@@ -84,7 +84,10 @@ def _choose(
         space=_space(cfg, cfg.auto_keys, tp),
         top=3,
         device=st.device.type,
-        tp_splits=_tp_splits(model, profile, args, kwargs),
+        # The whole model's figures: they overstate one TP rank's memory (a safe bound).
+        # Measuring the splits here (as `mpar plan --tp` does in its own process) left
+        # the model unable to split into stages afterwards.
+        tp_splits=None,
     )
     best = result.best
     return {
@@ -95,16 +98,6 @@ def _choose(
         "predicted_step_time_s": best.step_time_s,
         "predicted_peak_bytes": best.max_rank_memory_bytes,
     }
-
-
-def _tp_splits(model: DistributedModel, profile: Any, args: Any, kwargs: Any) -> Any:
-    """What the model's TP layout splits per unit; None: the whole-model profile is used.
-
-    ``mpar plan --tp`` measures the splits in its own process; measuring them here, in
-    the process that goes on to train, left the model unable to split afterwards (a
-    traced stage kept a whole weight), so the "auto" values under TP are resolved from
-    the whole model's figures, which overstate one TP rank's memory: a safe bound."""
-    return None
 
 
 def _apply(cfg: Config, chosen: Mapping[str, Any]) -> Config:
