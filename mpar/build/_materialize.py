@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -169,6 +169,7 @@ class RankMaterializer:
         device: torch.device,
         init_fn: InitFn | None = None,
         shapes: Mapping[str, torch.Size] | None = None,
+        overwritten: Collection[str] = (),
     ) -> None:
         self.module = module
         self.stage_modules = list(stage_modules)
@@ -183,10 +184,26 @@ class RankMaterializer:
         }
         self.needed = {id(t) for m in self.stage_modules for t in [*m.parameters(), *m.buffers()]}
         self.run = module_initializer(module, init_fn)
+        named: list[tuple[str, torch.Tensor]] = [*module.named_parameters(remove_duplicate=False)]
+        named += module.named_buffers(remove_duplicate=False)
+        over = {id(t) for name, t in named if name in overwritten}
+        self.deferred = {
+            id(t)
+            for g in self.groups
+            if all(id(u) in over for u in g.tensors.values())
+            for t in g.tensors.values()
+        }
+        """Tensors of init groups that a pending load overwrites whole: never initialised
+        (in a bucket they stay on meta and the bucket leaves zeros for the load)."""
 
     def ensure(self, tensor: torch.Tensor) -> None:
-        """Give ``tensor`` its initialised value (with the rest of its init group)."""
+        """Give ``tensor`` its initialised value (with the rest of its init group), or
+        uninitialised storage when a pending load overwrites it."""
         if not tensor.is_meta:
+            return
+        if id(tensor) in self.deferred:
+            empty = torch.empty(self.shapes.get(id(tensor), tensor.shape), dtype=tensor.dtype)
+            replace_storage(tensor, _device.to_device(empty, self.device))
             return
         group = self.group_of.get(id(tensor))
         if group is None:
@@ -199,6 +216,12 @@ class RankMaterializer:
         for t in fresh:  # initialised on the host: the same values on every device kind
             if not t.is_meta and t.device != self.device:
                 replace_storage(t, _device.to_device(t.data, self.device))
+
+    def ensure_or_defer(self, tensor: torch.Tensor) -> None:
+        """What a bucket calls on each parameter before copying it in: :meth:`ensure`,
+        except that a parameter a pending load overwrites stays on meta."""
+        if id(tensor) not in self.deferred:
+            self.ensure(tensor)
 
     def _keep(self, t: torch.Tensor) -> bool:
         return id(t) in self.needed
@@ -219,7 +242,7 @@ class RankMaterializer:
 
 def hook(materializer: RankMaterializer | None) -> Callable[[torch.Tensor], None] | None:
     """What sharding calls on each parameter before reading it (None: nothing to do)."""
-    return None if materializer is None else materializer.ensure
+    return None if materializer is None else materializer.ensure_or_defer
 
 
 def build_module(module: Any) -> nn.Module:
@@ -248,10 +271,12 @@ def start_materialize(
     st: Any,
     init_fn: InitFn | None,
     shapes: Mapping[str, torch.Size] | None = None,
+    overwritten: Collection[str] = (),
 ) -> RankMaterializer | None:
-    """For a meta model just split into ``stages`` (a ``LocalStages``): fresh tensor
-    objects, and a materializer with buffers and frozen parameters done; None for a
-    model with real tensors."""
+    """For a meta model just split into ``stages`` (a ``LocalStages``): a materializer
+    with buffers and frozen parameters done; None for a model with real tensors.
+    ``overwritten``: names (state-dict keys) that a load pending for after
+    partitioning overwrites whole; their init groups are not initialised."""
     local = list(stages.modules.values())
     if not any(has_meta(m) for m in local):
         return None
@@ -263,7 +288,13 @@ def start_materialize(
             "a weak reference to it (torch.utils.swap_tensors refuses); please report this"
         )
     materializer = RankMaterializer(
-        module, local, seed=st.config.seed, device=st.device, init_fn=init_fn, shapes=shapes
+        module,
+        local,
+        seed=st.config.seed,
+        device=st.device,
+        init_fn=init_fn,
+        shapes=shapes,
+        overwritten=overwritten,
     )
     materializer.prepare()
     return materializer

@@ -147,8 +147,7 @@ class Checkpoint:
         out = torch.empty(count, dtype=entry.dtype)
         if count == 0:
             return out
-        raw = out.view(torch.uint8).numpy()
-        view = memoryview(raw).cast("B")
+        view = out.view(torch.uint8).numpy().data.cast("B")
         offset = entry.offset + start * entry.dtype.itemsize
         fd = os.open(file, os.O_RDONLY)
         try:
