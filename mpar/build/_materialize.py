@@ -53,16 +53,20 @@ def has_meta(module: nn.Module) -> bool:
 
 
 def find_units_meta(module: nn.Module, args: Any, kwargs: Mapping[str, Any]) -> list[str]:
-    """``find_units`` of a meta model, run on fake tensors (models that look at
-    values, such as Hugging Face mask checks, skip those checks)."""
+    """``find_units`` run on fake tensors: of a meta model, or of a real one too large to
+    run here (models that look at values, such as Hugging Face mask checks, skip
+    those checks). Inputs go to meta for a meta model, stay where they are otherwise."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from mpar.partition import find_units
     from mpar.profile import preserved_state
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
+    device = "meta" if has_meta(module) else None
     args, kwargs = pytree.tree_map(
-        lambda x: fake.from_tensor(x.to("meta")) if isinstance(x, torch.Tensor) else x,
+        lambda x: (
+            fake.from_tensor(x.to(device) if device else x) if isinstance(x, torch.Tensor) else x
+        ),
         (tuple(args), dict(kwargs)),
     )
     with preserved_state(module), fake:
