@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -53,16 +53,20 @@ def has_meta(module: nn.Module) -> bool:
 
 
 def find_units_meta(module: nn.Module, args: Any, kwargs: Mapping[str, Any]) -> list[str]:
-    """``find_units`` of a meta model, run on fake tensors (models that look at
-    values, such as Hugging Face mask checks, skip those checks)."""
+    """``find_units`` run on fake tensors: of a meta model, or of a real one too large to
+    run here (models that look at values, such as Hugging Face mask checks, skip
+    those checks). Inputs go to meta for a meta model, stay where they are otherwise."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from mpar.partition import find_units
     from mpar.profile import preserved_state
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
+    device = "meta" if has_meta(module) else None
     args, kwargs = pytree.tree_map(
-        lambda x: fake.from_tensor(x.to("meta")) if isinstance(x, torch.Tensor) else x,
+        lambda x: (
+            fake.from_tensor(x.to(device) if device else x) if isinstance(x, torch.Tensor) else x
+        ),
         (tuple(args), dict(kwargs)),
     )
     with preserved_state(module), fake:
@@ -169,6 +173,7 @@ class RankMaterializer:
         device: torch.device,
         init_fn: InitFn | None = None,
         shapes: Mapping[str, torch.Size] | None = None,
+        overwritten: Collection[str] = (),
         pieces: Mapping[int, Callable[[torch.Tensor], torch.Tensor]] | None = None,
     ) -> None:
         self.module = module
@@ -187,10 +192,30 @@ class RankMaterializer:
         }
         self.needed = {id(t) for m in self.stage_modules for t in [*m.parameters(), *m.buffers()]}
         self.run = module_initializer(module, init_fn)
+        named: list[tuple[str, torch.Tensor]] = [*module.named_parameters(remove_duplicate=False)]
+        named += module.named_buffers(remove_duplicate=False)
+        over = {id(t) for name, t in named if name in overwritten}
+        self.deferred = {
+            id(t)
+            for g in self.groups
+            if all(id(u) in over for u in g.tensors.values())
+            for t in g.tensors.values()
+        }
+        """Tensors of init groups that a pending load overwrites whole: never initialised
+        (in a bucket they stay on meta and the bucket leaves zeros for the load)."""
 
     def ensure(self, tensor: torch.Tensor) -> None:
-        """Give ``tensor`` its initialised value (with the rest of its init group)."""
+        """Give ``tensor`` its initialised value (with the rest of its init group), or
+        uninitialised storage when a pending load overwrites it."""
         if not tensor.is_meta:
+            return
+        if id(tensor) in self.deferred:
+            shape = self.shapes.get(id(tensor), tensor.shape)
+            cut = self.pieces.get(id(tensor))
+            if cut is not None:  # a tensor-parallel piece of it
+                shape = cut(torch.empty(shape, dtype=tensor.dtype, device="meta")).shape
+            empty = torch.empty(shape, dtype=tensor.dtype)
+            replace_storage(tensor, _device.to_device(empty, self.device))
             return
         group = self.group_of.get(id(tensor))
         if group is None:
@@ -206,6 +231,12 @@ class RankMaterializer:
                 replace_storage(t, cut(t.data).clone())
             if not t.is_meta and t.device != self.device:
                 replace_storage(t, _device.to_device(t.data, self.device))
+
+    def ensure_or_defer(self, tensor: torch.Tensor) -> None:
+        """What a bucket calls on each parameter before copying it in: :meth:`ensure`,
+        except that a parameter a pending load overwrites stays on meta."""
+        if id(tensor) not in self.deferred:
+            self.ensure(tensor)
 
     def _keep(self, t: torch.Tensor) -> bool:
         return id(t) in self.needed
@@ -226,7 +257,7 @@ class RankMaterializer:
 
 def hook(materializer: RankMaterializer | None) -> Callable[[torch.Tensor], None] | None:
     """What sharding calls on each parameter before reading it (None: nothing to do)."""
-    return None if materializer is None else materializer.ensure
+    return None if materializer is None else materializer.ensure_or_defer
 
 
 def build_module(module: Any) -> nn.Module:
@@ -255,11 +286,13 @@ def start_materialize(
     st: Any,
     init_fn: InitFn | None,
     shapes: Mapping[str, torch.Size] | None = None,
+    overwritten: Collection[str] = (),
     pieces: Mapping[int, Callable[[torch.Tensor], torch.Tensor]] | None = None,
 ) -> RankMaterializer | None:
-    """For a meta model just split into ``stages`` (a ``LocalStages``): fresh tensor
-    objects, and a materializer with buffers and frozen parameters done; None for a
-    model with real tensors."""
+    """For a meta model just split into ``stages`` (a ``LocalStages``): a materializer
+    with buffers and frozen parameters done; None for a model with real tensors.
+    ``overwritten``: names (state-dict keys) that a load pending for after
+    partitioning overwrites whole; their init groups are not initialised."""
     local = list(stages.modules.values())
     if not any(has_meta(m) for m in local):
         return None
@@ -277,6 +310,7 @@ def start_materialize(
         device=st.device,
         init_fn=init_fn,
         shapes=shapes,
+        overwritten=overwritten,
         pieces=pieces,
     )
     materializer.prepare()

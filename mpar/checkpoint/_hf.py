@@ -152,9 +152,23 @@ def load_pretrained(
     if model.partitioned:
         _load_partitioned(model, ckpt, matched)
     elif any(t.is_meta for t in model.module.state_dict().values()):
-        model.after_partition.append(lambda m: _load_partitioned(m, ckpt, matched))
+        model.after_partition.append(_DeferredLoad(ckpt, matched, model._aliases))
     else:
         _load_whole(model, ckpt, matched)
+
+
+class _DeferredLoad:
+    """``load_pretrained`` of a meta model, run once it is partitioned. ``overwrites``
+    names every tensor it writes whole, so that materializing skips their init."""
+
+    def __init__(
+        self, ckpt: Checkpoint, matched: Mapping[str, str], aliases: Mapping[str, Any]
+    ) -> None:
+        self.ckpt, self.matched = ckpt, matched
+        self.overwrites = {n for key in matched for n in [key, *aliases.get(key, ())]}
+
+    def __call__(self, model: Any) -> None:
+        _load_partitioned(model, self.ckpt, self.matched)
 
 
 def _load_whole(model: Any, ckpt: Checkpoint, matched: Mapping[str, str]) -> None:

@@ -2,8 +2,9 @@
 
 Reading: :class:`Checkpoint` opens ``model.safetensors`` or the shards named by
 ``model.safetensors.index.json`` and returns any range of a tensor's elements
-(row-major) through ``safe_open(...).get_slice``: only the rows that hold the
-range are read (memory-mapped), never the whole tensor.
+(row-major): exactly their bytes are read (``os.preadv``), never the whole
+tensor, and nothing is memory-mapped, so a rank's resident memory holds only
+the elements it keeps.
 
 Writing: :func:`plan_files` lays the tensors out in files of at most
 ``max_shard_size`` bytes, the same on every rank (pure: names, shapes, dtypes);
@@ -51,6 +52,11 @@ _DTYPES = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+_FROM_NAME = {name: dtype for dtype, name in _DTYPES.items()}
+for _name, _attr in [("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
+                     ("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")]:  # fmt: skip
+    if hasattr(torch, _attr):
+        _FROM_NAME[_name] = getattr(torch, _attr)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -80,7 +86,13 @@ def parse_size(size: int | str) -> int:
 
 
 class Checkpoint:
-    """A Hugging Face safetensors checkpoint directory (or one ``.safetensors`` file)."""
+    """A Hugging Face safetensors checkpoint directory (or one ``.safetensors`` file).
+
+    Only the headers are read when it opens; :meth:`read` then reads the bytes of
+    the elements asked for with ``os.preadv`` into memory of the caller's own.
+    Nothing is memory-mapped: the file's pages are never counted in the process's
+    resident set, and a rank's memory holds only what it keeps.
+    """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         root = Path(path)
@@ -102,58 +114,114 @@ class Checkpoint:
                 "save_pretrained(..., safe_serialization=True))"
             )
         self.root = root
-        self._handles: dict[Path, Any] = {}
+        self._headers: dict[Path, dict[str, _Entry]] = {}
         self.file_of: dict[str, Path] = {}
         for key, file in files.items():
             if key is None:
-                for name in self._open(file).keys():  # noqa: SIM118 (safe_open is no dict)
+                for name in self._header(file):
                     self.file_of[name] = file
             else:
                 self.file_of[key] = file
         self.shapes: dict[str, torch.Size] = {}
         self.dtypes: dict[str, str] = {}
         for key, file in self.file_of.items():
-            info = self._open(file).get_slice(key)
-            self.shapes[key] = torch.Size(info.get_shape())
-            self.dtypes[key] = info.get_dtype()
+            entry = self._header(file).get(key)
+            if entry is None:
+                raise ValueError(f"{file} has no tensor {key!r} ({INDEX} says it has)")
+            self.shapes[key] = entry.shape
+            self.dtypes[key] = entry.name
 
-    def _open(self, file: Path) -> Any:
-        from safetensors import safe_open
-
-        if file not in self._handles:
+    def _header(self, file: Path) -> dict[str, _Entry]:
+        if file not in self._headers:
             if not file.is_file():
                 raise FileNotFoundError(f"checkpoint shard {file} (named by {INDEX}) is missing")
-            self._handles[file] = safe_open(str(file), framework="pt")
-        return self._handles[file]
+            self._headers[file] = _read_header(file)
+        return self._headers[file]
 
     def read(self, key: str, start: int, stop: int) -> torch.Tensor:
-        """Elements ``[start, stop)`` of tensor ``key`` (row-major), read row by row."""
-        shape = self.shapes[key]
-        handle = self._open(self.file_of[key])
-        if len(shape) == 0:
-            return handle.get_tensor(key).reshape(-1)[start:stop]
-        row = shape[1:].numel()
-        if row == 0 or start >= stop:
-            return torch.empty(0, dtype=handle.get_slice(key)[0:0].dtype)
-        first, last = start // row, -(-stop // row)
-        rows = handle.get_slice(key)[first:last]
-        return rows.reshape(-1)[start - first * row : stop - first * row]
+        """Elements ``[start, stop)`` of tensor ``key`` (row-major), 1-D, in the file's
+        dtype: exactly their bytes are read."""
+        file = self.file_of[key]
+        entry = self._header(file)[key]
+        count = max(stop - start, 0)
+        out = torch.empty(count, dtype=entry.dtype)
+        if count == 0:
+            return out
+        view = out.view(torch.uint8).numpy().data.cast("B")
+        offset = entry.offset + start * entry.dtype.itemsize
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            while view:
+                got = os.preadv(fd, [view], offset)
+                if got <= 0:
+                    raise ValueError(f"{file} ends inside tensor {key!r}: the file is truncated")
+                view, offset = view[got:], offset + got
+        finally:
+            os.close(fd)
+        return out
 
     def read_piece(self, key: str, dim: int, pieces: list[tuple[int, int]]) -> torch.Tensor:
         """The blocks ``(offset, length)`` along ``dim`` of tensor ``key``, concatenated
-        (a tensor-parallel piece), read block by block."""
-        handle = self._open(self.file_of[key])
-        ndim = len(self.shapes[key])
-        blocks = []
-        for offset, length in pieces:
-            index = tuple(
-                slice(offset, offset + length) if d == dim else slice(None) for d in range(ndim)
-            )
-            blocks.append(handle.get_slice(key)[index])
-        return torch.cat(blocks, dim)
+        (a tensor-parallel piece): only their bytes are read, one run per block and
+        index of the dimensions before ``dim``."""
+        shape = self.shapes[key]
+        outer, inner = shape[:dim].numel(), shape[dim + 1 :].numel()
+        runs = []
+        for o in range(outer):
+            for offset, length in pieces:
+                start = (o * shape[dim] + offset) * inner
+                runs.append(self.read(key, start, start + length * inner))
+        local = list(shape)
+        local[dim] = sum(length for _, length in pieces)
+        return torch.cat(runs).reshape(local)
 
     def close(self) -> None:
-        self._handles.clear()
+        self._headers.clear()
+
+
+@dataclass
+class _Entry:
+    """One tensor of a safetensors file: where its bytes are and what they hold."""
+
+    name: str
+    """The safetensors dtype name (``"F32"``, ``"BF16"``, ...)."""
+    dtype: torch.dtype
+    shape: torch.Size
+    offset: int
+    """Absolute byte offset of its first element in the file."""
+
+
+def _read_header(file: Path) -> dict[str, _Entry]:
+    """The tensors of one safetensors file, from its header."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        length = struct.unpack("<Q", head)[0] if len(head) == 8 else size
+        if length > size - 8:
+            raise ValueError(f"{file} is not a safetensors file (header length {length})")
+        try:
+            meta = json.loads(f.read(length))
+        except ValueError as e:
+            raise ValueError(f"{file} is not a safetensors file (header: {e})") from None
+    base = 8 + length
+    out: dict[str, _Entry] = {}
+    for key, info in meta.items():
+        if key == "__metadata__":
+            continue
+        dtype = _FROM_NAME.get(info.get("dtype"))
+        if dtype is None:
+            raise ValueError(
+                f"{file}: tensor {key!r} has dtype {info.get('dtype')!r}, which torch cannot hold"
+            )
+        shape = torch.Size(info["shape"])
+        begin, end = info["data_offsets"]
+        if end - begin != shape.numel() * dtype.itemsize or base + end > size:
+            raise ValueError(
+                f"{file}: tensor {key!r} of shape {tuple(shape)} ({info['dtype']}) has data "
+                f"offsets {begin}..{end}, which do not fit it or the file: the file is corrupt"
+            )
+        out[key] = _Entry(info["dtype"], dtype, shape, base + begin)
+    return out
 
 
 # ---------------------------------------------------------------------------- writing

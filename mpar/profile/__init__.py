@@ -7,6 +7,7 @@ from mpar.profile._profile import (
     ModelProfile,
     UnitProfile,
     preserved_state,
+    profile_mode,
     profile_model,
 )
 
@@ -15,5 +16,6 @@ __all__ = [
     "ModelProfile",
     "UnitProfile",
     "preserved_state",
+    "profile_mode",
     "profile_model",
 ]

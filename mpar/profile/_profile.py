@@ -12,8 +12,11 @@ forward and backward, as torchgpipe's ``balance_by_time`` does:
 * time: ``mode="measure"``: ``warmup`` runs, then the median of ``repeats``
   forward+backward runs; ``mode="meta"``: ``flops / flops_per_second``.
 
-In ``mode="meta"`` the model must live on the meta device (build it under
-``with torch.device("meta"):``); inputs are moved to meta; nothing is allocated.
+In ``mode="meta"`` everything runs on fake tensors: nothing is allocated or
+computed. The model may live on the meta device (built under
+``with torch.device("meta"):``; inputs are moved to meta) or be real (its
+tensors are faked where they are): mpar profiles a real model this way when it
+does not fit rank 0's ``device_memory``.
 Code outside the units (masks, position ids, the loss) is not timed.
 """
 
@@ -366,6 +369,23 @@ def _owners(module: nn.Module, units: Sequence[str]) -> dict[int, str]:
     return owner
 
 
+def profile_mode(module: nn.Module, device_memory: int | str | None) -> Literal["measure", "meta"]:
+    """How to profile ``module`` on one rank without running what does not fit there:
+    ``"meta"`` (FLOPs on fake tensors: nothing is allocated or run) for a model on the
+    meta device, or for one whose weights and gradients exceed ``device_memory`` (a
+    rank's budget, bytes or ``"16GiB"``; None or 0: no budget); else ``"measure"``."""
+    from mpar._size import parse_bytes
+
+    tensors = _state(module)
+    if any(t.is_meta for t in tensors):
+        return "meta"
+    if not device_memory:
+        return "measure"
+    need = sum(t.numel() * t.element_size() for t in tensors)
+    need += sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    return "meta" if need > parse_bytes(device_memory) else "measure"
+
+
 def _to_meta(tree: Any) -> Any:
     return pytree.tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, tree)
 
@@ -378,11 +398,6 @@ def _check_options(module: nn.Module, optimizer: str, mode: str, repeats: int) -
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     real = [n for n, p in module.named_parameters() if not p.is_meta]
-    if mode == "meta" and real:
-        raise PartitionError(
-            f"mode='meta' needs a model on the meta device, but parameter {real[0]!r} is on "
-            f"a real device; build the model inside `with torch.device('meta'):`"
-        )
     if mode == "measure" and len(real) < len(list(module.parameters())):
         raise PartitionError(
             "the model has parameters on the meta device; profile it with mode='meta'"
@@ -437,12 +452,14 @@ def profile_model(
     args, kwargs = tuple(example_args), dict(example_kwargs or {})
     fake: Any = contextlib.nullcontext()
     if mode == "meta":
-        # Fake tensors on the meta device: models that check values where they can
-        # (Hugging Face masks: "is this mask all ones?") skip the check when tracing.
+        # Fake tensors: models that check values where they can (Hugging Face masks:
+        # "is this mask all ones?") skip the check when tracing. Inputs go where the
+        # model is: meta for a meta model; a real model's tensors are faked in place.
         fake = FakeTensorMode(allow_non_fake_inputs=True)
+        on_meta = any(t.is_meta for t in _state(module))
         args, kwargs = pytree.tree_map(
             lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x,
-            _to_meta((args, kwargs)),
+            _to_meta((args, kwargs)) if on_meta else (args, kwargs),
         )
     with preserved_state(module), fake:
         # The fake copies of parameters that ops make, kept alive so every op gets the same.

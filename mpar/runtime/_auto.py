@@ -63,15 +63,20 @@ def _choose(
     model: DistributedModel, fn: Callable[..., Any], whole: Any, st: State
 ) -> dict[str, Any]:
     """Rank 0: profile on the replica's batch and search; returns the resolved values."""
+    from mpar.build import find_units_meta
     from mpar.partition import find_units, search
-    from mpar.profile import preserved_state, profile_model
+    from mpar.profile import preserved_state, profile_mode, profile_model
 
     cfg = st.config
     args, kwargs = model.capture(fn, whole, 0)
     module = model.module
-    with torch.no_grad(), preserved_state(module):
-        units = find_units(module, args, kwargs)
-    profile = profile_model(module, args, kwargs, units=units, repeats=1, warmup=1)
+    mode = profile_mode(module, cfg.device_memory)  # meta: nothing runs for real
+    if mode == "meta":
+        units = find_units_meta(module, args, kwargs)
+    else:
+        with torch.no_grad(), preserved_state(module):
+            units = find_units(module, args, kwargs)
+    profile = profile_model(module, args, kwargs, units=units, repeats=1, warmup=1, mode=mode)
     module.zero_grad(set_to_none=True)
     batch = whole.sizes[0]
     tp = st.grid.tp_size

@@ -75,7 +75,9 @@ class DistributedModel:
         """A meta-built model: called on each module to initialise it (default: its own
         initialisers; see ``mpar.build``)."""
         self.after_partition: list[Callable[[DistributedModel], None]] = []
-        """Run once the model is partitioned (a deferred ``mpar.load_pretrained``)."""
+        """Run once the model is partitioned (a deferred ``mpar.load_pretrained``). A hook
+        with an ``overwrites`` attribute (state-dict keys) overwrites those tensors whole:
+        a meta model leaves them uninitialised."""
         self.caches_disabled = disable_caches(module)
         """Submodules whose ``config.use_cache`` mpar turned off (see ``runtime._adapt``)."""
         self.stages: LocalStages | None = None
@@ -119,10 +121,17 @@ class DistributedModel:
         for stage in self.stages.modules.values():
             stage.train(self.module.training)
         # A meta model gets storage here: this rank's stages only, bucket by bucket.
+        overwritten = {k for h in self.after_partition for k in getattr(h, "overwrites", ())}
         materializer = start_materialize(
-            self.module, self.stages, st, self.init_fn, self._tensor_shapes, self._tp_cuts()
+            self.module,
+            self.stages,
+            st,
+            self.init_fn,
+            self._tensor_shapes,
+            overwritten,
+            self._tp_cuts(),
         )
-        ensure = None if materializer is None else materializer.ensure
+        ensure = None if materializer is None else materializer.ensure_or_defer
         self.sharded = make_sharded(self.stages, st, (args, kwargs), materialize=ensure)
         if materializer is not None:
             materializer.finish()

@@ -51,7 +51,7 @@ def _decide_boundaries(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], units: list[str], st: State
 ) -> tuple[list[int], Any]:
     from mpar.partition import make_plan, manual_boundaries
-    from mpar.profile import profile_model
+    from mpar.profile import profile_mode, profile_model
 
     cfg = st.config
     num_stages = cfg.num_stages
@@ -63,11 +63,10 @@ def _decide_boundaries(
         )
     if not cfg.auto_partition:
         return manual_boundaries(module, units, default=cfg.default_partition), None
-    # A meta model is profiled from FLOPs on fake tensors: nothing runs for real.
-    meta = _has_meta(module)
-    profile = profile_model(
-        module, args, kwargs, units=units, repeats=3, warmup=1, mode="meta" if meta else "measure"
-    )
+    # A meta model, or one that does not fit this rank's device_memory, is profiled
+    # from FLOPs on fake tensors: nothing runs for real.
+    mode = profile_mode(module, cfg.device_memory)
+    profile = profile_model(module, args, kwargs, units=units, repeats=3, warmup=1, mode=mode)
     module.zero_grad(set_to_none=True)
     plan = make_plan(
         profile,
@@ -163,12 +162,12 @@ def build_local_stages(
         )
     from mpar.build import find_units_meta
     from mpar.partition import find_units, split_module
-    from mpar.profile import preserved_state
+    from mpar.profile import preserved_state, profile_mode
 
     # The whole model is traced, profiled and split where the user built it (the
     # host, usually: it need not fit on one device); only the stages move.
     args, kwargs = _device.to_device((args, kwargs), _module_device(module))
-    if meta:
+    if meta or profile_mode(module, st.config.device_memory) == "meta":  # nothing runs
         units = find_units_meta(module, args, kwargs)
     else:
         with torch.no_grad(), preserved_state(module):

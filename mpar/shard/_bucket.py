@@ -171,14 +171,32 @@ class FlatBucket:
     def _init_storage(self) -> torch.Tensor:
         """Fill ``full`` and ``shard``; returns the initial values of ``opt_range`` in
         the parameters' original dtype (what ``master`` starts from)."""
-        flat = torch.zeros(self.spec.padded, dtype=self.master_dtype, device=self.device)
+        sharded = self.residence is Residence.SHARDED
+        flat: torch.Tensor | None = None
         for slot, p in zip(self.spec.slots, self.params):
             if self.materialize is not None:
                 self.materialize(p)
+            if p.is_meta:
+                continue  # a pending load writes it (the same on every rank of the group)
+            if flat is None:
+                flat = torch.zeros(self.spec.padded, dtype=self.master_dtype, device=self.device)
             flat[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
-        # Like DDP: every replica starts from the group's first rank's values.
-        broadcast_flat(flat, src=self.comm.ranks[0], group=self.comm.group, size=self.comm.size)
+            if sharded:  # its own storage is freed now, not with the whole bucket's
+                p.data = torch.empty(0, dtype=self.dtype, device=self.device)
         lo, hi = self.opt_range
+        _unmeta(self.params, self.dtype, self.device)
+        if flat is None and sharded:  # all loaded later: only this rank's shard exists
+            if self.offload_params:
+                self.shard = _device.host_buffer(self.hi - self.lo, self.dtype, self.device)
+                self.shard.zero_()
+            else:
+                self.shard = torch.zeros(self.hi - self.lo, dtype=self.dtype, device=self.device)
+            self._release_params()
+            return torch.zeros(hi - lo, dtype=self.master_dtype, device=self.device)
+        if flat is None:
+            flat = torch.zeros(self.spec.padded, dtype=self.master_dtype, device=self.device)
+        else:  # like DDP: every replica starts from the group's first rank's values
+            broadcast_flat(flat, src=self.comm.ranks[0], group=self.comm.group, size=self.comm.size)
         initial = flat[lo:hi]
         flat = flat.to(self.dtype)  # the same tensor unless mixed precision
         local = flat[self.lo : self.hi]
@@ -344,6 +362,16 @@ class FlatBucket:
             "gradients": self.grads.tensors(),
             "optimizer": [self.master],
         }
+
+
+def _unmeta(params: list[nn.Parameter], dtype: torch.dtype, device: torch.device) -> None:
+    """Parameters left on meta for a pending load: real (empty) tensors, the same
+    objects, so that their ``.data`` can be set to views of the bucket."""
+    from mpar.build._init import replace_storage
+
+    for p in params:
+        if p.is_meta:
+            replace_storage(p, torch.empty(0, dtype=dtype, device=device))
 
 
 class BucketGrads:

@@ -113,3 +113,31 @@ def test_build_module_checks_the_factory():
     assert built.weight.is_meta
     with pytest.raises(ValueError, match="seed"):
         mpar.materialize(_meta(_torch_model), seed=-1)
+
+
+def test_groups_a_pending_load_overwrites_are_not_initialised():
+    from mpar.build import RankMaterializer
+
+    model = _meta(_torch_model)
+    called: list[str] = []
+
+    def init(m: nn.Module) -> None:
+        called.append(type(m).__name__)
+        for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
+            t.fill_(1)
+
+    # every tensor of the first Linear and of the BatchNorm will be loaded; the
+    # second Linear's bias will not, so its group is initialised as usual
+    names = ["1.weight", "1.bias", "3.weight"]
+    names += [n for n, _ in model[2].named_buffers(prefix="2")] + ["2.weight", "2.bias"]
+    mat = RankMaterializer(
+        model, [model], seed=0, device=torch.device("cpu"), init_fn=init, overwritten=names
+    )
+    mat.ensure_or_defer(model[1].weight)  # what a bucket calls: stays meta for the load
+    assert model[1].weight.is_meta
+    mat.ensure(model[2].running_mean)  # outside buckets: storage, uninitialised
+    assert not model[2].running_mean.is_meta
+    mat.ensure_or_defer(model[3].weight)  # a group the load does not cover whole
+    assert not model[3].weight.is_meta and not model[3].bias.is_meta
+    assert torch.equal(model[3].bias.detach(), torch.ones(2))
+    assert called == ["Linear"]  # only the second Linear's initialiser ran

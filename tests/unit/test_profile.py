@@ -8,8 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from mpar.errors import PartitionError
-from mpar.profile import profile_model
+from mpar.profile import profile_mode, profile_model
 from mpar.testing_models import GPTConfig, TinyGPT, gpt_param_count
 
 
@@ -64,9 +63,40 @@ def test_meta_mode_matches_measure_mode_except_time():
         assert b.time_s == pytest.approx(b.flops / 1e9)
 
 
-def test_meta_mode_needs_meta_model():
-    with pytest.raises(PartitionError, match="meta"):
-        profile_model(nn.Sequential(nn.Linear(2, 2)), (torch.randn(1, 2),), mode="meta")
+def test_meta_mode_on_a_real_model_runs_nothing_and_matches_the_meta_model():
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    cfg = GPTConfig(num_layers=2)
+    idx = torch.randint(0, 128, (2, 8))
+    model = TinyGPT(cfg)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    real_runs = []
+    for block in model.blocks:
+        block.register_forward_pre_hook(
+            lambda m, args: real_runs.append(not isinstance(args[0], FakeTensor))
+        )
+    got = profile_model(model, (idx,), mode="meta", flops_per_second=1e9)
+    assert real_runs and not any(real_runs)  # the blocks ran, on fake tensors only
+    with torch.device("meta"):
+        meta_model = TinyGPT(cfg)
+    want = profile_model(meta_model, (idx,), mode="meta", flops_per_second=1e9)
+    for a, b in zip(got.units, want.units):
+        assert (a.name, a.param_bytes, a.output_bytes) == (b.name, b.param_bytes, b.output_bytes)
+        assert a.flops == pytest.approx(b.flops, rel=0.1)  # attention kernels differ
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_profile_mode_is_meta_for_meta_models_and_models_over_the_budget():
+    model = nn.Linear(100, 100)  # 40400 bytes of weights, as many of gradients
+    assert profile_mode(model, None) == "measure"
+    assert profile_mode(model, "1MiB") == "measure"
+    assert profile_mode(model, 80_800) == "measure"
+    assert profile_mode(model, 80_799) == "meta"  # weights fit, with gradients not
+    model.requires_grad_(False)
+    assert profile_mode(model, 40_400) == "measure"
+    with torch.device("meta"):
+        assert profile_mode(nn.Linear(2, 2), None) == "meta"
 
 
 def test_7b_gpt_on_meta_device():
