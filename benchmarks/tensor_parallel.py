@@ -289,7 +289,10 @@ def _markdown(report: dict[str, Any]) -> str:
         "",
         "Per rank, MiB: parameters and optimizer state (this rank's pieces), and RSS "
         "sampled every 2 ms during the timed steps (`MALLOC_MMAP_THRESHOLD_=65536`): "
-        "baseline right before them, peak, and peak above baseline (medians over runs).",
+        "baseline right before them, peak, and peak above baseline (medians over runs). "
+        f"Counted from the sizes, each rank's parameters are "
+        f"{_mib(meta['expected_local_parameter_bytes'])} MiB (the replicated ones whole, "
+        "the split ones divided by tp).",
         "",
         "| engine | rank | parameters | optimizer | RSS baseline | RSS peak | step peak |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -331,6 +334,7 @@ def _version(distribution: str) -> str:
 
 def _meta(args: argparse.Namespace, spec: TPSpec) -> dict[str, Any]:
     import torch
+    from tp_peers.common import expected_local_parameters
 
     import mpar
     from mpar.testing_models import gpt_param_count
@@ -351,6 +355,7 @@ def _meta(args: argparse.Namespace, spec: TPSpec) -> dict[str, Any]:
         "tp": args.tp,
         "model": spec.__dict__,
         "parameters": gpt_param_count(spec.gpt_config()),
+        "expected_local_parameter_bytes": 4 * expected_local_parameters(spec, args.tp),
         "warmup": args.warmup,
         "steps": args.steps,
         "rounds": args.rounds,

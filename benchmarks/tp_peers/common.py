@@ -33,6 +33,7 @@ __all__ = [
     "loss_fn",
     "make_model",
     "make_optimizer",
+    "expected_local_parameters",
     "result",
 ]
 
@@ -91,6 +92,17 @@ def make_model(spec: TPSpec) -> TinyGPT:
     """The whole model, identical (same seed) in every process and engine."""
     torch.manual_seed(0)
     return TinyGPT(spec.gpt_config())
+
+
+def expected_local_parameters(spec: TPSpec, tp: int) -> int:
+    """This rank's parameter count at ``tp``: the replicated parameters whole, the split
+    ones (q, k, v, ``mlp.0`` with their biases; ``proj``, ``mlp.2`` weights) by ``tp``."""
+    from mpar.testing_models import gpt_param_count
+
+    d, f = spec.d_model, 4 * spec.d_model
+    split = 3 * (d * d + d) + (d * f + f) + d * d + f * d
+    total = gpt_param_count(spec.gpt_config())
+    return total - spec.num_layers * split + spec.num_layers * split // tp
 
 
 def make_optimizer(params: Iterable[Any]) -> torch.optim.Optimizer:
