@@ -44,6 +44,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,8 +101,14 @@ def _run_case(case: TPCase, args: argparse.Namespace) -> dict[str, Any]:
     return got
 
 
-def _run_rounds(args: argparse.Namespace, spec: TPSpec) -> dict[str, list[dict[str, Any]]]:
-    """``args.rounds`` rounds of one job per engine, the order reversed every other round."""
+def _run_rounds(
+    args: argparse.Namespace,
+    spec: TPSpec,
+    after_round: Callable[[dict[str, list[dict[str, Any]]]], None],
+) -> dict[str, list[dict[str, Any]]]:
+    """``args.rounds`` rounds of one job per engine, the order reversed every other round;
+    ``after_round(runs so far)`` after each (the report is rewritten, so a long run on a
+    busy machine that is stopped keeps its finished rounds)."""
     runs: dict[str, list[dict[str, Any]]] = {fw: [] for fw in args.frameworks}
     skip = {fw: missing_module(PEER_MODULES.get(fw)) or _unsupported(fw) for fw in runs}
     for r in range(args.rounds):
@@ -121,6 +128,7 @@ def _run_rounds(args: argparse.Namespace, spec: TPSpec) -> dict[str, list[dict[s
             print(f"[{r + 1}/{args.rounds}] {fw}: {shown}", flush=True)
             if got["status"] != "ok" and fw != "mpar":
                 skip[fw] = f"failed in round {r + 1}: " + got["reason"]
+        after_round(runs)
     return runs
 
 
@@ -260,7 +268,8 @@ def _markdown(report: dict[str, Any]) -> str:
         f"{spec['num_layers']} blocks, {spec['num_heads']} heads, d_ffn {4 * spec['d_model']}, "
         f"{meta['parameters']:,} fp32 parameters; batch {spec['batch']} x seq {spec['seq']}; "
         f"AdamW. {meta['warmup']} warm-up + {meta['steps']} timed steps per job; samples/s "
-        f"from the median step; {meta['rounds']} rounds, the engines' order alternating.",
+        f"from the median step; {meta['rounds']} rounds, the engines' order alternating"
+        f" ({len(next(iter(report['runs'].values()), []))} done).",
         "",
         "| engine | samples/s (median) | runs | step ms |",
         "|---|---:|---|---:|",
@@ -404,21 +413,24 @@ def main(argv: list[str] | None = None) -> int:
         _worker(TPCase.from_json(args.worker), args.result)
         return 0
     spec = TPSpec(args.vocab, args.d_model, args.layers, args.heads, args.seq, args.batch)
-    runs = _run_rounds(args, spec)
     reference = _reference_losses(spec, args.warmup, args.threads)
-    rows = [_summarise(fw, spec, got) for fw, got in runs.items()]
-    report = {
-        "meta": _meta(args, spec),
-        "rows": rows,
-        "ratios": _ratios(runs, spec),
-        "sanity": _sanity(runs, reference),
-        "runs": runs,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "tensor_parallel.json").write_text(json.dumps(report, indent=1) + "\n")
-    text = _markdown(report)
-    (args.out / "tensor_parallel.md").write_text(text)
-    print(text)
+    meta = _meta(args, spec)
+
+    def write(runs: dict[str, list[dict[str, Any]]]) -> str:
+        report = {
+            "meta": meta,
+            "rows": [_summarise(fw, spec, got) for fw, got in runs.items()],
+            "ratios": _ratios(runs, spec),
+            "sanity": _sanity(runs, reference),
+            "runs": runs,
+        }
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "tensor_parallel.json").write_text(json.dumps(report, indent=1) + "\n")
+        text = _markdown(report)
+        (args.out / "tensor_parallel.md").write_text(text)
+        return text
+
+    print(write(_run_rounds(args, spec, write)))
     return 0
 
 
