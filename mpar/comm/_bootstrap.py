@@ -184,13 +184,7 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
     owns = _init_process_group(layout, world_backend, timeout)
     _checked_same_config(resolved, layout.world_size, owns)
     grid = build_process_grid(topology, layout.rank, (world_backend, dp_backend), timeout)
-    register_tp_group(
-        TP_GROUP,
-        grid.tp_group,
-        None if grid.mesh is None or grid.tp_size == 1 else grid.mesh["tp"],
-        grid.tp_size,
-        grid.tp_rank,
-    )
+    register_tp_group(TP_GROUP, grid.tp_group, grid.tp_size, grid.tp_rank)
     torch.manual_seed(resolved.seed)
     PROGRESS.reset(RECENT if resolved.trace is None else 16 * RECENT)
     if layout.world_size > 1:

@@ -18,10 +18,12 @@ operator            forward                         backward
 ``tp_split(d)``     this rank's piece along ``d``   concatenate along ``d``
 ==================  ==============================  =============================
 
-The communication itself is DTensor's: a local tensor wrapped as a DTensor on the
-TP mesh with the placement it has (``Partial`` for partial sums, ``Shard(d)`` for
-pieces) is redistributed to ``Replicate``. Where the grid has no ``DeviceMesh``
-(the MPI and XLA backends) the same collectives run on the TP process group.
+The communication runs on the TP process group of the grid (its ``DeviceMesh``'s
+``"tp"`` dimension): an all-reduce, or an all-gather; a rank stuck in one shows in
+the hang report like any other collective. (Wrapping the
+pieces as DTensors and redistributing them was tried: inside an operator's
+implementation torch 2.9's DTensor dispatch fails on ``detach_``, and the
+collectives are the same.)
 
 Operators name their group by a key registered with :func:`register_tp_group`;
 :func:`clear_tp_groups` (run by ``mpar.shutdown``) forgets them.
@@ -30,16 +32,13 @@ Operators name their group by a key registered with :func:`register_tp_group`;
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from mpar._compat import DeviceMesh
+from mpar.comm._progress import Waiting
 from mpar.comm._types import ProcessGroup
-
-if TYPE_CHECKING:
-    from torch.distributed.tensor.placement_types import Placement
 
 __all__ = [
     "TP_GROUP",
@@ -55,7 +54,6 @@ __all__ = [
 @dataclass(frozen=True)
 class _TPGroup:
     group: ProcessGroup
-    mesh: DeviceMesh | None
     size: int
     rank: int
 
@@ -66,11 +64,9 @@ TP_GROUP = "tp"
 """The key of the grid's TP group (registered by ``mpar.init``)."""
 
 
-def register_tp_group(
-    key: str, group: ProcessGroup, mesh: DeviceMesh | None, size: int, rank: int
-) -> str:
+def register_tp_group(key: str, group: ProcessGroup, size: int, rank: int) -> str:
     """Make ``group`` (this rank at ``rank`` of ``size``) known to the operators as ``key``."""
-    _GROUPS[key] = _TPGroup(group, mesh, size, rank)
+    _GROUPS[key] = _TPGroup(group, size, rank)
     return key
 
 
@@ -88,39 +84,24 @@ def _group(key: str) -> _TPGroup:
         ) from None
 
 
-def _dtensor_replicate(x: torch.Tensor, g: _TPGroup, placement: Placement) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor, Replicate
-
-    assert g.mesh is not None
-    dt = DTensor.from_local(x, g.mesh, [placement], run_check=False)
-    return dt.redistribute(g.mesh, [Replicate()]).to_local()
-
-
 def _sum(x: torch.Tensor, key: str) -> torch.Tensor:
     g = _group(key)
-    if g.size == 1:
-        return x.clone()
-    if g.mesh is not None:
-        from torch.distributed.tensor import Partial
-
-        return _dtensor_replicate(x.contiguous(), g, Partial()).clone()
-    out = x.contiguous().clone()
-    dist.all_reduce(out, group=g.group)
+    out = x.detach().contiguous().clone()
+    if g.size > 1:
+        with Waiting(("collective", "all_reduce", g.group)):
+            dist.all_reduce(out, group=g.group)
     return out
 
 
 def _concat(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:
     g = _group(key)
+    x = x.detach().contiguous()
     if g.size == 1:
         return x.clone()
-    dim = dim % x.dim()
-    if g.mesh is not None:
-        from torch.distributed.tensor import Shard
-
-        return _dtensor_replicate(x.contiguous(), g, Shard(dim)).clone()
-    pieces = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(g.size)]
-    dist.all_gather(pieces, x.contiguous(), group=g.group)
-    return torch.cat(pieces, dim=dim)
+    pieces = [torch.empty_like(x) for _ in range(g.size)]
+    with Waiting(("collective", "all_gather", g.group)):
+        dist.all_gather(pieces, x, group=g.group)
+    return torch.cat(pieces, dim=dim % x.dim())
 
 
 def _piece(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:
