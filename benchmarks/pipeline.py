@@ -222,6 +222,9 @@ def _summarise(case: Case, sim: str, runs: list[dict[str, Any]], costs: Any) -> 
         row["reason"] = runs[0].get("reason", "") if runs else ""
         return row
     samples = [case.model.batch / r["step_s"] for r in ok]
+    row["samples_per_s_by_round"] = [
+        case.model.batch / r["step_s"] if r["status"] == "ok" else None for r in runs
+    ]
     step_s = statistics.median(r["step_s"] for r in ok)
     stage_layers = ok[0]["stage_layers"]
     sim_bound = bound(costs, sim, case.pp, case.model.microbatches, stage_layers)
@@ -278,6 +281,76 @@ def _ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+ZERO_BUBBLE = {
+    "mpar": {"zero_bubble", "zbv"},
+    "torch": {"ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"},
+}
+
+
+def _round_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The acceptance figures, each the median over rounds of a ratio taken within its
+    round (the engines of one round ran one after another, so they saw the same load):
+
+    * mpar's best / the best peer (torch's schedules and DeepSpeed);
+    * mpar's best zero-bubble schedule / torch ``Schedule1F1B``;
+    * mpar's best zero-bubble schedule / torch's best zero-bubble schedule.
+    """
+    out = []
+    for layout in dict.fromkeys(r["layout"] for r in rows):
+        here = [r for r in rows if r["layout"] == layout and r["status"] == "ok"]
+        here = [r for r in here if r["split"] == "uniform"]
+        groups = {
+            "mpar best": [r for r in here if r["framework"] == "mpar"],
+            "mpar best zero-bubble": [
+                r for r in here if r["framework"] == "mpar" and r["schedule"] in ZERO_BUBBLE["mpar"]
+            ],
+            "best peer": [r for r in here if r["framework"] != "mpar"],
+            "torch Schedule1F1B": [
+                r for r in here if (r["framework"], r["schedule"]) == ("torch", "Schedule1F1B")
+            ],
+            "torch best zero-bubble": [
+                r
+                for r in here
+                if r["framework"] == "torch" and r["schedule"] in ZERO_BUBBLE["torch"]
+            ],
+        }
+        for mine, peer in (
+            ("mpar best", "best peer"),
+            ("mpar best zero-bubble", "torch Schedule1F1B"),
+            ("mpar best zero-bubble", "torch best zero-bubble"),
+        ):
+            ratios, winners = [], []
+            rounds = min((len(r["samples_per_s_by_round"]) for r in here), default=0)
+            for k in range(rounds):
+                a = _best_in_round(groups[mine], k)
+                b = _best_in_round(groups[peer], k)
+                if a is not None and b is not None:
+                    ratios.append(a[0] / b[0])
+                    winners.append(f"{a[1]} / {b[1]}")
+            if ratios:
+                out.append(
+                    {
+                        "layout": layout,
+                        "mpar": mine,
+                        "peer": peer,
+                        "median_round_ratio": statistics.median(ratios),
+                        "round_ratios": ratios,
+                        "round_best": winners,
+                    }
+                )
+    return out
+
+
+def _best_in_round(rows: list[dict[str, Any]], k: int) -> tuple[float, str] | None:
+    """The fastest of ``rows`` in round ``k``: (samples/s, its label)."""
+    got = [
+        (r["samples_per_s_by_round"][k], f"{r['framework']} {_label(r)}")
+        for r in rows
+        if r["samples_per_s_by_round"][k] is not None
+    ]
+    return max(got) if got else None
+
+
 def _last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1].strip().replace("|", "/") if lines else ""
@@ -330,7 +403,21 @@ def _markdown(report: dict[str, Any]) -> str:
             f"(median {statistics.median(loads):.1f}) on {cores} cores; the machine is shared, "
             "so the spread between runs is large.",
         ]
-    lines += ["", "| layout | mpar | peer | mpar / peer |", "|---|---|---|---:|"]
+    lines += [
+        "",
+        "Acceptance figures: the median over rounds of the ratio within each round "
+        "(in a round every engine ran once, one after another).",
+        "",
+        "| layout | mpar | peer | median of per-round ratios | per-round ratios |",
+        "|---|---|---|---:|---|",
+    ]
+    for q in report.get("round_ratios", []):
+        per_round = ", ".join(f"{v:.2f}" for v in q["round_ratios"])
+        lines.append(
+            f"| {q['layout']} | {q['mpar']} | {q['peer']} | {q['median_round_ratio']:.2f} "
+            f"| {per_round} |"
+        )
+    lines += ["", "| layout | mpar | peer | mpar / peer (medians) |", "|---|---|---|---:|"]
     for q in report["ratios"]:
         lines.append(f"| {q['layout']} | {q['mpar']} | {q['peer']} | {q['ratio']:.2f} |")
     lines += [
@@ -529,6 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         "stage_costs": costs,
         "rows": rows,
         "ratios": _ratios(rows),
+        "round_ratios": _round_ratios(rows),
         "runs": {str(i): runs[i] for i in runs},
     }
     args.out.mkdir(parents=True, exist_ok=True)
