@@ -186,6 +186,8 @@ def _cases(args: argparse.Namespace, spec: ModelSpec) -> list[tuple[Case, str]]:
                 continue
             if args.schedules and schedule not in args.schedules:
                 continue
+            if args.only and f"{framework}:{schedule}:{v}" not in args.only:
+                continue
             if framework in args.frameworks:
                 case = Case(framework, schedule, pp, dp, v, spec, args.warmup, args.steps, split)
                 cases.append((case, sim))
@@ -532,6 +534,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--frameworks", nargs="+", default=["mpar", "torch", "deepspeed"])
     p.add_argument(
         "--schedules", nargs="+", help="only these schedules (e.g. Schedule1F1B zero_bubble)"
+    )
+    p.add_argument(
+        "--only",
+        nargs="+",
+        help="only these cases, as FRAMEWORK:SCHEDULE:VIRTUAL_STAGES "
+        "(e.g. mpar:zero_bubble:1 torch:Schedule1F1B:1)",
     )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=3)

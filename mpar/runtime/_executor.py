@@ -247,7 +247,9 @@ class StepRun:
         """Mixed precision: stage 0 casts float inputs to it, the last stage casts back."""
         self.unshard_for_backward = _unshard_phases(self.actions)
         if self.training and st.config.split_backward:  # I/W: linear layers keep their W for later
-            for s in {a.stage for a in self.actions if a.kind is Kind.I}:
+            # not stage 0: no stage waits for its input gradients, so its I and W may as
+            # well be one ordinary backward (in W), without the deferring layers' cost
+            for s in {a.stage for a in self.actions if a.kind is Kind.I} - {0}:
                 defer_weight_gradients(stages.modules[s])
 
     @property
