@@ -31,6 +31,13 @@ efficiency = bound / measured step time (``_bound.py``).
     python benchmarks/pipeline.py                      # pp=2, writes benchmarks/results/
     python benchmarks/pipeline.py --layouts 2x1 4x1 2x2 --repeats 5
     python benchmarks/pipeline.py --quick --out /tmp/b  # smoke run, seconds
+
+``--overhead`` runs only mpar, with ``trace`` on, and reports the runtime's own
+cost per action kind (µs per action outside the stage's computation and the
+waits for peers: packing, sending, bookkeeping, hooks, the timeline; see
+``mpar.schedule._measured``) to ``executor_overhead.{json,md}``:
+
+    python benchmarks/pipeline.py --overhead --seq 32 --repeats 3
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import platform
 import shlex
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -109,8 +117,43 @@ def _launch(
     return launch_job(framework, nproc, script, worker_args, threads, timeout, mmap_threshold)
 
 
+def _overhead(trace: Path) -> dict[str, Any]:
+    """The runtime's overhead per action kind over every step the ranks' timelines kept:
+    median µs per action, and its total per step (mean over ranks)."""
+    from mpar.schedule._measured import overhead_by_kind
+
+    files = [json.loads(f.read_text()) for f in sorted(trace.glob("rank*.timeline.json"))]
+    per_kind: dict[str, list[float]] = {}
+    per_step: list[float] = []
+    for f in files:
+        for step in f["steps"]:
+            for kind, (n, us) in overhead_by_kind([step["actions"]]).items():
+                per_kind.setdefault(kind, []).extend([us] * n)
+            total = sum(n * us for n, us in overhead_by_kind([step["actions"]]).values())
+            per_step.append(total)
+    return {
+        "us_per_action": {k: statistics.median(v) for k, v in sorted(per_kind.items())},
+        "actions_per_step": {k: len(v) // max(1, len(per_step)) for k, v in per_kind.items()},
+        "ms_per_step_per_rank": statistics.median(per_step) / 1e3 if per_step else 0.0,
+    }
+
+
 def _run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
     """One job of ``case``, started again once if it fails (a port taken, say)."""
+    if args.overhead:
+        with tempfile.TemporaryDirectory(prefix="mpar-overhead-") as trace:
+            os.environ["MPAR_TRACE"] = trace
+            try:
+                got = _run_case_once(case, args)
+            finally:
+                del os.environ["MPAR_TRACE"]
+            if got["status"] == "ok":
+                got["overhead"] = _overhead(Path(trace))
+            return got
+    return _run_case_once(case, args)
+
+
+def _run_case_once(case: Case, args: argparse.Namespace) -> dict[str, Any]:
     worker = ["--worker", case.to_json()]
     load = os.getloadavg()[0]
     got = _launch(
@@ -142,6 +185,8 @@ def _cases(args: argparse.Namespace, spec: ModelSpec) -> list[tuple[Case, str]]:
             if args.quick and (framework, schedule, v) not in QUICK_CASES:
                 continue
             if args.schedules and schedule not in args.schedules:
+                continue
+            if args.only and f"{framework}:{schedule}:{v}" not in args.only:
                 continue
             if framework in args.frameworks:
                 case = Case(framework, schedule, pp, dp, v, spec, args.warmup, args.steps, split)
@@ -179,6 +224,9 @@ def _summarise(case: Case, sim: str, runs: list[dict[str, Any]], costs: Any) -> 
         row["reason"] = runs[0].get("reason", "") if runs else ""
         return row
     samples = [case.model.batch / r["step_s"] for r in ok]
+    row["samples_per_s_by_round"] = [
+        case.model.batch / r["step_s"] if r["status"] == "ok" else None for r in runs
+    ]
     step_s = statistics.median(r["step_s"] for r in ok)
     stage_layers = ok[0]["stage_layers"]
     sim_bound = bound(costs, sim, case.pp, case.model.microbatches, stage_layers)
@@ -235,6 +283,76 @@ def _ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+ZERO_BUBBLE = {
+    "mpar": {"zero_bubble", "zbv"},
+    "torch": {"ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"},
+}
+
+
+def _round_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The acceptance figures, each the median over rounds of a ratio taken within its
+    round (the engines of one round ran one after another, so they saw the same load):
+
+    * mpar's best / the best peer (torch's schedules and DeepSpeed);
+    * mpar's best zero-bubble schedule / torch ``Schedule1F1B``;
+    * mpar's best zero-bubble schedule / torch's best zero-bubble schedule.
+    """
+    out = []
+    for layout in dict.fromkeys(r["layout"] for r in rows):
+        here = [r for r in rows if r["layout"] == layout and r["status"] == "ok"]
+        here = [r for r in here if r["split"] == "uniform"]
+        groups = {
+            "mpar best": [r for r in here if r["framework"] == "mpar"],
+            "mpar best zero-bubble": [
+                r for r in here if r["framework"] == "mpar" and r["schedule"] in ZERO_BUBBLE["mpar"]
+            ],
+            "best peer": [r for r in here if r["framework"] != "mpar"],
+            "torch Schedule1F1B": [
+                r for r in here if (r["framework"], r["schedule"]) == ("torch", "Schedule1F1B")
+            ],
+            "torch best zero-bubble": [
+                r
+                for r in here
+                if r["framework"] == "torch" and r["schedule"] in ZERO_BUBBLE["torch"]
+            ],
+        }
+        for mine, peer in (
+            ("mpar best", "best peer"),
+            ("mpar best zero-bubble", "torch Schedule1F1B"),
+            ("mpar best zero-bubble", "torch best zero-bubble"),
+        ):
+            ratios, winners = [], []
+            rounds = min((len(r["samples_per_s_by_round"]) for r in here), default=0)
+            for k in range(rounds):
+                a = _best_in_round(groups[mine], k)
+                b = _best_in_round(groups[peer], k)
+                if a is not None and b is not None:
+                    ratios.append(a[0] / b[0])
+                    winners.append(f"{a[1]} / {b[1]}")
+            if ratios:
+                out.append(
+                    {
+                        "layout": layout,
+                        "mpar": mine,
+                        "peer": peer,
+                        "median_round_ratio": statistics.median(ratios),
+                        "round_ratios": ratios,
+                        "round_best": winners,
+                    }
+                )
+    return out
+
+
+def _best_in_round(rows: list[dict[str, Any]], k: int) -> tuple[float, str] | None:
+    """The fastest of ``rows`` in round ``k``: (samples/s, its label)."""
+    got = [
+        (r["samples_per_s_by_round"][k], f"{r['framework']} {_label(r)}")
+        for r in rows
+        if r["samples_per_s_by_round"][k] is not None
+    ]
+    return max(got) if got else None
+
+
 def _last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1].strip().replace("|", "/") if lines else ""
@@ -287,7 +405,21 @@ def _markdown(report: dict[str, Any]) -> str:
             f"(median {statistics.median(loads):.1f}) on {cores} cores; the machine is shared, "
             "so the spread between runs is large.",
         ]
-    lines += ["", "| layout | mpar | peer | mpar / peer |", "|---|---|---|---:|"]
+    lines += [
+        "",
+        "Acceptance figures: the median over rounds of the ratio within each round "
+        "(in a round every engine ran once, one after another).",
+        "",
+        "| layout | mpar | peer | median of per-round ratios | per-round ratios |",
+        "|---|---|---|---:|---|",
+    ]
+    for q in report.get("round_ratios", []):
+        per_round = ", ".join(f"{v:.2f}" for v in q["round_ratios"])
+        lines.append(
+            f"| {q['layout']} | {q['mpar']} | {q['peer']} | {q['median_round_ratio']:.2f} "
+            f"| {per_round} |"
+        )
+    lines += ["", "| layout | mpar | peer | mpar / peer (medians) |", "|---|---|---|---:|"]
     for q in report["ratios"]:
         lines.append(f"| {q['layout']} | {q['mpar']} | {q['peer']} | {q['ratio']:.2f} |")
     lines += [
@@ -334,6 +466,66 @@ def _meta(args: argparse.Namespace, spec: ModelSpec) -> dict[str, Any]:
     }
 
 
+def _report_overhead(
+    args: argparse.Namespace,
+    spec: ModelSpec,
+    cases: list[tuple[Case, str]],
+    runs: dict[int, list[dict[str, Any]]],
+) -> int:
+    """``--overhead``: µs per action kind, the median over the runs of each case."""
+    rows = []
+    for i, (case, _) in enumerate(cases):
+        ok = [r for r in runs[i] if r["status"] == "ok" and "overhead" in r]
+        if not ok:
+            continue
+        kinds = sorted({k for r in ok for k in r["overhead"]["us_per_action"]})
+        rows.append(
+            {
+                "schedule": f"{case.schedule} v{case.virtual_stages}",
+                "step_ms": 1000 * statistics.median(r["step_s"] for r in ok),
+                "overhead_ms_per_step_per_rank": statistics.median(
+                    r["overhead"]["ms_per_step_per_rank"] for r in ok
+                ),
+                "us_per_action": {
+                    k: statistics.median(
+                        r["overhead"]["us_per_action"][k]
+                        for r in ok
+                        if k in r["overhead"]["us_per_action"]
+                    )
+                    for k in kinds
+                },
+                "actions_per_step": ok[0]["overhead"]["actions_per_step"],
+            }
+        )
+    kinds = [k for k in ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")]
+    loads = [r["load_before"] for rs in runs.values() for r in rs if "load_before" in r]
+    lines = [
+        "# Executor overhead per action (µs outside compute and waits)",
+        "",
+        f"Command: `{_meta(args, spec)['command']}`",
+        "",
+        f"Model: {spec.__dict__}; traced runs; median over {args.repeats} runs of each "
+        f"run's median per kind; load average {min(loads, default=0):.1f} to "
+        f"{max(loads, default=0):.1f}.",
+        "",
+        "| schedule | step ms | overhead ms/step/rank | " + " | ".join(kinds) + " |",
+        "|---|---:|---:|" + "---:|" * len(kinds),
+    ]
+    for r in rows:
+        cells = [f"{r['us_per_action'][k]:.0f}" if k in r["us_per_action"] else "" for k in kinds]
+        lines.append(
+            f"| {r['schedule']} | {r['step_ms']:.1f} | {r['overhead_ms_per_step_per_rank']:.2f} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = {"meta": _meta(args, spec), "rows": rows, "runs": runs}
+    (args.out / "executor_overhead.json").write_text(json.dumps(report, indent=1, default=str))
+    (args.out / "executor_overhead.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -342,6 +534,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--frameworks", nargs="+", default=["mpar", "torch", "deepspeed"])
     p.add_argument(
         "--schedules", nargs="+", help="only these schedules (e.g. Schedule1F1B zero_bubble)"
+    )
+    p.add_argument(
+        "--only",
+        nargs="+",
+        help="only these cases, as FRAMEWORK:SCHEDULE:VIRTUAL_STAGES "
+        "(e.g. mpar:zero_bubble:1 torch:Schedule1F1B:1)",
     )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=3)
@@ -354,6 +552,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=32, help="global batch")
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--auto", action="store_true", help="also run mpar's profile-driven split")
+    p.add_argument(
+        "--overhead",
+        action="store_true",
+        help="mpar only, traced: the runtime's µs per action outside compute "
+        "(writes executor_overhead.json/md)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per job")
     p.add_argument("--quick", action="store_true", help="tiny model, 1 repeat: a smoke run")
     p.add_argument(
@@ -366,6 +570,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.overhead:
+        args.frameworks = ["mpar"]
     if args.quick:
         args.repeats, args.warmup, args.steps = 1, 1, 2
         args.layers, args.d_model, args.seq, args.vocab = 2, 32, 16, 64
@@ -388,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
         microbatches=args.microbatches,
     )
     cases = _cases(args, spec)
-    costs = _measure_costs(args, spec)
+    costs = {} if args.overhead else _measure_costs(args, spec)
     runs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(cases))}
     for repeat in range(args.repeats):
         for i, (case, _) in enumerate(cases):
@@ -408,6 +614,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{case.schedule} v{case.virtual_stages} {case.split}: {shown}",
                 flush=True,
             )
+    if args.overhead:
+        return _report_overhead(args, spec, cases, runs)
     rows = [
         _summarise(case, sim, runs[i], costs[f"dp{case.dp}"]) for i, (case, sim) in enumerate(cases)
     ]
@@ -416,6 +624,7 @@ def main(argv: list[str] | None = None) -> int:
         "stage_costs": costs,
         "rows": rows,
         "ratios": _ratios(rows),
+        "round_ratios": _round_ratios(rows),
         "runs": {str(i): runs[i] for i in runs},
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -205,6 +205,10 @@ def _measured(args: argparse.Namespace) -> int:
             "simulated_step_s": comparison.simulated_step_s,
             "measured_bubble": comparison.bubble(True),
             "simulated_bubble": comparison.bubble(False),
+            "overhead_us_per_action": {
+                kind: {"actions": n, "median_us": us}
+                for kind, (n, us) in comparison.overhead_us.items()
+            },
             "trace": str(out),
         }
         print(json.dumps(report, indent=2))

@@ -42,7 +42,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from itertools import chain
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
@@ -69,6 +69,7 @@ __all__ = ["NO_SHARDING", "Captured", "NoSharding", "Sharding", "StepRun"]
 
 Args = tuple[object, ...]
 Kwargs = dict[str, object]
+_T = TypeVar("_T")
 Handler = Callable[[int, int], None]
 """An action kind's handler: ``handler(stage, microbatch)`` (-1 for stage-wide kinds)."""
 
@@ -246,7 +247,9 @@ class StepRun:
         """Mixed precision: stage 0 casts float inputs to it, the last stage casts back."""
         self.unshard_for_backward = _unshard_phases(self.actions)
         if self.training and st.config.split_backward:  # I/W: linear layers keep their W for later
-            for s in {a.stage for a in self.actions if a.kind is Kind.I}:
+            # not stage 0: no stage waits for its input gradients, so its I and W may as
+            # well be one ordinary backward (in W), without the deferring layers' cost
+            for s in {a.stage for a in self.actions if a.kind is Kind.I} - {0}:
                 defer_weight_gradients(stages.modules[s])
 
     @property
@@ -269,6 +272,14 @@ class StepRun:
                 "pass per microbatch: call model(...) once in the step function"
             )
         self.model_called = True
+        entered = time.perf_counter()
+        try:
+            return self._model_forward(args, kwargs)
+        finally:
+            if self.timeline is not None:  # the step function's time counts as computed:
+                self.timeline.computed -= time.perf_counter() - entered  # not this call's
+
+    def _model_forward(self, args: Args, kwargs: Kwargs) -> object:
         s, j = self.num_stages - 1, self.microbatch
         if j is None:
             raise StepError("internal: the model was called outside a microbatch's step function")
@@ -312,14 +323,27 @@ class StepRun:
             raise StepError(f"internal: stage {s} received {type(payload).__name__}, not a tuple")
         return tuple(_as_inputs(payload) if self.training else payload)
 
+    def _computing(self, fn: Callable[..., _T], *args: object) -> _T:
+        """``fn(*args)``, the stage's own computation: with ``trace``, its time counts
+        as computed, not as the runtime's overhead (``runtime._timeline``)."""
+        timeline = self.timeline
+        if timeline is None:
+            return fn(*args)
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            timeline.computed += time.perf_counter() - start
+
     def _run(self, s: int, j: int, args: Args, kwargs: Kwargs) -> object:
         self.sharding.wait_unsharded(s)  # a prefetched gather must land first
         stage = self.stages.modules[s]
+        config, device = self.st.config, self.st.device
         try:
             if self.training and torch.is_grad_enabled():
                 with self.memory.counting(stage, s, j, (args, tuple(kwargs), kwargs)):
-                    return run_stage(stage, args, kwargs, self.st.config, self.st.device)
-            return run_stage(stage, args, kwargs, self.st.config, self.st.device)
+                    return self._computing(run_stage, stage, args, kwargs, config, device)
+            return self._computing(run_stage, stage, args, kwargs, config, device)
         finally:
             self.sharding.after_forward(s)
 
@@ -344,7 +368,7 @@ class StepRun:
     def _last_stage_forward(self, j: int) -> None:
         self.microbatch, self.model_called = j, False
         try:
-            result = self.call(j)
+            result = self._computing(self.call, j)
         finally:
             self.microbatch = None
         _device.after_action(self.st.device)
@@ -383,7 +407,7 @@ class StepRun:
         work = self.weight_work.pop((s, j), None)
         if work is None:
             raise StepError(f"internal: {s}W{j} runs before {s}I{j}")
-        work()
+        self._computing(work)
         _device.after_action(self.st.device)
         self._weights_done(s)
 
@@ -415,12 +439,13 @@ class StepRun:
         work = _nothing
         if roots:
             if split:
-                work = split_backward(
-                    roots, root_grads, inputs, split=self.st.config.split_backward
+                keep = self.st.config.split_backward
+                work = self._computing(
+                    lambda: split_backward(roots, root_grads, inputs, split=keep)
                 )
             else:
                 try:
-                    torch.autograd.backward(roots, root_grads)
+                    self._computing(torch.autograd.backward, roots, root_grads)
                 finally:
                     self.sharding.after_backward(s)
             grads = _input_grads(inputs)
@@ -496,10 +521,18 @@ class StepRun:
             if timeline is None:
                 handler(action.stage, -1 if j is None else j)
             else:
-                start, waited = time.time(), timeline.waited
+                start, waited, computed = time.time(), timeline.waited, timeline.computed
                 handler(action.stage, -1 if j is None else j)
                 end = time.time()
-                timeline.actions.append((str(action), start, end, timeline.waited - waited))
+                timeline.actions.append(
+                    (
+                        str(action),
+                        start,
+                        end,
+                        timeline.waited - waited,
+                        timeline.computed - computed,
+                    )
+                )
         self.transfers.check_all_sent()
         # Outputs first: their senders wait for this receive before any collective below.
         self.outputs = self.transfers.gather_outputs()

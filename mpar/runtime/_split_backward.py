@@ -26,7 +26,8 @@ layer's weight gradient and computes them later):
 Together the two parts do the work of one ordinary backward, plus a Python
 autograd node per linear layer (about 20 microseconds each on the CPU). A stage
 whose inputs need no gradient (the first stage: token ids) has no I to compute,
-so W runs its whole backward. Activation checkpointing composes: the forward
+so W runs its whole backward; the executor does not defer the first stage's
+layers at all (nothing waits for its I), so that W is an ordinary backward. Activation checkpointing composes: the forward
 recomputed inside I goes through the same linear layers. The config key
 ``split_backward: false`` (or ``MPAR_SPLIT_BACKWARD=0`` at init) runs the whole
 backward in I (W empty): an escape hatch, same gradients.

@@ -28,19 +28,25 @@ on_shutdown(_STEPS.clear)
 
 
 class StepTimeline:
-    """The actions of one step on this rank: ``[text, start, end, waited]`` each.
+    """The actions of one step on this rank: ``[text, start, end, waited, computed]`` each.
 
-    ``waited``: seconds of the action spent blocked on a receive from a peer
-    (the rest is this rank's own work).
+    ``waited``: seconds of the action spent blocked on a receive from a peer;
+    ``computed``: seconds spent in the stage's own computation (its forward, its
+    backward or weight-gradient autograd call, and on the last stage the user's step
+    function outside ``model(...)``). The rest of the action, ``end - start - waited
+    - computed``, is the runtime's overhead: packing, sending, bookkeeping, hooks,
+    this timeline. ``waited`` and ``computed`` are running totals over the step; the
+    executor records their growth over each action.
     """
 
-    __slots__ = ("actions", "end", "start", "waited")
+    __slots__ = ("actions", "computed", "end", "start", "waited")
 
     def __init__(self, start: float) -> None:
         self.start = start
         self.end = start
         self.waited = 0.0
-        self.actions: list[tuple[str, float, float, float]] = []
+        self.computed = 0.0
+        self.actions: list[tuple[str, float, float, float, float]] = []
 
 
 def write_timeline(

@@ -57,13 +57,19 @@ class Transfers:
         self.links: Links = st.p2p_links
         self.wire = _device.p2p_device(st.device, st.backend)
         """Where transfers are built and received (the host when they are staged)."""
+        self.staged = self.wire != st.device
+        """Whether received values move from the wire to the device."""
+        pp_ranks = st.grid.pp_ranks
+        self.stage_ranks = [pp_ranks[schedule.stage_to_rank(s)] for s in range(self.num_stages)]
+        """Global rank of this replica that holds each stage."""
+        self.me = st.layout.rank
         self.incoming = self._incoming_streams(schedule.actions.get(st.grid.pp_rank, []))
         """(source rank, tag) -> transfers still to receive on that stream this step."""
         self.own_outputs: ReplicaOutputs = ([], [])
 
     def _rank_of(self, stage: int) -> int:
         """Global rank of this replica that holds ``stage``."""
-        return self.st.grid.pp_ranks[self.schedule.stage_to_rank(stage)]
+        return self.stage_ranks[stage]
 
     def _incoming_streams(self, actions: list[Action]) -> dict[tuple[int, int], int]:
         """How many transfers this rank receives this step on each (source, tag) stream:
@@ -110,7 +116,7 @@ class Transfers:
         self.incoming[stream] -= 1
         if self.incoming[stream] > 0:
             self.links.post(*stream, self.wire)
-        self.inbox[label] = _device.to_device(payload, self.st.device)
+        self.inbox[label] = _device.to_device(payload, self.st.device) if self.staged else payload
 
     def send(self, label: TransferLabel) -> None:
         """SEND_F / SEND_B: start sending ``label`` to its stage's rank."""
@@ -129,7 +135,7 @@ class Transfers:
     def leave(self, label: TransferLabel, payload: object) -> None:
         """What one stage computed for ``label.stage``: into the inbox when that stage is
         on this rank, else for the SEND action that follows."""
-        here = self._rank_of(label.stage) == self.st.layout.rank
+        here = self.stage_ranks[label.stage] == self.me
         (self.inbox if here else self.outbox)[label] = payload
 
     def take(self, label: TransferLabel) -> object:

@@ -10,10 +10,17 @@ and end. :func:`compare` takes one pipeline's files (data-parallel replica
   RECVs showing their waits) and ``simulated`` (the very schedule the ranks
   executed, recorded in their files, through :func:`mpar.schedule.simulate`,
   each stage's F, B, I and W costing the median of its measured durations);
-* per rank: busy time (the actions' time less what they spent blocked on a
-  receive from a peer) and bubble fraction, measured and simulated, and the
-  step time of both (measured: first action's start to last action's end over
-  the pipeline).
+* per rank: busy time (the stage's own computation) and bubble fraction,
+  measured and simulated, and the step time of both (measured: first action's
+  start to last action's end over the pipeline);
+* the runtime's *overhead* per action kind: each action's time less its wait for
+  a peer and less the stage's computation inside it (packing and sending,
+  bookkeeping, hooks, the timeline itself), in µs per action. In the trace it is
+  its own category (``overhead``): a slice of that length inside each action,
+  at the action's start (its length is measured, not where in the action it fell).
+
+Files written before computation was recorded separately count the whole action
+less its wait as computation (their overhead shows as zero).
 
 The simulation has no communication cost, so measured / simulated above 1 is
 time lost to transfers, waits and the runtime's own work.
@@ -32,7 +39,7 @@ from mpar.schedule._registry import executable_schedule, lower
 from mpar.schedule._render import to_chrome_trace
 from mpar.schedule._simulate import SimulationResult, StageCosts, simulate
 
-__all__ = ["Comparison", "compare"]
+__all__ = ["Comparison", "compare", "overhead_by_kind"]
 
 _COMPUTE = ("F", "B", "I", "W")
 
@@ -47,6 +54,8 @@ class Comparison:
     measured_busy_s: list[float]
     simulated_busy_s: list[float]
     trace: dict[str, Any] = field(repr=False)
+    overhead_us: dict[str, tuple[int, float]] = field(default_factory=dict)
+    """Action kind -> (actions of that kind in the step, median overhead in µs)."""
 
     def bubble(self, measured: bool = True) -> list[float]:
         busy = self.measured_busy_s if measured else self.simulated_busy_s
@@ -64,6 +73,11 @@ class Comparison:
             zip(self.measured_busy_s, self.bubble(True), self.bubble(False))
         ):
             lines.append(f"{r:<4}  {busy * 1e3:7.1f}  {mb:17.1%}  {sb:18.1%}")
+        if self.overhead_us:
+            lines.append("runtime overhead (outside compute and waits), median µs per action:")
+            lines.append(
+                "  " + ", ".join(f"{k} {us:.0f} (x{n})" for k, (n, us) in self.overhead_us.items())
+            )
         return "\n".join(lines)
 
 
@@ -84,7 +98,10 @@ def compare(files: list[dict[str, Any]]) -> Comparison:
     measured_busy = [_busy(steps[r]["actions"]) for r in range(schedule.num_ranks)]
     simulated_busy = [float(b) for b in result.busy]
     trace = _trace(steps, t0, result)
-    return Comparison(step, t1 - t0, result.makespan, measured_busy, simulated_busy, trace)
+    overhead = overhead_by_kind([s["actions"] for s in steps.values()])
+    return Comparison(
+        step, t1 - t0, result.makespan, measured_busy, simulated_busy, trace, overhead
+    )
 
 
 def _replica(files: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -118,13 +135,36 @@ def _schedule(meta: dict[str, Any]) -> Schedule:
     )
 
 
+def _split(entry: list[Any]) -> tuple[float, float, float]:
+    """An action's (computed, waited, overhead) seconds from its timeline entry
+    ``[text, start, end, waited?, computed?]`` (older files lack the last two)."""
+    start, end = entry[1], entry[2]
+    waited = entry[3] if len(entry) > 3 else 0.0
+    if len(entry) > 4:
+        computed = entry[4]
+    else:
+        computed = end - start - waited if Action.parse(entry[0]).kind.value in _COMPUTE else 0.0
+    return computed, waited, max(0.0, end - start - waited - computed)
+
+
+def overhead_by_kind(actions_per_rank: list[list[list[Any]]]) -> dict[str, tuple[int, float]]:
+    """Action kind -> (how many, median runtime overhead in µs) over the given ranks'
+    actions of one step (``[text, start, end, waited, computed]`` each)."""
+    per_kind: dict[str, list[float]] = {}
+    for actions in actions_per_rank:
+        for entry in actions:
+            kind = Action.parse(entry[0]).kind.value
+            per_kind.setdefault(kind, []).append(_split(entry)[2] * 1e6)
+    return {k: (len(v), statistics.median(v)) for k, v in sorted(per_kind.items())}
+
+
 def _costs(steps: dict[int, dict[str, Any]], num_stages: int) -> StageCosts:
     durations: dict[tuple[int, str], list[float]] = {}
     for step in steps.values():
-        for text, start, end, *waited in step["actions"]:
-            action = Action.parse(text)
+        for entry in step["actions"]:
+            action = Action.parse(entry[0])
             if action.kind.value in _COMPUTE:
-                work = end - start - sum(waited)
+                work = _split(entry)[0]
                 durations.setdefault((action.stage, action.kind.value), []).append(work)
 
     def median(s: int, kind: str, default: float) -> float:
@@ -144,12 +184,8 @@ def _costs(steps: dict[int, dict[str, Any]], num_stages: int) -> StageCosts:
 
 
 def _busy(actions: list[list[Any]]) -> float:
-    """Seconds of the rank's own compute: action time less its waits for peers."""
-    return sum(
-        end - start - sum(waited)
-        for text, start, end, *waited in actions
-        if Action.parse(text).kind.value in _COMPUTE
-    )
+    """Seconds of the rank's own compute (older files: compute actions less their waits)."""
+    return sum(_split(entry)[0] for entry in actions)
 
 
 def _trace(steps: dict[int, dict[str, Any]], t0: float, result: SimulationResult) -> dict[str, Any]:
@@ -160,15 +196,34 @@ def _trace(steps: dict[int, dict[str, Any]], t0: float, result: SimulationResult
         events.append(
             {"ph": "M", "pid": 0, "tid": r, "name": "thread_name", "args": {"name": f"rank {r}"}}
         )
-        for text, start, end, *_waited in step["actions"]:
+        for entry in step["actions"]:
+            text, start, end = entry[0], entry[1], entry[2]
             action = Action.parse(text)
+            computed, waited, overhead = _split(entry)
             event = {"name": text, "cat": action.kind.value, "pid": 0, "tid": r}
             event["ts"] = (start - t0) * 1e6
             if end > start:  # a RECV's slice is its wait
                 event.update(ph="X", dur=(end - start) * 1e6)
+                event["args"] = {
+                    "compute_us": computed * 1e6,
+                    "wait_us": waited * 1e6,
+                    "overhead_us": overhead * 1e6,
+                }
             else:
                 event.update(ph="i", s="t")
             events.append(event)
+            if overhead > 0:
+                events.append(
+                    {
+                        "name": f"{text} overhead",
+                        "cat": "overhead",
+                        "pid": 0,
+                        "tid": r,
+                        "ph": "X",
+                        "ts": event["ts"],
+                        "dur": overhead * 1e6,
+                    }
+                )
     for event in to_chrome_trace(result, time_unit_us=1e6)["traceEvents"]:
         event = dict(event, pid=1)
         if event.get("name") == "process_name":

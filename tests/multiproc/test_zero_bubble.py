@@ -245,6 +245,13 @@ def test_trace_of_a_real_run_merges_beside_the_simulation(tmp_path, capsys):
     assert main(["schedule", "--trace", str(trace), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["measured_step_s"] > 0 and len(report["measured_bubble"]) == 2
+    # the runtime's own cost is its own category: per kind in the report, slices in the trace
+    overhead = report["overhead_us_per_action"]
+    assert {"F", "I", "W", "SEND_F", "RECV_F"} <= set(overhead)
+    assert overhead["F"]["actions"] == 8 and overhead["SEND_F"]["median_us"] > 0
+    assert any(e.get("cat") == "overhead" for e in events)
+    for e in (e for e in events if e["pid"] == 0 and e.get("cat") == "F"):
+        assert 0 <= e["args"]["overhead_us"] <= e["dur"] and e["args"]["compute_us"] > 0
     # one object: what mpar schedule prints, what was simulated beside the measurement
     # and what each rank executed (the GPT's cross-rank tie brings ZeRO-0's buckets)
     printed = executable_schedule("zero_bubble", 2, 4, zero_stage=0)
