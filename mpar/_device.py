@@ -253,6 +253,11 @@ def p2p_device(device: torch.device, backend: str) -> torch.device:
 # ---------------------------------------------------------------- host memory
 
 
+def on_host(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is in host memory (numpy can write it in place)."""
+    return tensor.device.type == "cpu"
+
+
 def host_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An uninitialised CPU buffer that exchanges data with ``device``: pinned for
     CUDA (asynchronous copies), plain elsewhere (pinning needs CUDA)."""

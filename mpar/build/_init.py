@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mpar._swap import replace_storage
+from mpar._swap import twin as _twin
 from mpar.errors import MparError
 from mpar.partition._split import _original_names
 
@@ -154,23 +156,6 @@ def unset(t: torch.Tensor) -> bool:
     if t.dtype == torch.bool:
         return False
     return bool((t == torch.iinfo(t.dtype).min).any())
-
-
-def _twin(t: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
-    """A tensor object like ``t`` (Parameter or not, same attributes) holding ``data``."""
-    if isinstance(t, nn.Parameter):
-        out: torch.Tensor = nn.Parameter(data, requires_grad=t.requires_grad)
-    else:
-        out = data
-    for key, value in t.__dict__.items():
-        if key != "_is_hf_initialized":  # transformers skips tensors it has set
-            out.__dict__[key] = value
-    return out
-
-
-def replace_storage(t: torch.Tensor, data: torch.Tensor) -> None:
-    """Make ``t`` (the same Python object everywhere it is referenced) hold ``data``."""
-    torch.utils.swap_tensors(t, _twin(t, data))
 
 
 @contextmanager

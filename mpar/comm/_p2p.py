@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from mpar import _device
 from mpar._tree import tree_leaves, tree_map
 from mpar.comm._progress import Waiting
 from mpar.comm._types import Transfer, TransferLabel, Work
@@ -196,7 +197,7 @@ def _write_control(
 ) -> None:
     """The control words into the first bytes of ``message`` (straight through numpy
     on the host; elsewhere from a host tensor)."""
-    if message.device.type == "cpu":
+    if _device.on_host(message):
         words = (kind, header, data, _LABEL_WORDS, *label)
         message[:_CONTROL_BYTES].numpy().view("<i8")[: len(words)] = words
     else:

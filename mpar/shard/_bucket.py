@@ -367,7 +367,7 @@ class FlatBucket:
 def _unmeta(params: list[nn.Parameter], dtype: torch.dtype, device: torch.device) -> None:
     """Parameters left on meta for a pending load: real (empty) tensors, the same
     objects, so that their ``.data`` can be set to views of the bucket."""
-    from mpar.build._init import replace_storage
+    from mpar._swap import replace_storage
 
     for p in params:
         if p.is_meta:

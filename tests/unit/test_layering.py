@@ -27,7 +27,10 @@ import pytest
 import mpar
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("leaves", ("mpar.errors", "mpar._size", "mpar._failure", "mpar._tree", "mpar._compat")),
+    (
+        "leaves",
+        ("mpar.errors", "mpar._size", "mpar._failure", "mpar._tree", "mpar._compat", "mpar._swap"),
+    ),
     ("schedule", ("mpar.schedule",)),
     ("tp plans", ("mpar.tensor_parallel._plan",)),
     ("config", ("mpar.config",)),
