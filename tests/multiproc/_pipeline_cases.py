@@ -173,16 +173,20 @@ def train_ranks(
         "tp": (mpar.tp_rank(), mpar.tp_size()),
         "tp_shards": {} if dmodel.tp_layout is None else dict(dmodel.tp_layout.shards),
         "param_bytes": sum(p.numel() * p.element_size() for p in dmodel.local_parameters()),
-        "param_storage_bytes": sum(
-            {
-                p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
-                for p in dmodel.local_parameters()
-            }.values()
-        ),
-        "report_param_bytes": mpar.memory_report()["cpu"]["parameters"],
+        "param_storage_bytes": _host_storage_bytes(dmodel.local_parameters()),
+        "report_param_bytes": mpar.memory_report().get("cpu", {}).get("parameters"),
         "memory_devices": sorted(mpar.memory_report()),
         "config": dmodel.config,
     }
+
+
+def _host_storage_bytes(params: list[nn.Parameter]) -> int | None:
+    """Bytes of the distinct storages holding ``params`` (None off the host, where a
+    storage's address is not the tensor's to read)."""
+    if any(p.device.type != "cpu" for p in params):
+        return None
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params}
+    return sum(storages.values())
 
 
 def hf_gpt2() -> nn.Module:
