@@ -24,6 +24,7 @@ from torch import nn
 from mpar.testing_models import Block, GPTConfig
 
 __all__ = [
+    "package_version",
     "Case",
     "Embedding",
     "Head",
@@ -183,3 +184,13 @@ def time_steps(
     from _harness import measured_steps
 
     return measured_steps(step, barrier, warmup, steps)
+
+
+def package_version(distribution: str) -> str:
+    """The installed version of ``distribution`` (a peer's), or "not installed"."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return "not installed"

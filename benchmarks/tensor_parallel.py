@@ -332,17 +332,9 @@ def _markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _version(distribution: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(distribution)
-    except PackageNotFoundError:
-        return "not installed"
-
-
 def _meta(args: argparse.Namespace, spec: TPSpec) -> dict[str, Any]:
     import torch
+    from _common import package_version
     from tp_peers.common import expected_local_parameters
 
     import mpar
@@ -359,7 +351,7 @@ def _meta(args: argparse.Namespace, spec: TPSpec) -> dict[str, Any]:
         "python": platform.python_version(),
         "mpar": mpar.__version__,
         "torch": torch.__version__,
-        "deepspeed": _version("deepspeed"),
+        "deepspeed": package_version("deepspeed"),
         "threads": args.threads,
         "tp": args.tp,
         "model": spec.__dict__,

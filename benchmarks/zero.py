@@ -453,17 +453,9 @@ def _name(framework: str, stage: int) -> str:
     }[framework]
 
 
-def _version(distribution: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(distribution)
-    except PackageNotFoundError:
-        return "not installed"
-
-
 def _meta(args: argparse.Namespace, spec: MLPSpec) -> dict[str, Any]:
     import torch
+    from _common import package_version
 
     import mpar
 
@@ -481,8 +473,8 @@ def _meta(args: argparse.Namespace, spec: MLPSpec) -> dict[str, Any]:
         "python": platform.python_version(),
         "mpar": mpar.__version__,
         "torch": torch.__version__,
-        "deepspeed": _version("deepspeed"),
-        "fairscale": _version("fairscale"),
+        "deepspeed": package_version("deepspeed"),
+        "fairscale": package_version("fairscale"),
         "threads": args.threads,
         "model": spec.__dict__,
         "parameters": spec.num_parameters(),
