@@ -189,6 +189,21 @@ def _parents(styles: dict[str, Style]) -> set[str]:
     return {name.rpartition(".")[0] for name, s in styles.items() if s.kind == "colwise"}
 
 
+def _head_counts(
+    module: nn.Module, styles: dict[str, Style]
+) -> list[tuple[str, nn.Module, str, int]]:
+    """``(parent name, parent, attribute, value)`` for every head-count attribute
+    (:data:`HEAD_ATTRS`) of a module holding a colwise-split module."""
+    found = []
+    for parent in sorted(_parents(styles)):
+        mod = module.get_submodule(parent) if parent else module
+        for attr in HEAD_ATTRS:
+            value = mod.__dict__.get(attr)
+            if isinstance(value, int) and not isinstance(value, bool):
+                found.append((parent, mod, attr, value))
+    return found
+
+
 def _check_heads(module: nn.Module, styles: dict[str, Style], tp: int) -> None:
     config = getattr(module, "config", None)
     for attr in _CONFIG_HEADS:
@@ -201,18 +216,14 @@ def _check_heads(module: nn.Module, styles: dict[str, Style], tp: int) -> None:
                 "each tensor-parallel rank computes whole attention heads; pick a "
                 "tensor_parallel_degree that divides the head counts",
             )
-    for parent in sorted(_parents(styles)):
-        mod = module.get_submodule(parent) if parent else module
-        for attr in HEAD_ATTRS:
-            value = mod.__dict__.get(attr)
-            if isinstance(value, int) and not isinstance(value, bool):
-                _check_divisible(
-                    f"module {parent or '<root>'} ({type(mod).__name__}): {attr}",
-                    value,
-                    tp,
-                    "each tensor-parallel rank computes whole attention heads; pick a "
-                    "tensor_parallel_degree that divides it",
-                )
+    for parent, mod, attr, value in _head_counts(module, styles):
+        _check_divisible(
+            f"module {parent or '<root>'} ({type(mod).__name__}): {attr}",
+            value,
+            tp,
+            "each tensor-parallel rank computes whole attention heads; pick a "
+            "tensor_parallel_degree that divides it",
+        )
 
 
 # -- applying ---------------------------------------------------------------------------
@@ -307,9 +318,5 @@ def apply_layout(module: nn.Module, layout: TPLayout, rank: int, group: str) -> 
         forward = _new_forward(mod, style, rank, group)
         if forward is not None:
             mod.forward = types.MethodType(forward, mod)
-    for parent in _parents(layout.modules):
-        mod = module.get_submodule(parent) if parent else module
-        for attr in HEAD_ATTRS:
-            value = mod.__dict__.get(attr)
-            if isinstance(value, int) and not isinstance(value, bool):
-                setattr(mod, attr, value // layout.size)
+    for _, mod, attr, value in _head_counts(module, layout.modules):
+        setattr(mod, attr, value // layout.size)
