@@ -100,17 +100,15 @@ def full_runs(
         return [(start, values)]
     d, shape = split.dim, share.shape
     inner = shape[d + 1 :].numel()
-    block = shape[d] // split.packs
-    step = block // split.size
-    chunk = step * inner  # held elements that are consecutive in the whole tensor too
+    local_dim = shape[d] // split.size
     runs: list[tuple[int, torch.Tensor]] = []
     i, end = start, start + values.numel()
     while i < end:
-        c, within = divmod(i, chunk)
-        outer, pack = divmod(c, split.packs)
-        stop = min(end, (c + 1) * chunk)
-        first = (outer * shape[d] + pack * block + tp_rank * step) * inner + within
-        runs.append((first, values[i - start : stop - start]))
+        outer, rest = divmod(i, local_dim * inner)
+        j, k = divmod(rest, inner)
+        whole, run = split.whole_index(shape[d], j, tp_rank)
+        stop = min(end, i + run * inner - k)  # held elements consecutive in the whole too
+        runs.append(((outer * shape[d] + whole) * inner + k, values[i - start : stop - start]))
         i = stop
     return runs
 

@@ -46,6 +46,7 @@ from mpar._compat import (
     set_element,
 )
 from mpar.checkpoint._boxes import Box, run_boxes
+from mpar.tensor_parallel import TPShard
 
 __all__ = [
     "BoundedWriter",
@@ -61,34 +62,28 @@ DEFAULT_SUFFIX = ".distcp"
 
 @dataclass(frozen=True)
 class LocalSplit:
-    """This rank's tensor-parallel piece of a tensor: ``dim`` of the whole tensor
-    (``full_shape``) cut into ``packs`` blocks, each cut ``size`` ways; the piece is
-    the concatenation of part ``rank`` of every block (``mpar.tensor_parallel.TPShard``)."""
+    """This rank's tensor-parallel piece of a tensor of ``full_shape``, as ``shard`` cuts
+    it (its ``dim`` in blocks, each cut ``shard.size`` ways; the piece is part ``rank``
+    of every block)."""
 
     full_shape: torch.Size
-    dim: int
-    size: int
-    packs: int
+    shard: TPShard
     rank: int
 
     @property
     def local_shape(self) -> torch.Size:
-        out = list(self.full_shape)
-        out[self.dim] //= self.size
-        return torch.Size(out)
+        return self.shard.local_shape(self.full_shape)
 
     def to_full(self, box: Box, view: torch.Tensor) -> list[tuple[Box, torch.Tensor]]:
         """A box of the piece (and its view) as boxes of the whole tensor."""
-        d = self.dim
-        step = self.full_shape[d] // (self.packs * self.size)
+        d = self.shard.dim
         lo, hi = box.offsets[d], box.offsets[d] + box.sizes[d]
         out = []
         while lo < hi:
-            block, within = divmod(lo, step)
-            end = min(hi, (block + 1) * step)
+            whole, run = self.shard.whole_index(self.full_shape[d], lo, self.rank)
+            end = min(hi, lo + run)
             offsets, sizes = list(box.offsets), list(box.sizes)
-            offsets[d] = block * step * self.size + self.rank * step + within
-            sizes[d] = end - lo
+            offsets[d], sizes[d] = whole, end - lo
             part = view.narrow(d, lo - box.offsets[d], end - lo)
             out.append((Box(tuple(offsets), tuple(sizes), box.flat_start), part))
             lo = end

@@ -63,9 +63,7 @@ def _pieces(model: Any, key: str, shape: torch.Size, dtype: torch.dtype) -> Piec
     if shard is None:
         return Pieces(shape, dtype)
     full = torch.Size(model._shapes[key])
-    return Pieces(
-        full, dtype, LocalSplit(full, shard.dim, shard.size, shard.packs, model.grid.tp_rank)
-    )
+    return Pieces(full, dtype, LocalSplit(full, shard, model.grid.tp_rank))
 
 
 def _split_whole(model: Any, key: str, tensor: torch.Tensor) -> Any:

@@ -91,6 +91,14 @@ class TPShard:
             [per_rank[r][j] for j in range(self.packs) for r in range(self.size)], self.dim
         )
 
+    def whole_index(self, length: int, index: int, rank: int) -> tuple[int, int]:
+        """Where index ``index`` along ``dim`` of rank ``rank``'s piece lies in the whole
+        tensor (whose ``dim`` has ``length``), and how many indices of the piece from it
+        on stay consecutive there (to the end of its block)."""
+        step = length // (self.packs * self.size)
+        block, within = divmod(index, step)
+        return (block * self.size + rank) * step + within, step - within
+
     def boxes(self, shape: torch.Size, rank: int) -> list[tuple[int, int]]:
         """``(offset, length)`` along ``dim`` of the whole tensor that rank ``rank``'s piece
         holds, block by block (its piece is their concatenation)."""
