@@ -159,6 +159,10 @@ class Plan:
     """Per pipeline rank: bytes one TP rank sends in TP collectives per step."""
     tp_source: str = ""
     """Where the TP plan came from (empty at tp = 1)."""
+    split_backward_gain: float | None = None
+    """Under a split-backward schedule (zero_bubble, zbv): 1F1B's predicted step over this
+    schedule's on the same stages; below 1 the split costs more than the bubble it fills.
+    None for other schedules."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -243,15 +247,66 @@ def _phase_times(
 
 @functools.lru_cache(maxsize=8192)
 def _simulate(
-    pipeline: str, p: int, v: int, m: int, fwd: tuple[float, ...], bwd: tuple[float, ...]
+    pipeline: str,
+    p: int,
+    v: int,
+    m: int,
+    fwd: tuple[float, ...],
+    bwd: tuple[float, ...],
+    split: tuple[float, float, float] = (0.5, 0.5, 0.0),
 ) -> tuple[float, float]:
+    """(makespan, bubble) of ``pipeline``; ``split`` = (I fraction, W fraction, seconds per
+    split action) prices I and W where the schedule splits the backward (the first stage
+    has no I: its W is its whole backward, as the runtime runs it)."""
     sched: Any
     from mpar import schedule as sched
 
-    result = sched.simulate(
-        sched.build_schedule(pipeline, p, m, virtual_stages=v), sched.StageCosts(fwd, bwd)
-    )
+    i_share, w_share, action = split
+    ib = [0.0 if s == 0 else i_share * b for s, b in enumerate(bwd)]
+    wb = [b if s == 0 else w_share * b + action for s, b in enumerate(bwd)]
+    costs = sched.StageCosts(fwd, bwd, input_backward=ib, weight_backward=wb)
+    result = sched.simulate(sched.build_schedule(pipeline, p, m, virtual_stages=v), costs)
     return float(result.makespan), float(result.bubble_fraction)
+
+
+@functools.lru_cache(maxsize=256)
+def splits_backward(pipeline: str, p: int, v: int, m: int) -> bool:
+    """Whether ``pipeline`` runs split backwards (I and W actions): zero_bubble, zbv, or a
+    schedule CSV that has them."""
+    from mpar import schedule as sched
+
+    schedule = sched.build_schedule(pipeline, p, m, virtual_stages=v)
+    kinds = {a.kind for actions in schedule.actions.values() for a in actions}
+    return bool(kinds & {sched.Kind.I, sched.Kind.W})
+
+
+def split_backward_gain(
+    stages: Sequence[StagePlan],
+    p: int,
+    v: int,
+    m: int,
+    pipeline: str,
+    checkpointing: bool,
+    cost: CostModel,
+) -> float | None:
+    """Predicted step of 1F1B (``interleaved``) over that of ``pipeline`` on the same
+    stages, when ``pipeline`` splits the backward; None otherwise (or when 1F1B cannot
+    run this shape). Below 1, the split backward costs more than the bubble it fills."""
+    from mpar.errors import ScheduleError
+
+    try:
+        if not splits_backward(pipeline, p, v, m):
+            return None
+        fwd, bwd = _phase_times(stages, checkpointing, cost)
+        mine = _simulate(pipeline, p, v, m, tuple(fwd), tuple(bwd), _split_costs(cost))[0]
+        plain = _simulate("interleaved", p, v, m, tuple(fwd), tuple(bwd))[0]
+    except ScheduleError:
+        return None
+    return plain / mine if mine > 0 else None
+
+
+def _split_costs(cost: CostModel) -> tuple[float, float, float]:
+    return (cost.input_backward_fraction, cost.weight_backward_fraction, cost.split_action_s)
 
 
 def _predict(
@@ -267,7 +322,8 @@ def _predict(
     """(pipeline makespan, bubble fraction, simulated?) from per-stage times."""
     fwd, bwd = _phase_times(stages, checkpointing, cost or CostModel())
     if sched is not None:
-        return (*_simulate(pipeline, p, v, m, tuple(fwd), tuple(bwd)), True)
+        split = _split_costs(cost or CostModel())
+        return (*_simulate(pipeline, p, v, m, tuple(fwd), tuple(bwd), split), True)
     times = [f + b for f, b in zip(fwd, bwd)]
     work = max(sum(times[r::p]) for r in range(p))
     step = m * work + (p - 1) * max(times)
@@ -620,6 +676,9 @@ def make_plan(
         tp_bandwidth=cost.tp_bandwidth if tp > 1 else None,
         tp_comm_bytes=tp_step_bytes(laid.stages, profile.units, layout, p, m),
         tp_source=tp_splits.source if tp > 1 and tp_splits is not None else "",
+        split_backward_gain=split_backward_gain(
+            laid.stages, p, v, m, pipeline, activation_checkpointing, cost
+        ),
     )
 
 
@@ -747,6 +806,25 @@ def _units_label(names: Sequence[str]) -> str:
     return f"{names[0]} .. {names[-1]} ({len(names)})"
 
 
+def _split_note(plan: Plan) -> list[str]:
+    """Whether the split backward pays for itself here (zero_bubble, zbv)."""
+    gain = plan.split_backward_gain
+    if gain is None:
+        return []
+    head = (
+        f"split backward: {plan.pipeline} predicted {gain:.2f}x the speed of 1F1B "
+        f"('interleaved') on these stages at {plan.microbatches} microbatches"
+    )
+    if gain >= 1.02:
+        return [head]
+    return [
+        head + ": the split backward does not pay here (its own cost, and the first "
+        "stage's backward that cannot split, outweigh the bubble it fills); use pipeline "
+        "'interleaved'. The split pays where the bubble is large: few microbatches per "
+        "pipeline stage (the bubble is about (p - 1) / (m + p - 1) of 1F1B's step)"
+    ]
+
+
 def _render(plan: Plan) -> str:
     tp = plan.tensor_parallel_degree
     head = (
@@ -801,6 +879,7 @@ def _render(plan: Plan) -> str:
     lines += _gather_note(plan.layout, plan.pipeline)
     lines += _tp_note(plan)
     lines += _host_note(plan)
+    lines += _split_note(plan)
     lines += [
         "",
         f"predicted step time {plan.step_time_s * 1e3:.4g} ms, bubble {plan.bubble:.1%} ({source}); "

@@ -231,3 +231,41 @@ def test_cli_plan_through_main_with_typed_config(tmp_path, monkeypatch, capsys):
     assert main([*model, "--config", str(typo), "--world-size", "1"]) == 2
     assert "microbatches" in capsys.readouterr().err
     monkeypatch.delitem(sys.modules, "plan_factory_mod", raising=False)
+
+
+def test_plan_prices_the_split_backward_and_says_when_it_does_not_pay():
+    from mpar import schedule as sched
+
+    prof = _profile([0.3] + [3.0] * 8 + [2.0])
+    plain = make_plan(prof, num_ranks=2, microbatches=4, memory_weight=0.0)
+    assert plain.split_backward_gain is None and "split backward" not in str(plain)
+    zb = make_plan(prof, num_ranks=2, microbatches=4, pipeline="zero_bubble", memory_weight=0.0)
+    # The first stage has no I (its inputs need no gradient): its W is its whole backward.
+    fwd = [s.time_s / 3 for s in zb.stages]
+    bwd = [2 * s.time_s / 3 for s in zb.stages]
+    cost = CostModel()
+    ib = [0.0, cost.input_backward_fraction * bwd[1]]
+    wb = [bwd[0], cost.weight_backward_fraction * bwd[1] + cost.split_action_s]
+    want = sched.simulate(
+        sched.build_schedule("zero_bubble", 2, 4),
+        sched.StageCosts(fwd, bwd, input_backward=ib, weight_backward=wb),
+    ).makespan
+    assert zb.step_time_s == pytest.approx(want, rel=1e-6)
+    assert zb.split_backward_gain == pytest.approx(plain.step_time_s / zb.step_time_s, rel=1e-3)
+    assert zb.split_backward_gain > 1.02 and "does not pay" not in str(zb)
+    # A dearer split, or more microbatches (a smaller bubble to fill), and it stops paying.
+    dear = CostModel(input_backward_fraction=0.8, weight_backward_fraction=0.6)
+    costly = make_plan(
+        prof, num_ranks=2, microbatches=4, pipeline="zero_bubble", memory_weight=0.0, cost=dear
+    )
+    assert costly.split_backward_gain < zb.split_backward_gain
+    assert costly.split_backward_gain < 1.0 and "does not pay here" in str(costly)
+    many = make_plan(prof, num_ranks=2, microbatches=16, pipeline="zero_bubble", memory_weight=0.0)
+    assert many.split_backward_gain < zb.split_backward_gain
+    assert "zero_bubble predicted" in str(many)
+    json.dumps(zb.to_dict())
+
+
+def test_cost_model_rejects_negative_split_costs():
+    with pytest.raises(PartitionError, match="weight_backward_fraction"):
+        CostModel(weight_backward_fraction=-0.1)
