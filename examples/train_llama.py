@@ -3,6 +3,11 @@
     mpar launch --nproc-per-node 4 --config examples/configs/llama_bf16_zero2_pp2_dp2.json \\
         examples/train_llama.py
 
+Tensor parallelism with the model's own ``base_model_tp_plan`` (no code change):
+
+    mpar launch --nproc-per-node 4 --config examples/configs/llama_tp2_pp2.json \\
+        examples/train_llama.py
+
 The model is Hugging Face's ``LlamaForCausalLM`` built from a small
 ``LlamaConfig`` (library defaults otherwise; needs ``pip install transformers``,
 part of ``.[dev]``) and trained exactly as in plain PyTorch: the loss is
@@ -77,7 +82,10 @@ def main(argv: list[str] | None = None) -> float:
         optimizer.zero_grad()
         loss = float(losses.reduce_mean())
         if step == 1 and mpar.rank() == 0:
-            print(f"mpar: {mpar.size()} processes, pp={mpar.pp_size()} dp={mpar.dp_size()}")
+            print(
+                f"mpar: {mpar.size()} processes, "
+                f"pp={mpar.pp_size()} dp={mpar.dp_size()} tp={mpar.tp_size()}"
+            )
             print(model.plan, flush=True)
         bar.set_postfix(loss=f"{loss:.4f}")
         bar.update()

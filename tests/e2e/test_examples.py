@@ -62,6 +62,14 @@ def test_llama_example_bf16_zero2_loss_falls():
     assert _final_loss(out) < 4.0, out[-2000:]  # from about 4.9 (ln 128) at the start
 
 
+@pytest.mark.timeout(240)
+def test_llama_example_tensor_parallel_with_its_own_plan():
+    pytest.importorskip("transformers")
+    out = _launch(4, "llama_tp2_pp2.json", "train_llama.py", "--steps", "8", timeout=230)
+    assert "pp=2 dp=1 tp=2" in out
+    assert _final_loss(out) < 4.6, out[-2000:]  # from about 4.9 (ln 128) at the start
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bert_example_zero3_offload_learns():
