@@ -70,14 +70,19 @@ def test_tp_alone(tp, optimizer):
         assert r["param_storage_bytes"] == want  # measured: the storage allocated
 
 
-def test_pp2_tp2():
-    results = run_distributed(
-        train_ranks,
-        4,
-        args=(_config(2, pipeline_parallel_degree=2, microbatches=4), "tp_gpt", "sgd", STEPS),
-        timeout=240,
-    )
-    assert sorted(r["tp"] for r in results) == [(0, 2), (0, 2), (1, 2), (1, 2)]
+@pytest.mark.parametrize(
+    ("placement", "coordinates"),
+    [
+        ("cluster", [(0, 0), (0, 1), (1, 0), (1, 1)]),  # TP innermost: ranks 0, 1 split
+        ("TPD", [(0, 0), (1, 0), (0, 1), (1, 1)]),  # TP outermost: ranks 0, 2 split
+    ],
+)
+def test_pp2_tp2(placement, coordinates):
+    config = _config(2, pipeline_parallel_degree=2, microbatches=4, placement_strategy=placement)
+    results = run_distributed(train_ranks, 4, args=(config, "tp_gpt", "sgd", STEPS), timeout=240)
+    # (pp_rank, tp_rank) of global ranks 0..3
+    assert [(r["pp"][0], r["tp"][0]) for r in results] == coordinates
+    assert {r["tp"][1] for r in results} == {2}
     _check(results, reference("tp_gpt", "sgd", STEPS))
 
 
