@@ -1,8 +1,8 @@
 """Measuring what a tensor-parallel plan splits in each unit (one forward, hooks only).
 
-``measure_splits`` runs the whole model once with autograd on (on fake meta tensors
-when the model is on the meta device, as ``mpar.profile`` does) and records, per
-unit:
+``measure_splits`` runs the whole model once with autograd on (on fake tensors when
+the model is on the meta device or was profiled in meta mode, as ``mpar.profile``
+does) and records, per unit:
 
 * its own parameters that are split (``shards``: the names of ``plan_layout``'s
   ``layout.shards``; ownership as the profile counts it: the first unit in execution
@@ -15,6 +15,11 @@ unit:
   is all-reduced in the backward), a rowwise module's output (all-reduced in the
   forward), an all-gathered output (``colwise_rep``) or input gradient
   (``rowwise_rep``), an ``embedding_rowwise`` output (all-reduced).
+
+With ``saved_activations=False`` the forward runs without autograd (as finding the
+units does): the communicated tensors are measured, the saved activations are not
+(every unit's count whole, a bound). The runtime partitions that way on rank 0 before
+it splits the model (``mpar.runtime._stages``).
 
 It takes the split modules' styles and the split parameters' names, not the layout
 object: the planner sits below ``mpar.tensor_parallel`` (which imports the
@@ -40,7 +45,7 @@ if TYPE_CHECKING:
     from mpar.profile import UnitProfile
     from mpar.tensor_parallel._plan import Style
 
-__all__ = ["measure_splits"]
+__all__ = ["measure_splits", "param_splits"]
 
 
 def _nbytes(tree: Any) -> int:
@@ -146,10 +151,11 @@ def _state_bytes(p: torch.Tensor, per_param: int) -> int:
     return 2 * nbytes + p.numel() * per_param if p.requires_grad else nbytes
 
 
-def _param_splits(
+def param_splits(
     module: nn.Module, units: Sequence[UnitProfile], shards: Mapping[str, Any], optimizer: str
 ) -> dict[str, UnitSplit]:
-    """Per unit: its own split parameters and the split ones it shares with an earlier unit."""
+    """Per unit: its own split parameters and the split ones it shares with an earlier unit
+    (nothing runs: parameters only; no activations nor communication)."""
     split = {id(p) for n, p in module.named_parameters(remove_duplicate=False) if n in shards}
     by_name = dict(module.named_parameters())
     owner: dict[int, str] = {}
@@ -176,18 +182,24 @@ def _param_splits(
 
 
 @contextmanager
-def _running(module: nn.Module, args: Any, kwargs: Any) -> Iterator[tuple[Any, Any, set[int]]]:
-    """The inputs to run with (fake meta ones for a meta model) and storages to exclude."""
+def _running(
+    module: nn.Module, args: Any, kwargs: Any, fake_run: bool
+) -> Iterator[tuple[Any, Any, set[int]]]:
+    """The inputs to run with (fake ones for a meta model, or with ``fake_run``: meta
+    ones for a meta model, a real one's faked in place) and storages to exclude."""
     state = [*module.parameters(), *module.buffers()]
     meta = any(t.is_meta for t in state)
-    fake: Any = FakeTensorMode(allow_non_fake_inputs=True) if meta else contextlib.nullcontext()
-    if meta:
+    faking = meta or fake_run
+    fake: Any = FakeTensorMode(allow_non_fake_inputs=True) if faking else contextlib.nullcontext()
+    if faking:
         args, kwargs = pytree.tree_map(
-            lambda x: fake.from_tensor(x.to("meta")) if isinstance(x, torch.Tensor) else x,
+            lambda x: (
+                fake.from_tensor(x.to("meta") if meta else x) if isinstance(x, torch.Tensor) else x
+            ),
             (args, kwargs),
         )
     with preserved_state(module), fake:
-        fakes = [fake.from_tensor(t) for t in state] if meta else []
+        fakes = [fake.from_tensor(t) for t in state] if faking else []
         exclude = {t.untyped_storage()._cdata for t in [*state, *fakes]}
         yield args, kwargs, exclude
 
@@ -201,17 +213,26 @@ def measure_splits(
     kwargs: Mapping[str, Any] | None = None,
     *,
     optimizer: str = "adam",
+    saved_activations: bool = True,
+    fake: bool = False,
 ) -> dict[str, UnitSplit]:
     """Per unit of a profile: what the plan (``styles`` of split modules, names of split
-    parameters) splits, at the example inputs' microbatch (see the module docs)."""
-    params = _param_splits(module, units, shards, optimizer)
+    parameters) splits, at the example inputs' microbatch (see the module docs).
+
+    ``saved_activations=False``: no autograd, saved activations not split (a bound);
+    ``fake``: run on fake tensors even for a real model (a meta-mode profile's model)."""
+    params = param_splits(module, units, shards, optimizer)
     names = [u.name for u in units]
-    with _running(module, tuple(args), dict(kwargs or {})) as (a, kw, exclude):
+    with _running(module, tuple(args), dict(kwargs or {}), fake) as (a, kw, exclude):
         rec = _Recorder(exclude)
         handles = _hooks(module, names, styles, rec)
-        hooks = torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t)
+        hooks: Any = (
+            torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t)
+            if saved_activations
+            else contextlib.nullcontext()
+        )
         try:
-            with torch.enable_grad(), hooks:
+            with torch.set_grad_enabled(saved_activations), hooks:
                 module(*a, **kw)
         finally:
             for h in handles:
