@@ -94,7 +94,8 @@ class Grid:
         """``(pp_rank, dp_rank, tp_rank)`` of a global rank."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside a world of {self.world_size}")
-        coords, sizes = {}, self._sizes()
+        coords: dict[str, int] = {}
+        sizes = self._sizes()
         for axis in reversed(self.axes):  # the innermost axis is the least significant
             rank, coords[axis] = divmod(rank, sizes[axis])
         return coords["pp"], coords["dp"], coords["tp"]
