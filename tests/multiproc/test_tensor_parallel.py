@@ -86,6 +86,24 @@ def test_pp2_tp2(placement, coordinates):
     _check(results, reference("tp_gpt", "sgd", STEPS))
 
 
+@pytest.mark.slow
+def test_pp2_tp2_auto_keys():
+    """ "auto" keys under TP: the planner keeps the configured degree and lays out one TP
+    rank's share (``mpar.runtime._stages.tp_splits_of``); the resolved run is the
+    one-process model."""
+    config = _config(
+        2,
+        pipeline_parallel_degree=2,
+        microbatches="auto",
+        zero={"stage": "auto"},
+        device_memory="256MiB",
+    )
+    results = run_distributed(train_ranks, 4, args=(config, "tp_gpt", "sgd", STEPS), timeout=300)
+    resolved = {(r["config"].microbatches, r["config"].zero.stage) for r in results}
+    assert len(resolved) == 1 and all(r["config"].auto_keys == () for r in results)
+    _check(results, reference("tp_gpt", "sgd", STEPS))
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", pytest.param("sgd", marks=SLOW)])
 def test_tp2_clip_global_norm(optimizer):
     """clip_grad_norm_ sees the one-process norm: split parameters' pieces summed over
