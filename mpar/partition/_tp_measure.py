@@ -16,11 +16,6 @@ does) and records, per unit:
   forward), an all-gathered output (``colwise_rep``) or input gradient
   (``rowwise_rep``), an ``embedding_rowwise`` output (all-reduced).
 
-With ``saved_activations=False`` the forward runs without autograd (as finding the
-units does): the communicated tensors are measured, the saved activations are not
-(every unit's count whole, a bound). The runtime partitions that way on rank 0 before
-it splits the model (``mpar.runtime._stages``).
-
 It takes the split modules' styles and the split parameters' names, not the layout
 object: the planner sits below ``mpar.tensor_parallel`` (which imports the
 communication package), so the caller builds the layout and hands its contents here.
@@ -75,27 +70,38 @@ class _Recorder:
         self.unit: str | None = None
         self.in_split = False
         self.tallies: dict[str, _Tally] = {}
+        self.alive: list[torch.Tensor] = []
 
     def tally(self) -> _Tally | None:
         return None if self.unit is None else self.tallies.setdefault(self.unit, _Tally())
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
+    def pack(self, t: torch.Tensor) -> None:
+        """Count ``t``; keep it alive here (its storage must not be reused and counted
+        again during the forward) and give autograd nothing: a graph holding the tensor
+        it saved would hold itself (tensor -> its node -> the tensor), outlive the
+        forward until Python's cycle collector runs, and keep every parameter's gradient
+        accumulator with the whole shapes that the TP layout changes afterwards (the
+        stages' backward then fails: "TBackward0 returned an invalid gradient")."""
+        self.alive.append(t)
         tally = self.tally()
         if tally is None:
-            return t
+            return
         try:
             storage = t.untyped_storage()
             key, nbytes = storage._cdata, storage.nbytes()
         except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
             key, nbytes = id(t), t.numel() * t.element_size()
         if key in self.exclude or key in tally.seen:
-            return t
+            return
         tally.seen.add(key)
         if self.in_split:
             tally.split += nbytes
         else:
             tally.whole += nbytes
-        return t
+
+    @staticmethod
+    def unpack(_packed: None) -> torch.Tensor:
+        raise RuntimeError("internal: measure_splits' forward is not for backward")
 
     def enter_unit(self, name: str) -> None:
         self.unit, self.in_split = name, False
@@ -213,30 +219,26 @@ def measure_splits(
     kwargs: Mapping[str, Any] | None = None,
     *,
     optimizer: str = "adam",
-    saved_activations: bool = True,
     fake: bool = False,
 ) -> dict[str, UnitSplit]:
     """Per unit of a profile: what the plan (``styles`` of split modules, names of split
     parameters) splits, at the example inputs' microbatch (see the module docs).
 
-    ``saved_activations=False``: no autograd, saved activations not split (a bound);
-    ``fake``: run on fake tensors even for a real model (a meta-mode profile's model)."""
+    ``fake``: run on fake tensors even for a real model (a meta-mode profile's model).
+    Nothing of the forward outlives the call (see ``_Recorder.pack``)."""
     params = param_splits(module, units, shards, optimizer)
     names = [u.name for u in units]
     with _running(module, tuple(args), dict(kwargs or {}), fake) as (a, kw, exclude):
         rec = _Recorder(exclude)
         handles = _hooks(module, names, styles, rec)
-        hooks: Any = (
-            torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t)
-            if saved_activations
-            else contextlib.nullcontext()
-        )
+        hooks = torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack)
         try:
-            with torch.set_grad_enabled(saved_activations), hooks:
+            with torch.enable_grad(), hooks:
                 module(*a, **kw)
         finally:
             for h in handles:
                 h.remove()
+            rec.alive.clear()  # the forward's graph goes with its saved tensors, now
     out = {}
     for name, split in params.items():
         t = rec.tallies.get(name, _Tally())

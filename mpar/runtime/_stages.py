@@ -8,8 +8,8 @@ the parameters of the others.
 Under tensor parallelism the profile is of the whole model (the layout is applied
 after the partition, before the split) and the partition is solved on one TP rank's
 share of it (``mpar.partition._tp.tp_share``): what the layout splits in each unit is
-read from the checked layout and one forward without autograd
-(:func:`tp_splits_of`); nothing of the layout runs before the split.
+read from the checked layout and one forward of the whole model, as ``mpar plan --tp``
+reads it (:func:`tp_splits_of`); nothing of the layout runs before the split.
 """
 
 from __future__ import annotations
@@ -60,16 +60,16 @@ class LocalStages:
 def tp_splits_of(
     module: nn.Module, profile: ModelProfile, layout: TPLayout, args: Any, kwargs: Any
 ) -> TPSplits:
-    """``TPSplits`` of the whole ``module`` under ``layout`` for its ``profile``: split
-    parameters (exact, from ``layout.shards``) and the TP collectives' bytes, measured
-    by a forward without autograd (on fake tensors for a meta profile); activations are
-    counted whole (a bound: the split ones are not measured here)."""
+    """``TPSplits`` of the whole ``module`` under ``layout`` for its ``profile``, as
+    ``mpar plan --tp`` measures them: split parameters (exact, from ``layout.shards``),
+    and from one forward of the whole model (on fake tensors for a meta profile) the
+    activations saved in split regions and the TP collectives' bytes."""
     from mpar.partition._tp import TPSplits
     from mpar.partition._tp_measure import measure_splits
 
     units = measure_splits(
         module, profile.units, layout.modules, layout.shards, args, kwargs,
-        optimizer=profile.optimizer, saved_activations=False, fake=profile.mode == "meta",
+        optimizer=profile.optimizer, fake=profile.mode == "meta",
     )  # fmt: skip
     return TPSplits(units, (1, layout.size), {}, layout.source)
 

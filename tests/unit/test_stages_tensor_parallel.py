@@ -5,6 +5,7 @@ model, profiled in meta mode, no processes."""
 
 from __future__ import annotations
 
+import gc
 from types import SimpleNamespace
 
 import pytest
@@ -124,3 +125,25 @@ def test_the_memory_cap_is_checked_against_one_tp_ranks_bytes():
     model, x, units, st, layout = _setup(1, device_memory=cap)
     with pytest.raises(PartitionError, match="no split into 2 stages fits a memory cap of"):
         _decide_boundaries(model, (x,), {}, units, st, layout)
+
+
+def test_measuring_leaves_no_graph_behind():
+    """``tp_splits_of`` runs the whole model with autograd on; nothing of that forward
+    may outlive it, not even until Python's cycle collector runs: a parameter's gradient
+    accumulator kept alive keeps its whole shape, which the TP layout changes next."""
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(2, D)
+    units = [f"layers.{i}" for i in range(4)]
+    profile = profile_model(model, (x,), units=units, repeats=1, warmup=0)
+    plan, source = resolve_plan(model, PLAN)
+    layout = plan_layout(model, plan, 2, source)
+    weight = model.layers[0].down.weight
+    gc.disable()
+    try:
+        splits = tp_splits_of(model, profile, layout, (x,), {})
+        weight.data = weight.data[:, : 3 * F // 2].clone()  # the piece apply_layout keeps
+        nn.functional.linear(torch.randn(2, 3 * F // 2), weight).sum().backward()
+    finally:
+        gc.enable()
+    assert weight.grad is not None and weight.grad.shape == weight.shape
+    assert 0 < splits.units["layers.0"].saved_split < 1  # the activations were measured
