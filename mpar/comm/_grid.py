@@ -7,7 +7,7 @@ peers. The pure layout (which global rank sits at which coordinates) is
 :class:`mpar.topology.Grid`; this object adds the processes.
 
 The groups come from torch's ``DeviceMesh`` over the axes ``("pp", "dp", "tp")``
-(tp innermost, of size 1 until tensor parallelism lands), so DTensor-based code
+(in that order whatever the placement), so DTensor-based code
 can take :attr:`ProcessGrid.mesh` as is. Where a ``DeviceMesh`` cannot carry
 mpar's groups, they are made with ``new_group`` (same ranks, same order) and
 ``mesh`` is None:
@@ -48,7 +48,7 @@ class ProcessGrid:
     dp_group: dist.ProcessGroup
     """The ranks that hold the same stage (same pp and tp coordinates)."""
     tp_group: dist.ProcessGroup
-    """The ranks that split the same layers (same pp and dp coordinates; one rank for now)."""
+    """The ranks that split the same layers (same pp and dp coordinates)."""
     mesh: DeviceMesh | None
     """torch's mesh over :data:`~mpar.topology.AXES`, or None (MPI, XLA; see the module)."""
     timeout: datetime.timedelta

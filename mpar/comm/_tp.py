@@ -32,7 +32,7 @@ Operators name their group by a key registered with :func:`register_tp_group`;
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,7 @@ __all__ = [
     "tp_gather",
     "tp_reduce",
     "tp_split",
+    "vocab_parallel_ce",
 ]
 
 
@@ -204,3 +205,72 @@ tp_copy.register_autograd(_copy_backward, setup_context=_setup)
 tp_reduce.register_autograd(_reduce_backward, setup_context=_setup)
 tp_gather.register_autograd(_gather_backward, setup_context=_setup)
 tp_split.register_autograd(_split_backward, setup_context=_setup)
+
+
+# ------------------------------------------------- vocabulary-parallel cross-entropy
+def _vocab_ce(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, group: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss and the softmax of this rank's vocabulary piece (fp32)."""
+    g = _group(group)
+    x = logits.detach().float()
+    piece = x.shape[-1]
+    top = x.amax(dim=-1)
+    if g.size > 1:  # a shift for exp: any value works, the group's max keeps it finite
+        with Waiting(("collective", "all_reduce", g.group)):
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=g.group)
+    exp = torch.exp(x - top.unsqueeze(-1))
+    local = labels - g.rank * piece
+    here = (local >= 0) & (local < piece)
+    target = x.gather(-1, local.clamp(0, piece - 1).unsqueeze(-1)).squeeze(-1)
+    sums = torch.stack([exp.sum(dim=-1), torch.where(here, target, torch.zeros_like(target))])
+    if g.size > 1:  # the denominator and the target's logit, one all-reduce
+        with Waiting(("collective", "all_reduce", g.group)):
+            dist.all_reduce(sums, group=g.group)
+    total, target = sums[0], sums[1]
+    loss = torch.log(total) + top - target
+    loss = torch.where(labels == ignore_index, torch.zeros_like(loss), loss)
+    return loss, exp / total.unsqueeze(-1)
+
+
+@torch.library.custom_op("mpar::vocab_parallel_ce", mutates_args=())
+def vocab_parallel_ce(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, group: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy of logits split on the vocabulary (the last dim) over the TP group:
+    (per-token loss, this piece's softmax). Megatron-LM's: the max, the sum of
+    exponentials and the target's logit are reduced over TP; the backward is local."""
+    return _vocab_ce(logits, labels, ignore_index, group)
+
+
+@vocab_parallel_ce.register_fake
+def _(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, group: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return labels.new_empty(labels.shape, dtype=torch.float32), logits.new_empty(
+        logits.shape, dtype=torch.float32
+    )
+
+
+def _ce_setup(ctx: Any, inputs: tuple[object, ...], output: object) -> None:
+    logits, labels, ignore_index, group = inputs
+    assert isinstance(logits, torch.Tensor) and isinstance(output, tuple)
+    ctx.save_for_backward(labels, output[1])  # saved, not kept on ctx: no reference cycle
+    ctx.args = (ignore_index, group, logits.dtype)
+
+
+def _ce_backward(ctx: Any, grad_loss: torch.Tensor, _grad_softmax: torch.Tensor) -> Grads:
+    """d loss / d logits = softmax - one_hot(target), on this rank's piece; nothing to
+    communicate (each rank's softmax is already normalised over the whole vocabulary)."""
+    labels, softmax = ctx.saved_tensors
+    ignore_index, group, dtype = ctx.args
+    piece = softmax.shape[-1]
+    local = labels - _group(group).rank * piece
+    here = ((local >= 0) & (local < piece)).unsqueeze(-1)
+    one_hot = torch.zeros_like(softmax).scatter_(-1, local.clamp(0, piece - 1).unsqueeze(-1), 1.0)
+    grad = softmax - torch.where(here, one_hot, torch.zeros_like(one_hot))
+    scale = torch.where(labels == ignore_index, torch.zeros_like(grad_loss), grad_loss)
+    return (grad * scale.unsqueeze(-1)).to(dtype), None, None, None
+
+
+vocab_parallel_ce.register_autograd(_ce_backward, setup_context=_ce_setup)

@@ -20,12 +20,14 @@ from mpar.errors import ConfigError, ConfigTypeError
 from mpar.schedule._csv import is_csv_path
 from mpar.schedule._registry import PIPELINES, check_csv_schedule
 
-__all__ = ["Config", "ZeroConfig"]
+__all__ = ["PLACEMENT_NAMES", "Config", "ZeroConfig", "placement_axes"]
 
 PipelineKind = str
 """A name in ``mpar.schedule.PIPELINES`` or the path of a schedule CSV file."""
 OptimizeKind = Literal["speed", "memory"]
-PlacementKind = Literal["cluster", "spread"]
+PlacementKind = str
+"""``"cluster"``, ``"spread"``, or a permutation of the letters ``D``, ``P``, ``T``
+(see :func:`placement_axes`)."""
 OffloadKind = Literal["none", "cpu"]
 DeviceKind = Literal["auto", "cpu", "cuda", "xla"]
 BackendKind = Literal["auto", "gloo", "nccl", "xla", "mpi"]
@@ -37,6 +39,33 @@ MAX_TIMEOUT_S = 1e9
 #: parallelism): "speed" mostly balances compute, "memory" mostly balances memory. The
 #: one definition; the partition solver reads it too.
 MEMORY_WEIGHT_FOR = {"speed": 0.2, "memory": 0.8}
+
+
+#: The named placements as axis letters, outermost first (``D`` data parallel, ``P``
+#: pipeline, ``T`` tensor parallel): both keep the TP group's ranks consecutive.
+PLACEMENT_NAMES = {"cluster": "DPT", "spread": "PDT"}
+_AXIS_OF_LETTER = {"P": "pp", "D": "dp", "T": "tp"}
+
+
+def placement_axes(placement: object) -> tuple[str, str, str]:
+    """The grid axes (``"pp"``, ``"dp"``, ``"tp"``) of a ``placement_strategy`` value,
+    outermost first: the last one varies fastest over consecutive global ranks.
+
+    ``"cluster"`` is ``"DPT"`` (one pipeline's stages on neighbouring ranks),
+    ``"spread"`` is ``"PDT"`` (one data-parallel group's ranks neighbouring); any
+    permutation of ``D``, ``P``, ``T`` names the order directly, as SageMaker model
+    parallelism spells it (``"TPD"``: the TP group's ranks as far apart as possible).
+    """
+    letters = PLACEMENT_NAMES.get(placement, placement) if isinstance(placement, str) else None
+    if not isinstance(letters, str) or sorted(letters) != ["D", "P", "T"]:
+        raise ConfigError(
+            f"config key 'placement_strategy' has value {placement!r}; allowed: 'cluster', "
+            "'spread', or a permutation of the letters D (data parallel), P (pipeline), "
+            "T (tensor parallel) naming the axes outermost first, e.g. 'DPT' (= 'cluster'), "
+            "'PDT' (= 'spread'), 'TPD'"
+        )
+    a, b, c = (_AXIS_OF_LETTER[x] for x in letters)
+    return a, b, c
 
 
 def _fail_choice(key: str, value: object, allowed: tuple[Any, ...]) -> None:
@@ -216,7 +245,11 @@ class Config:
     """Stage of modules created outside any ``mpar.partition(i)`` when ``auto_partition`` is false."""
 
     placement_strategy: PlacementKind = "cluster"
-    """``"cluster"``: a pipeline's stages on consecutive ranks; ``"spread"``: a data-parallel group's ranks consecutive."""
+    """How the pp, dp and tp axes map onto global ranks: ``"cluster"`` (a pipeline's
+    stages on consecutive ranks), ``"spread"`` (a data-parallel group's ranks
+    consecutive), both with the TP group innermost; or a permutation of ``D``, ``P``,
+    ``T`` naming the axes outermost first (``"cluster"`` = ``"DPT"``, ``"spread"`` =
+    ``"PDT"``; see :func:`placement_axes`)."""
 
     ddp: bool = True
     """Data parallelism over the remaining ranks (dp = world size / pipeline degree)."""
@@ -313,7 +346,7 @@ class Config:
         ):
             _check_bool(key, getattr(self, key))
         _check_int("default_partition", self.default_partition, minimum=0)
-        _fail_choice("placement_strategy", self.placement_strategy, ("cluster", "spread"))
+        placement_axes(self.placement_strategy)
         if not isinstance(self.activation_checkpointing, bool):
             _fail_choice(
                 "activation_checkpointing",

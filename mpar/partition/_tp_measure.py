@@ -1,8 +1,8 @@
 """Measuring what a tensor-parallel plan splits in each unit (one forward, hooks only).
 
-``measure_splits`` runs the whole model once with autograd on (on fake meta tensors
-when the model is on the meta device, as ``mpar.profile`` does) and records, per
-unit:
+``measure_splits`` runs the whole model once with autograd on (on fake tensors when
+the model is on the meta device or was profiled in meta mode, as ``mpar.profile``
+does) and records, per unit:
 
 * its own parameters that are split (``shards``: the names of ``plan_layout``'s
   ``layout.shards``; ownership as the profile counts it: the first unit in execution
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from mpar.profile import UnitProfile
     from mpar.tensor_parallel._plan import Style
 
-__all__ = ["measure_splits"]
+__all__ = ["measure_splits", "param_splits"]
 
 
 def _nbytes(tree: Any) -> int:
@@ -70,27 +70,38 @@ class _Recorder:
         self.unit: str | None = None
         self.in_split = False
         self.tallies: dict[str, _Tally] = {}
+        self.alive: list[torch.Tensor] = []
 
     def tally(self) -> _Tally | None:
         return None if self.unit is None else self.tallies.setdefault(self.unit, _Tally())
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
+    def pack(self, t: torch.Tensor) -> None:
+        """Count ``t``; keep it alive here (its storage must not be reused and counted
+        again during the forward) and give autograd nothing: a graph holding the tensor
+        it saved would hold itself (tensor -> its node -> the tensor), outlive the
+        forward until Python's cycle collector runs, and keep every parameter's gradient
+        accumulator with the whole shapes that the TP layout changes afterwards (the
+        stages' backward then fails: "TBackward0 returned an invalid gradient")."""
+        self.alive.append(t)
         tally = self.tally()
         if tally is None:
-            return t
+            return
         try:
             storage = t.untyped_storage()
             key, nbytes = storage._cdata, storage.nbytes()
         except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
             key, nbytes = id(t), t.numel() * t.element_size()
         if key in self.exclude or key in tally.seen:
-            return t
+            return
         tally.seen.add(key)
         if self.in_split:
             tally.split += nbytes
         else:
             tally.whole += nbytes
-        return t
+
+    @staticmethod
+    def unpack(_packed: None) -> torch.Tensor:
+        raise RuntimeError("internal: measure_splits' forward is not for backward")
 
     def enter_unit(self, name: str) -> None:
         self.unit, self.in_split = name, False
@@ -146,10 +157,11 @@ def _state_bytes(p: torch.Tensor, per_param: int) -> int:
     return 2 * nbytes + p.numel() * per_param if p.requires_grad else nbytes
 
 
-def _param_splits(
+def param_splits(
     module: nn.Module, units: Sequence[UnitProfile], shards: Mapping[str, Any], optimizer: str
 ) -> dict[str, UnitSplit]:
-    """Per unit: its own split parameters and the split ones it shares with an earlier unit."""
+    """Per unit: its own split parameters and the split ones it shares with an earlier unit
+    (nothing runs: parameters only; no activations nor communication)."""
     split = {id(p) for n, p in module.named_parameters(remove_duplicate=False) if n in shards}
     by_name = dict(module.named_parameters())
     owner: dict[int, str] = {}
@@ -176,18 +188,24 @@ def _param_splits(
 
 
 @contextmanager
-def _running(module: nn.Module, args: Any, kwargs: Any) -> Iterator[tuple[Any, Any, set[int]]]:
-    """The inputs to run with (fake meta ones for a meta model) and storages to exclude."""
+def _running(
+    module: nn.Module, args: Any, kwargs: Any, fake_run: bool
+) -> Iterator[tuple[Any, Any, set[int]]]:
+    """The inputs to run with (fake ones for a meta model, or with ``fake_run``: meta
+    ones for a meta model, a real one's faked in place) and storages to exclude."""
     state = [*module.parameters(), *module.buffers()]
     meta = any(t.is_meta for t in state)
-    fake: Any = FakeTensorMode(allow_non_fake_inputs=True) if meta else contextlib.nullcontext()
-    if meta:
+    faking = meta or fake_run
+    fake: Any = FakeTensorMode(allow_non_fake_inputs=True) if faking else contextlib.nullcontext()
+    if faking:
         args, kwargs = pytree.tree_map(
-            lambda x: fake.from_tensor(x.to("meta")) if isinstance(x, torch.Tensor) else x,
+            lambda x: (
+                fake.from_tensor(x.to("meta") if meta else x) if isinstance(x, torch.Tensor) else x
+            ),
             (args, kwargs),
         )
     with preserved_state(module), fake:
-        fakes = [fake.from_tensor(t) for t in state] if meta else []
+        fakes = [fake.from_tensor(t) for t in state] if faking else []
         exclude = {t.untyped_storage()._cdata for t in [*state, *fakes]}
         yield args, kwargs, exclude
 
@@ -201,21 +219,26 @@ def measure_splits(
     kwargs: Mapping[str, Any] | None = None,
     *,
     optimizer: str = "adam",
+    fake: bool = False,
 ) -> dict[str, UnitSplit]:
     """Per unit of a profile: what the plan (``styles`` of split modules, names of split
-    parameters) splits, at the example inputs' microbatch (see the module docs)."""
-    params = _param_splits(module, units, shards, optimizer)
+    parameters) splits, at the example inputs' microbatch (see the module docs).
+
+    ``fake``: run on fake tensors even for a real model (a meta-mode profile's model).
+    Nothing of the forward outlives the call (see ``_Recorder.pack``)."""
+    params = param_splits(module, units, shards, optimizer)
     names = [u.name for u in units]
-    with _running(module, tuple(args), dict(kwargs or {})) as (a, kw, exclude):
+    with _running(module, tuple(args), dict(kwargs or {}), fake) as (a, kw, exclude):
         rec = _Recorder(exclude)
         handles = _hooks(module, names, styles, rec)
-        hooks = torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t)
+        hooks = torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack)
         try:
             with torch.enable_grad(), hooks:
                 module(*a, **kw)
         finally:
             for h in handles:
                 h.remove()
+            rec.alive.clear()  # the forward's graph goes with its saved tensors, now
     out = {}
     for name, split in params.items():
         t = rec.tallies.get(name, _Tally())

@@ -9,8 +9,8 @@ every rank then runs the model with the resolved config (``model.config`` shows
 it; ``mpar.config()`` keeps what ``mpar.init`` was given).
 
 Under tensor parallelism the search keeps the configured degree and lays out one TP
-rank's share of the profile (``mpar.partition._tp``), measured from the model's
-checked TP layout.
+rank's share of the profile (``mpar.partition._tp``), read from the model's checked
+TP layout as the partition reads it (``mpar.runtime._stages.tp_splits_of``).
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ def _choose(
     from mpar.build import find_units_meta
     from mpar.partition import find_units, search
     from mpar.profile import preserved_state, profile_mode, profile_model
+    from mpar.runtime._stages import tp_splits_of
 
     cfg = st.config
     args, kwargs = model.capture(fn, whole, 0)
@@ -79,7 +80,8 @@ def _choose(
     profile = profile_model(module, args, kwargs, units=units, repeats=1, warmup=1, mode=mode)
     module.zero_grad(set_to_none=True)
     batch = whole.sizes[0]
-    tp = st.grid.tp_size
+    tp, layout = st.grid.tp_size, model.tp_layout
+    splits = None if layout is None else tp_splits_of(module, profile, layout, args, kwargs)
     result = search(
         profile,
         world_size=st.grid.pp_size * st.grid.dp_size * tp,
@@ -89,10 +91,7 @@ def _choose(
         space=_space(cfg, cfg.auto_keys, tp),
         top=3,
         device=st.device.type,
-        # The whole model's figures: they overstate one TP rank's memory (a safe bound).
-        # Measuring the splits here (as `mpar plan --tp` does in its own process) left
-        # the model unable to split into stages afterwards.
-        tp_splits=None,
+        tp_splits=splits,
     )
     best = result.best
     return {

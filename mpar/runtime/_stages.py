@@ -4,6 +4,12 @@ Rank 0 of the job profiles the model on one microbatch and solves the
 partition (or reads the manual placement); the boundaries are broadcast so
 every rank splits the model identically, keeps the stages it owns, and frees
 the parameters of the others.
+
+Under tensor parallelism the profile is of the whole model (the layout is applied
+after the partition, before the split) and the partition is solved on one TP rank's
+share of it (``mpar.partition._tp.tp_share``): what the layout splits in each unit is
+read from the checked layout and one forward of the whole model, as ``mpar plan --tp``
+reads it (:func:`tp_splits_of`); nothing of the layout runs before the split.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -24,7 +30,11 @@ from mpar.errors import PartitionError
 from mpar.runtime._precision import cast_floats, compute_dtype
 from mpar.tensor_parallel import TPLayout, apply_layout
 
-__all__ = ["LocalStages", "build_local_stages"]
+if TYPE_CHECKING:
+    from mpar.partition._tp import TPSplits
+    from mpar.profile import ModelProfile
+
+__all__ = ["LocalStages", "build_local_stages", "tp_splits_of"]
 
 
 @dataclass
@@ -47,8 +57,30 @@ class LocalStages:
     """``id`` of every parameter tensor parallelism split (the rest are replicated over TP)."""
 
 
+def tp_splits_of(
+    module: nn.Module, profile: ModelProfile, layout: TPLayout, args: Any, kwargs: Any
+) -> TPSplits:
+    """``TPSplits`` of the whole ``module`` under ``layout`` for its ``profile``, as
+    ``mpar plan --tp`` measures them: split parameters (exact, from ``layout.shards``),
+    and from one forward of the whole model (on fake tensors for a meta profile) the
+    activations saved in split regions and the TP collectives' bytes."""
+    from mpar.partition._tp import TPSplits
+    from mpar.partition._tp_measure import measure_splits
+
+    units = measure_splits(
+        module, profile.units, layout.modules, layout.shards, args, kwargs,
+        optimizer=profile.optimizer, fake=profile.mode == "meta",
+    )  # fmt: skip
+    return TPSplits(units, (1, layout.size), {}, layout.source)
+
+
 def _decide_boundaries(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], units: list[str], st: State
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    units: list[str],
+    st: State,
+    tp: TPLayout | None = None,
 ) -> tuple[list[int], Any]:
     from mpar.partition import make_plan, manual_boundaries
     from mpar.profile import profile_mode, profile_model
@@ -68,6 +100,7 @@ def _decide_boundaries(
     mode = profile_mode(module, cfg.device_memory)
     profile = profile_model(module, args, kwargs, units=units, repeats=3, warmup=1, mode=mode)
     module.zero_grad(set_to_none=True)
+    splits = None if tp is None else tp_splits_of(module, profile, tp, args, kwargs)
     plan = make_plan(
         profile,
         num_ranks=cfg.pipeline_parallel_degree,
@@ -85,6 +118,8 @@ def _decide_boundaries(
         offload_params=cfg.zero.offload_params == "cpu",
         gather=cfg.zero.gather,
         device=st.device.type,
+        tensor_parallel_degree=1 if tp is None else tp.size,
+        tp_splits=splits,
     )
     return list(plan.boundaries), plan
 
@@ -175,7 +210,7 @@ def build_local_stages(
     decision: Any = None
     if st.layout.rank == 0:
         try:
-            decision = ("ok", *_decide_boundaries(module, args, kwargs, units, st))
+            decision = ("ok", *_decide_boundaries(module, args, kwargs, units, st, tp))
         except Exception as exc:  # every rank must learn of the failure, not hang
             decision = ("error", exc, None)
     decision = broadcast_object_world(decision, st.grid, src=0)

@@ -4,6 +4,7 @@ See ``docs/tensor_parallel.md``. The collectives are operators in ``mpar.comm._t
 """
 
 from mpar.tensor_parallel._apply import HEAD_ATTRS, TPLayout, TPShard, apply_layout, plan_layout
+from mpar.tensor_parallel._loss import vocab_parallel_cross_entropy
 from mpar.tensor_parallel._plan import (
     FAMILY_PLANS,
     STYLES,
@@ -27,4 +28,5 @@ __all__ = [
     "parse_style",
     "plan_layout",
     "resolve_plan",
+    "vocab_parallel_cross_entropy",
 ]

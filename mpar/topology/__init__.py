@@ -1,14 +1,18 @@
 """The pipeline x data-parallel x tensor-parallel rank grid (pure: no processes needed).
 
-Each rank has coordinates ``(pp_rank, dp_rank, tp_rank)``; the tensor-parallel
-axis is innermost (a TP group's ranks are consecutive, on one host) and has size
-1 until tensor parallelism lands. Two placements map the outer coordinates to
-global ranks::
+Each rank has coordinates ``(pp_rank, dp_rank, tp_rank)``. The placement
+(``placement_strategy``) orders the three axes from outermost to innermost; the
+innermost varies fastest over consecutive global ranks (one host's ranks), the
+outermost slowest::
 
-    cluster (default): rank = (dp_rank * pp + pp_rank) * tp + tp_rank   # one pipeline's
-                                                                         # stages on consecutive ranks
-    spread:            rank = (pp_rank * dp + dp_rank) * tp + tp_rank   # one data-parallel
-                                                                         # group's ranks consecutive
+    cluster = "DPT" (default): rank = (dp_rank * pp + pp_rank) * tp + tp_rank
+    spread  = "PDT":           rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+    "TPD":                     rank = (tp_rank * pp + pp_rank) * dp + dp_rank
+
+``cluster`` puts one pipeline's stages on consecutive ranks, ``spread`` one
+data-parallel group's; both keep the TP group innermost (its ranks consecutive, on
+one host). Any permutation of the letters ``D``, ``P``, ``T`` names the order
+directly, as SageMaker model parallelism spells it::
 
     world 8, pp 2, tp 1     cluster           spread
                       dp_rank: 0 1 2 3    0 1 2 3
@@ -16,14 +20,15 @@ global ranks::
                 pp_rank 1:     1 3 5 7    4 5 6 7
 
 The process groups along each axis live in :class:`mpar.comm.ProcessGrid`, built
-on this grid (``mesh()`` is its torch ``DeviceMesh`` layout).
+on this grid (``mesh()`` is its torch ``DeviceMesh`` layout, indexed by coordinates
+whatever the placement).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
 
+from mpar.config import placement_axes
 from mpar.errors import ConfigError
 
 __all__ = ["AXES", "Grid", "make_grid"]
@@ -38,8 +43,11 @@ class Grid:
 
     world_size: int
     pp_size: int
-    placement: Literal["cluster", "spread"] = "cluster"
+    placement: str = "cluster"
+    """``"cluster"``, ``"spread"`` or a permutation of ``D``, ``P``, ``T`` (outermost first)."""
     tp_size: int = 1
+    axes: tuple[str, str, str] = field(init=False, repr=False, compare=False)
+    """The axis names outermost first, from ``placement`` (``cluster``: dp, pp, tp)."""
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.world_size < 1 or self.world_size % self.tp_size:
@@ -52,14 +60,19 @@ class Grid:
                 f"pipeline degree {self.pp_size} must divide the world size {self.world_size}"
                 + (f" / tensor parallel degree {self.tp_size}" if self.tp_size > 1 else "")
             )
-        if self.placement not in ("cluster", "spread"):
-            raise ConfigError(
-                f"placement_strategy {self.placement!r} is not one of 'cluster', 'spread'"
-            )
+        object.__setattr__(self, "axes", placement_axes(self.placement))
 
     @property
     def dp_size(self) -> int:
         return self.world_size // (self.pp_size * self.tp_size)
+
+    def _sizes(self) -> dict[str, int]:
+        return {"pp": self.pp_size, "dp": self.dp_size, "tp": self.tp_size}
+
+    @property
+    def order(self) -> str:
+        """The placement as axis letters, outermost first (``cluster``: ``"DPT"``)."""
+        return "".join({"pp": "P", "dp": "D", "tp": "T"}[a] for a in self.axes)
 
     def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int = 0) -> int:
         """Global rank at grid coordinates ``(pp_rank, dp_rank, tp_rank)``."""
@@ -72,20 +85,20 @@ class Grid:
                 f"grid coordinates ({pp_rank}, {dp_rank}, {tp_rank}) outside a "
                 f"{self.pp_size} x {self.dp_size} x {self.tp_size} grid"
             )
-        if self.placement == "cluster":
-            outer = dp_rank * self.pp_size + pp_rank
-        else:
-            outer = pp_rank * self.dp_size + dp_rank
-        return outer * self.tp_size + tp_rank
+        coords, sizes, rank = {"pp": pp_rank, "dp": dp_rank, "tp": tp_rank}, self._sizes(), 0
+        for axis in self.axes:  # mixed radix, the outermost axis the most significant
+            rank = rank * sizes[axis] + coords[axis]
+        return rank
 
     def coordinates(self, rank: int) -> tuple[int, int, int]:
         """``(pp_rank, dp_rank, tp_rank)`` of a global rank."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside a world of {self.world_size}")
-        outer, tp_rank = divmod(rank, self.tp_size)
-        if self.placement == "cluster":
-            return outer % self.pp_size, outer // self.pp_size, tp_rank
-        return outer // self.dp_size, outer % self.dp_size, tp_rank
+        coords: dict[str, int] = {}
+        sizes = self._sizes()
+        for axis in reversed(self.axes):  # the innermost axis is the least significant
+            rank, coords[axis] = divmod(rank, sizes[axis])
+        return coords["pp"], coords["dp"], coords["tp"]
 
     def coords(self, rank: int) -> tuple[int, int]:
         """``(pp_rank, dp_rank)`` of a global rank."""
@@ -121,24 +134,31 @@ class Grid:
         return [[self.tp_group(p, d) for d in range(self.dp_size)] for p in range(self.pp_size)]
 
     def __str__(self) -> str:
-        width = len(str(self.world_size - 1))
-        header = " " * 11 + " ".join(f"{d:>{width}}" for d in range(self.dp_size))
-        tp = f" x {self.tp_size} (tp)" if self.tp_size > 1 else ""
-        rows = [
-            f"grid {self.pp_size} (pp) x {self.dp_size} (dp){tp}, {self.placement}",
-            "dp_rank:" + header[8:],
+        """The ranks as a pp x dp table (each cell the TP group's ranks when tp > 1)."""
+        cells = [
+            [",".join(str(r) for r in self.tp_group(p, d)) for d in range(self.dp_size)]
+            for p in range(self.pp_size)
         ]
-        for p in range(self.pp_size):
-            cells = " ".join(f"{r:>{width}}" for r in self.dp_group(p))
-            rows.append(f"pp_rank {p:>{width}}: {cells}")
+        width = max(len(str(self.world_size - 1)), *(len(c) for row in cells for c in row))
+        label = f"pp_rank {{:>{len(str(self.world_size - 1))}}}: "
+        tp = f" x {self.tp_size} (tp)" if self.tp_size > 1 else ""
+        named = f" ({self.order})" if self.placement != self.order else ""
+        rows = [
+            f"grid {self.pp_size} (pp) x {self.dp_size} (dp){tp}, {self.placement}{named}",
+            "dp_rank:".ljust(len(label.format(0)))
+            + " ".join(f"{d:>{width}}" for d in range(self.dp_size)),
+        ]
+        for p, row in enumerate(cells):
+            rows.append(label.format(p) + " ".join(f"{c:>{width}}" for c in row))
         return "\n".join(rows)
 
 
 def make_grid(
     world_size: int,
     pp_size: int,
-    placement: Literal["cluster", "spread"] = "cluster",
+    placement: str = "cluster",
     tp_size: int = 1,
 ) -> Grid:
-    """The grid of ``world_size`` ranks with ``pp_size`` pipeline stages each."""
+    """The grid of ``world_size`` ranks with ``pp_size`` pipeline stages each (and
+    ``tp_size`` ranks per TP group), laid out by ``placement``."""
     return Grid(world_size, pp_size, placement, tp_size)

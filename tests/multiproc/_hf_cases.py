@@ -135,18 +135,22 @@ def train_family(family: str, steps: int) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
     state = model.state_dict()
-    if hasattr(model.plan, "stages"):
+    whole = dict(build(family).named_parameters())
+    if hasattr(model.plan, "stages"):  # one TP rank's: split parameters 1/tp
         counts = [stage.param_count for stage in model.plan.stages]
+        tp, split = mpar.tp_size(), {} if model.tp_layout is None else model.tp_layout.shards
+        expected = sum(p.numel() // tp if n in split else p.numel() for n, p in whole.items())
     else:  # one stage, not profiled: the whole model
-        counts = [
-            sum(
-                p.numel()
-                for name, p in state.items()
-                if name in dict(build(family).named_parameters())
-            )
-        ]
+        counts = [sum(p.numel() for name, p in state.items() if name in whole)]
+        expected = sum(p.numel() for p in whole.values())
     devices = sorted({p.device.type for p in model.local_parameters()})
-    return {"losses": losses, "state": state, "plan_param_counts": counts, "param_devices": devices}
+    return {
+        "losses": losses,
+        "state": state,
+        "plan_param_counts": counts,
+        "plan_param_expected": expected,
+        "param_devices": devices,
+    }
 
 
 def train_ranks(families: list[str], config: dict[str, Any], steps: int) -> dict[str, Any]:

@@ -70,14 +70,37 @@ def test_tp_alone(tp, optimizer):
         assert r["param_storage_bytes"] == want  # measured: the storage allocated
 
 
-def test_pp2_tp2():
-    results = run_distributed(
-        train_ranks,
-        4,
-        args=(_config(2, pipeline_parallel_degree=2, microbatches=4), "tp_gpt", "sgd", STEPS),
-        timeout=240,
+@pytest.mark.parametrize(
+    ("placement", "coordinates"),
+    [
+        ("cluster", [(0, 0), (0, 1), (1, 0), (1, 1)]),  # TP innermost: ranks 0, 1 split
+        ("TPD", [(0, 0), (1, 0), (0, 1), (1, 1)]),  # TP outermost: ranks 0, 2 split
+    ],
+)
+def test_pp2_tp2(placement, coordinates):
+    config = _config(2, pipeline_parallel_degree=2, microbatches=4, placement_strategy=placement)
+    results = run_distributed(train_ranks, 4, args=(config, "tp_gpt", "sgd", STEPS), timeout=240)
+    # (pp_rank, tp_rank) of global ranks 0..3
+    assert [(r["pp"][0], r["tp"][0]) for r in results] == coordinates
+    assert {r["tp"][1] for r in results} == {2}
+    _check(results, reference("tp_gpt", "sgd", STEPS))
+
+
+@pytest.mark.slow
+def test_pp2_tp2_auto_keys():
+    """ "auto" keys under TP: the planner keeps the configured degree and lays out one TP
+    rank's share (``mpar.runtime._stages.tp_splits_of``); the resolved run is the
+    one-process model."""
+    config = _config(
+        2,
+        pipeline_parallel_degree=2,
+        microbatches="auto",
+        zero={"stage": "auto"},
+        device_memory="256MiB",
     )
-    assert sorted(r["tp"] for r in results) == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    results = run_distributed(train_ranks, 4, args=(config, "tp_gpt", "sgd", STEPS), timeout=300)
+    resolved = {(r["config"].microbatches, r["config"].zero.stage) for r in results}
+    assert len(resolved) == 1 and all(r["config"].auto_keys == () for r in results)
     _check(results, reference("tp_gpt", "sgd", STEPS))
 
 
@@ -266,3 +289,55 @@ def test_meta_build_and_pretrained_weights_under_tp(tmp_path, world, extra):
         for key, value in weights.items():
             assert torch.equal(loaded[key], value), key
             assert torch.equal(written[key], value), key
+
+
+# ------------------------------------------------------- vocabulary-parallel loss
+VOCAB_PLAN = {**GPT_TP_PLAN, "wte": "embedding_rowwise", "head": "colwise"}
+"""The tied embedding and LM head split on the vocabulary (the same rows of one weight)."""
+
+
+def _body_vocab_parallel(config, steps):
+    """Train the TP GPT with its logits split on the vocabulary and the loss computed on
+    the pieces; returns the losses, this rank's logits and the gathered state."""
+    import mpar
+    from mpar.tensor_parallel import vocab_parallel_cross_entropy
+    from tests.multiproc._pipeline_cases import MODELS, batch, make_optimizer
+
+    mpar.init(config)
+    model = mpar.DistributedModel(MODELS["tp_gpt"]())
+    opt = mpar.DistributedOptimizer(make_optimizer("sgd", model.parameters()))
+
+    @mpar.step
+    def train(m, x, y):
+        logits = m(x)
+        loss = vocab_parallel_cross_entropy(logits, y).mean()
+        m.backward(loss)
+        return {"loss": loss, "logits": logits}
+
+    losses, outputs = [], []
+    for s in range(steps):
+        result = train(model, *batch("tp_gpt", s))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(result["loss"].reduce_mean()))
+        outputs.append(result["logits"].concat())
+    shards = dict(model.tp_layout.shards)
+    return {"losses": losses, "outputs": outputs, "state": model.state_dict(), "shards": shards}
+
+
+@pytest.mark.parametrize(
+    "extra", [{}, pytest.param({"pipeline_parallel_degree": 2}, marks=SLOW)], ids=["tp2", "pp2-tp2"]
+)
+def test_vocab_parallel_cross_entropy(extra):
+    world = 2 * extra.get("pipeline_parallel_degree", 1)
+    config = {**_config(2, **extra), "tp_plan": VOCAB_PLAN}
+    results = run_distributed(_body_vocab_parallel, world, args=(config, STEPS), timeout=240)
+    ref = reference("tp_gpt", "sgd", STEPS)
+    assert results[0]["shards"]["wte.weight"].dim == 0  # the vocabulary rows
+    for r in results:
+        assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), **TOL)
+        for key, value in ref["state"].items():
+            assert_close(r["state"][key], value, **TOL, msg=lambda m, k=key: f"{k}: {m}")
+        for step, whole in enumerate(ref["outputs"]):  # a step's outputs are TP rank 0's:
+            first_half = whole.chunk(2, dim=-1)[0]  # its piece of the vocabulary
+            assert_close(r["outputs"][step], first_half, **TOL)

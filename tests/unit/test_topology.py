@@ -69,3 +69,74 @@ def test_the_tp_axis_is_innermost_and_the_grid_stays_a_bijection(placement):
         make_grid(8, 2, tp_size=3)
     with pytest.raises(ConfigError, match="pipeline degree 4 must divide .* / tensor parallel"):
         make_grid(8, 4, tp_size=4)
+
+
+PERMUTATIONS = ["DPT", "DTP", "PDT", "PTD", "TDP", "TPD"]
+
+
+@pytest.mark.parametrize("placement", [*PERMUTATIONS, "cluster", "spread"])
+def test_every_placement_is_a_grid(placement):
+    """Groups of each axis partition the world; each rank's coordinates are its
+    position in its groups; the innermost axis of the placement takes consecutive ranks."""
+    for world, pp, tp in [(8, 2, 2), (24, 2, 3), (12, 3, 2), (4, 1, 2), (6, 3, 1)]:
+        grid = make_grid(world, pp, placement, tp_size=tp)
+        dp = grid.dp_size
+        assert dp * pp * tp == world
+        coords = [grid.coordinates(r) for r in range(world)]
+        assert sorted(coords) == [
+            (p, d, t) for p in range(pp) for d in range(dp) for t in range(tp)
+        ]
+        assert all(grid.rank_of(*c) == r for r, c in enumerate(coords))
+        for groups, axis in ((grid.pp_groups, 0), (grid.dp_groups, 1), (grid.tp_groups, 2)):
+            assert sorted(r for g in groups for r in g) == list(range(world))
+            for group in groups:  # one group: the other coordinates fixed, this one 0..n-1
+                seen = [grid.coordinates(r) for r in group]
+                assert [c[axis] for c in seen] == list(range(len(group)))
+                assert len({c[:axis] + c[axis + 1 :] for c in seen}) == 1
+        mesh = grid.mesh()
+        assert all(
+            mesh[p][d][t] == grid.rank_of(p, d, t)
+            for p in range(pp)
+            for d in range(dp)
+            for t in range(tp)
+        )
+        inner = {"P": grid.pp_groups, "D": grid.dp_groups, "T": grid.tp_groups}[grid.order[-1]]
+        for group in inner:
+            assert group == list(range(group[0], group[0] + len(group)))
+
+
+def test_named_placements_are_permutations():
+    for world, pp, tp in [(8, 2, 2), (16, 2, 2), (12, 2, 3)]:
+        for name, letters in (("cluster", "DPT"), ("spread", "PDT")):
+            named, spelled = make_grid(world, pp, name, tp), make_grid(world, pp, letters, tp)
+            assert named.order == letters
+            assert [named.coordinates(r) for r in range(world)] == [
+                spelled.coordinates(r) for r in range(world)
+            ]
+
+
+def test_smp_tables():
+    """SageMaker model parallelism's examples: 8 ranks, tp 2, pp 2, dp 2."""
+    dpt = make_grid(8, 2, "DPT", tp_size=2)
+    assert [dpt.coordinates(r) for r in range(8)] == [
+        (0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1), (0, 1, 0), (0, 1, 1), (1, 1, 0), (1, 1, 1)
+    ]  # fmt: skip
+    ptd = make_grid(8, 2, "PTD", tp_size=2)
+    assert [ptd.coordinates(r) for r in range(8)] == [
+        (0, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1), (1, 0, 0), (1, 1, 0), (1, 0, 1), (1, 1, 1)
+    ]  # fmt: skip
+    tpd = make_grid(4, 2, "TPD", tp_size=2)  # pp 2 x tp 2: the TP groups far apart
+    assert tpd.tp_groups == [[0, 2], [1, 3]] and tpd.pp_groups == [[0, 1], [2, 3]]
+    assert "grid 2 (pp) x 1 (dp) x 2 (tp), TPD" in str(tpd)
+    assert "pp_rank 1: 1,3" in str(tpd)
+    assert "cluster (DPT)" in str(make_grid(4, 2))
+
+
+@pytest.mark.parametrize("bad", ["DP", "DPTT", "dpt", "XYZ", "", "clustered", 3, None])
+def test_bad_placements_name_the_accepted_forms(bad):
+    from mpar.config import config_from_dict
+
+    with pytest.raises(ConfigError, match="'cluster', 'spread', or a permutation of the letters"):
+        make_grid(4, 2, bad)
+    with pytest.raises(ConfigError, match="placement_strategy"):
+        config_from_dict({"placement_strategy": bad})
