@@ -266,3 +266,124 @@ def test_meta_build_and_pretrained_weights_under_tp(tmp_path, world, extra):
         for key, value in weights.items():
             assert torch.equal(loaded[key], value), key
             assert torch.equal(written[key], value), key
+
+
+# ------------------------------------------------------------ sequence parallelism
+def _sp_config(tp: int, **extra):
+    return _config(tp, optimize="memory", **extra)
+
+
+@pytest.mark.parametrize(
+    ("pp", "optimizer"),
+    [
+        (1, "sgd"),
+        (2, "adamw"),
+        pytest.param(1, "adamw", marks=SLOW),
+        pytest.param(2, "sgd", marks=SLOW),
+    ],
+)
+def test_sequence_parallel(pp, optimizer):
+    """optimize 'memory': the residual stream between the blocks' split layers is split
+    along the sequence; norms' and rowwise biases' gradients are summed over TP."""
+    config = _sp_config(2, pipeline_parallel_degree=pp, microbatches=2 * pp)
+    results = run_distributed(
+        train_ranks, 2 * pp, args=(config, "tp_gpt", optimizer, STEPS), timeout=240
+    )
+    assert all(r["sequence_parallel"] for r in results)
+    _check(results, reference("tp_gpt", optimizer, STEPS))
+
+
+@pytest.mark.slow
+def test_sequence_parallel_tp2_dp2_zero3():
+    config = _sp_config(2, zero={"stage": 3}, microbatches=2)
+    results = run_distributed(
+        train_ranks, 4, args=(config, "tp_gpt", "adamw", STEPS, 0.05), timeout=300
+    )
+    assert all(r["sequence_parallel"] for r in results)
+    _check(results, reference("tp_gpt", "adamw", STEPS, clip=0.05))
+
+
+def _body_boundary(configs):
+    """One step of the TP GPT cut by hand after blocks.1, under each config: the float
+    tensors stage 0 hands to stage 1, and the activation bytes mpar counts."""
+    import mpar
+    from mpar.comm._types import Transfer
+    from mpar.runtime import _transfers
+    from tests.multiproc._pipeline_cases import MODELS, batch, loss_fn
+
+    sent: list[torch.Tensor] = []
+    leave = _transfers.Transfers.leave
+
+    def recording(self, label, payload):
+        if label.kind is Transfer.ACTIVATIONS:
+            sent.extend(t for t in payload if t.is_floating_point())
+        leave(self, label, payload)
+
+    _transfers.Transfers.leave = recording
+    out = []
+    for config in configs:
+        mpar.init(config)
+        net = MODELS["tp_gpt"]()
+        with mpar.partition(1):
+            net.blocks[2], net.blocks[3] = net.blocks[2], net.blocks[3]
+            net.ln_f, net.head = net.ln_f, net.head
+        model = mpar.DistributedModel(net)
+
+        @mpar.step
+        def train(m, x, y):
+            loss = loss_fn(m(x), y)
+            m.backward(loss)
+            return loss
+
+        sent.clear()
+        x, y = batch("tp_gpt", 0)
+        train(model, x, y)
+        shapes = sorted({tuple(t.shape) for t in sent})
+        report = mpar.memory_report()["cpu"]["activations"]
+        out.append((mpar.pp_rank(), shapes, sum(t.nbytes for t in sent), report))
+        mpar.shutdown()
+    return out
+
+
+def test_sequence_parallel_halves_the_stage_boundary():
+    """Stage boundaries carry 1/tp of the sequence (counted on what is sent), and the
+    activation bytes mpar counts (memory_report) shrink on every rank."""
+    common = {**_config(2, pipeline_parallel_degree=2), "auto_partition": False}
+    configs = [common, {**common, "optimize": "memory"}]
+    for (pp_rank, shapes, sent, acts), (_, sp_shapes, sp_sent, sp_acts) in run_distributed(
+        _body_boundary, 4, args=(configs,), timeout=240
+    ):
+        assert sp_acts < acts
+        if pp_rank == 0:  # 2 microbatches of 6 sequences of 8 tokens, 16 features
+            assert shapes == [(6, 8, 16)] and sp_shapes == [(6, 4, 16)]
+            assert 2 * sp_sent == sent == 2 * 6 * 8 * 16 * 4
+
+
+def _body_errors(config, length):
+    """The error a TP GPT step on sequences of ``length`` tokens raises."""
+    import mpar
+    from tests.multiproc._pipeline_cases import MODELS, batch, loss_fn
+
+    mpar.init(config)
+    model = mpar.DistributedModel(MODELS["tp_gpt"]())
+
+    @mpar.step
+    def train(m, x, y):
+        loss = loss_fn(m(x), y)
+        m.backward(loss)
+        return loss
+
+    x, y = batch("tp_gpt", 0)
+    try:
+        train(model, x[:, :length], y[:, :length])
+    except ValueError as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+@pytest.mark.parametrize("pp", [1, pytest.param(2, marks=SLOW)])
+def test_sequence_not_divisible_by_tp(pp):
+    config = _sp_config(2, pipeline_parallel_degree=pp, microbatches=2)
+    for error in run_distributed(_body_errors, 2 * pp, args=(config, 7), timeout=240):
+        assert error is not None and error[0] == "SequenceParallelError", error
+        assert "length 7 is not divisible by 2" in error[1] and "blocks.0" in error[1]
