@@ -146,7 +146,14 @@ def train_family(family: str, steps: int) -> dict[str, Any]:
             )
         ]
     devices = sorted({p.device.type for p in model.local_parameters()})
-    return {"losses": losses, "state": state, "plan_param_counts": counts, "param_devices": devices}
+    layout = model.tp_layout
+    return {
+        "losses": losses,
+        "state": state,
+        "plan_param_counts": counts,
+        "param_devices": devices,
+        "sequence_parallel": layout is not None and layout.sequence is not None,
+    }
 
 
 def train_ranks(families: list[str], config: dict[str, Any], steps: int) -> dict[str, Any]:
