@@ -294,6 +294,23 @@ def test_sequence_parallel(pp, optimizer):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"pipeline": "zero_bubble"},
+        {"pipeline": "interleaved", "virtual_stages": 2},
+        {"activation_checkpointing": True},
+    ],
+    ids=["zero_bubble", "virtual", "checkpointing"],
+)
+def test_sequence_parallel_schedules(extra):
+    config = _sp_config(2, pipeline_parallel_degree=2, microbatches=4, **extra)
+    results = run_distributed(train_ranks, 4, args=(config, "tp_gpt", "sgd", STEPS), timeout=300)
+    assert all(r["sequence_parallel"] for r in results)
+    _check(results, reference("tp_gpt", "sgd", STEPS))
+
+
+@pytest.mark.slow
 def test_sequence_parallel_tp2_dp2_zero3():
     config = _sp_config(2, zero={"stage": 3}, microbatches=2)
     results = run_distributed(
