@@ -311,6 +311,18 @@ def test_sequence_parallel_schedules(extra):
 
 
 @pytest.mark.slow
+def test_sequence_parallel_bf16():
+    config = _sp_config(2, bf16=True, pipeline_parallel_degree=2, microbatches=4)
+    results = run_distributed(train_ranks, 4, args=(config, "tp_gpt", "sgd", STEPS), timeout=300)
+    ref = reference("tp_gpt", "sgd", STEPS)
+    for r in results:  # bf16 compute, as test_tp2_bf16
+        assert r["sequence_parallel"]
+        assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=2e-2, atol=2e-2)
+        for key, value in ref["state"].items():
+            assert_close(r["state"][key], value, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.slow
 def test_sequence_parallel_tp2_dp2_zero3():
     config = _sp_config(2, zero={"stage": 3}, microbatches=2)
     results = run_distributed(
