@@ -69,13 +69,15 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.ln_2(x)))
 
     def _forward_separate(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
+        # Heads and sequence length come from the projections' outputs, never from ``x``:
+        # tensor parallelism splits the heads and sequence parallelism the sequence of x.
         h = self.ln_1(x)
         q, k, v = (
-            lin(h).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v)
+            lin(h).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+            for lin in (self.q, self.k, self.v)
         )
         att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.drop(self.proj(att.transpose(1, 2).reshape(b, t, -1)))
+        x = x + self.drop(self.proj(att.transpose(1, 2).flatten(2)))
         return x + self.drop(self.mlp(self.ln_2(x)))
 
 

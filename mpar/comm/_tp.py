@@ -2,25 +2,29 @@
 
 mpar's pipeline stages are graphs captured with ``torch.export`` and run eagerly,
 so the module hooks that torch's DTensor styles install have no module left to
-fire on, and an autograd function's backward is lost in capture. The four
+fire on, and an autograd function's backward is lost in capture. The
 operators a tensor-parallel layer needs are therefore ``torch.library`` custom
-operators with registered backward formulas (Megatron-LM's *f* and *g*, and the
-gather / split pair). Capture keeps each as one node; running the stage runs
-the operator and autograd uses its formula:
+operators with registered backward formulas (Megatron-LM's *f* and *g*, the
+gather / split pair, and sequence parallelism's reduce-scatter). Capture keeps
+each as one node; running the stage runs the operator and autograd uses its
+formula:
 
-==================  ==============================  =============================
-operator            forward                         backward
-==================  ==============================  =============================
-``tp_copy``         identity                        sum over the TP group
-``tp_reduce``       sum over the TP group           identity
-``tp_gather(d)``    concatenate the group's pieces  this rank's piece
-                    along dim ``d``
-``tp_split(d)``     this rank's piece along ``d``   concatenate along ``d``
-==================  ==============================  =============================
+=========================  ==============================  ========================
+operator                   forward                         backward
+=========================  ==============================  ========================
+``tp_copy``                identity                        sum over the TP group
+``tp_reduce``              sum over the TP group           identity
+``tp_gather(d)``           concatenate the group's pieces  this rank's piece
+                           along dim ``d``
+``tp_split(d)``            this rank's piece along ``d``   concatenate along ``d``
+``tp_reduce_scatter(d)``   sum over the TP group, then     concatenate along ``d``
+                           this rank's piece along ``d``
+=========================  ==============================  ========================
 
 The communication runs on the TP process group of the grid (its ``DeviceMesh``'s
 ``"tp"`` dimension): an all-reduce, or an all-gather; a rank stuck in one shows in
-the hang report like any other collective. (Wrapping the
+the hang report like any other collective (the reduce-scatter is an all-reduce
+and a slice on gloo, as ZeRO's is). (Wrapping the
 pieces as DTensors and redistributing them was tried: inside an operator's
 implementation torch 2.9's DTensor dispatch fails on ``detach_``, and the
 collectives are the same.)
@@ -38,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from mpar.comm._progress import Waiting
+from mpar.comm._shard_comm import reduce_scatter_flat
 from mpar.comm._types import ProcessGroup
 
 __all__ = [
@@ -47,6 +52,7 @@ __all__ = [
     "tp_copy",
     "tp_gather",
     "tp_reduce",
+    "tp_reduce_scatter",
     "tp_split",
     "vocab_parallel_ce",
 ]
@@ -110,6 +116,15 @@ def _piece(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:
     return x.chunk(g.size, dim=dim)[g.rank].clone()
 
 
+def _sum_piece(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:
+    g = _group(key)
+    dim = dim % x.dim()
+    whole = x.detach().movedim(dim, 0).clone(memory_format=torch.contiguous_format)
+    piece = whole.new_empty((whole.shape[0] // g.size, *whole.shape[1:]))
+    reduce_scatter_flat(piece.view(-1), whole.view(-1), group=g.group, size=g.size)
+    return piece.movedim(0, dim).contiguous()
+
+
 def _gathered_shape(x: torch.Tensor, dim: int, key: str) -> list[int]:
     shape = list(x.shape)
     shape[dim] = shape[dim] * _group(key).size
@@ -146,6 +161,13 @@ def tp_split(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     return _piece(x, dim, group)
 
 
+@torch.library.custom_op("mpar::tp_reduce_scatter", mutates_args=())
+def tp_reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    """The sum over the TP group, this rank's piece of it along ``dim`` (a rowwise
+    layer's output under sequence parallelism); backward: the pieces concatenated."""
+    return _sum_piece(x, dim, group)
+
+
 @tp_copy.register_fake
 def _(x: torch.Tensor, group: str) -> torch.Tensor:
     return torch.empty_like(x)
@@ -162,6 +184,11 @@ def _(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
 
 
 @tp_split.register_fake
+def _(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    return x.new_empty(_split_shape(x, dim % x.dim(), group))
+
+
+@tp_reduce_scatter.register_fake
 def _(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     return x.new_empty(_split_shape(x, dim % x.dim(), group))
 
@@ -274,3 +301,4 @@ def _ce_backward(ctx: Any, grad_loss: torch.Tensor, _grad_softmax: torch.Tensor)
 
 
 vocab_parallel_ce.register_autograd(_ce_backward, setup_context=_ce_setup)
+tp_reduce_scatter.register_autograd(_split_backward, setup_context=_setup)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from mpar._compat import Dim, ExportedProgram, ShapesCollection, export, pytree
-from mpar.errors import PartitionError
+from mpar.errors import MparError, PartitionError
 
 __all__ = ["capture"]
 
@@ -89,6 +89,8 @@ def capture(
         ex_args, ex_kwargs, dynamic = _dynamic_inputs(module, args, kwargs, dynamic_axes)
         with _mode(module, training):
             return export(module, ex_args, ex_kwargs, dynamic_shapes=dynamic, strict=False)
+    except MparError:
+        raise  # mpar's own (a sequence not divisible by tp, say) names its cause already
     except Exception as exc:  # torch.export raises many types; report them all the same way
         text = str(exc).strip()
         first = text.splitlines()[0] if text else type(exc).__name__

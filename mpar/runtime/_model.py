@@ -395,13 +395,15 @@ class DistributedModel:
 
 def _tp_layout(module: nn.Module, grid: ProcessGrid, config: Config) -> TPLayout | None:
     """The checked tensor-parallel layout of ``module`` (raises before any step when the
-    plan cannot apply), or None without tensor parallelism."""
+    plan cannot apply), or None without tensor parallelism; with sequence parallelism
+    where ``sequence_parallel_on``."""
     if grid.tp_size == 1:
         return None
-    from mpar.tensor_parallel import plan_layout, resolve_plan
+    from mpar.tensor_parallel import plan_layout, resolve_plan, sequence_parallel_on
 
     plan, source = resolve_plan(module, config.tp_plan)
-    return plan_layout(module, plan, grid.tp_size, source)
+    sequence = sequence_parallel_on(plan, config.optimize)
+    return plan_layout(module, plan, grid.tp_size, source, sequence_parallel=sequence)
 
 
 def _tensor_aliases(module: nn.Module) -> dict[str, list[str]]:

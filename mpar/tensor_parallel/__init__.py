@@ -1,6 +1,7 @@
 """Tensor parallelism: plans (which module is split how) and applying them to a model.
 
-See ``docs/tensor_parallel.md``. The collectives are operators in ``mpar.comm._tp``.
+See ``docs/tensor_parallel.md``. The collectives are operators in ``mpar.comm._tp``;
+sequence parallelism (``optimize: "memory"``) is in ``_sequence``.
 """
 
 from mpar.tensor_parallel._apply import HEAD_ATTRS, TPLayout, TPShard, apply_layout, plan_layout
@@ -14,11 +15,18 @@ from mpar.tensor_parallel._plan import (
     parse_style,
     resolve_plan,
 )
+from mpar.tensor_parallel._sequence import (
+    SequenceLayout,
+    SequenceParallelError,
+    sequence_parallel_on,
+)
 
 __all__ = [
     "FAMILY_PLANS",
     "HEAD_ATTRS",
     "STYLES",
+    "SequenceLayout",
+    "SequenceParallelError",
     "Style",
     "TPLayout",
     "TPPlanError",
@@ -29,4 +37,5 @@ __all__ = [
     "plan_layout",
     "resolve_plan",
     "vocab_parallel_cross_entropy",
+    "sequence_parallel_on",
 ]

@@ -29,7 +29,10 @@ count from the tensor (``view(b, t, -1, head_dim)``, as Hugging Face's models do
 needs nothing else.
 
 Replicated parameters (norms, embeddings left whole, rowwise biases) see the same
-inputs on every TP rank, so their gradients agree without communication.
+inputs on every TP rank, so their gradients agree without communication. With
+sequence parallelism (:mod:`mpar.tensor_parallel._sequence`) a rowwise module inside a
+block reduce-scatters its output along the sequence instead (``tp_reduce_scatter``),
+and the parameters between the split layers have their gradients summed over TP.
 """
 
 from __future__ import annotations
@@ -42,8 +45,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpar.comm._tp import tp_copy, tp_gather, tp_reduce, tp_split
+from mpar.comm._tp import tp_copy, tp_gather, tp_reduce, tp_reduce_scatter, tp_split
 from mpar.tensor_parallel._plan import Style, TPPlanError, match_plan
+from mpar.tensor_parallel._sequence import (
+    SequenceLayout,
+    apply_sequence,
+    check_stream,
+    plan_sequence,
+)
 
 __all__ = ["HEAD_ATTRS", "TPLayout", "TPShard", "apply_layout", "plan_layout"]
 
@@ -118,6 +127,8 @@ class TPLayout:
     """Parameter name (the original model's) -> its split; absent: replicated."""
     source: str = ""
     """Where the plan came from (for messages)."""
+    sequence: SequenceLayout | None = None
+    """Where sequence parallelism splits the sequence (None: it is off)."""
 
 
 def _weight_dims(module: nn.Module, style: Style) -> tuple[int, int | None]:
@@ -148,9 +159,17 @@ def _check_divisible(what: str, value: int, tp: int, hint: str) -> None:
         )
 
 
-def plan_layout(module: nn.Module, plan: dict[str, Style], tp: int, source: str) -> TPLayout:
-    """Check ``plan`` against ``module`` for TP degree ``tp``; raises :class:`TPPlanError`
-    naming the module and the numbers when it cannot be applied."""
+def plan_layout(
+    module: nn.Module,
+    plan: dict[str, Style],
+    tp: int,
+    source: str,
+    *,
+    sequence_parallel: bool = False,
+) -> TPLayout:
+    """Check ``plan`` against ``module`` for TP degree ``tp`` (with sequence parallelism
+    if ``sequence_parallel``); raises :class:`TPPlanError` naming the module and the
+    numbers when it cannot be applied."""
     styles = match_plan(module, plan)
     if not styles:
         raise TPPlanError(
@@ -190,6 +209,8 @@ def plan_layout(module: nn.Module, plan: dict[str, Style], tp: int, source: str)
             if shard is not None and seen is None:
                 layout.shards[full] = shard
     _check_heads(module, styles, tp)
+    if sequence_parallel:
+        layout.sequence = plan_sequence(module, styles, set(layout.shards), tp)
     return layout
 
 
@@ -263,24 +284,37 @@ def _conv1d_colwise(style: Style, group: str) -> Any:
     return forward
 
 
-def _linear_rowwise(style: Style, group: str) -> Any:
+def _rowwise_sum(
+    partial: torch.Tensor, bias: torch.Tensor | None, scatter: str | None, group: str
+) -> torch.Tensor:
+    """A rowwise layer's output from its partial product: summed over TP (or, for the
+    module named ``scatter`` under sequence parallelism, reduce-scattered along the
+    sequence, the bias's gradient summed over TP), then the bias added."""
+    if scatter is None:
+        out = tp_reduce(partial, group)
+    else:
+        out = tp_reduce_scatter(check_stream(partial, f"the output of {scatter}", 1), 1, group)
+        bias = None if bias is None else tp_copy(bias, group)
+    return out if bias is None else out + bias
+
+
+def _linear_rowwise(style: Style, group: str, scatter: str | None) -> Any:
     def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if style.split_input:
             x = tp_split(x, -1, group)
-        out = tp_reduce(F.linear(x, self.weight), group)
-        return out if self.bias is None else out + self.bias
+        return _rowwise_sum(F.linear(x, self.weight), self.bias, scatter, group)
 
     return forward
 
 
-def _conv1d_rowwise(style: Style, group: str) -> Any:
+def _conv1d_rowwise(style: Style, group: str, scatter: str | None) -> Any:
     def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
         if style.split_input:
             x = tp_split(x, -1, group)
         weight: torch.Tensor = self.weight
         shape = (*x.shape[:-1], weight.shape[1])
-        out = tp_reduce(torch.mm(x.reshape(-1, x.size(-1)), weight).view(shape), group)
-        return out + self.bias
+        partial = torch.mm(x.reshape(-1, x.size(-1)), weight).view(shape)
+        return _rowwise_sum(partial, self.bias, scatter, group)
 
     return forward
 
@@ -307,13 +341,15 @@ def _embedding_rowwise(rank: int, group: str) -> Any:
     return forward
 
 
-def _new_forward(module: nn.Module, style: Style, rank: int, group: str) -> Any:
+def _new_forward(
+    module: nn.Module, style: Style, rank: int, group: str, scatter: str | None
+) -> Any:
     if isinstance(module, nn.Embedding):
         return _embedding_rowwise(rank, group) if style.kind == "embedding_rowwise" else None
     conv1d = not isinstance(module, nn.Linear)
     if style.kind == "colwise":
         return (_conv1d_colwise if conv1d else _linear_colwise)(style, group)
-    return (_conv1d_rowwise if conv1d else _linear_rowwise)(style, group)
+    return (_conv1d_rowwise if conv1d else _linear_rowwise)(style, group, scatter)
 
 
 def apply_layout(module: nn.Module, layout: TPLayout, rank: int, group: str) -> None:
@@ -321,10 +357,14 @@ def apply_layout(module: nn.Module, layout: TPLayout, rank: int, group: str) -> 
     params = dict(module.named_parameters())
     for name, shard in layout.shards.items():
         _local_param(params[name], shard, rank)
+    sequence = layout.sequence
     for name, style in layout.modules.items():
         mod = module.get_submodule(name)
-        forward = _new_forward(mod, style, rank, group)
+        scatter = name if sequence is not None and name in sequence.scattered else None
+        forward = _new_forward(mod, style, rank, group, scatter)
         if forward is not None:
             mod.forward = types.MethodType(forward, mod)
     for _, mod, attr, value in _head_counts(module, layout.modules):
         setattr(mod, attr, value // layout.size)
+    if sequence is not None:
+        apply_sequence(module, sequence, layout.size, group)

@@ -42,7 +42,9 @@ class Style:
 
     kind: str
     """``"colwise"`` (output features split), ``"rowwise"`` (input features split),
-    ``"embedding_rowwise"`` (vocabulary split) or ``"replicate"``."""
+    ``"embedding_rowwise"`` (vocabulary split), ``"replicate"``, or
+    ``"sequence_parallel"`` (nothing split; the entry turns sequence parallelism on,
+    see ``mpar.tensor_parallel._sequence``)."""
     gather_output: bool = False
     """colwise: all-gather the output pieces (the next module needs the whole output)."""
     split_input: bool = False
@@ -60,6 +62,7 @@ STYLES: dict[str, Style] = {
     "embedding_rowwise": Style("embedding_rowwise"),
     "packed_colwise": Style("colwise", packs=2),
     "replicate": Style("replicate"),
+    "sequence_parallel": Style("sequence_parallel"),
 }
 """The style names a plan may use; ``"packed_colwise:k"`` packs ``k`` blocks."""
 
@@ -78,7 +81,7 @@ def parse_style(name: Any, where: str) -> Style:
     if count or base not in STYLES:
         raise TPPlanError(
             f"{where}: unknown tensor-parallel style {name!r}; use one of "
-            f"{sorted(STYLES)} or 'packed_colwise:k' (sequence_parallel is not supported yet)"
+            f"{sorted(STYLES)} or 'packed_colwise:k'"
         )
     return STYLES[base]
 
@@ -170,14 +173,14 @@ def _matches(pattern: str, name: str) -> bool:
 
 def match_plan(module: nn.Module, plan: Mapping[str, Style]) -> dict[str, Style]:
     """Module name -> style, for every module of ``module`` some pattern matches
-    (``"replicate"`` entries left out)."""
+    (``"replicate"`` and ``"sequence_parallel"`` entries left out: neither splits)."""
     found: dict[str, Style] = {}
     for name, _ in module.named_modules():
         if not name:
             continue
         for pattern, style in plan.items():
             if _matches(pattern, name):
-                if style.kind != "replicate":
+                if style.kind not in ("replicate", "sequence_parallel"):
                     found[name] = style
                 break
     return found

@@ -144,12 +144,14 @@ def train_family(family: str, steps: int) -> dict[str, Any]:
         counts = [sum(p.numel() for name, p in state.items() if name in whole)]
         expected = sum(p.numel() for p in whole.values())
     devices = sorted({p.device.type for p in model.local_parameters()})
+    layout = model.tp_layout
     return {
         "losses": losses,
         "state": state,
         "plan_param_counts": counts,
         "plan_param_expected": expected,
         "param_devices": devices,
+        "sequence_parallel": layout is not None and layout.sequence is not None,
     }
 
 

@@ -172,6 +172,7 @@ def train_ranks(
         "param_devices": sorted({p.device.type for p in dmodel.local_parameters()}),
         "tp": (mpar.tp_rank(), mpar.tp_size()),
         "tp_shards": {} if dmodel.tp_layout is None else dict(dmodel.tp_layout.shards),
+        "sequence_parallel": dmodel.tp_layout is not None and dmodel.tp_layout.sequence is not None,
         "param_bytes": sum(p.numel() * p.element_size() for p in dmodel.local_parameters()),
         "param_storage_bytes": _host_storage_bytes(dmodel.local_parameters()),
         "report_param_bytes": mpar.memory_report().get("cpu", {}).get("parameters"),

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from mpar.testing import run_distributed
+from mpar.testing import DistributedTestError, run_distributed
 from mpar.testing_models import GPT_TP_PLAN
 from tests.multiproc._pipeline_cases import MODELS, reference, train_ranks
 
@@ -341,3 +341,154 @@ def test_vocab_parallel_cross_entropy(extra):
         for step, whole in enumerate(ref["outputs"]):  # a step's outputs are TP rank 0's:
             first_half = whole.chunk(2, dim=-1)[0]  # its piece of the vocabulary
             assert_close(r["outputs"][step], first_half, **TOL)
+
+
+# ------------------------------------------------------------ sequence parallelism
+def _sp_config(tp: int, **extra):
+    return _config(tp, optimize="memory", **extra)
+
+
+@pytest.mark.parametrize(
+    ("pp", "optimizer"),
+    [
+        (1, "sgd"),
+        (2, "adamw"),
+        pytest.param(1, "adamw", marks=SLOW),
+        pytest.param(2, "sgd", marks=SLOW),
+    ],
+)
+def test_sequence_parallel(pp, optimizer):
+    """optimize 'memory': the residual stream between the blocks' split layers is split
+    along the sequence; norms' and rowwise biases' gradients are summed over TP."""
+    config = _sp_config(2, pipeline_parallel_degree=pp, microbatches=2 * pp)
+    results = run_distributed(
+        train_ranks, 2 * pp, args=(config, "tp_gpt", optimizer, STEPS), timeout=240
+    )
+    assert all(r["sequence_parallel"] for r in results)
+    _check(results, reference("tp_gpt", optimizer, STEPS))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"pipeline": "zero_bubble"},
+        {"pipeline": "interleaved", "virtual_stages": 2},
+        {"activation_checkpointing": True},
+    ],
+    ids=["zero_bubble", "virtual", "checkpointing"],
+)
+def test_sequence_parallel_schedules(extra):
+    config = _sp_config(2, pipeline_parallel_degree=2, microbatches=4, **extra)
+    results = run_distributed(train_ranks, 4, args=(config, "tp_gpt", "sgd", STEPS), timeout=300)
+    assert all(r["sequence_parallel"] for r in results)
+    _check(results, reference("tp_gpt", "sgd", STEPS))
+
+
+@pytest.mark.slow
+def test_sequence_parallel_bf16():
+    config = _sp_config(2, bf16=True, pipeline_parallel_degree=2, microbatches=4)
+    results = run_distributed(train_ranks, 4, args=(config, "tp_gpt", "sgd", STEPS), timeout=300)
+    ref = reference("tp_gpt", "sgd", STEPS)
+    for r in results:  # bf16 compute, as test_tp2_bf16
+        assert r["sequence_parallel"]
+        assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=2e-2, atol=2e-2)
+        for key, value in ref["state"].items():
+            assert_close(r["state"][key], value, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.slow
+def test_sequence_parallel_tp2_dp2_zero3():
+    config = _sp_config(2, zero={"stage": 3}, microbatches=2)
+    results = run_distributed(
+        train_ranks, 4, args=(config, "tp_gpt", "adamw", STEPS, 0.05), timeout=300
+    )
+    assert all(r["sequence_parallel"] for r in results)
+    _check(results, reference("tp_gpt", "adamw", STEPS, clip=0.05))
+
+
+def _body_boundary(configs):
+    """One step of the TP GPT cut by hand after blocks.1, under each config: the float
+    tensors stage 0 hands to stage 1, and the activation bytes mpar counts."""
+    import mpar
+    from mpar.comm._types import Transfer
+    from mpar.runtime import _transfers
+    from tests.multiproc._pipeline_cases import MODELS, batch, loss_fn
+
+    sent: list[torch.Tensor] = []
+    leave = _transfers.Transfers.leave
+
+    def recording(self, label, payload):
+        if label.kind is Transfer.ACTIVATIONS:
+            sent.extend(t for t in payload if t.is_floating_point())
+        leave(self, label, payload)
+
+    _transfers.Transfers.leave = recording
+    out = []
+    for config in configs:
+        mpar.init(config)
+        net = MODELS["tp_gpt"]()
+        with mpar.partition(1):
+            net.blocks[2], net.blocks[3] = net.blocks[2], net.blocks[3]
+            net.ln_f, net.head = net.ln_f, net.head
+        model = mpar.DistributedModel(net)
+
+        @mpar.step
+        def train(m, x, y):
+            loss = loss_fn(m(x), y)
+            m.backward(loss)
+            return loss
+
+        sent.clear()
+        x, y = batch("tp_gpt", 0)
+        train(model, x, y)
+        shapes = sorted({tuple(t.shape) for t in sent})
+        report = mpar.memory_report()["cpu"]["activations"]
+        out.append((mpar.pp_rank(), shapes, sum(t.nbytes for t in sent), report))
+        mpar.shutdown()
+    return out
+
+
+def test_sequence_parallel_halves_the_stage_boundary():
+    """Stage boundaries carry 1/tp of the sequence (counted on what is sent), and the
+    activation bytes mpar counts (memory_report) shrink on every rank."""
+    common = {**_config(2, pipeline_parallel_degree=2), "auto_partition": False}
+    configs = [common, {**common, "optimize": "memory"}]
+    for (pp_rank, shapes, sent, acts), (_, sp_shapes, sp_sent, sp_acts) in run_distributed(
+        _body_boundary, 4, args=(configs,), timeout=240
+    ):
+        assert sp_acts < acts
+        if pp_rank == 0:  # 2 microbatches of 6 sequences of 8 tokens, 16 features
+            assert shapes == [(6, 8, 16)] and sp_shapes == [(6, 4, 16)]
+            assert 2 * sp_sent == sent == 2 * 6 * 8 * 16 * 4
+
+
+def _body_short_sequence(config):
+    """A TP GPT step on sequences of 7 tokens (fails: ranks fail fast, by design)."""
+    import mpar
+    from tests.multiproc._pipeline_cases import MODELS, batch, loss_fn
+
+    mpar.init(config)
+    model = mpar.DistributedModel(MODELS["tp_gpt"]())
+
+    @mpar.step
+    def train(m, x, y):
+        loss = loss_fn(m(x), y)
+        m.backward(loss)
+        return loss
+
+    x, y = batch("tp_gpt", 0)
+    train(model, x[:, :7], y[:, :7])
+
+
+@pytest.mark.parametrize("pp", [1, pytest.param(2, marks=SLOW)])
+def test_sequence_not_divisible_by_tp(pp):
+    """Refused at the first step (when the stage graphs are captured at pp > 1), naming
+    the block, the length and the degree."""
+    config = _sp_config(2, pipeline_parallel_degree=pp, microbatches=2)
+    with pytest.raises(
+        DistributedTestError,
+        match=r"SequenceParallelError: .* of the first input of blocks.0 over "
+        r"tensor_parallel_degree 2, but its length 7 is not divisible by 2",
+    ):
+        run_distributed(_body_short_sequence, 2 * pp, args=(config,), timeout=240)

@@ -9,12 +9,15 @@ from torch import nn
 from mpar.config import load_config
 from mpar.errors import ConfigError
 from mpar.tensor_parallel import (
+    SequenceParallelError,
     TPPlanError,
     TPShard,
+    apply_layout,
     match_plan,
     parse_style,
     plan_layout,
     resolve_plan,
+    sequence_parallel_on,
 )
 from mpar.testing_models import GPT_TP_PLAN, GPTConfig, TinyGPT
 
@@ -159,3 +162,84 @@ def test_full_runs_place_every_held_element(shard):
             placed = flat != 0
             assert torch.equal(flat[placed], whole.reshape(-1)[placed])
             assert int(placed.sum()) == stop - start - int((piece[start:stop] == 0).sum())
+
+
+# -- sequence parallelism -------------------------------------------------------------
+
+
+def test_sequence_parallel_layout_of_the_test_gpt():
+    model = _gpt()
+    plan, source = resolve_plan(model, GPT_TP_PLAN)
+    seq = plan_layout(model, plan, 2, source, sequence_parallel=True).sequence
+    assert seq is not None
+    assert seq.lists == [["blocks.0", "blocks.1"]]
+    # q/k/v sit in the block itself: each gathers; the MLP gathers once
+    assert seq.gathers == ["blocks.0.k", "blocks.0.mlp", "blocks.0.q", "blocks.0.v"] + [
+        "blocks.1.k",
+        "blocks.1.mlp",
+        "blocks.1.q",
+        "blocks.1.v",
+    ]
+    assert seq.scattered == {"blocks.0.proj", "blocks.0.mlp.2", "blocks.1.proj", "blocks.1.mlp.2"}
+    assert seq.summed["blocks.0.ln_1"] == ("weight", "bias")
+    assert "blocks.0.proj" not in seq.summed  # the rowwise forward sums its bias's gradient
+    assert plan_layout(model, plan, 2, source).sequence is None
+
+
+def test_sequence_parallel_style_is_accepted():
+    model = _gpt()
+    plan, _ = resolve_plan(model, {**GPT_TP_PLAN, "blocks.*.ln_1": "sequence_parallel"})
+    assert parse_style("sequence_parallel", "entry").kind == "sequence_parallel"
+    assert "blocks.0.ln_1" not in match_plan(model, plan)  # nothing split
+    assert sequence_parallel_on(plan, "speed")  # the entry turns it on, as optimize 'memory'
+    assert sequence_parallel_on(resolve_plan(model, GPT_TP_PLAN)[0], "memory")
+    assert not sequence_parallel_on(resolve_plan(model, GPT_TP_PLAN)[0], "speed")
+
+
+def test_sequence_parallel_needs_a_block_list():
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+    plan, source = resolve_plan(model, {"0": "colwise", "1": "rowwise"})
+    with pytest.raises(SequenceParallelError, match="no nn.ModuleList of blocks.*optimize 'speed'"):
+        plan_layout(model, plan, 2, source, sequence_parallel=True)
+
+
+def test_sequence_parallel_refuses_an_unsplit_attention():
+    model = _gpt()  # only the MLP planned: q, k, v whole would attend to 1/tp of the tokens
+    plan, source = resolve_plan(model, {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"})
+    with pytest.raises(SequenceParallelError, match=r"module blocks.0.q \(Linear\) in block"):
+        plan_layout(model, plan, 2, source, sequence_parallel=True)
+
+
+def test_sequence_length_not_divisible():
+    model = _gpt()
+    plan, source = resolve_plan(model, GPT_TP_PLAN)
+    layout = plan_layout(model, plan, 2, source, sequence_parallel=True)
+    apply_layout(model, layout, 0, "unregistered")  # the check comes before any collective
+    with pytest.raises(SequenceParallelError, match="length 7 is not divisible by 2"):
+        model(torch.zeros(1, 7, dtype=torch.long))
+
+
+def test_hf_models_sequence_parallel_layout():
+    transformers = pytest.importorskip("transformers")
+    llama = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=64,
+        )
+    )
+    plan, source = resolve_plan(llama, None)
+    seq = plan_layout(llama, plan, 2, source, sequence_parallel=True).sequence
+    assert seq.lists == [["model.layers.0", "model.layers.1"]]
+    assert seq.gathers[:2] == ["model.layers.0.mlp", "model.layers.0.self_attn"]
+    assert seq.summed["model.layers.0.input_layernorm"] == ("weight",)
+    t5 = transformers.T5ForConditionalGeneration(
+        transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2)
+    )
+    plan, source = resolve_plan(t5, None)
+    seq = plan_layout(t5, plan, 2, source, sequence_parallel=True).sequence
+    assert [blocks[0] for blocks in seq.lists] == ["encoder.block.0", "decoder.block.0"]
+    assert "decoder.block.0.layer.1.EncDecAttention" in seq.gathers
