@@ -351,8 +351,8 @@ def _sp_config(tp: int, **extra):
 @pytest.mark.parametrize(
     ("pp", "optimizer"),
     [
-        (1, "sgd"),
         (2, "adamw"),
+        pytest.param(1, "sgd", marks=SLOW),
         pytest.param(1, "adamw", marks=SLOW),
         pytest.param(2, "sgd", marks=SLOW),
     ],
