@@ -88,7 +88,7 @@ def _gather_pieces(
     range of every rank's shard, received straight into its places in ``output``."""
     n = shard.numel()
     step = max(1, GLOO_PIECE_BYTES // (shard.element_size() * size))
-    works = []
+    works: list[Work | None] = []
     for lo in range(0, n, step):
         hi = min(n, lo + step)
         places = [output[r * n + lo : r * n + hi] for r in range(size)]

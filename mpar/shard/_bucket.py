@@ -530,12 +530,13 @@ class BucketGrads:
                 "call zero_grad() after each optimizer step (gradient accumulation across "
                 "reductions needs ZeRO stage 1, 2 or 3)"
             )
+        own = self._grad_as_flat() if self.staging is None else None
         if self.staging is not None:
             flat, self.staging = self._fill_flat(self.staging), None
+        elif own is not None:
+            flat = own
         else:
-            flat = self._grad_as_flat()
-            if flat is None:
-                flat = self._fill_flat(self._flat_grad())
+            flat = self._fill_flat(self._flat_grad())
         for p in self.params:
             p.grad = None  # stage 0 points it into the reduced buffer when done
         group, size = self.comm.group, self.comm.size
