@@ -13,7 +13,9 @@ the unit submodules, or gates inserted into a traced stage's graph):
 * ``pre_forward(g)``: gather group ``g`` (waiting for a prefetch if one is in
   flight) and start gathering ``g + 1``;
 * ``post_forward(g)``: free ``g`` (``reshard_after_forward``);
-* ``pre_backward(g)``: gather ``g`` again, start ``g - 1``;
+* ``pre_backward(g)``: gather ``g`` again, start ``g - 1`` (a group whose backward
+  reads none of its parameters, an embedding lookup, is neither gathered nor
+  prefetched for it: its parameters get their shapes without memory);
 * ``post_backward(g)``: free ``g``, then (ZeRO 2 and 3) flatten the gradients
   autograd gave its parameters into one buffer and start its reduce-scatter.
 
