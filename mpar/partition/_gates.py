@@ -35,7 +35,7 @@ import torch
 from mpar._compat import fx
 from mpar.partition._graph import _node_unit_stage, is_symbolic
 
-__all__ = ["GATE_ATTR", "enter", "gate_graph", "leave", "mark", "owners"]
+__all__ = ["GATE_ATTR", "enter", "gate_graph", "leave", "mark", "owners", "unread_in_backward"]
 
 GATE_ATTR = "mpar_unit_gate"
 
@@ -119,6 +119,29 @@ def owners(graph: fx.Graph, groups: Sequence[Sequence[str]]) -> dict[str, int | 
         previous = out.get(target, -1)
         group = found.pop() if len(found) == 1 else None
         out[target] = group if previous in (-1, group) else None
+    return out
+
+
+_WEIGHT_UNREAD_IN_BACKWARD = (torch.ops.aten.embedding.default,)
+"""Ops whose gradient needs only the size of their first argument (the table):
+``embedding``'s backward reads the indices and the gradient, not the weight."""
+
+
+def unread_in_backward(graph: fx.Graph) -> set[str]:
+    """``get_attr`` targets that every reader takes as the table of an embedding
+    lookup, and nothing else: the backward never reads their values."""
+    out: set[str] = set()
+    for node in graph.nodes:
+        if node.op != "get_attr" or not node.users:
+            continue
+        if all(
+            user.op == "call_function"
+            and user.target in _WEIGHT_UNREAD_IN_BACKWARD
+            and user.args[0] is node
+            and node not in (*user.args[1:], *user.kwargs.values())
+            for user in node.users
+        ):
+            out.add(str(node.target))
     return out
 
 

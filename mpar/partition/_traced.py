@@ -147,6 +147,9 @@ class TracedStage(nn.Module):
         self.index = index
         self.programs: dict[bool, _Program] = {}
         self.unavailable: dict[bool, str] = {}
+        self.unread_in_backward: frozenset[int] = frozenset()
+        """``id`` of the parameters that only embedding lookups read, in every mode
+        (their gradient needs none of their values); set by :meth:`install_unit_gates`."""
         self._root = weakref.ref(root)
         self._root_training = root.training
         self.training = root.training
@@ -157,12 +160,16 @@ class TracedStage(nn.Module):
         """Regenerate every mode's code with unit gates (:mod:`mpar.partition._gates`)
         calling ``gate`` at the edges of ``groups`` (unit names per group, in
         execution order). Returns ``id(parameter) -> group`` for this stage's
-        parameters: the group that alone reads it in every mode, else None."""
-        from mpar.partition._gates import GATE_ATTR, gate_graph, owners
+        parameters: the group that alone reads it in every mode, else None.
+        Also sets :attr:`unread_in_backward`."""
+        from mpar.partition._gates import GATE_ATTR, gate_graph, owners, unread_in_backward
 
         found: dict[int, int | None] = {}
+        unread: set[int] | None = None
         for training, program in self.programs.items():
             assert program.graph is not None
+            ids = {id(_lookup(self, target)) for target in unread_in_backward(program.graph)}
+            unread = ids if unread is None else unread & ids
             for target, group in owners(program.graph, groups).items():
                 obj = _lookup(self, target)
                 if isinstance(obj, nn.Parameter):
@@ -173,6 +180,7 @@ class TracedStage(nn.Module):
         object.__setattr__(self, GATE_ATTR, gate)
         for p in self.parameters():
             found.setdefault(id(p), None)
+        self.unread_in_backward = frozenset(unread or ())
         return found
 
     def replace_calls(self, target: Any, replacement: Callable[..., Any]) -> int:

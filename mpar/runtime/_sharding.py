@@ -45,8 +45,10 @@ def make_sharded(
     groups = _unit_groups(stages, st, example)
     owners: dict[int, list[list[nn.Parameter]]] = {}
     connect: dict[int, Callable[[Gate], None]] = {}
+    unread: set[int] = set()
     for s, names in groups.items():
-        connect[s], owner = install_groups(stages.modules[s], names)
+        connect[s], owner, unread_here = install_groups(stages.modules[s], names)
+        unread |= unread_here
         elsewhere = _other_stages_parameters(s, stages)
         params: list[list[nn.Parameter]] = [[] for _ in names]
         for p in stages.modules[s].parameters():
@@ -67,6 +69,7 @@ def make_sharded(
         materialize=materialize,
         tp_size=stages.tp_size,
         tp_split=stages.tp_split,
+        unread_in_backward=unread,
     )
     for s, install in connect.items():
         install(sharded.unit_gather(s))

@@ -103,13 +103,29 @@ class ModuleGroupHooks:
         self.handles = []
 
 
+def _embedding_tables(modules: list[list[tuple[str, nn.Module]]]) -> set[int]:
+    """``id`` of the weights of the plain ``nn.Embedding`` units (no ``max_norm``,
+    which rewrites the table, and no subclass forward): their backward reads none
+    of their values."""
+    return {
+        id(m.weight)
+        for found in modules
+        for _, m in found
+        if isinstance(m, nn.Embedding)
+        and type(m).forward is nn.Embedding.forward
+        and m.max_norm is None
+    }
+
+
 def install_groups(
     stage: nn.Module, groups: list[list[str]]
-) -> tuple[Callable[[Gate], None], dict[int, int | None]]:
-    """Prepare ``stage`` for unit-group hooks; returns ``(installer, owner)``.
+) -> tuple[Callable[[Gate], None], dict[int, int | None], frozenset[int]]:
+    """Prepare ``stage`` for unit-group hooks; returns ``(installer, owner, unread)``.
 
     ``installer(gate)`` connects the hooks to ``gate`` once it exists;
-    ``owner`` maps ``id(param)`` to the group that alone uses it (or None).
+    ``owner`` maps ``id(param)`` to the group that alone uses it (or None);
+    ``unread`` holds the ``id`` of the parameters whose gradient needs none of
+    their values (embedding tables).
     """
     from mpar.partition._traced import TracedStage
 
@@ -119,7 +135,7 @@ def install_groups(
         def connect(gate: Gate) -> None:
             object.__setattr__(stage, GATE_ATTR, gate)
 
-        return connect, owner
+        return connect, owner, stage.unread_in_backward
     modules, owner = _module_groups(stage, groups)
     hooks = ModuleGroupHooks(modules)
-    return hooks.install, owner
+    return hooks.install, owner, frozenset(_embedding_tables(modules))

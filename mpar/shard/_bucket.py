@@ -157,6 +157,9 @@ class FlatBucket:
         """All ``P`` parameters (no memory while :attr:`residence` is ``SHARDED``)."""
         self.shard = self.full
         """This rank's ``S`` parameters (below ZeRO-3 a view of ``full``)."""
+        self._views: list[torch.Tensor] = []
+        """The parameters' views of ``full`` made by the last gather (see
+        :meth:`acquire_shapes`)."""
         self.master = self._make_master(self._init_storage())
         self.grads = BucketGrads(self)
 
@@ -229,8 +232,12 @@ class FlatBucket:
         return master
 
     def _bind_params(self) -> None:
-        for slot, p, shape in zip(self.spec.slots, self.params, self.shapes):
-            p.data = self.full[slot.offset : slot.offset + slot.numel].view(shape)
+        self._views = [
+            self.full[slot.offset : slot.offset + slot.numel].view(shape)
+            for slot, shape in zip(self.spec.slots, self.shapes)
+        ]
+        for p, view in zip(self.params, self._views):
+            p.data = view
 
     def _release_params(self) -> None:
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
@@ -270,6 +277,30 @@ class FlatBucket:
         if wait:
             self.wait_gathered()
 
+    def acquire_shapes(self, user: object) -> None:
+        """ZeRO-3: give the parameters their shapes but no memory, for ``user``'s
+        backward when it reads none of their values (an embedding lookup's gradient
+        needs only the indices): autograd then accumulates their gradients as for
+        gathered parameters, and nothing is gathered. Their values are undefined
+        until :meth:`release`; if another user gathers the bucket meanwhile, the
+        parameters are real again.
+
+        The shapes are the views of ``full`` from the bucket's last gather, kept
+        while its storage is freed (a view of freed storage cannot be made anew).
+        Never gathered (or on XLA, whose buffers are reallocated): a plain
+        :meth:`acquire`."""
+        views = self._views
+        if (
+            self.residence is not Residence.SHARDED
+            or not views
+            or _device.storage_key(views[0]) != _device.storage_key(self.full)
+        ):
+            self.acquire(user)
+            return
+        self.users.add(user)
+        for p, view in zip(self.params, views):
+            p.data = view
+
     def wait_gathered(self) -> None:
         """Wait for a gather started by ``acquire(..., wait=False)`` (no-op otherwise)."""
         work, self.gathering = self.gathering, None
@@ -280,7 +311,10 @@ class FlatBucket:
         """Drop ``stage``'s use (a stage index, or any key a caller acquired with);
         free the gathered copy when nothing uses it any more."""
         self.users.discard(stage)
-        if self.residence is not Residence.GATHERED or self.users:
+        if self.users or self.residence is Residence.REPLICATED:
+            return
+        if self.residence is Residence.SHARDED:  # the shapes of acquire_shapes, if any
+            self._release_params()
             return
         self.wait_gathered()  # never free a buffer a collective is still writing
         if _device.can_free_storage(self.device):
@@ -496,8 +530,11 @@ class BucketGrads:
                 "call zero_grad() after each optimizer step (gradient accumulation across "
                 "reductions needs ZeRO stage 1, 2 or 3)"
             )
+        own = self._grad_as_flat() if self.staging is None else None
         if self.staging is not None:
             flat, self.staging = self._fill_flat(self.staging), None
+        elif own is not None:
+            flat = own
         else:
             flat = self._fill_flat(self._flat_grad())
         for p in self.params:
@@ -506,10 +543,37 @@ class BucketGrads:
         if self.zero_stage == 0:
             work = all_reduce_flat(flat, group=group, size=size, async_op=True)
             self.pending = _Reduction(work, flat, flat)
+        elif self.grad_shard is not None and self.tied_group is None:
+            # the sum lands in the reduced shard: no shard-sized buffer in between
+            # (tied copies are summed over their group per reduction, so not those)
+            out = self.grad_shard
+            work = reduce_scatter_flat(
+                out, flat, group=group, size=size, async_op=True, accumulate=True
+            )
+            self.pending = _Reduction(work, out, flat)
         else:
             out = torch.empty(self.spec.shard_numel, dtype=self.dtype, device=self.device)
             work = reduce_scatter_flat(out, flat, group=group, size=size, async_op=True)
             self.pending = _Reduction(work, out, flat)
+
+    def _grad_as_flat(self) -> torch.Tensor | None:
+        """The only parameter's ``.grad`` itself as the buffer the reduce-scatter sends
+        (scratch), when it is exactly that buffer: a bucket of one unpadded parameter
+        whose gradient autograd allocated alone (a unit bucket of an embedding or LM
+        head, say). No copy, and no second buffer of the bucket's size. None otherwise."""
+        if self.zero_stage == 0 or len(self.params) != 1:
+            return None
+        grad = self.params[0].grad
+        if (
+            grad is None
+            or grad.numel() != self.spec.padded
+            or grad.dtype != self.dtype
+            or grad.device != self.device
+            or not grad.is_contiguous()
+            or grad.untyped_storage().nbytes() != grad.numel() * grad.element_size()
+        ):
+            return None
+        return grad.view(-1)
 
     def _flat_grad(self) -> torch.Tensor:
         """The buffer to flatten the gradients into (contents stale or uninitialised).
@@ -549,7 +613,7 @@ class BucketGrads:
                 p.grad = out[slot.offset : slot.offset + slot.numel].view(shape)
             reduced = out
         else:
-            if self.grad_shard is not None:
+            if self.grad_shard is not None and out is not self.grad_shard:
                 out = self.grad_shard.add_(out)
             self.grad_shard = out
             reduced = out

@@ -69,6 +69,10 @@ class ShardedStages:
     ``materialize`` (parameters on the meta device) is called on each parameter
     right before its bucket copies it in, so a stage of a meta-built model
     never exists whole on the rank (``mpar.build``).
+
+    ``unread_in_backward`` holds the ``id`` of parameters whose gradient needs
+    none of their values (an embedding lookup's weight): at ZeRO-3 a unit group
+    made only of such parameters is not gathered for its backward.
     """
 
     def __init__(
@@ -86,6 +90,7 @@ class ShardedStages:
         materialize: Callable[[torch.Tensor], None] | None = None,
         tp_size: int = 1,
         tp_split: Collection[int] = (),
+        unread_in_backward: Collection[int] = (),
     ) -> None:
         if not stages:
             raise ValueError("ShardedStages needs at least one stage module, got an empty dict")
@@ -112,6 +117,7 @@ class ShardedStages:
         self._group_counts = {s: len(groups) for s, groups in (units or {}).items()}
         self._materialize = materialize
         self._tp_split = frozenset(tp_split) if tp_size > 1 else None
+        self._unread = frozenset(unread_in_backward)
         self.buckets = self._make_buckets(owned)
         for bucket in self.buckets:  # the same on every TP rank: its norm counts once
             if self._tp_split is not None and id(bucket.params[0]) not in self._tp_split:
@@ -175,6 +181,10 @@ class ShardedStages:
                 reshard_after_forward=self.zero.reshard_after_forward,
                 on_gather=self._note_gathered,
                 on_grads=self._note_grads,
+                unread_in_backward=[
+                    all(id(p) in self._unread for b in buckets for p in b.params)
+                    for buckets in ordered
+                ],
             )
         return out
 

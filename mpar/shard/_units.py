@@ -13,7 +13,9 @@ the unit submodules, or gates inserted into a traced stage's graph):
 * ``pre_forward(g)``: gather group ``g`` (waiting for a prefetch if one is in
   flight) and start gathering ``g + 1``;
 * ``post_forward(g)``: free ``g`` (``reshard_after_forward``);
-* ``pre_backward(g)``: gather ``g`` again, start ``g - 1``;
+* ``pre_backward(g)``: gather ``g`` again, start ``g - 1`` (a group whose backward
+  reads none of its parameters, an embedding lookup, is neither gathered nor
+  prefetched for it: its parameters get their shapes without memory);
 * ``post_backward(g)``: free ``g``, then (ZeRO 2 and 3) flatten the gradients
   autograd gave its parameters into one buffer and start its reduce-scatter.
 
@@ -43,7 +45,7 @@ from mpar.shard._bucket import FlatBucket
 
 __all__ = ["UnitGather", "UnitGroup"]
 
-_FORWARD, _BACKWARD, _PREFETCH = "forward", "backward", "prefetch"
+_FORWARD, _BACKWARD, _PREFETCH, _SHAPES = "forward", "backward", "prefetch", "shapes"
 
 
 @dataclass
@@ -54,6 +56,10 @@ class UnitGroup:
     index: int
     buckets: list[FlatBucket]
     holds: set[str] = field(default_factory=set)
+    unread_in_backward: bool = False
+    """The group's backward reads none of its parameters (an embedding lookup):
+    ZeRO-3 gives them their shapes for it, not their values
+    (:meth:`~mpar.shard._bucket.FlatBucket.acquire_shapes`)."""
 
     @property
     def key(self) -> tuple[str, int, int]:
@@ -73,9 +79,12 @@ class UnitGather:
         reshard_after_forward: bool,
         on_gather: object = None,
         on_grads: object = None,
+        unread_in_backward: Sequence[bool] = (),
     ) -> None:
         self.stage = stage
         self.groups = [UnitGroup(stage, g, list(b)) for g, b in enumerate(groups)]
+        for group, unread in zip(self.groups, unread_in_backward):
+            group.unread_in_backward = unread and bool(group.buckets)
         self.gather = gather
         """ZeRO-3: gather and free the groups' parameters (else only reduce per group)."""
         self.reshard_after_forward = reshard_after_forward
@@ -89,7 +98,7 @@ class UnitGather:
 
     # ------------------------------------------------------------------ holds
     def _hold(self, group: UnitGroup, reason: str, *, wait: bool) -> None:
-        first = not group.holds
+        first = not group.holds - {_SHAPES}  # (shapes alone: nothing gathered)
         group.holds.add(reason)
         if not self.gather:
             return
@@ -110,10 +119,11 @@ class UnitGather:
 
     def _prefetch(self, g: int, step: int) -> None:
         """Start gathering the nearest group from ``g`` on (``step`` +1 or -1) that has
-        parameters: groups without any (an activation function) are skipped."""
+        parameters: groups without any (an activation function) are skipped, and so,
+        in a backward (``step`` -1), are groups whose backward reads none."""
         while self.gather and 0 <= g < len(self.groups):
             group = self.groups[g]
-            if group.buckets:
+            if group.buckets and not (step < 0 and group.unread_in_backward):
                 if not group.holds:
                     self._hold(group, _PREFETCH, wait=False)
                 return
@@ -139,13 +149,19 @@ class UnitGather:
         # exist: one unit's full-size gradients at a time, as FSDP2. (They started
         # when those groups' backward ended, right before this hook.)
         self._finish_reductions()
-        self._hold(self.groups[g], _BACKWARD, wait=True)
-        self.groups[g].holds.discard(_PREFETCH)
+        group = self.groups[g]
+        if self.gather and group.unread_in_backward and not group.holds:
+            group.holds.add(_SHAPES)  # shapes, no values: nothing gathered
+            for bucket in group.buckets:
+                bucket.acquire_shapes(group.key)
+        else:
+            self._hold(group, _BACKWARD, wait=True)
+        group.holds.discard(_PREFETCH)
         self._prefetch(g - 1, -1)
 
     def post_backward(self, g: int) -> None:
         group = self.groups[g]
-        self._drop(group, _BACKWARD, _FORWARD)  # free the parameters first, then
+        self._drop(group, _BACKWARD, _FORWARD, _SHAPES)  # free the parameters first, then
         self._reduce(group)  # flatten and reduce-scatter the gradients
 
     def _reduce(self, group: UnitGroup) -> None:
@@ -186,7 +202,7 @@ class UnitGather:
         reductions its hooks did not start."""
         for group in reversed(self.groups):
             if group.holds:
-                self._drop(group, _PREFETCH, _FORWARD, _BACKWARD)
+                self._drop(group, _PREFETCH, _FORWARD, _BACKWARD, _SHAPES)
             if any(
                 p.grad is not None for b in group.buckets if b.grads.unit_grads for p in b.params
             ):
@@ -197,7 +213,7 @@ class UnitGather:
         """The stage's RESHARD: nothing of it stays gathered."""
         for group in self.groups:
             if group.holds:
-                self._drop(group, _PREFETCH, _FORWARD, _BACKWARD)
+                self._drop(group, _PREFETCH, _FORWARD, _BACKWARD, _SHAPES)
 
     def gathered_groups(self) -> int:
-        return sum(1 for group in self.groups if group.holds)
+        return sum(1 for group in self.groups if group.holds - {_SHAPES})

@@ -226,3 +226,114 @@ def test_traced_stages_gather_by_unit_transparently():
             )
             for key, value in ref["state"].items():
                 torch.testing.assert_close(r[gather]["state"][key], value, rtol=1e-5, atol=1e-6)
+
+
+def _embedding_layouts():
+    """Untied TinyGPT at pp=1 (module hooks) and pp=2 (traced stages), ZeRO-3 by unit:
+    what each embedding table's bucket holds when autograd accumulates its gradient,
+    and what buffer the reduce-scatter of a one-parameter bucket sends."""
+    import torch
+
+    import mpar
+    from mpar.shard._bucket import Residence
+    from mpar.testing_models import GPTConfig, TinyGPT
+
+    cfg = GPTConfig(
+        vocab_size=64, d_model=32, num_heads=2, num_layers=4, max_seq_len=16, tie_embeddings=False
+    )
+    idx = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(3))
+    out = {}
+    for pp in (1, 2):
+        mpar.init({"pipeline_parallel_degree": pp, "microbatches": 2, "zero": {"stage": 3}})
+        torch.manual_seed(0)
+        model = mpar.DistributedModel(TinyGPT(cfg))
+        opt = mpar.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        tables: list[int] = []  # the flagged groups' sizes (elements)
+        held: list[tuple[Residence, int]] = []  # a table's bucket at its gradient's arrival
+        sent_grad: list[bool] = []  # a one-parameter bucket sent its .grad itself
+
+        def watch(m, tables=tables, held=held, sent_grad=sent_grad):
+            for units in m.sharded.units.values():
+                for group in units.groups:
+                    for bucket in group.buckets:
+                        if group.unread_in_backward:
+                            tables.append(bucket.spec.numel)
+                            bucket.params[0].register_post_accumulate_grad_hook(
+                                lambda _p, b=bucket: held.append(
+                                    (b.residence, b.full.untyped_storage().nbytes())
+                                )
+                            )
+                        if len(bucket.params) == 1 and bucket.grads.unit_grads:
+                            grads, start = bucket.grads, bucket.grads.start_reduce
+
+                            def start_reduce(grads=grads, start=start):
+                                before = grads.params[0].grad.data_ptr()
+                                start()
+                                sent_grad.append(grads.pending.flat.data_ptr() == before)
+
+                            grads.start_reduce = start_reduce
+
+        model.after_partition.append(watch)
+
+        @mpar.step
+        def step(m, x):
+            logits = m(x)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), x.reshape(-1))
+            m.backward(loss)
+            return loss
+
+        n = 8 // mpar.dp_size()
+        mine = idx[mpar.dp_rank() * n : (mpar.dp_rank() + 1) * n]
+        losses = []
+        for _ in range(2):
+            losses.append(step(model, mine).reduce_mean().item())
+            opt.step()
+            opt.zero_grad()
+        out[pp] = {
+            "losses": losses,
+            "tables": sorted(tables),
+            "held": held,
+            "sent_grad": sent_grad,
+            "stage": mpar.pp_rank(),
+            "state": {k: v.clone() for k, v in model.state_dict().items()},
+        }
+        mpar.shutdown()
+    torch.manual_seed(0)
+    ref = TinyGPT(cfg)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    losses = []
+    for _ in range(2):
+        loss = torch.nn.functional.cross_entropy(ref(idx).reshape(-1, 64), idx.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    out["reference"] = {"losses": losses, "state": ref.state_dict()}
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_embedding_tables_are_not_gathered_for_backward_and_reduce_without_a_copy():
+    """ZeRO-3 by unit: an embedding lookup's backward reads only the indices, so its
+    table is never gathered for it (the parameter has its shape, no memory, when the
+    gradient arrives), and a one-parameter bucket reduce-scatters the gradient autograd
+    allocated (no flat copy of it). Transparent with the single process."""
+    import torch
+
+    from mpar.shard._bucket import Residence
+
+    for r in run_distributed(_embedding_layouts, 4):
+        ref = r["reference"]
+        for pp in (1, 2):
+            got = r[pp]
+            if got["stage"] == 0:  # both tables (token and position) are on stage 0
+                assert got["tables"] == [16 * 32, 64 * 32]
+                # 2 tables x 2 microbatches x 2 steps, each seen ungathered
+                assert got["held"] == [(Residence.SHARDED, 0)] * 8
+            else:
+                assert got["tables"] == [] and got["held"] == []
+            # the tables (stage 0) or the LM head (last stage), every microbatch
+            assert len(got["sent_grad"]) >= 4 and all(got["sent_grad"])
+            torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]))
+            for key, value in ref["state"].items():
+                torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6)
