@@ -9,28 +9,37 @@ layer's weight gradient and computes them later):
 
 * :func:`defer_weight_gradients` routes every ``nn.Linear`` of a stage (and,
   in a traced stage, every ``aten.linear`` call of its graph on parameters)
-  through :class:`_DeferredLinear`, an autograd function with the same forward
-  and the same gradients. Its backward computes the input gradient; inside I it keeps
-  the layer's input and output gradient instead of computing the weight and
-  bias gradients, and outside I (a whole B, an unsplit schedule) it computes
-  them at once, exactly as ``nn.Linear`` would.
+  through :func:`deferred_linear`: ``F.linear`` on a detached alias of the
+  weight, so autograd's own (C++) node computes the input and bias gradients
+  and never the weight's, plus a pre-hook on that node which receives the
+  output gradient ``dy``: inside I it keeps ``(weight, x, dy)``; outside I (a
+  whole B, an unsplit schedule) it adds ``dy^T x`` to the weight's gradient at
+  once. Under saved-tensor hooks other than mpar's activation counting
+  (activation checkpointing, offloading) the layer's input must be saved
+  through the hooks, so there :class:`_DeferredLinear` (a Python autograd
+  function, the former way, which also defers the bias) does the same.
 * :func:`split_backward` runs I: one ordinary backward from the stage's
   outputs (or its loss) with the linear layers deferring. The stage's input
-  gradients, and every other parameter's gradient (embeddings, norms), come out
-  of it; the autograd graph is freed as usual. It returns W, which computes the
-  kept linear layers' gradients (``dy^T x`` and ``sum(dy)``, in the layer's
-  dtype) and accumulates them into ``.grad`` as autograd would: in place when a
-  gradient exists (a flat ZeRO bucket's view, or a previous microbatch's),
-  else as a new tensor.
+  gradients, and every other parameter's gradient (embeddings, norms, biases;
+  a weight shared with an embedding gets the embedding's share), come out of
+  it; the autograd graph is freed as usual. It returns W, which computes the
+  kept linear layers' gradients (``dy^T x``, and ``sum(dy)`` for the former
+  way's biases, in the layer's dtype) and accumulates them into ``.grad`` as
+  autograd would: in place when a gradient exists (a flat ZeRO bucket's view,
+  or a previous microbatch's; ``addmm_`` writes into it directly), else as a
+  new tensor.
 
-Together the two parts do the work of one ordinary backward, plus a Python
-autograd node per linear layer (about 20 microseconds each on the CPU). A stage
-whose inputs need no gradient (the first stage: token ids) has no I to compute,
-so W runs its whole backward; the executor does not defer the first stage's
-layers at all (nothing waits for its I), so that W is an ordinary backward. Activation checkpointing composes: the forward
-recomputed inside I goes through the same linear layers. The config key
-``split_backward: false`` (or ``MPAR_SPLIT_BACKWARD=0`` at init) runs the whole
-backward in I (W empty): an escape hatch, same gradients.
+Together the two parts do the work of one ordinary backward, plus a node
+pre-hook per linear layer (a few microseconds each on the CPU, registered in
+the forward and called in I; the Python autograd function cost about 20). A
+layer whose input is modified in place after the layer used it is an error at
+I, as autograd's own version check makes it. A stage whose inputs need no
+gradient (the first stage: token ids) has no I to compute, so W runs its whole
+backward; the executor does not defer the first stage's layers at all (nothing
+waits for its I), so that W is an ordinary backward. Activation checkpointing
+composes: the forward recomputed inside I goes through the same linear layers.
+The config key ``split_backward: false`` (or ``MPAR_SPLIT_BACKWARD=0`` at init)
+runs the whole backward in I (W empty): an escape hatch, same gradients.
 """
 
 from __future__ import annotations
