@@ -21,7 +21,7 @@ from mpar._compat import top_saved_tensors_hooks
 from mpar._tree import tree_leaves
 from mpar.comm._bootstrap import on_shutdown
 
-__all__ = ["ActivationMemory", "tensor_bytes"]
+__all__ = ["ActivationMemory", "counting_only", "tensor_bytes"]
 
 _SAVED_BYTES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[object, ...], int]] = (
     weakref.WeakKeyDictionary()
@@ -71,18 +71,27 @@ class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
 
     def __init__(self, excluded: set[int]) -> None:
         self.bytes = 0
-        seen: set[int] = set()
-        outer = _outer_saved_tensor_hooks()
+        self.seen: set[int] = set()
+        self.excluded = excluded
+        self.outer = _outer_saved_tensor_hooks()
+        super().__init__(self.pack, _identity if self.outer is None else self.outer[1])
 
-        def pack(t: torch.Tensor) -> object:
-            if not (isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)):
-                key = _device.storage_key(t)
-                if key not in seen and key not in excluded:
-                    seen.add(key)
-                    self.bytes += t.untyped_storage().nbytes()
-            return t if outer is None else outer[0](t)
+    def pack(self, t: torch.Tensor) -> object:
+        if not (isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)):
+            key = _device.storage_key(t)
+            if key not in self.seen and key not in self.excluded:
+                self.seen.add(key)
+                self.bytes += t.untyped_storage().nbytes()
+        return t if self.outer is None else self.outer[0](t)
 
-        super().__init__(pack, _identity if outer is None else outer[1])
+
+def counting_only(pack: Callable[[torch.Tensor], object]) -> bool:
+    """Whether ``pack`` (a ``saved_tensors_hooks`` pack hook active now) is
+    :class:`_SavedBytes`'s with no hooks around it: it counts bytes and keeps each
+    tensor as it is, so a layer may keep a tensor for backward itself (counted by
+    passing it to ``pack``) without defeating the hooks."""
+    owner = getattr(pack, "__self__", None)
+    return isinstance(owner, _SavedBytes) and owner.outer is None
 
 
 class ActivationMemory:

@@ -249,8 +249,12 @@ class StepRun:
         if self.training and st.config.split_backward:  # I/W: linear layers keep their W for later
             # not stage 0: no stage waits for its input gradients, so its I and W may as
             # well be one ordinary backward (in W), without the deferring layers' cost
-            for s in {a.stage for a in self.actions if a.kind is Kind.I} - {0}:
-                defer_weight_gradients(stages.modules[s])
+            # (nor a stage some of whose backwards are whole: a B would accumulate the
+            # deferred gradients outside autograd, after ZeRO's backward hooks)
+            kinds = {(a.kind, a.stage) for a in self.actions}
+            for s in {s for k, s in kinds if k is Kind.I} - {s for k, s in kinds if k is Kind.B}:
+                if s != 0:
+                    defer_weight_gradients(stages.modules[s])
 
     @property
     def peak_activation_bytes(self) -> int:

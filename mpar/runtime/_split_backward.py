@@ -9,32 +9,42 @@ layer's weight gradient and computes them later):
 
 * :func:`defer_weight_gradients` routes every ``nn.Linear`` of a stage (and,
   in a traced stage, every ``aten.linear`` call of its graph on parameters)
-  through :class:`_DeferredLinear`, an autograd function with the same forward
-  and the same gradients. Its backward computes the input gradient; inside I it keeps
-  the layer's input and output gradient instead of computing the weight and
-  bias gradients, and outside I (a whole B, an unsplit schedule) it computes
-  them at once, exactly as ``nn.Linear`` would.
+  through :func:`deferred_linear`: ``F.linear`` on a detached alias of the
+  weight, so autograd's own (C++) node computes the input and bias gradients
+  and never the weight's, plus a pre-hook on that node which receives the
+  output gradient ``dy``: inside I it keeps ``(weight, x, dy)``; outside I (a
+  whole B, an unsplit schedule) it adds ``dy^T x`` to the weight's gradient at
+  once. Under saved-tensor hooks other than mpar's activation counting
+  (activation checkpointing, offloading) the layer's input must be saved
+  through the hooks, so there :class:`_DeferredLinear` (a Python autograd
+  function, the former way, which also defers the bias) does the same.
 * :func:`split_backward` runs I: one ordinary backward from the stage's
   outputs (or its loss) with the linear layers deferring. The stage's input
-  gradients, and every other parameter's gradient (embeddings, norms), come out
-  of it; the autograd graph is freed as usual. It returns W, which computes the
-  kept linear layers' gradients (``dy^T x`` and ``sum(dy)``, in the layer's
-  dtype) and accumulates them into ``.grad`` as autograd would: in place when a
-  gradient exists (a flat ZeRO bucket's view, or a previous microbatch's),
-  else as a new tensor.
+  gradients, and every other parameter's gradient (embeddings, norms, biases;
+  a weight shared with an embedding gets the embedding's share), come out of
+  it; the autograd graph is freed as usual. It returns W, which computes the
+  kept linear layers' gradients (``dy^T x``, and ``sum(dy)`` for the former
+  way's biases, in the layer's dtype) and accumulates them into ``.grad`` as
+  autograd would: in place when a gradient exists (a flat ZeRO bucket's view,
+  or a previous microbatch's; ``addmm_`` writes into it directly), else as a
+  new tensor.
 
-Together the two parts do the work of one ordinary backward, plus a Python
-autograd node per linear layer (about 20 microseconds each on the CPU). A stage
-whose inputs need no gradient (the first stage: token ids) has no I to compute,
-so W runs its whole backward; the executor does not defer the first stage's
-layers at all (nothing waits for its I), so that W is an ordinary backward. Activation checkpointing composes: the forward
-recomputed inside I goes through the same linear layers. The config key
-``split_backward: false`` (or ``MPAR_SPLIT_BACKWARD=0`` at init) runs the whole
-backward in I (W empty): an escape hatch, same gradients.
+Together the two parts do the work of one ordinary backward, plus a node
+pre-hook per linear layer (a few microseconds each on the CPU, registered in
+the forward and called in I; the Python autograd function cost about 20). A
+layer whose input is modified in place after the layer used it is an error at
+I, as autograd's own version check makes it. A stage whose inputs need no
+gradient (the first stage: token ids) has no I to compute, so W runs its whole
+backward; the executor does not defer the first stage's layers at all (nothing
+waits for its I), so that W is an ordinary backward. Activation checkpointing
+composes: the forward recomputed inside I goes through the same linear layers.
+The config key ``split_backward: false`` (or ``MPAR_SPLIT_BACKWARD=0`` at init)
+runs the whole backward in I (W empty): an escape hatch, same gradients.
 """
 
 from __future__ import annotations
 
+import functools
 import types
 import weakref
 from collections.abc import Callable
@@ -44,8 +54,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mpar._compat import top_saved_tensors_hooks
 from mpar._tree import tree_leaves
 from mpar.comm._bootstrap import on_shutdown
+from mpar.runtime._activations import counting_only
 
 __all__ = [
     "defer_weight_gradients",
@@ -54,7 +66,7 @@ __all__ = [
 ]
 
 
-_Kept = tuple[nn.Parameter, "nn.Parameter | None", torch.Tensor, torch.Tensor]
+_Kept = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor, torch.Tensor]
 _KEEPING: list[list[_Kept]] = []
 on_shutdown(_KEEPING.clear)
 """The list the current I adds its linear layers' (weight, bias, input, output gradient)
@@ -106,12 +118,64 @@ def _weight_grads(
 def deferred_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``F.linear`` that defers its weight and bias gradients to W when they are
-    leaves (parameters; a weight computed from others keeps its usual backward)."""
-    leaves = weight.is_leaf and (bias is None or bias.is_leaf)
-    if leaves and torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):
+    """``F.linear`` that defers its weight gradient to W when the weight is a parameter
+    (a leaf that requires grad; a weight computed from others keeps its usual backward).
+
+    The usual way is ``F.linear`` on a detached alias of the weight, so autograd's own
+    node computes the input and bias gradients and never the weight's, and a hook on
+    the output's gradient node keeps ``(weight, x, dy)`` for W (or, outside an I,
+    accumulates ``dy^T x`` at once). Under saved-tensor hooks other than mpar's
+    activation counting (activation checkpointing, offloading) the layer's input must
+    go through the hooks, so :class:`_DeferredLinear` saves it instead.
+    """
+    if not (
+        weight.requires_grad
+        and weight.is_leaf
+        and (bias is None or bias.is_leaf)
+        and torch.is_grad_enabled()
+    ):
+        return F.linear(x, weight, bias)
+    hooks = top_saved_tensors_hooks()
+    if (hooks is not None and not counting_only(hooks[0])) or not (
+        x.requires_grad or (bias is not None and bias.requires_grad)
+    ):  # (an output that needs no gradient but the weight's has no node to hook)
         return _DeferredLinear.apply(x, weight, bias)
-    return F.linear(x, weight, bias)
+    y = F.linear(x, weight.detach(), bias)
+    if hooks is not None:
+        hooks[0](x)  # counted as autograd's own saves are: W keeps it
+    # the node that made the output (for a batched input, of the matrix y is a view
+    # of): its gradient is the output's as the layer returned it, even when y is
+    # modified in place later (which gives y a new node)
+    made = y if y._base is None else y._base
+    node = made.grad_fn
+    if node is None:  # cannot be: x or bias requires grad
+        raise RuntimeError("internal: a linear layer's output has no gradient node")
+    node.register_prehook(functools.partial(_keep, weight, x, x._version, made.output_nr))
+    return y
+
+
+def _keep(
+    weight: torch.Tensor,
+    x: torch.Tensor,
+    version: int,
+    index: int,
+    grads: tuple[torch.Tensor | None, ...],
+) -> None:
+    """The output gradient of a linear layer arrived (its node's pre-hook): keep it
+    for W inside an I, else accumulate the weight's gradient now."""
+    dy = grads[index]
+    if dy is None:
+        return
+    if x._version != version:
+        raise RuntimeError(
+            "a linear layer's input was modified by an in-place operation after the "
+            "layer used it; its weight gradient needs the original values: make the "
+            "operation out of place (or clone the input)"
+        )
+    if _KEEPING:
+        _KEEPING[-1].append((weight, None, x, dy))
+    else:
+        _weights([(weight, None, x, dy)])
 
 
 def _deferred_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -177,10 +241,16 @@ def _weights(kept: list[_Kept]) -> None:
         dy2 = dy.reshape(-1, dy.shape[-1])
         if weight.requires_grad:
             x2 = x.reshape(-1, x.shape[-1])
-            if weight.grad is None:
-                weight.grad = dy2.t().matmul(x2)
+            if x2.dtype != dy2.dtype:
+                x2 = x2.to(dy2.dtype)
+            grad = weight.grad
+            if grad is None:
+                dw = dy2.t().mm(x2)
+                weight.grad = dw if dw.dtype == weight.dtype else dw.to(weight.dtype)
+            elif grad.dtype == dy2.dtype:
+                grad.addmm_(dy2.t(), x2)
             else:
-                weight.grad.addmm_(dy2.t(), x2)
+                grad.add_(dy2.t().mm(x2))
         if bias is not None:
             if bias.grad is None:
                 bias.grad = dy2.sum(0)

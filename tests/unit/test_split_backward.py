@@ -3,7 +3,7 @@
 Each case builds a small stage, runs it twice from the same inputs: once with
 ``torch.autograd.backward`` (the oracle), once as I (``split_backward``) and
 then W. The input gradients must be there after I (and every gradient that is not a
-linear layer's: embeddings, norms), the linear layers' only after W, and all of
+linear layer's weight's: embeddings, norms, biases), the linear weights' only after W, and all of
 them after W must equal the oracle's, also when ``.grad`` already holds a value
 (accumulation over microbatches) or is a view into a flat buffer (ZeRO); then
 whole models cut into stages (TinyGPT by default, Hugging Face families with
@@ -101,13 +101,8 @@ def test_input_then_weights_equal_one_backward(make, grad_start):
             p.grad.copy_(start[n])
         offset += p.numel()
 
-    linear = {
-        f"{name}.{kind}"
-        for name, m in stage.named_modules()
-        if isinstance(m, nn.Linear)
-        for kind in ("weight", "bias")
-    }
-    assert defer_weight_gradients(stage) == len(linear) // 2
+    linear = {f"{name}.weight" for name, m in stage.named_modules() if isinstance(m, nn.Linear)}
+    assert defer_weight_gradients(stage) == len(linear)
     leaf = x.detach().requires_grad_()
     outs = stage(leaf)
     outs = list(outs) if isinstance(outs, tuple) else [outs]
@@ -170,6 +165,56 @@ def test_linear_layers_defer_only_inside_I():
         torch.testing.assert_close(got[name], grad, msg=name)
     with torch.no_grad():
         torch.testing.assert_close(stage(x), stage[2](stage[1](stage[0](x))))
+
+
+class InPlaceStage(nn.Module):
+    """A linear layer's output modified in place (``ReLU(inplace=True)``), a weight
+    shared with an embedding, and a linear layer on a constant without bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+        self.act = nn.ReLU(inplace=True)
+        self.out = nn.Linear(6, 4)
+        self.emb = nn.Embedding(6, 4)
+        self.emb.weight = nn.Parameter(torch.randn(6, 4))
+        self.tied = nn.Linear(4, 6, bias=False)
+        self.tied.weight = self.emb.weight  # one parameter: a linear layer's and an embedding's
+        self.const = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.lin(x))
+        h = h + self.tied(x) + self.emb(torch.arange(x.shape[1]) % 6)[..., :1]
+        return self.out(h) + self.const(torch.ones(x.shape[-1]))
+
+
+def test_in_place_outputs_tied_weights_and_constant_inputs():
+    torch.manual_seed(0)
+    stage = InPlaceStage()
+    x = torch.randn(2, 5, 4)
+    dy = [torch.randn(2, 5, 4)]
+    want_input, want = _oracle(stage, x, dy)
+    assert defer_weight_gradients(stage) == 4
+    stage.zero_grad(set_to_none=True)
+    leaf = x.detach().requires_grad_()
+    weights = split_backward([stage(leaf)], dy, (leaf,))
+    torch.testing.assert_close(leaf.grad, want_input)
+    assert stage.lin.weight.grad is None and stage.out.weight.grad is None
+    weights()
+    for name, p in stage.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], msg=name)
+
+
+def test_input_modified_in_place_after_the_layer_is_an_error():
+    """As autograd itself refuses: W would read the modified input."""
+    lin = nn.Linear(4, 4)
+    defer_weight_gradients(lin)
+    leaf = torch.randn(3, 4, requires_grad=True)
+    h = leaf * 2
+    out = lin(h)
+    h.add_(1)
+    with pytest.raises(RuntimeError, match="in-place"):
+        split_backward([out.sum()], None, (leaf,))
 
 
 # -- whole models cut into stages, in one process ----------------------------------
