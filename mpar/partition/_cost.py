@@ -73,20 +73,20 @@ class CostModel:
     low-precision kernels keep besides tensors (measured on the calibration grid; on
     CUDA give the whole figure with ``process_bytes``)."""
 
-    input_backward_fraction: float = 0.68
+    input_backward_fraction: float = 0.61
     """Under a split-backward schedule (``zero_bubble``, ``zbv``): a stage's I (input
     gradients) as a fraction of its unsplit backward. The first stage, whose inputs need
     no gradient, has no I: its whole backward is its W."""
-    weight_backward_fraction: float = 0.43
+    weight_backward_fraction: float = 0.42
     """Its W (the deferred weight gradients) as a fraction of the unsplit backward. The
-    two fractions sum above 1 by what the split itself costs (the deferred linear layers'
-    bookkeeping); measured on the CPU runtime, 4 transformer blocks and an LM head per
-    stage, microbatches of 8 x 32 tokens: I 11.2 ms and W 7.1 ms against a 16.4 ms
+    two fractions sum above 1 by what the split itself costs; measured on the CPU runtime
+    (``benchmarks/split_backward.py``: 4 transformer blocks, an LM head and the loss,
+    microbatches of 8 x 32 tokens, one thread): I 0.60-0.62 and W 0.41-0.42 of the
     backward."""
-    split_action_s: float = 150e-6
-    """Runtime seconds each action of a split backward adds whatever its size (one more
-    action per stage and microbatch, and the deferred layers' calls): what makes the
-    split pay less with small microbatches."""
+    split_action_s: float = 100e-6
+    """Runtime seconds the split adds per stage and microbatch whatever its size (one more
+    action, and a hook per deferred linear layer; about 0.1-0.2 ms on the CPU runtime):
+    what makes the split pay less with small microbatches."""
 
     def __post_init__(self) -> None:
         for name in ("host_bandwidth", "host_optimizer_rate", "mixed_speedup"):
