@@ -191,6 +191,16 @@ def _gpt_layouts():
             "state": {k: v.clone() for k, v in model.state_dict().items()},
         }
         mpar.shutdown()
+    out["reference"] = _reference(cfg, idx)
+    return out
+
+
+def _reference(cfg, idx):
+    """TinyGPT trained 2 SGD steps in one process on the whole batch (vocabulary 64)."""
+    import torch
+
+    from mpar.testing_models import TinyGPT
+
     torch.manual_seed(0)
     ref = TinyGPT(cfg)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -201,8 +211,7 @@ def _gpt_layouts():
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    out["reference"] = {"losses": losses, "state": ref.state_dict()}
-    return out
+    return {"losses": losses, "state": ref.state_dict()}
 
 
 @pytest.mark.timeout(300)
@@ -298,17 +307,7 @@ def _embedding_layouts():
             "state": {k: v.clone() for k, v in model.state_dict().items()},
         }
         mpar.shutdown()
-    torch.manual_seed(0)
-    ref = TinyGPT(cfg)
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    losses = []
-    for _ in range(2):
-        loss = torch.nn.functional.cross_entropy(ref(idx).reshape(-1, 64), idx.reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    out["reference"] = {"losses": losses, "state": ref.state_dict()}
+    out["reference"] = _reference(cfg, idx)
     return out
 
 
