@@ -191,11 +191,11 @@ def _gpt_layouts():
             "state": {k: v.clone() for k, v in model.state_dict().items()},
         }
         mpar.shutdown()
-    out["reference"] = _reference(cfg, idx)
+    out["reference"] = _tinygpt_reference(cfg, idx)
     return out
 
 
-def _reference(cfg, idx):
+def _tinygpt_reference(cfg, idx):
     """TinyGPT trained 2 SGD steps in one process on the whole batch (vocabulary 64)."""
     import torch
 
@@ -307,7 +307,7 @@ def _embedding_layouts():
             "state": {k: v.clone() for k, v in model.state_dict().items()},
         }
         mpar.shutdown()
-    out["reference"] = _reference(cfg, idx)
+    out["reference"] = _tinygpt_reference(cfg, idx)
     return out
 
 
