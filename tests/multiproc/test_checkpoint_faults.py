@@ -58,13 +58,29 @@ def _slow_writes(seconds):
     _dcp.BoundedWriter.write_data = slow
 
 
-def _save_repeatedly(root, delay, saves):
-    """Save ``saves`` times after ``delay`` s; count the saves refused because
-    another job was saving into the same root."""
+def _start_line(start_dir, name, processes=4, timeout=60.0):
+    """Wait until every process of both jobs has built its model, so that the
+    jobs' saves start ``delay`` apart whatever their start-up times were."""
+    import os
+    from pathlib import Path
+
+    start = Path(start_dir)
+    (start / f"{name}-{os.getpid()}").touch()
+    deadline = time.monotonic() + timeout
+    while len(list(start.iterdir())) < processes:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the other job never reached the start line in {start}")
+        time.sleep(0.01)
+
+
+def _save_repeatedly(root, start_dir, name, delay, saves):
+    """Save ``saves`` times ``delay`` s after both jobs are ready; count the saves
+    refused because another job was saving into the same root."""
     import mpar
 
     model, opt = _model_and_opt(ZERO1_DP2)
     _slow_writes(0.3)
+    _start_line(start_dir, name)
     time.sleep(delay)
     done, refused = 0, 0
     for _ in range(saves):
@@ -78,11 +94,15 @@ def _save_repeatedly(root, delay, saves):
     return done, refused
 
 
-def _two_jobs(root, delay):
+def _two_jobs(tmp_path, delay):
+    root, start_dir = tmp_path / "checkpoints", tmp_path / "start"
+    root.mkdir()
+    start_dir.mkdir()
     results = {}
 
     def job(name, wait):
-        results[name] = run_distributed(_save_repeatedly, 2, args=(root, wait, 3), timeout=120)
+        args = (str(root), str(start_dir), name, wait, 3)
+        results[name] = run_distributed(_save_repeatedly, 2, args=args, timeout=120)
 
     threads = [threading.Thread(target=job, args=(n, w)) for n, w in (("a", 0.0), ("b", delay))]
     for t in threads:
@@ -108,14 +128,14 @@ def _check_root(root):
 
 @pytest.mark.parametrize("delay", [0.0, 0.15, 0.4])
 def test_two_jobs_saving_into_one_root_never_commit_a_partial_checkpoint(tmp_path, delay):
-    results = _two_jobs(str(tmp_path), delay)
+    results = _two_jobs(tmp_path, delay)
     assert set(results) == {"a", "b"}, "a job failed (its traceback is above)"
     counts = [r[0] for r in results.values()]  # rank 0's (done, refused) of each job
     for job in results.values():
         assert job[0] == job[1], "both ranks of a job must see the same outcome"
     done = sum(c[0] for c in counts)
     assert sum(c[1] for c in counts) >= 1, "the saves never overlapped: the test tests nothing"
-    assert len(_check_root(tmp_path)) == done
+    assert len(_check_root(tmp_path / "checkpoints")) == done
 
 
 def _save_losing_a_file(root):
