@@ -178,6 +178,7 @@ def _cases(args: argparse.Namespace, spec: ModelSpec) -> list[tuple[Case, str]]:
     rows = [(*row, "uniform") for row in CASES]
     if args.auto:
         rows.insert(3, ("mpar", "interleaved", 1, "interleaved", "auto"))
+        rows.insert(4, ("mpar", "zero_bubble", 1, "zero_bubble", "auto"))
     cases = []
     for layout in args.layouts:
         pp, dp = (int(v) for v in layout.split("x"))

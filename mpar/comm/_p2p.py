@@ -30,7 +30,8 @@ in the same order, so they always agree on the next message's size.
 The steady state costs little on either side: the sender recognises a payload
 that is a plain tuple of tensors with the same shapes as last time without
 pickling its header, writes the control words straight into the message, and
-both ends keep the data section's offsets; messages go to the default process
+both ends keep the data section's offsets; a stream's messages of up to 1 MiB are
+written again once sent (a fresh buffer costs a page fault per page); messages go to the default process
 group's ``send``/``recv`` without ``torch.distributed``'s per-call checks.
 """
 
@@ -65,27 +66,53 @@ class _TensorSlot:
     requires_grad: bool
 
 
+_REUSE_BYTES = 1 << 20
+"""Messages up to this size are reused once sent: a fresh host buffer of a few hundred
+KiB costs a page fault per page when it is first written, more than packing into it."""
+_REUSE_DEPTH = 4
+"""Sent messages kept for reuse per stream."""
+
+
 @dataclass
 class PendingSends:
     """Non-blocking sends still in flight (their tensors are kept alive here)."""
 
-    works: list[Work | None] = field(default_factory=list)
+    works: list[dist.Work | None] = field(default_factory=list)
     buffers: list[torch.Tensor] = field(default_factory=list)
     peers: list[int] = field(default_factory=list)
+    pools: list[list[torch.Tensor] | None] = field(default_factory=list)
+    """Where each buffer goes once its send is done (None: nowhere, it is dropped)."""
 
     def wait(self) -> None:
         for work, dst in zip(self.works, self.peers):
             if work is not None:
                 with Waiting(("send", dst, None)):
                     work.wait()
+        for buffer, pool in zip(self.buffers, self.pools):
+            if pool is not None and len(pool) < _REUSE_DEPTH:
+                pool.append(buffer)
         self.works.clear()
         self.buffers.clear()
         self.peers.clear()
+        self.pools.clear()
 
-    def add(self, buffer: torch.Tensor, dst: int, tag: int) -> None:
+    def add(
+        self, buffer: torch.Tensor, dst: int, tag: int, pool: list[torch.Tensor] | None = None
+    ) -> None:
+        """Send ``buffer``; once sent it goes back to ``pool`` (when given) for reuse."""
         self.buffers.append(buffer)
         self.works.append(_world().send([buffer], dst, tag))
         self.peers.append(dst)
+        self.pools.append(pool)
+
+    def reclaim(self, pool: list[torch.Tensor]) -> None:
+        """Move the buffers of ``pool``'s stream whose sends are done back into it."""
+        for i in range(len(self.buffers) - 1, -1, -1):
+            work = self.works[i]
+            if self.pools[i] is pool and (work is None or work.is_completed()):
+                if len(pool) < _REUSE_DEPTH:
+                    pool.append(self.buffers[i])
+                del self.works[i], self.buffers[i], self.peers[i], self.pools[i]
 
 
 def _world() -> dist.ProcessGroup:
@@ -107,6 +134,8 @@ class _Sent:
     with the same one is recognised without pickling it)."""
     offsets: list[int] = field(default_factory=list)
     data: int = 0
+    free: list[torch.Tensor] = field(default_factory=list)
+    """Sent steady-state messages (control + data) ready to be written again."""
 
 
 @dataclass
@@ -259,10 +288,19 @@ def send_payload(
             link.offsets, link.data = _offsets(_slots(structure))
     offsets, data = link.offsets, link.data
     if same:  # one message: control + data
-        message = torch.empty(_CONTROL_BYTES + data, dtype=torch.uint8, device=device)
+        size = _CONTROL_BYTES + data
+        reuse = size <= _REUSE_BYTES
+        if reuse and not link.free:
+            pending.reclaim(link.free)
+        message = None
+        while link.free and message is None:
+            kept = link.free.pop()  # (one of another size or device is dropped)
+            message = kept if kept.numel() == size and kept.device == device else None
+        if message is None:
+            message = torch.empty(size, dtype=torch.uint8, device=device)
         _write_control(message, _SAME, 0, data, label)
         _pack(message, _CONTROL_BYTES, tensors, offsets)
-        pending.add(message, dst, tag)
+        pending.add(message, dst, tag, link.free if reuse else None)
         return
     start = -(-len(header) // _ALIGN) * _ALIGN
     control = torch.zeros(link.expect, dtype=torch.uint8, device=device)
