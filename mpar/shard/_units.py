@@ -19,6 +19,16 @@ the unit submodules, or gates inserted into a traced stage's graph):
 * ``post_backward(g)``: free ``g``, then (ZeRO 2 and 3) flatten the gradients
   autograd gave its parameters into one buffer and start its reduce-scatter.
 
+At ZeRO-3 a linear layer whose weight nothing else reads (in a traced stage,
+``mpar.partition._gates.linear``) asks the gate where its weight gradient goes
+(:meth:`UnitGather.weight_grad_sink`): when the layer's input and output
+gradient are no larger than the weight, the gate keeps them and computes
+``dy^T x`` at ``post_backward``, after the group's parameters are freed (they
+get their shapes, without memory, to take the gradient). The matrix product's
+backward then computes only the input gradient, and the gathered weight and
+its gradient never exist at once: for an LM head, the vocabulary's table once
+instead of twice. The values are those autograd computes.
+
 The reasons a group is gathered are counted (*holds*: forward, backward,
 prefetch), so activation checkpointing, which reruns a stage's forward inside
 its backward, never frees a group that the backward still reads. After each
@@ -38,9 +48,13 @@ freed), as with FSDP2.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
+from mpar import _device
 from mpar.shard._bucket import FlatBucket
 
 __all__ = ["UnitGather", "UnitGroup"]
@@ -60,6 +74,11 @@ class UnitGroup:
     """The group's backward reads none of its parameters (an embedding lookup):
     ZeRO-3 gives them their shapes for it, not their values
     (:meth:`~mpar.shard._bucket.FlatBucket.acquire_shapes`)."""
+    kept: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]] = field(
+        default_factory=list
+    )
+    """``(weight, None, x, dy)`` of linear layers whose weight gradient waits for the
+    group's parameters to be freed (:meth:`UnitGather.weight_grad_sink`)."""
 
     @property
     def key(self) -> tuple[str, int, int]:
@@ -162,7 +181,54 @@ class UnitGather:
     def post_backward(self, g: int) -> None:
         group = self.groups[g]
         self._drop(group, _BACKWARD, _FORWARD, _SHAPES)  # free the parameters first, then
+        self._kept_weight_grads(group)  # the weight gradients that waited for that,
         self._reduce(group)  # flatten and reduce-scatter the gradients
+
+    # ------------------------------------------------- deferred weight gradients
+    def weight_grad_sink(
+        self, g: int, weight: torch.Tensor, x: torch.Tensor
+    ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], bool] | None:
+        """Where a linear layer of group ``g`` (on ``weight``, input ``x``) hands
+        ``(weight, x, dy)`` when its output gradient arrives
+        (``mpar.runtime._split_backward.deferred_linear``); None to leave its weight
+        gradient to autograd: below ZeRO-3, for a weight outside the group's unit
+        buckets, for buffers that cannot be freed in place, and when keeping ``x``
+        and ``dy`` until :meth:`post_backward` would cost more than the weight's
+        gradient it keeps apart from the gathered weight."""
+        group = self.groups[g]
+        rows = x.numel() // max(1, x.shape[-1]) if x.dim() else 1
+        if (
+            not self.gather
+            or x.numel() + rows * weight.shape[0] > weight.numel()
+            or not any(weight is p for b in group.buckets if b.grads.unit_grads for p in b.params)
+            or not all(_device.can_free_storage(b.device) for b in group.buckets)
+        ):
+            return None
+        return functools.partial(self._keep_weight_grad, group)
+
+    @staticmethod
+    def _keep_weight_grad(
+        group: UnitGroup, weight: torch.Tensor, x: torch.Tensor, dy: torch.Tensor
+    ) -> bool:
+        group.kept.append((weight, None, x, dy))
+        return True
+
+    def _kept_weight_grads(self, group: UnitGroup) -> None:
+        """Compute the kept weight gradients: the parameters get their shapes, without
+        memory (:meth:`~mpar.shard._bucket.FlatBucket.acquire_shapes`), to take them."""
+        if not group.kept:
+            return
+        from mpar.runtime._split_backward import accumulate_weight_grads
+
+        key = (*group.key, "weight grads")
+        for bucket in group.buckets:
+            bucket.acquire_shapes(key)
+        try:
+            accumulate_weight_grads(group.kept)
+        finally:
+            group.kept.clear()
+            for bucket in group.buckets:
+                bucket.release(key)
 
     def _reduce(self, group: UnitGroup) -> None:
         units = [b for b in group.buckets if b.grads.unit_grads]
@@ -203,6 +269,7 @@ class UnitGather:
         for group in reversed(self.groups):
             if group.holds:
                 self._drop(group, _PREFETCH, _FORWARD, _BACKWARD, _SHAPES)
+            self._kept_weight_grads(group)
             if any(
                 p.grad is not None for b in group.buckets if b.grads.unit_grads for p in b.params
             ):
