@@ -17,15 +17,15 @@ them as calls instead. For every group ``g`` of units (in graph order):
   backward hook, no forward hook. Every gradient that reaches the group's
   nodes therefore passes a ``pre_backward`` first;
 * ``linear(gate, g, x, w, b)`` instead of ``aten.linear(x, w, b)`` where the
-  weight ``w`` is a parameter that this call alone reads: the gate may then
-  compute the weight's gradient after the group's backward, once its gathered
-  parameters are freed (``gate.weight_grad_sink(g, w, x)``; see
-  :meth:`mpar.shard._units.UnitGather.weight_grad_sink`). The matrix product's
-  backward would otherwise hold the gathered weight and its whole gradient at
-  once (an LM head: twice the vocabulary's table).
+  weight ``w`` is a parameter that this call alone reads: it runs
+  ``gate.linear(g, x, w, b)``, which may compute the weight's gradient after
+  the group's backward, once its gathered parameters are freed (see
+  :meth:`mpar.shard._units.UnitGather.linear`). The matrix product's backward
+  would otherwise hold the gathered weight and its whole gradient at once (an
+  LM head: twice the vocabulary's table).
 
 ``gate`` is read from the stage's attribute ``mpar_unit_gate`` (any object
-with the four methods, and optionally ``weight_grad_sink``; see
+with the four methods, and optionally ``linear``; see
 :class:`mpar.shard._units.UnitGather`).
 :func:`owners` says which group alone uses each parameter: parameters read
 by glue or by two groups belong to none (the runtime keeps them gathered for
@@ -104,15 +104,9 @@ def linear(
     gate: Any, g: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``aten.linear`` in group ``g`` on a weight nothing else reads (called from the
-    generated code): its weight gradient goes where ``gate.weight_grad_sink(g, weight,
-    x)`` says (None: computed by autograd, as always)."""
-    sink = getattr(gate, "weight_grad_sink", None)
-    defer = None if sink is None else sink(g, weight, x)
-    if defer is None:
-        return _LINEAR(x, weight, bias)
-    from mpar.runtime._split_backward import deferred_linear
-
-    return deferred_linear(x, weight, bias, defer=defer)
+    generated code): ``gate.linear(g, x, weight, bias)`` when the gate has it."""
+    run = getattr(gate, "linear", None)
+    return _LINEAR(x, weight, bias) if run is None else run(g, x, weight, bias)
 
 
 # ------------------------------------------------------------------ the graph pass

@@ -13,7 +13,7 @@ import torch
 
 from mpar.partition import find_units, split_module
 from mpar.partition._gates import gate_graph, owners
-from mpar.runtime._split_backward import accumulate_weight_grads
+from mpar.runtime._split_backward import accumulate_weight_grads, deferred_linear
 from mpar.runtime._unit_hooks import group_units
 from mpar.testing_models import GPTConfig, TinyGPT
 
@@ -99,12 +99,12 @@ class Keeping(Recorder):
         self.kept: dict[int, list] = {}
         self.without_grad: list[torch.Tensor] = []  # kept weights at their post_backward
 
-    def weight_grad_sink(self, g, weight, x):
+    def linear(self, g, x, weight, bias):
         def keep(w, x, dy):
             self.kept.setdefault(g, []).append((w, None, x, dy))
             return True
 
-        return keep
+        return deferred_linear(x, weight, bias, defer=keep)
 
     def post_backward(self, g: int) -> None:
         super().post_backward(g)
@@ -114,7 +114,7 @@ class Keeping(Recorder):
 
 
 def test_linear_weight_gradients_can_wait_for_their_groups_end() -> None:
-    """``aten.linear`` on a weight only it reads goes through the gate's sink: autograd
+    """``aten.linear`` on a weight only it reads goes through ``gate.linear``: autograd
     computes no weight gradient in the group's backward, the gate computes it at
     ``post_backward``, and every gradient is bit for bit autograd's."""
     _, idx, split = _split()
