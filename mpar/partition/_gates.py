@@ -15,10 +15,18 @@ them as calls instead. For every group ``g`` of units (in graph order):
 * ``mark(gate, g, out)`` right after a group's output that a node *before*
   the group's end already reads (glue interleaved with the unit): the same
   backward hook, no forward hook. Every gradient that reaches the group's
-  nodes therefore passes a ``pre_backward`` first.
+  nodes therefore passes a ``pre_backward`` first;
+* ``linear(gate, g, x, w, b)`` instead of ``aten.linear(x, w, b)`` where the
+  weight ``w`` is a parameter that this call alone reads: it runs
+  ``gate.linear(g, x, w, b)``, which may compute the weight's gradient after
+  the group's backward, once its gathered parameters are freed (see
+  :meth:`mpar.shard._units.UnitGather.linear`). The matrix product's backward
+  would otherwise hold the gathered weight and its whole gradient at once (an
+  LM head: twice the vocabulary's table).
 
 ``gate`` is read from the stage's attribute ``mpar_unit_gate`` (any object
-with the four methods, see :class:`mpar.shard._units.UnitGather`).
+with the four methods, and optionally ``linear``; see
+:class:`mpar.shard._units.UnitGather`).
 :func:`owners` says which group alone uses each parameter: parameters read
 by glue or by two groups belong to none (the runtime keeps them gathered for
 the whole stage).
@@ -35,7 +43,16 @@ import torch
 from mpar._compat import fx
 from mpar.partition._graph import _node_unit_stage, is_symbolic
 
-__all__ = ["GATE_ATTR", "enter", "gate_graph", "leave", "mark", "owners", "unread_in_backward"]
+__all__ = [
+    "GATE_ATTR",
+    "enter",
+    "gate_graph",
+    "leave",
+    "linear",
+    "mark",
+    "owners",
+    "unread_in_backward",
+]
 
 GATE_ATTR = "mpar_unit_gate"
 
@@ -83,7 +100,18 @@ def mark(gate: Any, g: int, *tensors: Any) -> tuple[Any, ...]:
     return _through(gate.pre_backward, g, tensors)
 
 
+def linear(
+    gate: Any, g: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``aten.linear`` in group ``g`` on a weight nothing else reads (called from the
+    generated code): ``gate.linear(g, x, weight, bias)`` when the gate has it."""
+    run = getattr(gate, "linear", None)
+    return _LINEAR(x, weight, bias) if run is None else run(g, x, weight, bias)
+
+
 # ------------------------------------------------------------------ the graph pass
+
+_LINEAR = torch.ops.aten.linear.default
 
 
 def _is_tensor(node: fx.Node) -> bool:
@@ -162,8 +190,28 @@ def gate_graph(graph: fx.Graph, groups: Sequence[Sequence[str]]) -> fx.Graph:
         members = [n for n in new.nodes if assign.get(n) == g]
         order = {n: i for i, n in enumerate(new.nodes)}
         _gate_group(new, gate, g, members, order, output)
+    _gate_linears(new, gate, assign)
     new.lint()
     return new
+
+
+def _gate_linears(graph: fx.Graph, gate: fx.Node, assign: Mapping[fx.Node, int]) -> None:
+    """``aten.linear`` calls of a group whose weight (and bias) only they read become
+    :func:`linear` calls (see the module docstring)."""
+    readers: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            readers[str(node.target)] = readers.get(str(node.target), 0) + len(node.users)
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not _LINEAR or node not in assign:
+            continue
+        params = [a for a in (*node.args[1:], *node.kwargs.values()) if a is not None]
+        if len(node.args) >= 2 and all(
+            isinstance(a, fx.Node) and a.op == "get_attr" and readers[str(a.target)] == 1
+            for a in params
+        ):
+            node.target = linear
+            node.args = (gate, assign[node], *node.args)
 
 
 def _unpack(graph: fx.Graph, call: fx.Node, sources: Sequence[fx.Node]) -> list[fx.Node]:

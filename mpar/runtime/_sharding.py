@@ -12,9 +12,11 @@ from mpar import _device
 from mpar.comm import State
 from mpar.partition._memory import effective_gather
 from mpar.runtime._precision import compute_dtype
+from mpar.runtime._split_backward import accumulate_weight_grads, deferred_linear
 from mpar.runtime._stages import LocalStages
 from mpar.runtime._unit_hooks import Gate, group_units, install_groups
 from mpar.shard import ShardedStages
+from mpar.shard._units import WeightGradHooks
 
 __all__ = ["gathered", "make_sharded"]
 
@@ -70,6 +72,7 @@ def make_sharded(
         tp_size=stages.tp_size,
         tp_split=stages.tp_split,
         unread_in_backward=unread,
+        weight_grads=WeightGradHooks(deferred_linear, accumulate_weight_grads),
     )
     for s, install in connect.items():
         install(sharded.unit_gather(s))

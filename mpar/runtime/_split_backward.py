@@ -60,6 +60,8 @@ from mpar.comm._bootstrap import on_shutdown
 from mpar.runtime._activations import counting_only
 
 __all__ = [
+    "Defer",
+    "accumulate_weight_grads",
     "defer_weight_gradients",
     "deferred_linear",
     "split_backward",
@@ -115,8 +117,18 @@ def _weight_grads(
     return dw, db
 
 
+Defer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], bool]
+"""Where a weight gradient may wait outside an I: called with ``(weight, x, dy)`` when
+the output gradient arrives, returns whether it kept them (then it computes the
+gradient later, with :func:`accumulate_weight_grads`)."""
+
+
 def deferred_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    defer: Defer | None = None,
 ) -> torch.Tensor:
     """``F.linear`` that defers its weight gradient to W when the weight is a parameter
     (a leaf that requires grad; a weight computed from others keeps its usual backward).
@@ -124,9 +136,11 @@ def deferred_linear(
     The usual way is ``F.linear`` on a detached alias of the weight, so autograd's own
     node computes the input and bias gradients and never the weight's, and a hook on
     the output's gradient node keeps ``(weight, x, dy)`` for W (or, outside an I,
-    accumulates ``dy^T x`` at once). Under saved-tensor hooks other than mpar's
-    activation counting (activation checkpointing, offloading) the layer's input must
-    go through the hooks, so :class:`_DeferredLinear` saves it instead.
+    offers them to ``defer``, else accumulates ``dy^T x`` at once). Under saved-tensor
+    hooks other than mpar's activation counting (activation checkpointing, offloading)
+    the layer's input must go through the hooks, so :class:`_DeferredLinear` saves it
+    instead (or, with ``defer``, which only outside an I matters to, the layer is a
+    plain ``F.linear``).
     """
     if not (
         weight.requires_grad
@@ -139,6 +153,8 @@ def deferred_linear(
     if (hooks is not None and not counting_only(hooks[0])) or not (
         x.requires_grad or (bias is not None and bias.requires_grad)
     ):  # (an output that needs no gradient but the weight's has no node to hook)
+        if defer is not None:
+            return F.linear(x, weight, bias)
         return _DeferredLinear.apply(x, weight, bias)
     y = F.linear(x, weight.detach(), bias)
     if hooks is not None:
@@ -150,7 +166,7 @@ def deferred_linear(
     node = made.grad_fn
     if node is None:  # cannot be: x or bias requires grad
         raise RuntimeError("internal: a linear layer's output has no gradient node")
-    node.register_prehook(functools.partial(_keep, weight, x, x._version, made.output_nr))
+    node.register_prehook(functools.partial(_keep, weight, x, x._version, made.output_nr, defer))
     return y
 
 
@@ -159,10 +175,12 @@ def _keep(
     x: torch.Tensor,
     version: int,
     index: int,
+    defer: Defer | None,
     grads: tuple[torch.Tensor | None, ...],
 ) -> None:
     """The output gradient of a linear layer arrived (its node's pre-hook): keep it
-    for W inside an I, else accumulate the weight's gradient now."""
+    for W inside an I, else offer it to ``defer``, else accumulate the weight's
+    gradient now."""
     dy = grads[index]
     if dy is None:
         return
@@ -174,8 +192,8 @@ def _keep(
         )
     if _KEEPING:
         _KEEPING[-1].append((weight, None, x, dy))
-    else:
-        _weights([(weight, None, x, dy)])
+    elif defer is None or not defer(weight, x, dy):
+        accumulate_weight_grads([(weight, None, x, dy)])
 
 
 def _deferred_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -229,13 +247,15 @@ def split_backward(
         whole()
     finally:
         _KEEPING.pop()
-    return lambda: _weights(kept)
+    return lambda: accumulate_weight_grads(kept)
 
 
 @torch.no_grad()
-def _weights(kept: list[_Kept]) -> None:
-    """W: the kept linear layers' gradients, accumulated as autograd accumulates (into
-    an existing ``.grad`` in place, with the matmul writing into it directly)."""
+def accumulate_weight_grads(kept: list[_Kept]) -> None:
+    """W: the kept ``(weight, bias, x, dy)`` linear layers' gradients (the list is
+    emptied), accumulated as autograd accumulates (into an existing ``.grad`` in
+    place, with the matmul writing into it directly). A new gradient is ``dy^T x``
+    computed as autograd's matrix-product backward computes it: the same values."""
     while kept:
         weight, bias, x, dy = kept.pop()
         dy2 = dy.reshape(-1, dy.shape[-1])

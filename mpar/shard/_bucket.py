@@ -280,8 +280,9 @@ class FlatBucket:
     def acquire_shapes(self, user: object) -> None:
         """ZeRO-3: give the parameters their shapes but no memory, for ``user``'s
         backward when it reads none of their values (an embedding lookup's gradient
-        needs only the indices): autograd then accumulates their gradients as for
-        gathered parameters, and nothing is gathered. Their values are undefined
+        needs only the indices), or to take gradients computed without them: autograd
+        then accumulates their gradients as for gathered parameters, and nothing is
+        gathered. Their values are undefined
         until :meth:`release`; if another user gathers the bucket meanwhile, the
         parameters are real again.
 

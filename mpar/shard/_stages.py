@@ -16,7 +16,7 @@ from mpar.shard._bucket import FlatBucket, GroupInfo, Residence
 from mpar.shard._layout import plan_buckets
 from mpar.shard._memory import count_bytes
 from mpar.shard._scaler import LossScaler
-from mpar.shard._units import UnitGather
+from mpar.shard._units import UnitGather, WeightGradHooks
 
 if TYPE_CHECKING:
     from mpar.shard._optimizer import ShardedOptimizer
@@ -73,6 +73,10 @@ class ShardedStages:
     ``unread_in_backward`` holds the ``id`` of parameters whose gradient needs
     none of their values (an embedding lookup's weight): at ZeRO-3 a unit group
     made only of such parameters is not gathered for its backward.
+
+    ``weight_grads`` (the runtime's split backward) lets ZeRO-3 compute a linear
+    layer's weight gradient after its unit's parameters are freed
+    (:meth:`mpar.shard._units.UnitGather.linear`).
     """
 
     def __init__(
@@ -91,6 +95,7 @@ class ShardedStages:
         tp_size: int = 1,
         tp_split: Collection[int] = (),
         unread_in_backward: Collection[int] = (),
+        weight_grads: WeightGradHooks | None = None,
     ) -> None:
         if not stages:
             raise ValueError("ShardedStages needs at least one stage module, got an empty dict")
@@ -118,6 +123,7 @@ class ShardedStages:
         self._materialize = materialize
         self._tp_split = frozenset(tp_split) if tp_size > 1 else None
         self._unread = frozenset(unread_in_backward)
+        self._weight_grads = weight_grads
         self.buckets = self._make_buckets(owned)
         for bucket in self.buckets:  # the same on every TP rank: its norm counts once
             if self._tp_split is not None and id(bucket.params[0]) not in self._tp_split:
@@ -185,6 +191,7 @@ class ShardedStages:
                     all(id(p) in self._unread for b in buckets for p in b.params)
                     for buckets in ordered
                 ],
+                weight_grads=self._weight_grads,
             )
         return out
 

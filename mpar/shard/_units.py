@@ -19,6 +19,17 @@ the unit submodules, or gates inserted into a traced stage's graph):
 * ``post_backward(g)``: free ``g``, then (ZeRO 2 and 3) flatten the gradients
   autograd gave its parameters into one buffer and start its reduce-scatter.
 
+At ZeRO-3 a linear layer whose weight nothing else reads (in a traced stage,
+``mpar.partition._gates.linear``) runs through :meth:`UnitGather.linear`: when
+the layer's input and output gradient are no larger than the weight, the gate
+keeps them and computes ``dy^T x`` at ``post_backward``, after the group's
+parameters are freed (with the runtime's split-backward functions,
+:class:`WeightGradHooks`; they
+get their shapes, without memory, to take the gradient). The matrix product's
+backward then computes only the input gradient, and the gathered weight and
+its gradient never exist at once: for an LM head, the vocabulary's table once
+instead of twice. The values are those autograd computes.
+
 The reasons a group is gathered are counted (*holds*: forward, backward,
 prefetch), so activation checkpointing, which reruns a stage's forward inside
 its backward, never frees a group that the backward still reads. After each
@@ -38,14 +49,35 @@ freed), as with FSDP2.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
+from mpar import _device
 from mpar.shard._bucket import FlatBucket
 
-__all__ = ["UnitGather", "UnitGroup"]
+__all__ = ["UnitGather", "UnitGroup", "WeightGradHooks"]
 
 _FORWARD, _BACKWARD, _PREFETCH, _SHAPES = "forward", "backward", "prefetch", "shapes"
+_LINEAR = torch.ops.aten.linear.default
+
+Kept = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor, torch.Tensor]
+"""``(weight, bias, x, dy)`` of a linear layer whose weight gradient waits."""
+
+
+@dataclass(frozen=True)
+class WeightGradHooks:
+    """How a linear layer's weight gradient waits: the runtime's split backward
+    (``mpar.runtime._split_backward``), handed down by the runtime."""
+
+    linear: Callable[..., torch.Tensor]
+    """``deferred_linear(x, weight, bias, *, defer)``: ``F.linear`` whose weight
+    gradient goes to ``defer(weight, x, dy)`` (which returns whether it kept it)."""
+    accumulate: Callable[[list[Kept]], None]
+    """``accumulate_weight_grads(kept)``: the kept gradients, as autograd computes
+    and accumulates them."""
 
 
 @dataclass
@@ -60,6 +92,9 @@ class UnitGroup:
     """The group's backward reads none of its parameters (an embedding lookup):
     ZeRO-3 gives them their shapes for it, not their values
     (:meth:`~mpar.shard._bucket.FlatBucket.acquire_shapes`)."""
+    kept: list[Kept] = field(default_factory=list)
+    """``(weight, None, x, dy)`` of linear layers whose weight gradient waits for the
+    group's parameters to be freed (:meth:`UnitGather.linear`)."""
 
     @property
     def key(self) -> tuple[str, int, int]:
@@ -80,6 +115,7 @@ class UnitGather:
         on_gather: object = None,
         on_grads: object = None,
         unread_in_backward: Sequence[bool] = (),
+        weight_grads: WeightGradHooks | None = None,
     ) -> None:
         self.stage = stage
         self.groups = [UnitGroup(stage, g, list(b)) for g, b in enumerate(groups)]
@@ -92,6 +128,9 @@ class UnitGather:
         """Called with no argument after each gather starts (peak accounting)."""
         self.on_grads = on_grads
         """Called with no argument after a group's gradient buffers are bound."""
+        self.weight_grads = weight_grads
+        """Makes linear layers' weight gradients wait for :meth:`post_backward` (None:
+        they never wait)."""
         self.reducing: list[UnitGroup] = []
         """Groups whose gradients were bound in a backward, oldest first: their
         reductions are in flight or about to start."""
@@ -162,7 +201,53 @@ class UnitGather:
     def post_backward(self, g: int) -> None:
         group = self.groups[g]
         self._drop(group, _BACKWARD, _FORWARD, _SHAPES)  # free the parameters first, then
+        self._kept_weight_grads(group)  # the weight gradients that waited for that,
         self._reduce(group)  # flatten and reduce-scatter the gradients
+
+    # ------------------------------------------------- deferred weight gradients
+    def linear(
+        self, g: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """A linear layer of group ``g`` on a weight nothing else reads (from
+        ``mpar.partition._gates.linear``). Its weight gradient waits for
+        :meth:`post_backward` at ZeRO-3 when ``weight`` is in one of the group's unit
+        buckets, whose memory can be freed in place, and keeping ``x`` and the
+        output gradient until then costs no more than the weight's gradient kept
+        apart from the gathered weight; otherwise autograd computes it, as always."""
+        group = self.groups[g]
+        rows = x.numel() // max(1, x.shape[-1]) if x.dim() else 1
+        if (
+            self.weight_grads is None
+            or not self.gather
+            or x.numel() + rows * weight.shape[0] > weight.numel()
+            or not any(weight is p for b in group.buckets if b.grads.unit_grads for p in b.params)
+            or not all(_device.can_free_storage(b.device) for b in group.buckets)
+        ):
+            return _LINEAR(x, weight, bias)
+        keep = functools.partial(self._keep_weight_grad, group)
+        return self.weight_grads.linear(x, weight, bias, defer=keep)
+
+    @staticmethod
+    def _keep_weight_grad(
+        group: UnitGroup, weight: torch.Tensor, x: torch.Tensor, dy: torch.Tensor
+    ) -> bool:
+        group.kept.append((weight, None, x, dy))
+        return True
+
+    def _kept_weight_grads(self, group: UnitGroup) -> None:
+        """Compute the kept weight gradients: the parameters get their shapes, without
+        memory (:meth:`~mpar.shard._bucket.FlatBucket.acquire_shapes`), to take them."""
+        if not group.kept or self.weight_grads is None:
+            return
+        key = (*group.key, "weight grads")
+        for bucket in group.buckets:
+            bucket.acquire_shapes(key)
+        try:
+            self.weight_grads.accumulate(group.kept)
+        finally:
+            group.kept.clear()
+            for bucket in group.buckets:
+                bucket.release(key)
 
     def _reduce(self, group: UnitGroup) -> None:
         units = [b for b in group.buckets if b.grads.unit_grads]
@@ -203,6 +288,7 @@ class UnitGather:
         for group in reversed(self.groups):
             if group.holds:
                 self._drop(group, _PREFETCH, _FORWARD, _BACKWARD, _SHAPES)
+            self._kept_weight_grads(group)
             if any(
                 p.grad is not None for b in group.buckets if b.grads.unit_grads for p in b.params
             ):

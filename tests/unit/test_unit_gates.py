@@ -13,6 +13,7 @@ import torch
 
 from mpar.partition import find_units, split_module
 from mpar.partition._gates import gate_graph, owners
+from mpar.runtime._split_backward import accumulate_weight_grads, deferred_linear
 from mpar.runtime._unit_hooks import group_units
 from mpar.testing_models import GPTConfig, TinyGPT
 
@@ -87,6 +88,60 @@ def test_gates_fire_around_every_group_in_forward_and_backward() -> None:
         for _, p in _named(stage, names):
             assert owner[id(p)] in (g, None)
     assert any(g is not None for g in owner.values())
+
+
+class Keeping(Recorder):
+    """A gate that keeps every linear layer's weight gradient for its group's
+    ``post_backward``, as ZeRO-3 does to compute it after freeing the group."""
+
+    def __init__(self, stage: torch.nn.Module, groups: list[list[str]]) -> None:
+        super().__init__(stage, groups)
+        self.kept: dict[int, list] = {}
+        self.without_grad: list[torch.Tensor] = []  # kept weights at their post_backward
+
+    def linear(self, g, x, weight, bias):
+        def keep(w, x, dy):
+            self.kept.setdefault(g, []).append((w, None, x, dy))
+            return True
+
+        return deferred_linear(x, weight, bias, defer=keep)
+
+    def post_backward(self, g: int) -> None:
+        super().post_backward(g)
+        kept = self.kept.pop(g, [])
+        self.without_grad += [w for w, *_ in kept if w.grad is None]
+        accumulate_weight_grads(kept)
+
+
+def test_linear_weight_gradients_can_wait_for_their_groups_end() -> None:
+    """``aten.linear`` on a weight only it reads goes through ``gate.linear``: autograd
+    computes no weight gradient in the group's backward, the gate computes it at
+    ``post_backward``, and every gradient is bit for bit autograd's."""
+    _, idx, split = _split()
+    stage = split.stages[1]
+    groups = group_units(split.units[1], "unit")
+    x = split.stages[0](idx)
+    inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in x]
+    stage(*inputs).square().mean().backward()
+    expected = {n: p.grad.clone() for n, p in stage.named_parameters()}
+    expected_in = [t.grad.clone() for t in inputs if t.grad is not None]
+    stage.zero_grad(set_to_none=True)
+    inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in x]
+
+    stage.install_unit_gates(groups, None)
+    gate = Keeping(stage, groups)
+    object.__setattr__(stage, "mpar_unit_gate", gate)
+    calls = [n.target for n in stage.programs[stage.training].graph.nodes]
+    stage(*inputs).square().mean().backward()
+    assert not gate.kept  # every kept gradient was computed
+    # the head (this stage reads the tied table only there) and the blocks' layers
+    linears = sum(1 for t in calls if t is torch.ops.aten.linear.default)
+    assert len(gate.without_grad) == linears > 0
+    for name, p in stage.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=0, atol=0, msg=name)
+    got_in = [t.grad for t in inputs if t.grad is not None]
+    for got, want in zip(got_in, expected_in, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_owners_leave_shared_parameters_to_no_group() -> None:
