@@ -31,8 +31,9 @@ The steady state costs little on either side: the sender recognises a payload
 that is a plain tuple of tensors with the same shapes as last time without
 pickling its header, writes the control words straight into the message, and
 both ends keep the data section's offsets; a stream's messages of up to 1 MiB are
-written again once sent (a fresh buffer costs a page fault per page); messages go to the default process
-group's ``send``/``recv`` without ``torch.distributed``'s per-call checks.
+written again once sent (a fresh buffer costs a page fault per page); messages go to
+the default process group's ``send``/``recv`` without ``torch.distributed``'s
+per-call checks.
 """
 
 from __future__ import annotations
@@ -89,8 +90,7 @@ class PendingSends:
                 with Waiting(("send", dst, None)):
                     work.wait()
         for buffer, pool in zip(self.buffers, self.pools):
-            if pool is not None and len(pool) < _REUSE_DEPTH:
-                pool.append(buffer)
+            _keep_for_reuse(buffer, pool)
         self.works.clear()
         self.buffers.clear()
         self.peers.clear()
@@ -110,9 +110,14 @@ class PendingSends:
         for i in range(len(self.buffers) - 1, -1, -1):
             work = self.works[i]
             if self.pools[i] is pool and (work is None or work.is_completed()):
-                if len(pool) < _REUSE_DEPTH:
-                    pool.append(self.buffers[i])
+                _keep_for_reuse(self.buffers[i], pool)
                 del self.works[i], self.buffers[i], self.peers[i], self.pools[i]
+
+
+def _keep_for_reuse(buffer: torch.Tensor, pool: list[torch.Tensor] | None) -> None:
+    """A sent message back to its stream's ``pool`` (unless it has none, or it is full)."""
+    if pool is not None and len(pool) < _REUSE_DEPTH:
+        pool.append(buffer)
 
 
 def _world() -> dist.ProcessGroup:
