@@ -135,6 +135,30 @@ def test_zero2_reduces_unit_by_unit_with_checkpointing_and_offload():
         assert r["report"]["gradients_peak"] <= LAYERS * LAYER_BYTES // 2 + 2 * LAYER_BYTES
 
 
+def _lm_step():
+    """The TinyGPT step function (next-token loss over the vocabulary of 64)."""
+    import torch
+
+    import mpar
+
+    @mpar.step
+    def step(m, x):
+        logits = m(x)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), x.reshape(-1))
+        m.backward(loss)
+        return loss
+
+    return step
+
+
+def _my_rows(idx):
+    """This data-parallel rank's rows of the whole batch ``idx``."""
+    import mpar
+
+    n = idx.shape[0] // mpar.dp_size()
+    return idx[mpar.dp_rank() * n : (mpar.dp_rank() + 1) * n]
+
+
 def _gpt_layouts():
     import torch
 
@@ -157,15 +181,7 @@ def _gpt_layouts():
         model = mpar.DistributedModel(TinyGPT(cfg))
         opt = mpar.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
 
-        @mpar.step
-        def step(m, x):
-            logits = m(x)
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), x.reshape(-1))
-            m.backward(loss)
-            return loss
-
-        n = 8 // mpar.dp_size()
-        mine = idx[mpar.dp_rank() * n : (mpar.dp_rank() + 1) * n]
+        step, mine = _lm_step(), _my_rows(idx)
         losses = []
         for _ in range(2):
             losses.append(step(model, mine).reduce_mean().item())
@@ -284,15 +300,7 @@ def _embedding_layouts():
 
         model.after_partition.append(watch)
 
-        @mpar.step
-        def step(m, x):
-            logits = m(x)
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), x.reshape(-1))
-            m.backward(loss)
-            return loss
-
-        n = 8 // mpar.dp_size()
-        mine = idx[mpar.dp_rank() * n : (mpar.dp_rank() + 1) * n]
+        step, mine = _lm_step(), _my_rows(idx)
         losses = []
         for _ in range(2):
             losses.append(step(model, mine).reduce_mean().item())
@@ -369,15 +377,7 @@ def _head_layouts():
                 held.append(self.bucket.full.untyped_storage().nbytes())
             return out
 
-    @mpar.step
-    def step(m, x):
-        logits = m(x)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), x.reshape(-1))
-        m.backward(loss)
-        return loss
-
-    n = 8 // mpar.dp_size()
-    mine = idx[mpar.dp_rank() * n : (mpar.dp_rank() + 1) * n]
+    step, mine = _lm_step(), _my_rows(idx)
     losses = []
     for i in range(2):
         if i == 0:
