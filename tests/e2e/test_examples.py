@@ -54,6 +54,7 @@ def test_cnn_example_learns_with_the_simple_schedule():
     assert accuracy >= 75.0, out[-2000:]
 
 
+@pytest.mark.slow  # 20 s; bf16 x ZeRO is in the default mixed-precision grid
 @pytest.mark.timeout(240)
 def test_llama_example_bf16_zero2_loss_falls():
     pytest.importorskip("transformers")
@@ -62,6 +63,7 @@ def test_llama_example_bf16_zero2_loss_falls():
     assert _final_loss(out) < 4.0, out[-2000:]  # from about 4.9 (ln 128) at the start
 
 
+@pytest.mark.slow  # 21 s; TP plans are in the default tensor-parallel grid
 @pytest.mark.timeout(240)
 def test_llama_example_tensor_parallel_with_its_own_plan():
     pytest.importorskip("transformers")

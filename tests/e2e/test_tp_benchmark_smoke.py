@@ -15,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # 14 s; the default suite's TP grid covers the runtime
 @pytest.mark.timeout(180)
 def test_tp_benchmark_quick(tmp_path: Path) -> None:
     cmd = [

@@ -28,6 +28,7 @@ def _installed(module: str) -> bool:
         return False
 
 
+@pytest.mark.slow  # 40 s; the ZeRO grids of the default suite cover the runtime
 @pytest.mark.timeout(170)
 def test_zero_benchmark_quick(tmp_path: Path) -> None:
     cmd = [sys.executable, str(ROOT / "benchmarks" / "zero.py"), "--quick", "--out", str(tmp_path)]
