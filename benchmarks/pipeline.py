@@ -179,15 +179,21 @@ def _cases(args: argparse.Namespace, spec: ModelSpec) -> list[tuple[Case, str]]:
     if args.auto:
         rows.insert(3, ("mpar", "interleaved", 1, "interleaved", "auto"))
         rows.insert(4, ("mpar", "zero_bubble", 1, "zero_bubble", "auto"))
+    for csv in args.mpar_csv:  # the bound: the CSV's own schedule, simulated
+        rows.append(("mpar", str(Path(csv).resolve()), 1, str(Path(csv).resolve()), "uniform"))
     cases = []
     for layout in args.layouts:
         pp, dp = (int(v) for v in layout.split("x"))
         for framework, schedule, v, sim, split in rows:
-            if args.quick and (framework, schedule, v) not in QUICK_CASES:
+            if args.quick and (framework, schedule, v) not in QUICK_CASES and not _is_csv(schedule):
                 continue
             if args.schedules and schedule not in args.schedules:
                 continue
-            if args.only and f"{framework}:{schedule}:{v}" not in args.only:
+            if (
+                args.only
+                and f"{framework}:{schedule}:{v}" not in args.only
+                and not _is_csv(schedule)
+            ):
                 continue
             if framework in args.frameworks:
                 case = Case(framework, schedule, pp, dp, v, spec, args.warmup, args.steps, split)
@@ -207,6 +213,11 @@ def _measure_costs(args: argparse.Namespace, spec: ModelSpec) -> dict[str, Any]:
     return costs
 
 
+def _is_csv(schedule: str) -> bool:
+    """Whether a case runs a schedule CSV (``--mpar-csv``) rather than a named schedule."""
+    return schedule.endswith(".csv")
+
+
 def _summarise(case: Case, sim: str, runs: list[dict[str, Any]], costs: Any) -> dict[str, Any]:
     from _bound import bound
 
@@ -216,7 +227,9 @@ def _summarise(case: Case, sim: str, runs: list[dict[str, Any]], costs: Any) -> 
         "framework": case.framework,
         "schedule": case.schedule,
         "virtual_stages": case.virtual_stages,
-        "split": case.split,
+        # a hand-placed schedule's row stays out of the "best" and acceptance figures,
+        # which take the uniform split's named schedules
+        "split": f"{case.split} (schedule CSV)" if _is_csv(case.schedule) else case.split,
         "bound_schedule": sim,
     }
     ok = [r for r in runs if r["status"] == "ok"]
@@ -553,6 +566,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=32, help="global batch")
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--auto", action="store_true", help="also run mpar's profile-driven split")
+    p.add_argument(
+        "--mpar-csv",
+        nargs="+",
+        default=[],
+        metavar="FILE.csv",
+        help="also run mpar with these schedule CSVs (hand-placed schedules: shown in the "
+        "tables, left out of the acceptance figures)",
+    )
     p.add_argument(
         "--overhead",
         action="store_true",
