@@ -602,10 +602,16 @@ class BucketGrads:
             if to_host and self.offload_optimizer and self.grad_shard is not None:
                 self._to_cpu_grad(self.grad_shard)
             return
-        work, out, _ = self.pending
+        work, out, flat = self.pending
         self.pending = None
         if work is not None:
             work.wait()
+        if self.zero_stage >= 1 and flat is not out and _device.can_free_storage(flat.device):
+            # the sent buffer is scratch: free it now, as the next unit's reduction may
+            # allocate its own right after; the backend can hold the tensor a little
+            # past its wait (gloo's worker thread drops the work later), which left two
+            # units' buffers alive now and then, beyond the plan's working set
+            _device.free_storage(flat)
         if self.tied_group is not None:  # every copy gets the sum of the copies' gradients
             all_reduce_flat(out, group=self.tied_group, size=self.tied_size)
         if self.zero_stage == 0:
