@@ -60,6 +60,8 @@ sys.path.insert(0, str(HERE))
 from _common import Case, ModelSpec  # noqa: E402
 from _harness import launch_job, missing_module  # noqa: E402
 
+from mpar.schedule._csv import is_csv_path  # noqa: E402
+
 # (framework, schedule, virtual_stages, mpar schedule whose simulation is the bound)
 CASES = [
     ("mpar", "simple", 1, "simple"),
@@ -179,20 +181,17 @@ def _cases(args: argparse.Namespace, spec: ModelSpec) -> list[tuple[Case, str]]:
     if args.auto:
         rows.insert(3, ("mpar", "interleaved", 1, "interleaved", "auto"))
         rows.insert(4, ("mpar", "zero_bubble", 1, "zero_bubble", "auto"))
-    for csv in args.mpar_csv:  # the bound: the CSV's own schedule, simulated
-        rows.append(("mpar", str(Path(csv).resolve()), 1, str(Path(csv).resolve()), "uniform"))
+    for csv in map(str, (Path(name).resolve() for name in args.mpar_csv)):
+        rows.append(("mpar", csv, 1, csv, "uniform"))  # bound: the CSV's schedule, simulated
     cases = []
     for layout in args.layouts:
         pp, dp = (int(v) for v in layout.split("x"))
         for framework, schedule, v, sim, split in rows:
-            if args.quick and (framework, schedule, v) not in QUICK_CASES and not _is_csv(schedule):
-                continue
-            if args.schedules and schedule not in args.schedules:
-                continue
-            if (
-                args.only
-                and f"{framework}:{schedule}:{v}" not in args.only
-                and not _is_csv(schedule)
+            # a CSV was asked for by name: the filters of the named schedules leave it in
+            if not is_csv_path(schedule) and (
+                (args.quick and (framework, schedule, v) not in QUICK_CASES)
+                or (args.schedules and schedule not in args.schedules)
+                or (args.only and f"{framework}:{schedule}:{v}" not in args.only)
             ):
                 continue
             if framework in args.frameworks:
@@ -213,11 +212,6 @@ def _measure_costs(args: argparse.Namespace, spec: ModelSpec) -> dict[str, Any]:
     return costs
 
 
-def _is_csv(schedule: str) -> bool:
-    """Whether a case runs a schedule CSV (``--mpar-csv``) rather than a named schedule."""
-    return schedule.endswith(".csv")
-
-
 def _summarise(case: Case, sim: str, runs: list[dict[str, Any]], costs: Any) -> dict[str, Any]:
     from _bound import bound
 
@@ -229,7 +223,7 @@ def _summarise(case: Case, sim: str, runs: list[dict[str, Any]], costs: Any) -> 
         "virtual_stages": case.virtual_stages,
         # a hand-placed schedule's row stays out of the "best" and acceptance figures,
         # which take the uniform split's named schedules
-        "split": f"{case.split} (schedule CSV)" if _is_csv(case.schedule) else case.split,
+        "split": f"{case.split} (schedule CSV)" if is_csv_path(case.schedule) else case.split,
         "bound_schedule": sim,
     }
     ok = [r for r in runs if r["status"] == "ok"]
