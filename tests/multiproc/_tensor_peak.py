@@ -4,7 +4,9 @@ A dispatch mode sees every tensor an operator returns, forward and backward: eac
 storage is counted until it is freed (a weak reference to it expires). Storages that
 existed before the block (parameters, optimizer state) are left out, so the peak is
 what the block adds; a storage resized in place counts at its current size (ZeRO-3
-frees its gathered buffers that way). Allocator caching and non-tensor memory are
+frees its gathered buffers that way). Storages are told apart by identity, not by
+address: a storage resized to 0 gives its memory back while it lives, and the next
+allocation may take the same address. Allocator caching and non-tensor memory are
 not in it.
 """
 
@@ -32,7 +34,9 @@ class TensorPeak(TorchDispatchMode):
         self.live: dict[int, tuple[Any, int, str]] = {}
         self.current = self.peak = 0
         self.at_peak: list[tuple[int, str]] = []
-        self.before = set()
+        # storages that held memory before the block, by identity, with a weak reference
+        # so that a new storage reusing a freed one's identity is still counted
+        self.before: dict[int, Any] = {}
         with warnings.catch_warnings():  # isinstance on deprecated module attributes warns
             warnings.simplefilter("ignore", FutureWarning)
             objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
@@ -40,8 +44,13 @@ class TensorPeak(TorchDispatchMode):
             if isinstance(obj, torch.Tensor) and not obj.is_meta:
                 grad = obj.grad if isinstance(obj, torch.nn.Parameter) else None
                 for t in (obj, grad):
+                    if t is None:
+                        continue
                     with contextlib.suppress(RuntimeError, NotImplementedError):  # fake tensors
-                        self.before.add(t.untyped_storage().data_ptr() if t is not None else 0)
+                        storage = t.untyped_storage()
+                        if storage.nbytes():  # an empty one (a freed ZeRO-3 gather) may grow
+                            ref = StorageWeakRef(storage)
+                            self.before[ref.cdata] = ref
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -57,9 +66,14 @@ class TensorPeak(TorchDispatchMode):
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                 storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key and key not in self.live and key not in self.before:
-                    self.live[key] = (StorageWeakRef(storage), storage.nbytes(), str(func))
+                ref = StorageWeakRef(storage)
+                key = ref.cdata
+                old = self.before.get(key)
+                if old is not None and old.expired():
+                    del self.before[key]
+                    old = None
+                if storage.nbytes() and key not in self.live and old is None:
+                    self.live[key] = (ref, storage.nbytes(), str(func))
                     self.current += storage.nbytes()
         if self.current > self.peak:
             self.peak = self.current
