@@ -35,6 +35,21 @@ def _sequential(case: Case) -> nn.Sequential:
     return net
 
 
+MEASURED = "zero_bubble+measured"
+"""zero_bubble with ``active_microbatches`` one above what ZB-H1 holds (at most the
+microbatches): the runtime times the second step and places W from those times."""
+
+
+def _schedule_keys(case: Case) -> dict[str, Any]:
+    if case.schedule != MEASURED:
+        return {"pipeline": case.schedule}
+    from mpar.schedule import peak_in_flight, zero_bubble
+
+    m, p, v = case.model.microbatches, case.pp, case.virtual_stages
+    held = max(peak_in_flight(zero_bubble(p * v, p, m)))
+    return {"pipeline": "zero_bubble", "active_microbatches": min(m, held + 1)}
+
+
 def run(case: Case) -> dict[str, Any]:
     import mpar
 
@@ -42,10 +57,10 @@ def run(case: Case) -> dict[str, Any]:
         {
             "pipeline_parallel_degree": case.pp,
             "microbatches": case.model.microbatches,
-            "pipeline": case.schedule,
             "virtual_stages": case.virtual_stages,
             "ddp": case.dp > 1,
             "auto_partition": case.split == "auto",
+            **_schedule_keys(case),
         }
     )
     threads = set_threads()

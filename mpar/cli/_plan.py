@@ -231,6 +231,7 @@ def _plan_options(config: Config, world_size: int) -> dict[str, Any]:
         "virtual_stages": config.virtual_stages,
         "microbatches": config.microbatches,
         "pipeline": config.pipeline,
+        "active_microbatches": config.active_microbatches,
         "optimize": config.optimize,
         "memory_weight": config.memory_weight,
         "data_parallel_degree": world_size // (pp * tp),

@@ -76,6 +76,16 @@ def _all_gather_object(obj: T, group: ProcessGroup, size: int) -> list[T]:
     return out
 
 
+def all_gather_object_world(obj: T, grid: ProcessGrid) -> list[T]:
+    """Every rank's ``obj``, in global rank order."""
+    if grid.world_size == 1:
+        return [obj]
+    out: list[T] = [obj] * grid.world_size  # placeholders, overwritten
+    with Waiting(("collective", "all_gather_object", None)):
+        dist.all_gather_object(out, obj)
+    return out
+
+
 def all_gather_object_pp(obj: T, grid: ProcessGrid) -> list[T]:
     """Every pipeline stage's ``obj`` (this rank's pipeline), in stage order."""
     return _all_gather_object(obj, grid.pp_group, grid.pp_size)

@@ -175,8 +175,13 @@ class Plan:
 
 
 @functools.lru_cache(maxsize=4096)
-def _in_flight(p: int, v: int, m: int, pipeline: str) -> tuple[list[int], Any]:
-    """Per rank: microbatches in flight per chunk; and the schedule module or None."""
+def _in_flight(
+    p: int, v: int, m: int, pipeline: str, active_microbatches: int | None = None
+) -> tuple[list[int], Any]:
+    """Per rank: microbatches in flight per chunk; and the schedule module or None.
+
+    ``zero_bubble`` with ``active_microbatches`` above ZB-H1's peak may be placed from
+    measured times to hold that many on any rank (``runtime._placement``): counted so."""
     sched: Any
     try:
         from mpar import schedule as sched
@@ -184,6 +189,9 @@ def _in_flight(p: int, v: int, m: int, pipeline: str) -> tuple[list[int], Any]:
         sched = None
     if sched is not None:
         peaks = sched.peak_in_flight(sched.build_schedule(pipeline, p, m, virtual_stages=v))
+        k = active_microbatches
+        if pipeline == "zero_bubble" and k is not None and k > max(peaks):
+            peaks = [k] * p
         return [max(1, math.ceil(peak / v)) for peak in peaks], sched
     if pipeline == "simple":
         return [m] * p, None
@@ -496,9 +504,10 @@ def lay_out(
     weight: float = 0.0,
     cap_rank: int | None = None,
     method: str = "profile",
+    active_microbatches: int | None = None,
 ) -> _Laid:
     """Partition for one layout and compute every stage's memory and time (no simulation)."""
-    in_flight, sched = _in_flight(p, v, m, pipeline)
+    in_flight, sched = _in_flight(p, v, m, pipeline, active_microbatches)
     transfers = _transfers(p, v, m, pipeline) if sched is not None else ()
     units = profile.units
     memory, reserve = unit_memory(units, layout, max(in_flight), transfers)
@@ -570,6 +579,7 @@ def make_plan(
     microbatch_size: int | None = None,
     tensor_parallel_degree: int = 1,
     tp_splits: TPSplits | None = None,
+    active_microbatches: int | None = None,
 ) -> Plan:
     """Partition a profiled model over ``num_ranks`` pipeline ranks and predict its cost.
 
@@ -579,6 +589,9 @@ def make_plan(
         virtual_stages: chunks per rank ``v`` (``p * v`` stages).
         microbatches: microbatches per step ``m``.
         pipeline: a name in ``mpar.schedule.PIPELINES`` or a schedule CSV path.
+        active_microbatches: the config key; only ``zero_bubble``'s allowance (a value
+            above ZB-H1's peak, which a placement from measured times may use on any
+            rank) changes the memory counted.
         memory_weight: weight of memory against compute; default from ``optimize``
             ("speed" → 0.2, "memory" → 0.8).
         device_memory: bytes (or "16GiB") available per rank; enforced by "profile".
@@ -641,6 +654,7 @@ def make_plan(
         weight=weight,
         cap_rank=cap_rank,
         method=method,
+        active_microbatches=active_microbatches,
     )
     makespan, bubble, simulated = _predict(
         laid.stages, p, v, m, pipeline, laid.sched, activation_checkpointing, cost

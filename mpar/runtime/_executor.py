@@ -209,12 +209,14 @@ class StepRun:
         call: Callable[[int], object],
         capture: Callable[[int], tuple[Args, Kwargs]],
         name: str = "step",
+        record: bool = False,
     ) -> None:
         """``call(j)`` runs the user's step function on microbatch ``j`` (it calls
         ``model(...)``, which comes back here as :meth:`model_forward`);
         ``capture(j)`` runs it only up to ``model(...)`` and returns that call's
         ``(args, kwargs)``; ``name`` names the step function in errors; ``sharded``
-        None: nothing is sharded (the schedule has no ZeRO actions)."""
+        None: nothing is sharded (the schedule has no ZeRO actions); ``record``: keep a
+        timeline even without ``trace``."""
         self.stages, self.batches, self.st = stages, batches, st
         self.sharding: Sharding = NO_SHARDING if sharded is None else sharded
         self.call, self.capture, self.name = call, capture, name
@@ -235,8 +237,9 @@ class StepRun:
         self.bound: set[int] = set()
         self.weight_work: dict[tuple[int, int], Callable[[], None]] = {}
         """(stage, microbatch) -> the W still to run after its I."""
-        self.timeline: StepTimeline | None = StepTimeline(time.time()) if st.config.trace else None
-        """With ``trace``: each action's start and end (``runtime._timeline``)."""
+        recording = st.config.trace or record
+        self.timeline: StepTimeline | None = StepTimeline(time.time()) if recording else None
+        """With ``trace`` (or ``record``): each action's start and end (``runtime._timeline``)."""
         self.transfers = Transfers(schedule, st, self.timeline)
         params = (p for m in stages.modules.values() for p in m.parameters())
         self.memory = ActivationMemory(chain(params, self.sharding.flat_buffers()))

@@ -23,6 +23,7 @@ from mpar.errors import StepError
 from mpar.runtime._adapt import disable_caches
 from mpar.runtime._executor import Captured, StepRun
 from mpar.runtime._microbatch import Microbatches
+from mpar.runtime._placement import MeasuredPlacement
 from mpar.runtime._sharding import gathered, make_sharded
 from mpar.runtime._stages import LocalStages, build_local_stages
 from mpar.shard import ShardedStages
@@ -92,6 +93,7 @@ class DistributedModel:
         self._key_order = list(self._dtypes)
         self._aliases = _tensor_aliases(module)
         self._schedules: dict[bool, Any] = {}
+        self._placement = MeasuredPlacement()
         self.tp_layout: TPLayout | None = _tp_layout(module, self.grid, self.config)
         """How tensor parallelism splits this model (None at tensor_parallel_degree 1)."""
         self._st.models.add(self)
@@ -170,20 +172,33 @@ class DistributedModel:
             )
         return self._schedules[forward_only]
 
+    def _lowered(self, schedule: Any) -> Any:
+        """``schedule`` lowered as :meth:`schedule` lowers the configured one."""
+        from mpar.schedule import lower
+
+        cfg = self.config
+        return lower(
+            schedule,
+            zero_stage=None if self.sharded is None else cfg.zero.stage,
+            reshard_gap=1 if cfg.zero.reshard_after_forward else None,
+        )
+
     def run_step(self, fn: Callable[..., Any], batches: Microbatches) -> StepRun:
         """Run one step of ``fn`` over ``batches`` on this rank; returns the finished run
         (its ``outputs``, ``timeline`` and ``schedule``)."""
         self.ensure_partitioned(fn, batches)
         assert self.stages is not None
+        training = torch.is_grad_enabled()
         run = StepRun(
             self.stages,
             self.sharded,
-            self.schedule(forward_only=not torch.is_grad_enabled()),
+            self.schedule(forward_only=not training),
             batches,
             self.run_state(),
             call=lambda j: fn(self, *batches.args[j], **batches.kwargs[j]),
             capture=lambda j: self.capture(fn, batches, j),
             name=getattr(fn, "__name__", repr(fn)),
+            record=self._placement.records(self.run_state(), training),
         )
         self.active_run = run  # model(...) and model.backward(loss) go to it
         try:
@@ -191,6 +206,9 @@ class DistributedModel:
         finally:
             self.active_run = None
         self.activation_peak_bytes = run.peak_activation_bytes
+        placed = self._placement.after_step(self.run_state(), training, run.timeline)
+        if placed is not None:  # every rank, at the same step: measured W placement
+            self._schedules[False] = self._lowered(placed)
         return run
 
     # -- calls inside a step ---------------------------------------------------------

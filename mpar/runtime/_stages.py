@@ -107,6 +107,7 @@ def _decide_boundaries(
         virtual_stages=cfg.virtual_stages,
         microbatches=cfg.microbatches,
         pipeline=cfg.pipeline,
+        active_microbatches=cfg.active_microbatches,
         memory_weight=cfg.memory_weight,
         optimize=cfg.optimize,
         data_parallel_degree=st.grid.dp_size,

@@ -169,6 +169,8 @@ def train_ranks(
         "outputs": outputs,
         "pp": (mpar.pp_rank(), mpar.pp_size()),
         "dp": (dp_rank, dp),
+        "schedule": dmodel.schedule(forward_only=False),  # the training schedule run last
+        "placement_costs": dmodel._placement.costs,  # zero_bubble placed from measured times
         "param_devices": sorted({p.device.type for p in dmodel.local_parameters()}),
         "tp": (mpar.tp_rank(), mpar.tp_size()),
         "tp_shards": {} if dmodel.tp_layout is None else dict(dmodel.tp_layout.shards),

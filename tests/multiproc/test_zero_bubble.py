@@ -327,3 +327,50 @@ BF16 = [
 @pytest.mark.parametrize(("pipeline", "pp", "dp", "m", "zero"), BF16)
 def test_bf16_follows_the_mixed_precision_recipe(pipeline, pp, dp, m, zero):
     _run_bf16(pipeline, pp, dp, m, zero)
+
+
+@pytest.mark.timeout(300)
+def test_a_placement_from_stage_costs_with_an_allowance_is_transparent(tmp_path):
+    """zero_bubble placed with unequal stage costs and room for 3 microbatches (an order
+    the unit costs never give: each rank runs a third forward before a W) trains as one
+    process does, run from its CSV."""
+    from mpar.schedule import StageCosts, peak_in_flight, write_csv, zero_bubble
+
+    costs = StageCosts([7.4, 9.0], [14.0, 16.1], 0.5, [0.0, 9.5], [14.0, 6.6])
+    schedule = zero_bubble(2, 2, 4, active_microbatches=3, costs=costs)
+    assert schedule.actions != zero_bubble(2, 2, 4).actions
+    assert max(peak_in_flight(schedule)) == 3
+    path = tmp_path / "placed.csv"
+    write_csv(schedule, path)
+    config = {"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline": str(path)}
+    results = run_distributed(train_ranks, 2, args=(config, "gpt", "adamw", STEPS), timeout=240)
+    _check(results, reference("gpt", "adamw", STEPS))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("zero", [0, 3])
+def test_zero_bubble_with_an_allowance_is_placed_from_measured_times(zero):
+    """active_microbatches above ZB-H1's 2: the second step is timed, every rank switches
+    to the placement from the gathered times at the third, and training stays exact."""
+    from mpar.schedule import lower, peak_in_flight, zero_bubble
+
+    steps = 4
+    config = {"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline": "zero_bubble",
+              "active_microbatches": 3, "zero": {"stage": zero}}  # fmt: skip
+    dp = 2 if zero else 1
+    results = run_distributed(
+        train_ranks, 2 * dp, args=(config, "gpt", "adamw", steps, None, 8), timeout=240
+    )
+    ref = reference("gpt", "adamw", steps, batch_size=8)
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), **TOL)
+        for name, tensor in ref["state"].items():
+            torch.testing.assert_close(r["state"][name], tensor, **TOL, msg=name)
+    schedules = [r["schedule"] for r in results]
+    assert all(s.actions == schedules[0].actions for s in schedules)  # every rank the same
+    costs = results[0]["placement_costs"]
+    assert costs is not None and all(r["placement_costs"] == costs for r in results)
+    assert all(f > 0 for f in costs.forward) and costs.weight_backward[1] > 0
+    expected = lower(zero_bubble(2, 2, 4, active_microbatches=3, costs=costs), zero_stage=zero)
+    assert schedules[0].actions == expected.actions
+    assert max(peak_in_flight(schedules[0])) <= 3

@@ -193,3 +193,26 @@ def test_tensor_peak_counts_a_storage_that_takes_a_freed_ones_address():
             total = kept + 1
         assert peak.peak == 2 * 32768 * 4, peak.at_peak
         del freed, total
+
+
+def test_zero_bubble_allowance_is_counted_on_every_rank():
+    """active_microbatches above ZB-H1's 2 lets the measured placement hold 3 on any
+    rank: the plan counts 3 microbatches of activations there; a cap or another
+    schedule is unchanged."""
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])  # activations dominate
+    profile = profile_model(net, (torch.randn(2048, 64),), repeats=1, warmup=0)
+    options = dict(num_ranks=2, microbatches=4, pipeline="zero_bubble", device="cpu")
+    base = make_plan(profile, **options)
+    allowed = make_plan(profile, **options, active_microbatches=3)
+    assert allowed.boundaries == base.boundaries
+    for before, after in zip(base.stages, allowed.stages):  # 3 microbatches held, not 2
+        assert 2 * after.activation_bytes == 3 * before.activation_bytes
+    assert max(allowed.rank_memory_bytes) > max(base.rank_memory_bytes)
+    same = make_plan(profile, **options, active_microbatches=2)
+    assert same.rank_memory_bytes == base.rank_memory_bytes
+    options["pipeline"] = "interleaved"
+    plain = make_plan(profile, **options)
+    assert make_plan(profile, **options, active_microbatches=3).rank_memory_bytes == (
+        plain.rank_memory_bytes
+    )

@@ -190,3 +190,57 @@ def test_zbv_errors_config_and_csv(tmp_path):
     write_csv(zbv(4, 2, 4), path)
     back = read_csv(path)
     assert back.placement == "v" and back.actions == zbv(4, 2, 4).actions
+
+
+def _costs(p, v, seed):
+    import random
+
+    from mpar.schedule import StageCosts
+
+    rng = random.Random(seed)
+    n = p * v
+    forward = [rng.uniform(0.5, 2.0) for _ in range(n)]
+    i_part = [0.0] + [rng.uniform(0.5, 2.0) for _ in range(n - 1)]  # stage 0: no input grad
+    w_part = [rng.uniform(0.5, 2.0) + (2 * forward[0] if s == 0 else 0.0) for s in range(n)]
+    backward = [a + b for a, b in zip(i_part, w_part)]
+    return StageCosts(forward, backward, rng.uniform(0.0, 0.3), i_part, w_part)
+
+
+@pytest.mark.parametrize(("p", "v", "m"), [s for s in SHAPES if s[0] > 1])
+@pytest.mark.parametrize("allowance", [0, 1])
+def test_a_placement_from_costs_is_valid_within_its_memory_and_not_slower(p, v, m, allowance):
+    from mpar.schedule._zero_bubble import _steps_makespan
+
+    costs = _costs(p, v, seed=p * 100 + v * 10 + m)
+    unit = zero_bubble(p * v, p, m)
+    k = max(peak_in_flight(unit)) + allowance
+    placed = zero_bubble(p * v, p, m, active_microbatches=k if allowance else None, costs=costs)
+    validate(placed)
+    validate(lower_communication(placed))
+    assert max(peak_in_flight(placed)) <= k
+    assert _steps_makespan(placed, costs) <= 1.01 * _steps_makespan(unit, costs)
+    for r, actions in placed.actions.items():  # the same F and I order as the unit placement
+        same = [a for a in actions if a.kind != Kind.W]
+        assert same == [a for a in unit.actions[r] if a.kind != Kind.W]
+
+
+def test_a_heavier_last_stage_with_room_for_a_third_microbatch():
+    """Issue 29's measured case (p=2, m=4, traced action times in ms): the unit costs cannot
+    see that rank 0 runs ahead, so only a timed placement with an allowance gains."""
+    from mpar.schedule import StageCosts
+    from mpar.schedule._zero_bubble import _steps_makespan
+
+    costs = StageCosts([7.4, 9.0], [14.0, 16.1], 0.5, [0.0, 9.5], [14.0, 6.6])
+    unit = zero_bubble(2, 2, 4)
+    assert zero_bubble(2, 2, 4, costs=costs).actions == unit.actions  # ZB-H1's memory: optimal
+    placed = zero_bubble(2, 2, 4, active_microbatches=3, costs=costs)
+    assert peak_in_flight(placed) == [2, 3]  # the allowance on the last stage only
+    assert _steps_makespan(placed, costs) < 0.96 * _steps_makespan(unit, costs)
+    assert placed.actions[0] == unit.actions[0]
+    # the first W fills the wait for the third forward; the last three fill the next
+    # step's start (benchmarks/schedules/p2_m4_last_stage_three_in_flight.csv)
+    assert [str(a) for a in placed.actions[1]] == [
+        "1F0", "1I0", "1F1", "1I1", "1W0", "1F2", "1I2", "1F3", "1I3", "1W1", "1W2", "1W3",
+    ]  # fmt: skip
+    with pytest.raises(ScheduleError, match="costs cover 3 stages"):
+        zero_bubble(2, 2, 4, costs=StageCosts([1, 1, 1], [2, 2, 2]))
