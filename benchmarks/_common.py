@@ -65,6 +65,12 @@ class ModelSpec:
         )
 
 
+MEASURED = "zero_bubble+measured"
+"""mpar's zero_bubble with ``active_microbatches`` one above what ZB-H1 holds (at most
+the microbatches): the runtime times steps 3 to 5 and places W from those times (the row
+warms up for at least 5 steps)."""
+
+
 @dataclass(frozen=True)
 class Case:
     """One run: a framework and schedule on a pp x dp layout, timed for ``steps`` steps."""

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 from _common import (
+    MEASURED,
     Case,
     global_batch,
     loss_fn,
@@ -33,11 +34,6 @@ def _sequential(case: Case) -> nn.Sequential:
             for i in range(start, stop):
                 net.add_module(str(i), layers[i])
     return net
-
-
-MEASURED = "zero_bubble+measured"
-"""zero_bubble with ``active_microbatches`` one above what ZB-H1 holds (at most the
-microbatches): the runtime times the second step and places W from those times."""
 
 
 def _schedule_keys(case: Case) -> dict[str, Any]:

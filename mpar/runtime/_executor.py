@@ -238,6 +238,9 @@ class StepRun:
         self.weight_work: dict[tuple[int, int], Callable[[], None]] = {}
         """(stage, microbatch) -> the W still to run after its I."""
         recording = st.config.trace or record
+        self.synchronized = record and st.device.type != "cpu"
+        """Timed for a placement: each action waits for its device work, so its time is
+        the device's (a traced run is timed as it runs)."""
         self.timeline: StepTimeline | None = StepTimeline(time.time()) if recording else None
         """With ``trace`` (or ``record``): each action's start and end (``runtime._timeline``)."""
         self.transfers = Transfers(schedule, st, self.timeline)
@@ -530,6 +533,8 @@ class StepRun:
             else:
                 start, waited, computed = time.time(), timeline.waited, timeline.computed
                 handler(action.stage, -1 if j is None else j)
+                if self.synchronized:
+                    _device.synchronize([self.st.device])
                 end = time.time()
                 timeline.actions.append(
                     (

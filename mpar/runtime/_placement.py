@@ -1,10 +1,11 @@
 """zero_bubble placed from measured action times (issue 29).
 
 With ``"pipeline": "zero_bubble"`` and ``active_microbatches`` above the microbatches
-ZB-H1 holds (1F1B's peak), the runtime times the actions of the second training step
-on every rank, gathers each stage's median forward, input-backward and weight-backward
-time and the median send over all ranks, and from the third training step on runs
-``zero_bubble(..., costs=...)``: the W placement whose consecutive steps simulate
+ZB-H1 holds (1F1B's peak), the runtime times the actions of the third, fourth and fifth
+training steps on every rank, gathers them over all ranks, takes each stage's shortest
+forward, input-backward and weight-backward time and the shortest send (the least
+disturbed by whatever else the machine runs), and from the sixth training step on
+runs ``zero_bubble(..., costs=...)``: the W placement whose consecutive steps simulate
 shortest with those times, holding up to ``active_microbatches`` where that pays (see
 ``mpar.schedule.zero_bubble``). Every rank computes the same schedule from the same
 gathered times, so the ranks switch together.
@@ -12,7 +13,6 @@ gathered times, so the ranks switch together.
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 from mpar.comm import State
@@ -22,9 +22,9 @@ from mpar.schedule import Action, Kind, Schedule, StageCosts
 
 __all__ = ["MeasuredPlacement"]
 
-_MEASURED_STEP = 2
-"""The training step whose action times are measured (the first partitions, traces
-and warms caches)."""
+_MEASURED_STEPS = (3, 4, 5)
+"""The training steps whose action times are measured: the first partitions and traces,
+and the next one or two still run slower than the rest (allocator, caches)."""
 _KINDS = (Kind.F, Kind.I, Kind.W)
 
 
@@ -33,24 +33,30 @@ class MeasuredPlacement:
 
     def __init__(self) -> None:
         self.training_steps = 0
+        self.samples: list[dict[str, Any]] = []
+        """This rank's action times from the measured steps so far."""
         self.costs: StageCosts | None = None
         """The gathered times (seconds) the placement was made from, once it is."""
 
     def records(self, st: State, training: bool) -> bool:
-        """Whether the step about to run (with ``st``'s config) is the one to time."""
-        return training and self.training_steps + 1 == _MEASURED_STEP and _wanted(st)
+        """Whether the step about to run (with ``st``'s config) is one to time."""
+        return training and self.training_steps + 1 in _MEASURED_STEPS and _wanted(st)
 
     def after_step(
         self, st: State, training: bool, timeline: StepTimeline | None
     ) -> Schedule | None:
-        """Count the step; after the timed one, the placed schedule (not yet lowered)."""
+        """Count the step; after the last timed one, the placed schedule (not yet
+        lowered)."""
         if not training:
             return None
         self.training_steps += 1
-        if self.training_steps != _MEASURED_STEP or timeline is None or not _wanted(st):
+        if self.training_steps not in _MEASURED_STEPS or timeline is None or not _wanted(st):
             return None
-        every = all_gather_object_world(_local_times(timeline), st.grid)
-        self.costs = _costs(every, st.config.num_stages)
+        self.samples.append(_local_times(timeline))
+        if self.training_steps != _MEASURED_STEPS[-1]:
+            return None
+        every = all_gather_object_world(self.samples, st.grid)
+        self.costs = _costs([rank for steps in every for rank in steps], st.config.num_stages)
         return _placed(st, self.costs)
 
 
@@ -82,8 +88,8 @@ def _local_times(timeline: StepTimeline) -> dict[str, Any]:
 
 
 def _costs(every: list[dict[str, Any]], num_stages: int) -> StageCosts:
-    """Median times per stage and kind over every rank that ran them (0 where none ran:
-    a W with nothing deferred)."""
+    """The shortest time per stage and kind over every rank and measured step that ran
+    them (0 where none ran: a W with nothing deferred)."""
     pooled: dict[tuple[int, str], list[float]] = {}
     sends: list[float] = []
     for rank in every:
@@ -91,15 +97,15 @@ def _costs(every: list[dict[str, Any]], num_stages: int) -> StageCosts:
             pooled.setdefault(key, []).extend(values)
         sends += rank["sends"]
 
-    def median(stage: int, kind: Kind) -> float:
+    def shortest(stage: int, kind: Kind) -> float:
         values = pooled.get((stage, kind.value))
-        return statistics.median(values) if values else 0.0
+        return min(values) if values else 0.0
 
-    forward = [median(s, Kind.F) for s in range(num_stages)]
-    i_part = [median(s, Kind.I) for s in range(num_stages)]
-    w_part = [median(s, Kind.W) for s in range(num_stages)]
+    forward = [shortest(s, Kind.F) for s in range(num_stages)]
+    i_part = [shortest(s, Kind.I) for s in range(num_stages)]
+    w_part = [shortest(s, Kind.W) for s in range(num_stages)]
     backward = [i + w for i, w in zip(i_part, w_part)]
-    comm = statistics.median(sends) if sends else 0.0
+    comm = min(sends) if sends else 0.0
     return StageCosts(forward, backward, comm, i_part, w_part)
 
 

@@ -350,11 +350,11 @@ def test_a_placement_from_stage_costs_with_an_allowance_is_transparent(tmp_path)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("zero", [0, 3])
 def test_zero_bubble_with_an_allowance_is_placed_from_measured_times(zero):
-    """active_microbatches above ZB-H1's 2: the second step is timed, every rank switches
-    to the placement from the gathered times at the third, and training stays exact."""
+    """active_microbatches above ZB-H1's 2: steps 3 to 5 are timed, every rank switches
+    to the placement from the gathered times at the sixth, and training stays exact."""
     from mpar.schedule import lower, peak_in_flight, zero_bubble
 
-    steps = 4
+    steps = 7
     config = {"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline": "zero_bubble",
               "active_microbatches": 3, "zero": {"stage": zero}}  # fmt: skip
     dp = 2 if zero else 1
