@@ -228,7 +228,7 @@ def _summarise(case: Case, sim: str, runs: list[dict[str, Any]], costs: Any) -> 
         "virtual_stages": case.virtual_stages,
         # a hand-placed schedule's row stays out of the "best" and acceptance figures,
         # which take the uniform split's named schedules
-        "split": f"{case.split} (schedule CSV)" if is_csv_path(case.schedule) else case.split,
+        "split": _split_label(case),
         "bound_schedule": sim,
     }
     ok = [r for r in runs if r["status"] == "ok"]
@@ -296,8 +296,19 @@ def _ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _split_label(case: Case) -> str:
+    """The row's split; rows that are not a named schedule on its own (a schedule CSV,
+    the measured placement, which adds memory) are marked and kept out of the best and
+    acceptance figures."""
+    if is_csv_path(case.schedule):
+        return f"{case.split} (schedule CSV)"
+    if case.schedule == MEASURED:
+        return f"{case.split} (measured placement)"
+    return case.split
+
+
 ZERO_BUBBLE = {
-    "mpar": {"zero_bubble", MEASURED, "zbv"},
+    "mpar": {"zero_bubble", "zbv"},
     "torch": {"ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"},
 }
 
