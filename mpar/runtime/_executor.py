@@ -238,9 +238,9 @@ class StepRun:
         self.weight_work: dict[tuple[int, int], Callable[[], None]] = {}
         """(stage, microbatch) -> the W still to run after its I."""
         recording = st.config.trace or record
-        self.synchronized = record and st.device.type != "cpu"
-        """Timed for a placement: each action waits for its device work, so its time is
-        the device's (a traced run is timed as it runs)."""
+        self.synchronized = record
+        """Timed for a placement: each action waits for its device work (nothing to wait
+        for on the CPU), so its time is the device's; a traced run is timed as it runs."""
         self.timeline: StepTimeline | None = StepTimeline(time.time()) if recording else None
         """With ``trace`` (or ``record``): each action's start and end (``runtime._timeline``)."""
         self.transfers = Transfers(schedule, st, self.timeline)
