@@ -23,6 +23,7 @@ def _installed(module: str) -> bool:
         return False
 
 
+@pytest.mark.slow  # 30-50 s; the pipeline transparency and zero-bubble tests cover the runtime
 @pytest.mark.timeout(180)
 def test_pipeline_benchmark_quick(tmp_path: Path) -> None:
     cmd = [
