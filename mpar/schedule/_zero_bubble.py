@@ -261,13 +261,7 @@ class _Rank:
 
 
 def _ready(action: Action, finished: dict[Action, int], t: int, num_stages: int) -> bool:
-    s, j = action.stage, action.microbatch
-    if action.kind == Kind.F:
-        needed = None if s == 0 else Action(s - 1, Kind.F, j)
-    elif s == num_stages - 1:
-        needed = Action(s, Kind.F, j)
-    else:
-        needed = Action(s + 1, Kind.I, j)
+    needed = _input_of(action, num_stages)
     return needed is None or finished.get(needed, t + 1) <= t
 
 
