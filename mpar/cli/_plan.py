@@ -242,6 +242,7 @@ def _plan_options(config: Config, world_size: int) -> dict[str, Any]:
         "offload_params": config.zero.offload_params == "cpu",
         "gather": config.zero.gather,
         "device_memory": config.device_memory,
+        "split_backward": config.split_backward,
     }
 
 

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from mpar._size import parse_bytes
 from mpar.errors import PartitionError
 from mpar.partition._cost import CostModel
-from mpar.partition._memory import Layout, _check_gather, effective_gather
+from mpar.partition._memory import Layout, _check_gather, effective_gather, splits_backward
 from mpar.partition._plan import (
     _predict,
     lay_out,
@@ -160,6 +160,7 @@ class Candidate:
             self.offload_params,
             gather=effective_gather(self.pipeline, self.gather),
             device=self.device,
+            weight_work=splits_backward(self.pipeline),
         )
 
     def config(self, device_memory: int | None = None) -> dict[str, Any]:
@@ -354,7 +355,10 @@ def _evaluate(
     pp, dp, m, pipeline, v = shape
     zero, opt, par, ckpt, precision = knobs
     gathered = effective_gather(pipeline, gather)
-    layout = Layout(dp, zero, precision, ckpt, opt, par, scale, gather=gathered, device=device)
+    layout = Layout(
+        dp, zero, precision, ckpt, opt, par, scale, gather=gathered, device=device,
+        weight_work=splits_backward(pipeline),
+    )  # fmt: skip
     try:
         laid = lay_out(profile, pp, v, m, pipeline, layout=layout, cost=cost, cap_rank=cap)
     except PartitionError:

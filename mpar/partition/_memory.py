@@ -66,6 +66,7 @@ __all__ = [
     "stage_extra_bytes",
     "transfer_bytes",
     "unit_activation_bytes",
+    "unit_held_bytes",
     "unit_host_bytes",
     "unit_state_bytes",
     "working_set_for_solver",
@@ -128,6 +129,11 @@ class Layout:
     """The device kind the ranks compute on: ``"cuda"`` / ``"xla"`` (offloaded state
     leaves the device for the host) or ``"cpu"`` (the host *is* the device: offloaded
     state counts in the same memory)."""
+    weight_work: bool = False
+    """Whether the schedule splits the backward (:func:`splits_backward`, with the
+    config's ``split_backward`` on): a microbatch whose W waits holds its linear layers'
+    inputs and output gradients (``UnitProfile.weight_work_bytes``), which may exceed
+    what its forward saved."""
 
     def __post_init__(self) -> None:
         if self.data_parallel_degree < 1:
@@ -297,6 +303,24 @@ def working_set_for_solver(
 def unit_activation_bytes(unit: UnitProfile, layout: Layout) -> float:
     """Bytes a unit saves for backward for one microbatch of the layout's size."""
     return unit.activation_bytes * layout.microbatch_scale * layout.dtype_factor
+
+
+def unit_held_bytes(unit: UnitProfile, layout: Layout, in_flight: int) -> float:
+    """Bytes a unit holds for backward with ``in_flight`` microbatches in flight.
+
+    Each holds what its forward saved (one microbatch's, recomputed, under activation
+    checkpointing). Under a split backward (``Layout.weight_work``) a microbatch whose
+    I ran holds what its W keeps instead, which may be more: counted as the larger of
+    the two for each microbatch in flight (and, with checkpointing, on top of the one
+    recomputed).
+    """
+    saved = unit_activation_bytes(unit, layout)
+    kept = unit.weight_work_bytes * layout.microbatch_scale * layout.dtype_factor
+    if not layout.weight_work:
+        kept = 0.0
+    if layout.activation_checkpointing:
+        return saved + kept * in_flight
+    return max(saved, kept) * in_flight
 
 
 def boundary_bytes(unit: UnitProfile, layout: Layout) -> float:

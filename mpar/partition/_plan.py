@@ -53,7 +53,7 @@ from mpar.partition._memory import (
     loss_bytes,
     optimizer_step_bytes,
     stage_extra_bytes,
-    unit_activation_bytes,
+    unit_held_bytes,
     unit_host_bytes,
     unit_state_bytes,
     working_set_for_solver,
@@ -437,10 +437,9 @@ def unit_memory(
     (kept boundary tensors, message buffers, the ZeRO working set by unit or group)
     is bounded by the largest boundary and units and reserved from the cap.
     """
-    flight = 1 if layout.activation_checkpointing else in_flight
     working, reserve = working_set_for_solver(units, layout)
     memory = [
-        unit_state_bytes(u, layout) + unit_activation_bytes(u, layout) * flight + w
+        unit_state_bytes(u, layout) + unit_held_bytes(u, layout, in_flight) + w
         for u, w in zip(units, working)
     ]
     memory[-1] += loss_bytes(units[-1], layout, in_flight)
@@ -580,6 +579,7 @@ def make_plan(
     tensor_parallel_degree: int = 1,
     tp_splits: TPSplits | None = None,
     active_microbatches: int | None = None,
+    split_backward: bool = True,
 ) -> Plan:
     """Partition a profiled model over ``num_ranks`` pipeline ranks and predict its cost.
 
@@ -592,6 +592,9 @@ def make_plan(
         active_microbatches: the config key; only ``zero_bubble``'s allowance (a value
             above ZB-H1's peak, which a placement from measured times may use on any
             rank) changes the memory counted.
+        split_backward: the config key; with a schedule that splits the backward
+            (``zero_bubble``, ``zbv``, a CSV with W actions), a microbatch whose W waits
+            is counted with what W keeps (``Layout.weight_work``).
         memory_weight: weight of memory against compute; default from ``optimize``
             ("speed" → 0.2, "memory" → 0.8).
         device_memory: bytes (or "16GiB") available per rank; enforced by "profile".
@@ -642,6 +645,7 @@ def make_plan(
         microbatch_scale,
         gather=effective_gather(pipeline, gather),
         device=device,
+        weight_work=split_backward and splits_backward(pipeline, p, v, m),
     )
     laid = lay_out(
         profile,
@@ -762,8 +766,10 @@ def _stage_plans(
         flight = in_flight[rank]
         state = int(sum(unit_state_bytes(u, layout) for u in group))
         state += _tied_replicas(group, {u.name for u in group})
-        saved = 1 if layout.activation_checkpointing else flight
-        act = int(sum(unit_activation_bytes(u, layout) for u in group) * saved)
+        # stage 0's layers never defer (nothing waits for its I): its W is one whole
+        # backward, holding what the forward saved
+        held = layout if s > 0 else dataclasses.replace(layout, weight_work=False)
+        act = int(sum(unit_held_bytes(u, held, flight) for u in group))
         moved = transfers[s] if s < len(transfers) else None
         extra = int(stage_extra_bytes(units, a, b, flight, layout, moved))
         seconds = math.fsum(compute[a:b])

@@ -82,6 +82,11 @@ class UnitProfile:
     tp_comm_bytes: int = 0
     """Bytes one rank sends over its tensor-parallel group per microbatch (forward and
     backward collectives); 0 except in a TP rank's profile (``mpar.partition._tp``)."""
+    weight_work_bytes: int = 0
+    """Bytes a split backward keeps from the unit's I until its W for one microbatch:
+    the input and the output gradient of each linear layer whose weight W computes
+    (``runtime._split_backward``); the zero-bubble schedules hold them for each
+    microbatch whose W waits."""
 
     @property
     def state_bytes(self) -> int:
@@ -234,6 +239,44 @@ def _fwd_bwd(unit: nn.Module, a: Any, kw: Any, params: list[nn.Parameter]) -> An
     return out
 
 
+class _WeightWorkCounter:
+    """Counts, over a unit's forward calls, what a split backward would keep for W:
+    each trainable ``nn.Linear``'s input (once per storage) and output gradient (the
+    output's size)."""
+
+    def __init__(self, unit: nn.Module) -> None:
+        self.layers = [
+            m for m in unit.modules() if isinstance(m, nn.Linear) and m.weight.requires_grad
+        ]
+        self.inputs: set[int] = set()
+        self.bytes = 0
+        self.handles: list[Any] = []
+
+    def __enter__(self) -> _WeightWorkCounter:
+        self.handles = [m.register_forward_hook(self._count) for m in self.layers]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def _count(self, _module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        x = args[0] if args else None
+        if isinstance(x, torch.Tensor):
+            try:  # the whole storage stays alive (a view of a wider output, say)
+                storage = x.untyped_storage()
+                key, nbytes = storage._cdata, storage.nbytes()
+            except (RuntimeError, NotImplementedError):  # tensors without a storage
+                key, nbytes = id(x), x.numel() * x.element_size()
+            if key not in self.inputs:
+                self.inputs.add(key)
+                self.bytes += nbytes
+        if isinstance(out, torch.Tensor):
+            self.bytes += out.numel() * out.element_size()
+
+
 class _SavedCounter:
     """Counts bytes autograd saves, once per storage, ignoring parameters and buffers."""
 
@@ -336,7 +379,8 @@ def _profile_unit_inner(
             tied[owner_of[id(p)]] = tied.get(owner_of[id(p)], 0) + state
     counter = _SavedCounter(exclude)
     saved_hooks = torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t)
-    with FlopCounterMode(display=False) as flop_mode, saved_hooks:
+    weight_work = _WeightWorkCounter(unit)
+    with FlopCounterMode(display=False) as flop_mode, saved_hooks, weight_work:
         for a, kw, _out in calls:
             _fwd_bwd(unit, a, kw, params)
     flops = int(flop_mode.get_total_flops())
@@ -356,6 +400,7 @@ def _profile_unit_inner(
         output_bytes=sum(_tensor_bytes(out) for _a, _kw, out in calls),
         tied_state_bytes=tied,
         calls=len(calls),
+        weight_work_bytes=weight_work.bytes,
         outer_params=[n for n, _p in roots],
     )
 

@@ -21,7 +21,7 @@ from mpar._compat import top_saved_tensors_hooks
 from mpar._tree import tree_leaves
 from mpar.comm._bootstrap import on_shutdown
 
-__all__ = ["ActivationMemory", "counting_only", "tensor_bytes"]
+__all__ = ["ActivationMemory", "counting_only", "storage_bytes", "tensor_bytes"]
 
 _SAVED_BYTES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[object, ...], int]] = (
     weakref.WeakKeyDictionary()
@@ -39,6 +39,17 @@ def tensor_bytes(value: object) -> int:
     return sum(
         t.untyped_storage().nbytes() for t in tree_leaves(value) if isinstance(t, torch.Tensor)
     )
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor], excluded: set[int]) -> int:
+    """Bytes of the distinct storages of ``tensors`` (views count once), leaving out
+    those in ``excluded`` (storage keys of parameters and flat buffers)."""
+    storages = {}
+    for t in tensors:
+        key = _device.storage_key(t)
+        if key not in excluded:
+            storages[key] = t.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 def _signature(value: object) -> tuple[object, ...]:
@@ -107,16 +118,32 @@ class ActivationMemory:
         """Peak of ``held_bytes`` during the step."""
         self.saved_inside: dict[tuple[int, int], int] = {}
         """(stage, microbatch) -> bytes autograd saved inside its forward."""
+        self.waiting_for_w: dict[tuple[int, int], int] = {}
+        """(stage, microbatch) -> bytes its I left for its W: the kept layers' inputs and
+        output gradients, or a whole deferred backward's graph."""
 
     def hold(self, value: object) -> None:
         """The tensors of ``value`` are kept for a backward."""
         self.held_bytes += tensor_bytes(value)
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
-    def drop(self, stage: int, j: int, value: object) -> None:
+    def drop(self, stage: int, j: int, value: object) -> int:
         """The backward of ``stage`` for microbatch ``j`` ran: ``value`` (what :meth:`hold`
-        was given) and what autograd saved inside its forward are gone."""
-        self.held_bytes -= tensor_bytes(value) + self.saved_inside.pop((stage, j), 0)
+        was given) and what autograd saved inside its forward are gone; their bytes."""
+        dropped = tensor_bytes(value) + self.saved_inside.pop((stage, j), 0)
+        self.held_bytes -= dropped
+        return dropped
+
+    def hold_for_weights(self, stage: int, j: int, nbytes: int) -> None:
+        """After the I of ``stage`` for microbatch ``j``: ``nbytes`` stay held until its
+        W (:meth:`weights_done`)."""
+        self.waiting_for_w[(stage, j)] = nbytes
+        self.held_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
+    def weights_done(self, stage: int, j: int) -> None:
+        """The W of ``stage`` for microbatch ``j`` ran: what its I left held is gone."""
+        self.held_bytes -= self.waiting_for_w.pop((stage, j), 0)
 
     @contextlib.contextmanager
     def counting(self, stage: nn.Module, s: int, j: int, inputs: object) -> Iterator[None]:

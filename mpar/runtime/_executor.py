@@ -52,7 +52,7 @@ from mpar.comm import State
 from mpar.comm._progress import PROGRESS
 from mpar.comm._types import Transfer, TransferLabel
 from mpar.errors import StepError
-from mpar.runtime._activations import ActivationMemory
+from mpar.runtime._activations import ActivationMemory, storage_bytes
 from mpar.runtime._microbatch import Microbatches
 from mpar.runtime._output import StepOutput, check_gatherable, detach_to_cpu
 from mpar.runtime._precision import cast_floats, compute_dtype
@@ -418,6 +418,7 @@ class StepRun:
         if work is None:
             raise StepError(f"internal: {s}W{j} runs before {s}I{j}")
         self._computing(work)
+        self.memory.weights_done(s, j)
         _device.after_action(self.st.device)
         self._weights_done(s)
 
@@ -443,16 +444,22 @@ class StepRun:
 
     def _backward_input(self, s: int, j: int, *, split: bool) -> None:
         inputs, outputs = self.saved.pop((s, j))
-        self.memory.drop(s, j, (inputs, outputs))
+        dropped = self.memory.drop(s, j, (inputs, outputs))
         roots, root_grads = self._roots(s, j, outputs)
         grads: object = None
-        work = _nothing
+        work: Callable[[], None] = _nothing
         if roots:
             if split:
                 keep = self.st.config.split_backward
                 work = self._computing(
                     lambda: split_backward(roots, root_grads, inputs, split=keep)
                 )
+                # what W still needs stays among the step's activations until it runs
+                held = work.held_tensors()
+                waiting = (
+                    dropped if work.whole is not None else storage_bytes(held, self.memory.excluded)
+                )
+                self.memory.hold_for_weights(s, j, waiting)
             else:
                 try:
                     self._computing(torch.autograd.backward, roots, root_grads)

@@ -61,6 +61,7 @@ from mpar.runtime._activations import counting_only
 
 __all__ = [
     "Defer",
+    "WeightWork",
     "accumulate_weight_grads",
     "defer_weight_gradients",
     "deferred_linear",
@@ -221,13 +222,41 @@ def defer_weight_gradients(module: nn.Module) -> int:
     return count
 
 
+class WeightWork:
+    """W of one stage and microbatch, as I (:func:`split_backward`) leaves it: calling it
+    computes the weight gradients. Until then it holds memory, which the executor
+    counts among the step's activations (:meth:`held_tensors`)."""
+
+    __slots__ = ("kept", "whole")
+
+    def __init__(self, kept: list[_Kept] | None, whole: Callable[[], None] | None) -> None:
+        self.kept = kept
+        """The linear layers' ``(weight, bias, x, dy)`` W computes from."""
+        self.whole = whole
+        """The whole backward, not yet run (a stage whose inputs need no gradient): its
+        autograd graph, with everything its forward saved, is held until W."""
+
+    def __call__(self) -> None:
+        if self.whole is not None:
+            whole, self.whole = self.whole, None
+            whole()
+        if self.kept:
+            accumulate_weight_grads(self.kept)
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The tensors only this W keeps alive once I is done: each kept layer's input
+        and output gradient (empty for a whole backward, whose graph holds what the
+        forward saved)."""
+        return [t for _w, _b, x, dy in self.kept or () for t in (x, dy)]
+
+
 def split_backward(
     roots: list[torch.Tensor],
     root_grads: list[torch.Tensor] | None,
     inputs: Any,
     *,
     split: bool = True,
-) -> Callable[[], None]:
+) -> WeightWork:
     """Run I: the stage's input gradients (and every gradient that is not a deferring
     linear layer's); return W. ``split=False`` (config ``split_backward``) runs the
     whole backward here and returns an empty W."""
@@ -236,18 +265,18 @@ def split_backward(
     def whole() -> None:
         torch.autograd.backward(roots, root_grads)
 
-    if not leaves:
-        return whole  # nothing upstream waits: all of the backward is weight work
+    if not leaves:  # nothing upstream waits: all of the backward is weight work
+        return WeightWork(None, whole)
     if not split:
         whole()
-        return _nothing
+        return WeightWork(None, None)
     kept: list[_Kept] = []
     _KEEPING.append(kept)
     try:
         whole()
     finally:
         _KEEPING.pop()
-    return lambda: accumulate_weight_grads(kept)
+    return WeightWork(kept, None)
 
 
 @torch.no_grad()
@@ -276,7 +305,3 @@ def accumulate_weight_grads(kept: list[_Kept]) -> None:
                 bias.grad = dy2.sum(0)
             else:
                 bias.grad.add_(dy2.sum(0))
-
-
-def _nothing() -> None:
-    pass

@@ -108,6 +108,7 @@ def _decide_boundaries(
         microbatches=cfg.microbatches,
         pipeline=cfg.pipeline,
         active_microbatches=cfg.active_microbatches,
+        split_backward=cfg.split_backward,
         memory_weight=cfg.memory_weight,
         optimize=cfg.optimize,
         data_parallel_degree=st.grid.dp_size,

@@ -342,3 +342,77 @@ def test_shutdown_resets_the_caches_and_init_starts_afresh(tmp_path):
         assert second["during"] == first["during"]  # nothing left over from the first init
         assert first["loss"] == second["loss"]
         assert first["mesh"] == (("pp", "dp", "tp"), (2, 1, 1))
+
+
+_HEAD = 512  # a wide last layer: what its W keeps (its output gradient) dwarfs what it saves
+
+
+def _wide_head() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = [torch.nn.Linear(8, 32), torch.nn.Tanh()]
+    for _ in range(3):
+        layers += [torch.nn.Linear(32, 32), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(32, _HEAD))
+
+
+def _activations_of(pipeline: str, split_backward: bool) -> dict[str, object]:
+    import mpar
+
+    mpar.init(
+        {
+            "pipeline_parallel_degree": 2,
+            "microbatches": 4,
+            "pipeline": pipeline,
+            "split_backward": split_backward,
+        }
+    )
+    model = mpar.DistributedModel(_wide_head())
+
+    @mpar.step
+    def train(m, x, y):
+        loss = torch.nn.functional.cross_entropy(m(x), y)
+        m.backward(loss)
+        return loss
+
+    torch.manual_seed(1)
+    x, y = torch.randn(48, 8), torch.randint(_HEAD, (48,))
+    train(model, x, y)
+    last = model.plan.stages[-1]
+    weights = [p for p in model.local_parameters() if p.dim() == 2]  # (out, in) of each Linear
+    return {
+        "rank": mpar.pp_rank(),
+        "measured": mpar.memory_report()["cpu"]["activations"],
+        "planned": last.activation_bytes,
+        # what a W of one microbatch (12 rows) keeps on this rank: inputs, output grads
+        "weight_work": sum(12 * 4 * sum(w.shape) for w in weights),
+    }
+
+
+def test_a_split_backward_counts_what_each_waiting_w_keeps():
+    """zero_bubble's last stage holds one microbatch in flight and one whose W waits
+    (its linear layers' inputs and output gradients), where 1F1B holds one: the
+    runtime's activation peak counts the difference, and the plan (which counts each
+    microbatch in flight as the larger of the two) is not below it.
+    Without the split (``split_backward: false``) zero_bubble holds what 1F1B holds."""
+    runs = {
+        name: {r["rank"]: r for r in run_distributed(_activations_of, 2, args=args, timeout=90)}
+        for name, args in {
+            "1f1b": ("interleaved", True),
+            "zb": ("zero_bubble", True),
+            "zb_unsplit": ("zero_bubble", False),
+        }.items()
+    }
+    last = {name: ranks[1] for name, ranks in runs.items()}
+    one = last["1f1b"]["measured"]  # 1F1B's last stage: one microbatch at a time
+    kept = last["zb"]["weight_work"]
+    assert kept > one > 0
+    # ZB-H1's last stage at p=2, m=4 (F0 I0 F1 I1 W0 F2 I2 W1 F3 I3 W2 W3) peaks at one
+    # microbatch in flight beside a waiting W, or at the two Ws waiting at the end
+    expected = max(one + kept, 2 * kept)
+    assert abs(last["zb"]["measured"] - expected) <= 0.1 * kept, (last["zb"], one, kept)
+    # nothing waits for a W: what 1F1B holds (give or take the boundary's bytes)
+    assert abs(last["zb_unsplit"]["measured"] - one) <= 0.1 * kept, (last["zb_unsplit"], one)
+    # the plan's activations are not below what ran, and close to it for zero_bubble
+    for name in ("1f1b", "zb", "zb_unsplit"):
+        assert last[name]["planned"] >= last[name]["measured"], (name, last[name])
+    assert last["zb"]["planned"] <= 1.25 * last["zb"]["measured"], last["zb"]

@@ -216,3 +216,31 @@ def test_zero_bubble_allowance_is_counted_on_every_rank():
     assert make_plan(profile, **options, active_microbatches=3).rank_memory_bytes == (
         plain.rank_memory_bytes
     )
+
+
+def test_a_split_backward_counts_what_a_waiting_w_keeps():
+    """Under zero_bubble a microbatch whose W waits holds its linear layers' inputs and
+    output gradients; where that is more than the forward saved (a wide last layer,
+    whose output gradient nothing saves), each microbatch in flight counts the larger.
+    1F1B, and zero_bubble with ``split_backward: false``, count what the forward saved."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Linear(64, 1024))
+    profile = profile_model(net, (torch.randn(256, 64),), repeats=1, warmup=0)
+    head = profile.units[-1]
+    assert head.weight_work_bytes == 4 * 256 * (64 + 1024) > head.activation_bytes
+    options = dict(num_ranks=2, microbatches=4, device="cpu", method="uniform")
+    split = make_plan(profile, pipeline="zero_bubble", **options)
+    whole = make_plan(profile, pipeline="zero_bubble", split_backward=False, **options)
+    plain = make_plan(profile, pipeline="interleaved", **options)
+    assert split.boundaries == whole.boundaries == plain.boundaries
+    last = [p.stages[-1] for p in (split, whole, plain)]
+    assert [s.in_flight for s in last] == [2, 2, 1]
+    units = [u for u in profile.units if u.name in last[0].units]
+    saved = sum(u.activation_bytes for u in units)
+    larger = sum(max(u.activation_bytes, u.weight_work_bytes) for u in units)
+    assert larger > saved
+    assert last[0].activation_bytes == 2 * larger
+    assert last[1].activation_bytes == 2 * saved
+    assert last[2].activation_bytes == saved
+    assert split.rank_memory_bytes[1] > whole.rank_memory_bytes[1]
+    assert split.rank_memory_bytes[0] == whole.rank_memory_bytes[0]  # no wide layer there

@@ -32,6 +32,35 @@ def test_linear_stack_counts():
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_weight_work_is_each_trainable_linears_input_and_output():
+    """What a split backward keeps from I to W: each linear layer's input (once per
+    storage) and its output's size (the output gradient); a frozen layer keeps none."""
+    block = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4), nn.Linear(4, 4))
+    block[3].weight.requires_grad_(False)
+    block[3].bias.requires_grad_(False)
+    model = nn.Sequential(block, _Twice(nn.Linear(4, 4)))  # one input, two calls
+    prof = profile_model(model, (torch.randn(5, 8),), repeats=1, warmup=0)
+    first, second = prof.units
+    assert first.weight_work_bytes == 4 * 5 * ((8 + 16) + (16 + 4))
+    assert second.weight_work_bytes == 4 * 5 * (4 + 4 + 4)  # the input's storage once
+    # the meta profile sees the same shapes
+    with torch.device("meta"):
+        meta_model = nn.Sequential(
+            nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), nn.Linear(4, 2)
+        )
+    meta = profile_model(meta_model, (torch.randn(5, 8),), mode="meta", flops_per_second=1e9)
+    assert [u.weight_work_bytes for u in meta.units] == [4 * 5 * (24 + 20), 4 * 5 * (4 + 2)]
+
+
+class _Twice(nn.Module):
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x) + self.layer(x)
+
+
 @pytest.mark.parametrize(("optimizer", "per_param"), [("sgd", 4), ("none", 0)])
 def test_optimizer_bytes(optimizer, per_param):
     model = nn.Sequential(nn.Linear(4, 4))
