@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -85,8 +86,8 @@ class UnitProfile:
     weight_work_bytes: int = 0
     """Bytes a split backward keeps from the unit's I until its W for one microbatch:
     the input and the output gradient of each linear layer whose weight W computes
-    (``runtime._split_backward``); the zero-bubble schedules hold them for each
-    microbatch whose W waits."""
+    (``runtime._split_backward``; counted for every ``F.linear`` on a trainable
+    parameter); the zero-bubble schedules hold them for each microbatch whose W waits."""
 
     @property
     def state_bytes(self) -> int:
@@ -239,31 +240,30 @@ def _fwd_bwd(unit: nn.Module, a: Any, kw: Any, params: list[nn.Parameter]) -> An
     return out
 
 
-class _WeightWorkCounter:
-    """Counts, over a unit's forward calls, what a split backward would keep for W:
-    each trainable ``nn.Linear``'s input (once per storage) and output gradient (the
-    output's size)."""
+class _WeightWorkCounter(TorchFunctionMode):
+    """Counts, over a unit's forward calls, what a split backward keeps for W: for each
+    ``F.linear`` on a trainable parameter (an ``nn.Linear``'s forward, or a direct call,
+    which a traced stage defers too), its input (once per storage) and its output's
+    size (the output gradient)."""
 
-    def __init__(self, unit: nn.Module) -> None:
-        self.layers = [
-            m for m in unit.modules() if isinstance(m, nn.Linear) and m.weight.requires_grad
-        ]
+    def __init__(self) -> None:
+        super().__init__()
         self.inputs: set[int] = set()
         self.bytes = 0
-        self.handles: list[Any] = []
 
-    def __enter__(self) -> _WeightWorkCounter:
-        self.handles = [m.register_forward_hook(self._count) for m in self.layers]
-        return self
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func is F.linear and torch.is_grad_enabled():
+            kwargs = kwargs or {}
+            x = args[0] if args else kwargs.get("input")
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            if isinstance(weight, nn.Parameter) and weight.requires_grad:
+                self._count(x, out)
+        return out
 
-    def __exit__(self, *exc: object) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-    def _count(self, _module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
-        if not torch.is_grad_enabled():
-            return
-        x = args[0] if args else None
+    def _count(self, x: Any, out: Any) -> None:
         if isinstance(x, torch.Tensor):
             try:  # the whole storage stays alive (a view of a wider output, say)
                 storage = x.untyped_storage()
@@ -379,7 +379,7 @@ def _profile_unit_inner(
             tied[owner_of[id(p)]] = tied.get(owner_of[id(p)], 0) + state
     counter = _SavedCounter(exclude)
     saved_hooks = torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t)
-    weight_work = _WeightWorkCounter(unit)
+    weight_work = _WeightWorkCounter()
     with FlopCounterMode(display=False) as flop_mode, saved_hooks, weight_work:
         for a, kw, _out in calls:
             _fwd_bwd(unit, a, kw, params)

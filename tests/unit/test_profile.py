@@ -34,15 +34,17 @@ def test_linear_stack_counts():
 
 def test_weight_work_is_each_trainable_linears_input_and_output():
     """What a split backward keeps from I to W: each linear layer's input (once per
-    storage) and its output's size (the output gradient); a frozen layer keeps none."""
+    storage) and its output's size (the output gradient), also for ``F.linear`` called
+    on a parameter directly; a frozen layer keeps none."""
     block = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4), nn.Linear(4, 4))
     block[3].weight.requires_grad_(False)
     block[3].bias.requires_grad_(False)
-    model = nn.Sequential(block, _Twice(nn.Linear(4, 4)))  # one input, two calls
+    model = nn.Sequential(block, _Twice(nn.Linear(4, 4)), _Functional())
     prof = profile_model(model, (torch.randn(5, 8),), repeats=1, warmup=0)
-    first, second = prof.units
+    first, second, third = prof.units
     assert first.weight_work_bytes == 4 * 5 * ((8 + 16) + (16 + 4))
-    assert second.weight_work_bytes == 4 * 5 * (4 + 4 + 4)  # the input's storage once
+    assert second.weight_work_bytes == 4 * 5 * (4 + 4 + 4)  # one input, two calls
+    assert third.weight_work_bytes == 4 * 5 * (4 + 6)
     # the meta profile sees the same shapes
     with torch.device("meta"):
         meta_model = nn.Sequential(
@@ -50,6 +52,15 @@ def test_weight_work_is_each_trainable_linears_input_and_output():
         )
     meta = profile_model(meta_model, (torch.randn(5, 8),), mode="meta", flops_per_second=1e9)
     assert [u.weight_work_bytes for u in meta.units] == [4 * 5 * (24 + 20), 4 * 5 * (4 + 2)]
+
+
+class _Functional(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(6, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight)
 
 
 class _Twice(nn.Module):
