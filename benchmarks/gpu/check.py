@@ -10,7 +10,9 @@ Written for one H100 with torch 2.11+cu130, Python 3.12 and no network, in at mo
 2. **tests**: ``pytest`` on the CUDA tests: ``tests/multiproc/test_cuda_offload.py``
    (one rank, NCCL: pinned offload buffers, non-blocking copies, stream syncs) and
    ``tests/multiproc/test_cuda_ranks.py`` (two ranks on the one GPU through gloo,
-   host-staged: NCCL refuses two ranks on one GPU), and ``tests/unit/test_device.py``.
+   host-staged: NCCL refuses two ranks on one GPU; among them ``zero_bubble`` placed
+   from measured action times, each timed action waiting for the GPU), and
+   ``tests/unit/test_device.py``.
 3. **train**: a GPT of about 1B parameters (``TinyGPT``: d=2048, 18 layers, vocab
    32768, sequence 1024) trained in bf16 with ZeRO-3 and the optimizer offloaded to the
    host (AdamW on the CPU), 4 microbatches of 4 sequences per step; prints tokens/s and
