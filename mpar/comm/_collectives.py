@@ -67,7 +67,7 @@ def broadcast_object_world(obj: T, grid: ProcessGrid, src: int = 0) -> T:
     return box[0]
 
 
-def _all_gather_object(obj: T, group: ProcessGroup, size: int) -> list[T]:
+def _all_gather_object(obj: T, group: ProcessGroup | None, size: int) -> list[T]:
     if size == 1:
         return [obj]
     out: list[T] = [obj] * size  # placeholders, overwritten
@@ -78,12 +78,7 @@ def _all_gather_object(obj: T, group: ProcessGroup, size: int) -> list[T]:
 
 def all_gather_object_world(obj: T, grid: ProcessGrid) -> list[T]:
     """Every rank's ``obj``, in global rank order."""
-    if grid.world_size == 1:
-        return [obj]
-    out: list[T] = [obj] * grid.world_size  # placeholders, overwritten
-    with Waiting(("collective", "all_gather_object", None)):
-        dist.all_gather_object(out, obj)
-    return out
+    return _all_gather_object(obj, None, grid.world_size)  # None: the default group
 
 
 def all_gather_object_pp(obj: T, grid: ProcessGrid) -> list[T]:

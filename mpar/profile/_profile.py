@@ -248,8 +248,12 @@ class _WeightWorkCounter(TorchFunctionMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.inputs: set[int] = set()
-        self.bytes = 0
+        self.inputs = _SavedCounter(set())
+        self.outputs = 0
+
+    @property
+    def bytes(self) -> int:
+        return self.inputs.bytes + self.outputs
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -260,21 +264,11 @@ class _WeightWorkCounter(TorchFunctionMode):
             x = args[0] if args else kwargs.get("input")
             weight = args[1] if len(args) > 1 else kwargs.get("weight")
             if isinstance(weight, nn.Parameter) and weight.requires_grad:
-                self._count(x, out)
+                if isinstance(x, torch.Tensor):  # its whole storage stays alive
+                    self.inputs.pack(x)
+                if isinstance(out, torch.Tensor):
+                    self.outputs += out.numel() * out.element_size()
         return out
-
-    def _count(self, x: Any, out: Any) -> None:
-        if isinstance(x, torch.Tensor):
-            try:  # the whole storage stays alive (a view of a wider output, say)
-                storage = x.untyped_storage()
-                key, nbytes = storage._cdata, storage.nbytes()
-            except (RuntimeError, NotImplementedError):  # tensors without a storage
-                key, nbytes = id(x), x.numel() * x.element_size()
-            if key not in self.inputs:
-                self.inputs.add(key)
-                self.bytes += nbytes
-        if isinstance(out, torch.Tensor):
-            self.bytes += out.numel() * out.element_size()
 
 
 class _SavedCounter:

@@ -124,7 +124,10 @@ class ActivationMemory:
 
     def hold(self, value: object) -> None:
         """The tensors of ``value`` are kept for a backward."""
-        self.held_bytes += tensor_bytes(value)
+        self._add(tensor_bytes(value))
+
+    def _add(self, nbytes: int) -> None:
+        self.held_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
     def drop(self, stage: int, j: int, value: object) -> int:
@@ -138,8 +141,7 @@ class ActivationMemory:
         """After the I of ``stage`` for microbatch ``j``: ``nbytes`` stay held until its
         W (:meth:`weights_done`)."""
         self.waiting_for_w[(stage, j)] = nbytes
-        self.held_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+        self._add(nbytes)
 
     def weights_done(self, stage: int, j: int) -> None:
         """The W of ``stage`` for microbatch ``j`` ran: what its I left held is gone."""

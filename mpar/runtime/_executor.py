@@ -455,11 +455,9 @@ class StepRun:
                     lambda: split_backward(roots, root_grads, inputs, split=keep)
                 )
                 # what W still needs stays among the step's activations until it runs
-                held = work.held_tensors()
-                waiting = (
-                    dropped if work.whole is not None else storage_bytes(held, self.memory.excluded)
-                )
-                self.memory.hold_for_weights(s, j, waiting)
+                if work.whole is None:
+                    dropped = storage_bytes(work.held_tensors(), self.memory.excluded)
+                self.memory.hold_for_weights(s, j, dropped)
             else:
                 try:
                     self._computing(torch.autograd.backward, roots, root_grads)

@@ -13,6 +13,7 @@ gathered times, so the ranks switch together.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from mpar.comm import State
@@ -61,16 +62,22 @@ class MeasuredPlacement:
 
 
 def _wanted(st: State) -> bool:
-    from mpar.schedule import build_schedule, peak_in_flight
-
     cfg = st.config
     if cfg.pipeline != "zero_bubble" or cfg.pipeline_parallel_degree < 2:
         return False
     if cfg.active_microbatches is None:
         return False
-    zb_h1 = build_schedule("zero_bubble", cfg.pipeline_parallel_degree, cfg.microbatches,
-                           virtual_stages=cfg.virtual_stages)  # fmt: skip
-    return cfg.active_microbatches > max(peak_in_flight(zb_h1))
+    return cfg.active_microbatches > _zb_h1_peak(
+        cfg.pipeline_parallel_degree, cfg.microbatches, cfg.virtual_stages
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _zb_h1_peak(p: int, m: int, v: int) -> int:
+    """The most microbatches ZB-H1 holds on a rank (asked on each of the timed steps)."""
+    from mpar.schedule import build_schedule, peak_in_flight
+
+    return max(peak_in_flight(build_schedule("zero_bubble", p, m, virtual_stages=v)))
 
 
 def _local_times(timeline: StepTimeline) -> dict[str, Any]:
