@@ -39,11 +39,10 @@ def _sequential(case: Case) -> nn.Sequential:
 def _schedule_keys(case: Case) -> dict[str, Any]:
     if case.schedule != MEASURED:
         return {"pipeline": case.schedule}
-    from mpar.schedule import peak_in_flight, zero_bubble
+    from mpar.schedule import zero_bubble_peak
 
     m, p, v = case.model.microbatches, case.pp, case.virtual_stages
-    held = max(peak_in_flight(zero_bubble(p * v, p, m)))
-    return {"pipeline": "zero_bubble", "active_microbatches": min(m, held + 1)}
+    return {"pipeline": "zero_bubble", "active_microbatches": min(m, zero_bubble_peak(p, m, v) + 1)}
 
 
 def run(case: Case) -> dict[str, Any]:

@@ -174,24 +174,37 @@ class Plan:
 # ---------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=1024)
+def _schedule(pipeline: str, p: int, v: int, m: int, active_microbatches: int | None) -> Any:
+    """The schedule of these config keys, as the runtime builds it (unit costs)."""
+    from mpar import schedule as sched
+
+    return sched.build_schedule(
+        pipeline, p, m, virtual_stages=v, active_microbatches=active_microbatches
+    )
+
+
 @functools.lru_cache(maxsize=4096)
 def _in_flight(
     p: int, v: int, m: int, pipeline: str, active_microbatches: int | None = None
 ) -> tuple[list[int], Any]:
     """Per rank: microbatches in flight per chunk; and the schedule module or None.
 
-    ``zero_bubble`` with ``active_microbatches`` above ZB-H1's peak may be placed from
-    measured times to hold that many on any rank (``runtime._placement``): counted so."""
+    The schedule is the one the runtime runs: ``active_microbatches`` caps it as the
+    config key does. ``zero_bubble`` with ``active_microbatches`` above ZB-H1's peak (an
+    allowance, ``mpar.schedule.zero_bubble_allowance``) may be placed from measured times
+    to hold that many on any rank (``runtime._placement``): counted so."""
     sched: Any
     try:
         from mpar import schedule as sched
     except ImportError:  # pragma: no cover - the schedule package is part of mpar
         sched = None
     if sched is not None:
-        peaks = sched.peak_in_flight(sched.build_schedule(pipeline, p, m, virtual_stages=v))
-        k = active_microbatches
-        if pipeline == "zero_bubble" and k is not None and k > max(peaks):
-            peaks = [k] * p
+        built = _schedule(pipeline, p, v, m, active_microbatches)
+        peaks = sched.peak_in_flight(built)
+        if pipeline == "zero_bubble":
+            allowance = sched.zero_bubble_allowance(p, m, v, active_microbatches)
+            peaks = peaks if allowance is None else [allowance] * p
         return [max(1, math.ceil(peak / v)) for peak in peaks], sched
     if pipeline == "simple":
         return [m] * p, None
@@ -202,7 +215,9 @@ def _in_flight(
 
 
 @functools.lru_cache(maxsize=4096)
-def _transfers(p: int, v: int, m: int, pipeline: str) -> tuple[Transfers, ...]:
+def _transfers(
+    p: int, v: int, m: int, pipeline: str, active_microbatches: int | None = None
+) -> tuple[Transfers, ...]:
     """Per stage: the pipeline messages its rank holds at the rank's peak.
 
     Walks each rank's action list as the runtime executes it: every F of a stage
@@ -213,10 +228,9 @@ def _transfers(p: int, v: int, m: int, pipeline: str) -> tuple[Transfers, ...]:
     free activations faster than they add messages). Each remote incoming stream has
     one receive posted.
     """
-    from mpar import schedule as sched
     from mpar.schedule import Kind
 
-    schedule = sched.build_schedule(pipeline, p, m, virtual_stages=v)
+    schedule = _schedule(pipeline, p, v, m, active_microbatches)
     n = schedule.num_stages
     rank_of = [schedule.stage_to_rank(s) for s in range(n)]
     remote_next = [s + 1 < n and rank_of[s + 1] != rank_of[s] for s in range(n)]
@@ -262,10 +276,12 @@ def _simulate(
     fwd: tuple[float, ...],
     bwd: tuple[float, ...],
     split: tuple[float, float, float] = (0.5, 0.5, 0.0),
+    active_microbatches: int | None = None,
 ) -> tuple[float, float]:
-    """(makespan, bubble) of ``pipeline``; ``split`` = (I fraction, W fraction, seconds per
-    split action) prices I and W where the schedule splits the backward (the first stage
-    has no I: its W is its whole backward, as the runtime runs it)."""
+    """(makespan, bubble) of ``pipeline`` (capped by ``active_microbatches`` as the
+    runtime caps it); ``split`` = (I fraction, W fraction, seconds per split action)
+    prices I and W where the schedule splits the backward (the first stage has no I: its
+    W is its whole backward, as the runtime runs it)."""
     sched: Any
     from mpar import schedule as sched
 
@@ -273,7 +289,7 @@ def _simulate(
     ib = [0.0 if s == 0 else i_share * b for s, b in enumerate(bwd)]
     wb = [b if s == 0 else w_share * b + action for s, b in enumerate(bwd)]
     costs = sched.StageCosts(fwd, bwd, input_backward=ib, weight_backward=wb)
-    result = sched.simulate(sched.build_schedule(pipeline, p, m, virtual_stages=v), costs)
+    result = sched.simulate(_schedule(pipeline, p, v, m, active_microbatches), costs)
     return float(result.makespan), float(result.bubble_fraction)
 
 
@@ -296,18 +312,22 @@ def split_backward_gain(
     pipeline: str,
     checkpointing: bool,
     cost: CostModel,
+    active_microbatches: int | None = None,
 ) -> float | None:
     """Predicted step of 1F1B (``interleaved``) over that of ``pipeline`` on the same
-    stages, when ``pipeline`` splits the backward; None otherwise (or when 1F1B cannot
-    run this shape). Below 1, the split backward costs more than the bubble it fills."""
+    stages and cap, when ``pipeline`` splits the backward; None otherwise (or when 1F1B
+    cannot run this shape). Below 1, the split backward costs more than the bubble it
+    fills."""
     from mpar.errors import ScheduleError
 
+    k = active_microbatches
     try:
         if not splits_backward(pipeline, p, v, m):
             return None
         fwd, bwd = _phase_times(stages, checkpointing, cost)
-        mine = _simulate(pipeline, p, v, m, tuple(fwd), tuple(bwd), _split_costs(cost))[0]
-        plain = _simulate("interleaved", p, v, m, tuple(fwd), tuple(bwd))[0]
+        split = _split_costs(cost)
+        mine = _simulate(pipeline, p, v, m, tuple(fwd), tuple(bwd), split, k)[0]
+        plain = _simulate("interleaved", p, v, m, tuple(fwd), tuple(bwd), active_microbatches=k)[0]
     except ScheduleError:
         return None
     return plain / mine if mine > 0 else None
@@ -326,12 +346,14 @@ def _predict(
     sched: Any,
     checkpointing: bool = False,
     cost: CostModel | None = None,
+    active_microbatches: int | None = None,
 ) -> tuple[float, float, bool]:
     """(pipeline makespan, bubble fraction, simulated?) from per-stage times."""
     fwd, bwd = _phase_times(stages, checkpointing, cost or CostModel())
     if sched is not None:
         split = _split_costs(cost or CostModel())
-        return (*_simulate(pipeline, p, v, m, tuple(fwd), tuple(bwd), split), True)
+        simulated = _simulate(pipeline, p, v, m, tuple(fwd), tuple(bwd), split, active_microbatches)
+        return (*simulated, True)
     times = [f + b for f, b in zip(fwd, bwd)]
     work = max(sum(times[r::p]) for r in range(p))
     step = m * work + (p - 1) * max(times)
@@ -507,7 +529,7 @@ def lay_out(
 ) -> _Laid:
     """Partition for one layout and compute every stage's memory and time (no simulation)."""
     in_flight, sched = _in_flight(p, v, m, pipeline, active_microbatches)
-    transfers = _transfers(p, v, m, pipeline) if sched is not None else ()
+    transfers = _transfers(p, v, m, pipeline, active_microbatches) if sched is not None else ()
     units = profile.units
     memory, reserve = unit_memory(units, layout, max(in_flight), transfers)
     process = process_bytes(p, cost, layout)
@@ -589,9 +611,10 @@ def make_plan(
         virtual_stages: chunks per rank ``v`` (``p * v`` stages).
         microbatches: microbatches per step ``m``.
         pipeline: a name in ``mpar.schedule.PIPELINES`` or a schedule CSV path.
-        active_microbatches: the config key; only ``zero_bubble``'s allowance (a value
-            above ZB-H1's peak, which a placement from measured times may use on any
-            rank) changes the memory counted.
+        active_microbatches: the config key: it caps the schedule whose microbatches in
+            flight, messages and step time are counted, as it caps the one that runs;
+            ``zero_bubble``'s allowance (a value above ZB-H1's peak, which a placement from
+            measured times may use on any rank) counts that many on every rank.
         split_backward: the config key; with a schedule that splits the backward
             (``zero_bubble``, ``zbv``, a CSV with W actions), a microbatch whose W waits
             is counted with what W keeps (``Layout.weight_work``).
@@ -661,7 +684,15 @@ def make_plan(
         active_microbatches=active_microbatches,
     )
     makespan, bubble, simulated = _predict(
-        laid.stages, p, v, m, pipeline, laid.sched, activation_checkpointing, cost
+        laid.stages,
+        p,
+        v,
+        m,
+        pipeline,
+        laid.sched,
+        activation_checkpointing,
+        cost,
+        active_microbatches=active_microbatches,
     )
     overhead = max(
         rank_overheads(laid.stages, p, v, pipeline, layout, cost, profile.units, microbatches=m)
@@ -695,7 +726,7 @@ def make_plan(
         tp_comm_bytes=tp_step_bytes(laid.stages, profile.units, layout, p, m),
         tp_source=tp_splits.source if tp > 1 and tp_splits is not None else "",
         split_backward_gain=split_backward_gain(
-            laid.stages, p, v, m, pipeline, activation_checkpointing, cost
+            laid.stages, p, v, m, pipeline, activation_checkpointing, cost, active_microbatches
         ),
     )
 

@@ -13,7 +13,6 @@ gathered times, so the ranks switch together.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from mpar.comm import State
@@ -62,22 +61,17 @@ class MeasuredPlacement:
 
 
 def _wanted(st: State) -> bool:
+    """Whether this run places W from measured times: ``zero_bubble`` over ranks with
+    ``active_microbatches`` as an allowance (``mpar.schedule.zero_bubble_allowance``)."""
+    from mpar.schedule import zero_bubble_allowance
+
     cfg = st.config
     if cfg.pipeline != "zero_bubble" or cfg.pipeline_parallel_degree < 2:
         return False
-    if cfg.active_microbatches is None:
-        return False
-    return cfg.active_microbatches > _zb_h1_peak(
-        cfg.pipeline_parallel_degree, cfg.microbatches, cfg.virtual_stages
+    allowance = zero_bubble_allowance(
+        cfg.pipeline_parallel_degree, cfg.microbatches, cfg.virtual_stages, cfg.active_microbatches
     )
-
-
-@functools.lru_cache(maxsize=64)
-def _zb_h1_peak(p: int, m: int, v: int) -> int:
-    """The most microbatches ZB-H1 holds on a rank (asked on each of the timed steps)."""
-    from mpar.schedule import build_schedule, peak_in_flight
-
-    return max(peak_in_flight(build_schedule("zero_bubble", p, m, virtual_stages=v)))
+    return allowance is not None
 
 
 def _local_times(timeline: StepTimeline) -> dict[str, Any]:

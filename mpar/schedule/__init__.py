@@ -42,7 +42,7 @@ from mpar.schedule._simulate import (
     simulate,
 )
 from mpar.schedule._validate import validate
-from mpar.schedule._zero_bubble import zbv, zero_bubble
+from mpar.schedule._zero_bubble import zbv, zero_bubble, zero_bubble_allowance, zero_bubble_peak
 
 __all__ = [
     "COMMUNICATION_KINDS",
@@ -77,4 +77,6 @@ __all__ = [
     "write_csv",
     "zbv",
     "zero_bubble",
+    "zero_bubble_allowance",
+    "zero_bubble_peak",
 ]

@@ -24,6 +24,7 @@ unit costs, ``p=3, m=6`` (compare ``interleaved``: 24 steps, bubble 25%)::
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -32,7 +33,7 @@ from mpar.schedule._generators import _check_positive, interleaved
 from mpar.schedule._ir import Action, Kind, Schedule
 from mpar.schedule._simulate import StageCosts, peak_in_flight, simulate
 
-__all__ = ["zbv", "zero_bubble"]
+__all__ = ["zbv", "zero_bubble", "zero_bubble_allowance", "zero_bubble_peak"]
 
 
 def zero_bubble(
@@ -73,7 +74,8 @@ def zero_bubble(
     )
     if forward_only:
         return Schedule(num_stages, num_ranks, num_microbatches, base.actions, name="zero_bubble")
-    limit = max(peak_in_flight(base))  # the busiest rank's 1F1B memory, on every rank
+    # the busiest rank's 1F1B memory, on every rank (zero_bubble_peak, or the cap below it)
+    limit = max(peak_in_flight(base))
     unit = Schedule(
         num_stages, num_ranks, num_microbatches, _unit_placement(base, limit), name="zero_bubble"
     )
@@ -104,6 +106,29 @@ def zero_bubble(
     fastest = min(t for t, _, _ in timed)
     near = [(memory, t, i) for t, memory, i in timed if t <= fastest * (1 + _NEAR)]
     return candidates[min(near)[2]]  # the least memory among the near-fastest
+
+
+@functools.lru_cache(maxsize=256)
+def zero_bubble_peak(num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> int:
+    """The most microbatches :func:`zero_bubble` holds on a rank without a cap: 1F1B's
+    peak on its busiest rank (``p`` for ``v == 1``, at most the microbatches)."""
+    base = interleaved(num_ranks * virtual_stages, num_ranks, num_microbatches)
+    return max(peak_in_flight(base))
+
+
+def zero_bubble_allowance(
+    num_ranks: int,
+    num_microbatches: int,
+    virtual_stages: int = 1,
+    active_microbatches: int | None = None,
+) -> int | None:
+    """``active_microbatches`` when :func:`zero_bubble` reads it as an allowance (above
+    :func:`zero_bubble_peak`: a placement from measured times may hold that many on a
+    rank), else None (no value, or a cap at or below the peak)."""
+    k = active_microbatches
+    if k is None or k <= zero_bubble_peak(num_ranks, num_microbatches, virtual_stages):
+        return None
+    return k
 
 
 _FITS = (0.25, 0.5, 0.75, 1.0)

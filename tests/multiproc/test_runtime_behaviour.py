@@ -355,7 +355,9 @@ def _wide_head() -> torch.nn.Module:
     return torch.nn.Sequential(*layers, torch.nn.Linear(32, _HEAD))
 
 
-def _activations_of(pipeline: str, split_backward: bool) -> dict[str, object]:
+def _activations_of(
+    pipeline: str, split_backward: bool, active: int | None = None
+) -> dict[str, object]:
     import mpar
 
     mpar.init(
@@ -364,6 +366,7 @@ def _activations_of(pipeline: str, split_backward: bool) -> dict[str, object]:
             "microbatches": 4,
             "pipeline": pipeline,
             "split_backward": split_backward,
+            "active_microbatches": active,
         }
     )
     model = mpar.DistributedModel(_wide_head())
@@ -377,12 +380,13 @@ def _activations_of(pipeline: str, split_backward: bool) -> dict[str, object]:
     torch.manual_seed(1)
     x, y = torch.randn(48, 8), torch.randint(_HEAD, (48,))
     train(model, x, y)
-    last = model.plan.stages[-1]
+    mine = model.plan.stages[mpar.pp_rank()]
     weights = [p for p in model.local_parameters() if p.dim() == 2]  # (out, in) of each Linear
     return {
         "rank": mpar.pp_rank(),
         "measured": mpar.memory_report()["cpu"]["activations"],
-        "planned": last.activation_bytes,
+        "planned": mine.activation_bytes,
+        "in_flight": mine.in_flight,
         # what a W of one microbatch (12 rows) keeps on this rank: inputs, output grads
         "weight_work": sum(12 * 4 * sum(w.shape) for w in weights),
     }
@@ -416,3 +420,23 @@ def test_a_split_backward_counts_what_each_waiting_w_keeps():
     for name in ("1f1b", "zb", "zb_unsplit"):
         assert last[name]["planned"] >= last[name]["measured"], (name, last[name])
     assert last["zb"]["planned"] <= 1.25 * last["zb"]["measured"], last["zb"]
+
+
+@pytest.mark.parametrize(("pipeline", "cap"), [("simple", 2), ("interleaved", 1)])
+def test_a_cap_on_microbatches_in_flight_holds_and_plans_fewer(pipeline, cap):
+    """``active_microbatches`` below the schedule's peak: the first stage holds ``cap``
+    microbatches instead of its peak (GPipe: all 4; 1F1B: 2), and the plan counts what
+    the capped schedule holds: not below what ran on either stage, and within 10 % of it
+    on the first."""
+    runs = {
+        k: {r["rank"]: r for r in run_distributed(_activations_of, 2, args=args, timeout=90)}
+        for k, args in {None: (pipeline, True), cap: (pipeline, True, cap)}.items()
+    }
+    free, capped = runs[None][0], runs[cap][0]  # the first stage: the most in flight
+    assert capped["in_flight"] == cap < free["in_flight"]
+    one = free["measured"] / free["in_flight"]
+    assert abs(capped["measured"] - cap * one) <= 0.1 * one, (capped, free)
+    for run in runs.values():
+        assert run[0]["measured"] <= run[0]["planned"] <= 1.1 * run[0]["measured"], run[0]
+        # the last stage also counts the loss's log-probabilities, conservatively
+        assert run[1]["measured"] <= run[1]["planned"], run[1]

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from mpar.config import ZeroConfig
-from mpar.partition import Layout, make_plan
+from mpar.partition import CostModel, Layout, make_plan
 from mpar.partition._memory import unit_host_bytes, unit_state_bytes
 from mpar.profile import profile_model
 from mpar.shard import ShardedStages
@@ -216,6 +216,33 @@ def test_zero_bubble_allowance_is_counted_on_every_rank():
     assert make_plan(profile, **options, active_microbatches=3).rank_memory_bytes == (
         plain.rank_memory_bytes
     )
+
+
+@pytest.mark.parametrize(("pipeline", "cap", "held"), [("simple", 2, 2), ("interleaved", 1, 1)])
+def test_a_cap_on_microbatches_in_flight_is_counted(pipeline, cap, held):
+    """``active_microbatches`` below the schedule's peak caps what the runtime holds and
+    lengthens its step: the plan counts the capped schedule's microbatches in flight and
+    simulates its step, as the runtime builds it."""
+    from mpar.partition._plan import _phase_times
+    from mpar.schedule import StageCosts, build_schedule, simulate
+
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    profile = profile_model(net, (torch.randn(2048, 64),), repeats=1, warmup=0)
+    options = dict(num_ranks=2, microbatches=8, pipeline=pipeline, device="cpu")
+    free = make_plan(profile, **options)
+    capped = make_plan(profile, **options, active_microbatches=cap)
+    assert capped.boundaries == free.boundaries
+    assert [s.in_flight for s in capped.stages] == [held, held]
+    assert max(s.in_flight for s in free.stages) > held
+    for before, after in zip(free.stages, capped.stages):
+        assert after.activation_bytes * before.in_flight == before.activation_bytes * held
+    assert max(capped.rank_memory_bytes) < max(free.rank_memory_bytes)
+    fwd, bwd = _phase_times(capped.stages, False, CostModel())
+    schedule = build_schedule(pipeline, 2, 8, active_microbatches=cap)
+    expected = simulate(schedule, StageCosts(fwd, bwd)).makespan
+    assert capped.step_time_s - capped.overhead_s == pytest.approx(expected)
+    assert capped.step_time_s > free.step_time_s  # the cap costs time
 
 
 def test_a_split_backward_counts_what_a_waiting_w_keeps():

@@ -23,6 +23,8 @@ from mpar.schedule import (
     validate,
     write_csv,
     zero_bubble,
+    zero_bubble_allowance,
+    zero_bubble_peak,
 )
 
 SHAPES = [
@@ -244,3 +246,18 @@ def test_a_heavier_last_stage_with_room_for_a_third_microbatch():
     ]  # fmt: skip
     with pytest.raises(ScheduleError, match="costs cover 3 stages"):
         zero_bubble(2, 2, 4, costs=StageCosts([1, 1, 1], [2, 2, 2]))
+
+
+@pytest.mark.parametrize(("p", "v", "m"), [(2, 1, 4), (2, 1, 1), (3, 1, 6), (2, 2, 4), (4, 2, 8)])
+def test_the_allowance_is_a_value_above_what_zb_h1_holds(p, v, m):
+    """``zero_bubble_peak`` is what the uncapped schedule holds on its busiest rank;
+    ``zero_bubble_allowance`` reads only a value above it as an allowance (the planner,
+    the runtime's placement and the benchmark ask these, so they agree)."""
+    peak = zero_bubble_peak(p, m, v)
+    assert peak == max(peak_in_flight(zero_bubble(p * v, p, m)))
+    assert peak == max(peak_in_flight(interleaved(p * v, p, m)))
+    assert zero_bubble_allowance(p, m, v, None) is None
+    assert zero_bubble_allowance(p, m, v, peak) is None
+    assert zero_bubble_allowance(p, m, v, peak + 1) == peak + 1
+    if peak > 1:  # a cap below the peak is a cap: the schedule holds that many
+        assert zero_bubble_allowance(p, m, v, peak - 1) is None
