@@ -18,6 +18,7 @@ from typing import Any, Literal
 from mpar._size import parse_bytes
 from mpar.errors import ConfigError, ConfigTypeError
 from mpar.schedule._csv import is_csv_path
+from mpar.schedule._generators import least_active_microbatches
 from mpar.schedule._registry import PIPELINES, check_csv_schedule
 
 __all__ = ["PLACEMENT_NAMES", "Config", "ZeroConfig", "placement_axes"]
@@ -360,6 +361,21 @@ class Config:
         _check_timeout(self.timeout_s)
         _check_trace(self.trace)
 
+    def _check_active_microbatches(self) -> None:
+        """A cap below what the schedule must hold before its first backward."""
+        k, keys = self.active_microbatches, self.auto_keys
+        if k is None or {"pipeline_parallel_degree", "virtual_stages", "pipeline"} & set(keys):
+            return
+        pp, v = self.pipeline_parallel_degree, self.virtual_stages
+        least = least_active_microbatches(self.pipeline, pp, v)
+        if k < least:
+            raise ConfigError(
+                f"config key 'active_microbatches' is {k}, but the {self.pipeline} schedule "
+                f"with pipeline_parallel_degree {pp} and virtual_stages {v} must hold {least} "
+                "(stage, microbatch) pairs on a rank before its first backward: use "
+                f"active_microbatches >= {least}, or fewer virtual_stages"
+            )
+
     def _check_combinations(self) -> None:
         if self.bf16 and self.fp16:
             raise ConfigError(
@@ -390,6 +406,7 @@ class Config:
                 f"{self.microbatches} microbatches; use a value <= {self.microbatches}"
             )
         pp, v, m = self.pipeline_parallel_degree, self.virtual_stages, self.microbatches
+        self._check_active_microbatches()
         if is_csv_path(self.pipeline):
             self._check_schedule_file()
         if self.pipeline == "zbv" and v != 2:

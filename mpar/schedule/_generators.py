@@ -54,7 +54,8 @@ def simple(
     p, v, m = _check_shape(num_stages, num_ranks, num_microbatches)
     group = m
     if active_microbatches is not None and not forward_only:
-        cap = _check_cap(active_microbatches, minimum=v, pipeline="simple", v=v)
+        least = least_active_microbatches("simple", p, v)
+        cap = _check_cap(active_microbatches, minimum=least, pipeline="simple", v=v)
         group = max(1, cap // v)
     actions = {r: _simple_rank(r, p, v, m, group, forward_only) for r in range(p)}
     return Schedule(num_stages, num_ranks, num_microbatches, actions, name="simple")
@@ -118,7 +119,8 @@ def interleaved(
         raise ScheduleError(_multiple_message(p, v, m))
     cap = v * m
     if active_microbatches is not None and not forward_only:
-        cap = _check_cap(active_microbatches, minimum=(v - 1) * p + 1, pipeline="interleaved", v=v)
+        least = least_active_microbatches("interleaved", p, v)
+        cap = _check_cap(active_microbatches, minimum=least, pipeline="interleaved", v=v)
     actions = {r: _interleaved_rank(r, p, v, m, cap, forward_only) for r in range(p)}
     return Schedule(num_stages, num_ranks, num_microbatches, actions, name="interleaved")
 
@@ -167,6 +169,19 @@ def _check_positive(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ScheduleError(f"{name} must be a positive integer, got {value!r}")
     return value
+
+
+def least_active_microbatches(pipeline: str, num_ranks: int, virtual_stages: int) -> int:
+    """The smallest ``active_microbatches`` that ``pipeline`` runs with: ``simple`` needs
+    ``v`` (a group holds every chunk of a microbatch); ``interleaved`` and ``zero_bubble``
+    need ``(v-1)*p + 1`` (a rank's first backward needs the forward of its last chunk);
+    any other schedule 1."""
+    p, v = num_ranks, virtual_stages
+    if pipeline == "simple":
+        return v
+    if pipeline in ("interleaved", "zero_bubble"):
+        return (v - 1) * p + 1
+    return 1
 
 
 def _check_cap(value: object, *, minimum: int, pipeline: str, v: int) -> int:

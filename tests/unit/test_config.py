@@ -87,6 +87,21 @@ def test_unknown_nested_key():
         ({"zero": {"offload_optimizer": "cpu"}}, ConfigError, "needs ZeRO stage 1, 2 or 3"),
         ({"offload_activations": True}, ConfigError, "turn checkpointing on"),
         ({"microbatches": 2, "active_microbatches": 3}, ConfigError, "only 2 microbatches"),
+        (
+            {"partitions": 2, "virtual_stages": 2, "microbatches": 4, "active_microbatches": 2},
+            ConfigError,
+            "must hold 3 .* use active_microbatches >= 3",
+        ),
+        (
+            {
+                "pipeline": "simple",
+                "virtual_stages": 2,
+                "microbatches": 4,
+                "active_microbatches": 1,
+            },
+            ConfigError,
+            "simple schedule .* must hold 2",
+        ),
         ({"default_partition": 2, "partitions": 2}, ConfigError, "only 2 stages"),
         ({"device": "cpu", "backend": "nccl"}, ConfigError, "NCCL needs CUDA"),
         (
