@@ -362,9 +362,17 @@ class Config:
         _check_trace(self.trace)
 
     def _check_active_microbatches(self) -> None:
-        """A cap below what the schedule must hold before its first backward."""
+        """A cap above the microbatches, or below what the schedule must hold before its
+        first backward."""
         k, keys = self.active_microbatches, self.auto_keys
-        if k is None or {"pipeline_parallel_degree", "virtual_stages", "pipeline"} & set(keys):
+        if k is None:
+            return
+        if "microbatches" not in keys and k > self.microbatches:
+            raise ConfigError(
+                f"config key 'active_microbatches' is {k} but there are only "
+                f"{self.microbatches} microbatches; use a value <= {self.microbatches}"
+            )
+        if {"pipeline_parallel_degree", "virtual_stages", "pipeline"} & set(keys):
             return
         pp, v = self.pipeline_parallel_degree, self.virtual_stages
         least = least_active_microbatches(self.pipeline, pp, v)
@@ -396,17 +404,8 @@ class Config:
             raise ConfigError(
                 f"config keys {list(self.auto_keys)} are 'auto' but 'device_memory' is not set"
             )
-        if (
-            self.active_microbatches is not None
-            and "microbatches" not in self.auto_keys
-            and self.active_microbatches > self.microbatches
-        ):
-            raise ConfigError(
-                f"config key 'active_microbatches' is {self.active_microbatches} but there are only "
-                f"{self.microbatches} microbatches; use a value <= {self.microbatches}"
-            )
-        pp, v, m = self.pipeline_parallel_degree, self.virtual_stages, self.microbatches
         self._check_active_microbatches()
+        pp, v, m = self.pipeline_parallel_degree, self.virtual_stages, self.microbatches
         if is_csv_path(self.pipeline):
             self._check_schedule_file()
         if self.pipeline == "zbv" and v != 2:

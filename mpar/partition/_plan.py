@@ -299,7 +299,7 @@ def splits_backward(pipeline: str, p: int, v: int, m: int) -> bool:
     schedule CSV that has them."""
     from mpar import schedule as sched
 
-    schedule = sched.build_schedule(pipeline, p, m, virtual_stages=v)
+    schedule = _schedule(pipeline, p, v, m, None)
     kinds = {a.kind for actions in schedule.actions.values() for a in actions}
     return bool(kinds & {sched.Kind.I, sched.Kind.W})
 

@@ -86,8 +86,10 @@ def zero_bubble(
             f"costs cover {len(costs.forward)} stages, the schedule has {num_stages}"
         )
     limits = [(limit,) * num_ranks]  # per rank
-    k = active_microbatches
-    if k is not None and k > limit:  # the allowance on every rank, or on one rank
+    k = zero_bubble_allowance(
+        num_ranks, num_microbatches, num_stages // num_ranks, active_microbatches
+    )
+    if k is not None:  # the allowance on every rank, or on one rank
         limits.append((k,) * num_ranks)
         limits += [
             tuple(k if q == r else limit for q in range(num_ranks)) for r in range(num_ranks)
