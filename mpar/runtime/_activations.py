@@ -28,6 +28,11 @@ _SAVED_BYTES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[object, ...], int]
 )
 """Stage -> {input signature: bytes autograd saved inside its forward}."""
 on_shutdown(_SAVED_BYTES.clear)
+_HELD_FOR_W: weakref.WeakKeyDictionary[nn.Module, dict[tuple[object, ...], int]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Stage -> {input signature: bytes a split backward's I leaves for the W}."""
+on_shutdown(_HELD_FOR_W.clear)
 _SIGNATURES_KEPT = 64
 
 SavedHooks = tuple[Callable[[torch.Tensor], object], Callable[[object], torch.Tensor]]
@@ -121,6 +126,8 @@ class ActivationMemory:
         self.waiting_for_w: dict[tuple[int, int], int] = {}
         """(stage, microbatch) -> bytes its I left for its W: the kept layers' inputs and
         output gradients, or a whole deferred backward's graph."""
+        self.signatures: dict[tuple[int, int], tuple[nn.Module, tuple[object, ...]]] = {}
+        """(stage, microbatch) -> the stage and the input signature of its forward."""
 
     def hold(self, value: object) -> None:
         """The tensors of ``value`` are kept for a backward."""
@@ -136,6 +143,20 @@ class ActivationMemory:
         dropped = tensor_bytes(value) + self.saved_inside.pop((stage, j), 0)
         self.held_bytes -= dropped
         return dropped
+
+    def held_for_weights(self, s: int, j: int, measure: Callable[[], int]) -> int:
+        """What the I of stage ``s`` for microbatch ``j`` leaves for its W: ``measure()``,
+        once per input signature of the stage's forward (as what autograd saves)."""
+        found = self.signatures.pop((s, j), None)
+        if found is None:
+            return measure()
+        stage, key = found
+        known = _HELD_FOR_W.setdefault(stage, {})
+        if key not in known:
+            if len(known) >= _SIGNATURES_KEPT:
+                known.pop(next(iter(known)))
+            known[key] = measure()
+        return known[key]
 
     def hold_for_weights(self, stage: int, j: int, nbytes: int) -> None:
         """After the I of ``stage`` for microbatch ``j``: ``nbytes`` stay held until its
@@ -162,4 +183,5 @@ class ActivationMemory:
             known[key] = counter.bytes
         saved = known[key]
         self.saved_inside[(s, j)] = saved
+        self.signatures[(s, j)] = (stage, key)
         self.held_bytes += saved

@@ -434,7 +434,7 @@ class StepRun:
             loss = self.losses.pop(j, None)
             if loss is None:
                 return [], None
-            scaled = loss * self.batches.weights[j] / self.st.grid.dp_size
+            scaled = loss * (self.batches.weights[j] / self.st.grid.dp_size)  # one operation
             loss_scale = self.sharding.loss_scale
             if loss_scale != 1.0:  # fp16: dynamic loss scaling
                 scaled = scaled * loss_scale
@@ -456,7 +456,9 @@ class StepRun:
                 )
                 # what W still needs stays among the step's activations until it runs
                 if work.whole is None:
-                    dropped = storage_bytes(work.held_tensors(), self.memory.excluded)
+                    dropped = self.memory.held_for_weights(
+                        s, j, lambda: storage_bytes(work.held_tensors(), self.memory.excluded)
+                    )
                 self.memory.hold_for_weights(s, j, dropped)
             else:
                 try:
