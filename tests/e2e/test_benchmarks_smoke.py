@@ -55,5 +55,6 @@ def test_pipeline_benchmark_quick(tmp_path: Path) -> None:
     assert any(r["peer"].startswith("torch") for r in report["ratios"])
     assert not any(".csv" in r["mpar"] for r in report["ratios"])
     assert not any(".csv" in best for r in report["round_ratios"] for best in r["round_best"])
+    assert report["round_ratios"] and all(r["bound_ratio"] > 0 for r in report["round_ratios"])
     table = (tmp_path / "pipeline.md").read_text()
     assert "| mpar |" in table and "mpar / peer" in table
