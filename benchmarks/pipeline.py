@@ -199,7 +199,7 @@ def _cases(args: argparse.Namespace, spec: ModelSpec) -> list[tuple[Case, str]]:
                 continue
             if framework in args.frameworks:
                 # the measured placement switches after its fifth step: time after it
-                warmup = max(args.warmup, 5) if schedule == MEASURED else args.warmup
+                warmup = max(args.warmup, 12) if schedule == MEASURED else args.warmup
                 case = Case(framework, schedule, pp, dp, v, spec, warmup, args.steps, split)
                 cases.append((case, sim))
     return cases

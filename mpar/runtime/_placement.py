@@ -9,10 +9,21 @@ runs ``zero_bubble(..., costs=...)``: the W placement whose consecutive steps si
 shortest with those times, holding up to ``active_microbatches`` where that pays (see
 ``mpar.schedule.zero_bubble``). Every rank computes the same schedule from the same
 gathered times, so the ranks switch together.
+
+The placement is then checked against what it replaced, the way the project measures
+speed: when it differs from ZB-H1's order, the sixth step warms it up, and steps 7 to 12
+alternate the two orders (ZB-H1's at 7, 9 and 11, the placed one at 8, 10 and 12), each
+timed as long as its longest rank's part. Unless the median of the three pairs' ratios
+says the placed order ran at least 1 % faster, every rank goes back to ZB-H1's order
+from the thirteenth step on. A simulation from the shortest measured times can favour
+an order that the machine runs slower: on issue 29's benchmark at ``m=8``, with an
+allowance of 4, an order simulated 4 % faster ran 1.0-1.5 % slower in these pairs.
 """
 
 from __future__ import annotations
 
+import statistics
+import sys
 from typing import Any
 
 from mpar.comm import State
@@ -25,6 +36,12 @@ __all__ = ["MeasuredPlacement"]
 _MEASURED_STEPS = (3, 4, 5)
 """The training steps whose action times are measured: the first partitions and traces,
 and the next one or two still run slower than the rest (allocator, caches)."""
+_PAIRS = ((7, 8), (9, 10), (11, 12))
+"""Checked steps, paired: (ZB-H1's order, the placed order). The sixth step, the placed
+order's first, warms it up."""
+_CHECKED_STEPS = tuple(step for pair in _PAIRS for step in pair)
+_GAIN = 0.01
+"""How much faster than ZB-H1's order the placed order must run to be kept."""
 _KINDS = (Kind.F, Kind.I, Kind.W)
 
 
@@ -37,27 +54,70 @@ class MeasuredPlacement:
         """This rank's action times from the measured steps so far."""
         self.costs: StageCosts | None = None
         """The gathered times (seconds) the placement was made from, once it is."""
+        self.ratios: list[float] = []
+        """Placed over ZB-H1's step time, for each checked pair (when they differ)."""
+        self.kept: bool | None = None
+        """Whether the placed order was kept (None: not checked, or the same as ZB-H1's)."""
+        self._spans: list[float] = []
+        self._orders: tuple[Schedule, Schedule] | None = None
+        """While checking: (ZB-H1's order, the placed one), not lowered."""
 
     def records(self, st: State, training: bool) -> bool:
         """Whether the step about to run (with ``st``'s config) is one to time."""
-        return training and self.training_steps + 1 in _MEASURED_STEPS and _wanted(st)
+        step = self.training_steps + 1
+        checking = self._orders is not None and step in _CHECKED_STEPS
+        return training and (step in _MEASURED_STEPS or checking) and _wanted(st)
 
     def after_step(
         self, st: State, training: bool, timeline: StepTimeline | None
     ) -> Schedule | None:
-        """Count the step; after the last timed one, the placed schedule (not yet
-        lowered)."""
+        """Count the step; the schedule the next step runs when it changes (not yet
+        lowered): the placed one after the last measured step, then, while checking, the
+        two orders in turn, and after the last checked step the one that ran faster."""
         if not training:
             return None
         self.training_steps += 1
-        if self.training_steps not in _MEASURED_STEPS or timeline is None or not _wanted(st):
+        step = self.training_steps
+        if timeline is None or not _wanted(st):
             return None
-        self.samples.append(_local_times(timeline))
-        if self.training_steps != _MEASURED_STEPS[-1]:
+        if step in _MEASURED_STEPS:
+            self.samples.append(_local_times(timeline))
+            if step != _MEASURED_STEPS[-1]:
+                return None
+            every = all_gather_object_world(self.samples, st.grid)
+            self.costs = _costs([rank for steps in every for rank in steps], st.config.num_stages)
+            placed, unit = _placed(st, self.costs), _placed(st, None)
+            if placed.actions != unit.actions:
+                self._orders = (unit, placed)
+            return placed
+        if self._orders is None or not _MEASURED_STEPS[-1] < step <= _CHECKED_STEPS[-1]:
             return None
-        every = all_gather_object_world(self.samples, st.grid)
-        self.costs = _costs([rank for steps in every for rank in steps], st.config.num_stages)
-        return _placed(st, self.costs)
+        unit, placed = self._orders
+        if step in _CHECKED_STEPS:
+            self._spans.append(_span(timeline))
+        if step != _CHECKED_STEPS[-1]:
+            following = step + 1
+            return unit if any(following == u for u, _ in _PAIRS) else placed
+        by_rank = all_gather_object_world(self._spans, st.grid)
+        self._orders = None
+        longest = [max(spans[k] for spans in by_rank) for k in range(len(_CHECKED_STEPS))]
+        self.ratios = [longest[k + 1] / longest[k] for k in range(0, len(longest), 2)]
+        ratio = statistics.median(self.ratios)
+        self.kept = ratio <= 1 - _GAIN
+        if st.layout.rank == 0:
+            print(
+                f"mpar: zero_bubble placed from measured times ran at {ratio:.3f}x the step "
+                f"time of ZB-H1's order (median of {len(self.ratios)} alternating pairs); "
+                + ("kept" if self.kept else "back to ZB-H1's order"),
+                file=sys.stderr,
+            )
+        return placed if self.kept else unit
+
+
+def _span(timeline: StepTimeline) -> float:
+    """This rank's part of a step: its first action's start to its last action's end."""
+    actions = timeline.actions
+    return actions[-1][2] - actions[0][1] if actions else 0.0
 
 
 def _wanted(st: State) -> bool:
@@ -110,7 +170,8 @@ def _costs(every: list[dict[str, Any]], num_stages: int) -> StageCosts:
     return StageCosts(forward, backward, comm, i_part, w_part)
 
 
-def _placed(st: State, costs: StageCosts) -> Schedule:
+def _placed(st: State, costs: StageCosts | None) -> Schedule:
+    """The placement from ``costs`` (None: ZB-H1's order, from unit costs)."""
     from mpar.schedule import zero_bubble
 
     cfg = st.config

@@ -374,3 +374,46 @@ def test_zero_bubble_with_an_allowance_is_placed_from_measured_times(zero):
     expected = lower(zero_bubble(2, 2, 4, active_microbatches=3, costs=costs), zero_stage=zero)
     assert schedules[0].actions == expected.actions
     assert max(peak_in_flight(schedules[0])) <= 3
+
+
+def _train_with_a_verdict(gain, config, steps):
+    """``train_ranks`` with the measured placement made from fixed stage costs (so it is
+    never ZB-H1's order) and judged with ``gain``: below -1 it is always kept, above 1
+    never (ZB-H1's order again from the thirteenth step)."""
+    import mpar.runtime._placement as placement
+    from mpar.schedule import StageCosts
+
+    placement._costs = lambda samples, n: StageCosts(
+        [7.4, 9.0], [14.0, 16.1], 0.5, [0.0, 9.5], [14.0, 6.6]
+    )
+    placement._GAIN = gain
+    return train_ranks(config, "gpt", "adamw", steps, None, 8)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kept", [False, True])
+def test_a_placement_that_does_not_run_faster_goes_back_to_zb_h1(kept):
+    """Steps 7 to 12 alternate ZB-H1's order and the placed one; unless the placed one
+    ran faster, every rank returns to ZB-H1's order at the thirteenth step; training
+    stays exact through every switch."""
+    from mpar.schedule import lower, zero_bubble
+
+    steps = 14
+    config = {"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline": "zero_bubble",
+              "active_microbatches": 3}  # fmt: skip
+    results = run_distributed(
+        _train_with_a_verdict, 2, args=(-10.0 if kept else 10.0, config, steps), timeout=240
+    )
+    ref = reference("gpt", "adamw", steps, batch_size=8)
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), **TOL)
+        for name, tensor in ref["state"].items():
+            torch.testing.assert_close(r["state"][name], tensor, **TOL, msg=name)
+        assert r["placement_kept"] is kept
+        assert len(r["placement_ratios"]) == 3 and all(t > 0 for t in r["placement_ratios"])
+    costs = results[0]["placement_costs"]
+    placed = lower(zero_bubble(2, 2, 4, active_microbatches=3, costs=costs), zero_stage=0)
+    unit = lower(zero_bubble(2, 2, 4, active_microbatches=3), zero_stage=0)
+    assert placed.actions != unit.actions
+    for r in results:
+        assert r["schedule"].actions == (placed if kept else unit).actions
