@@ -451,6 +451,7 @@ def test_a_cap_on_microbatches_in_flight_holds_and_plans_fewer(pipeline, cap):
         # per-unit profiles count a tensor two units save (one's output, the next one's
         # input) twice: the plan is conservative by that much
         assert run[0]["measured"] <= run[0]["planned"] <= 1.25 * run[0]["measured"], run[0]
-        # the last stage: what it holds of its received input the plan counts among its
-        # kept boundary tensors (beside the loss), unless its first unit saves it
+        # the last stage: its received input (a view of its message) the plan counts in
+        # extra_bytes with the pipeline messages (beside the loss), unless its first unit
+        # saves it
         assert run[1]["measured"] <= run[1]["planned"] + run[1]["extra"], run[1]
