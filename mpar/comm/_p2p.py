@@ -131,17 +131,12 @@ def _keep_for_reuse(buffer: object, pool: list[Any] | None) -> None:
         pool.append(buffer)
 
 
-_NUMPY_DTYPES: dict[torch.dtype, type] = {
-    torch.float32: np.float32,
-    torch.float64: np.float64,
-    torch.float16: np.float16,
-    torch.int64: np.int64,
-    torch.int32: np.int32,
-    torch.int16: np.int16,
-    torch.int8: np.int8,
-    torch.uint8: np.uint8,
-    torch.bool: np.bool_,
-}
+_NUMPY_DTYPES = frozenset(
+    {
+        torch.float32, torch.float64, torch.float16, torch.int64, torch.int32,
+        torch.int16, torch.int8, torch.uint8, torch.bool,
+    }
+)  # fmt: skip
 """dtypes that numpy can copy (bfloat16 and complex numbers it cannot)."""
 
 
@@ -170,19 +165,25 @@ class _Message:
             _write_control(self.tensor, _SAME, 0, data, label)
             _pack(self.tensor, _CONTROL_BYTES, tensors, offsets)
             return
-        words[: 4 + _LABEL_WORDS] = (_SAME, 0, data, _LABEL_WORDS, *label)
+        control = _control_words(_SAME, 0, data, label)
+        words[: len(control)] = control
         for tensor, offset in zip(tensors, offsets):
-            kind = _NUMPY_DTYPES.get(tensor.dtype)
-            source = None
-            if kind is not None and _device.on_host(tensor):
-                try:  # (a tensor with its negative or conjugate bit set has no numpy view)
-                    source = tensor.detach().numpy().reshape(-1)
-                except RuntimeError:
-                    source = None
-            if kind is None or source is None:
+            source = _flat_numpy(tensor)
+            if source is None:
                 _pack(self.tensor, _CONTROL_BYTES, [tensor], [offset])
-                continue
-            np.copyto(array[offset : offset + source.nbytes].view(kind), source)
+            else:
+                np.copyto(array[offset : offset + source.nbytes].view(source.dtype), source)
+
+
+def _flat_numpy(tensor: torch.Tensor) -> np.ndarray | None:
+    """``tensor`` flattened as a numpy array (its own memory where it can), or None when
+    numpy cannot hold it: on a device, bfloat16, complex, a negative or conjugate bit."""
+    if tensor.dtype not in _NUMPY_DTYPES or not _device.on_host(tensor):
+        return None
+    try:
+        return tensor.detach().numpy().reshape(-1)
+    except RuntimeError:
+        return None
 
 
 def _world() -> dist.ProcessGroup:
@@ -286,9 +287,13 @@ def _offsets(slots: list[_TensorSlot]) -> tuple[list[int], int]:
     return offsets, end
 
 
+def _control_words(kind: int, header: int, data: int, label: TransferLabel) -> tuple[int, ...]:
+    """A control block's words: kind, header and data lengths, then the label."""
+    return (kind, header, data, _LABEL_WORDS, *label)
+
+
 def _control(kind: int, header: int, data: int, label: TransferLabel) -> torch.Tensor:
-    words = [kind, header, data, _LABEL_WORDS, *label]
-    return torch.tensor(words, dtype=torch.int64)
+    return torch.tensor(_control_words(kind, header, data, label), dtype=torch.int64)
 
 
 def _write_control(
@@ -297,7 +302,7 @@ def _write_control(
     """The control words into the first bytes of ``message`` (straight through numpy
     on the host; elsewhere from a host tensor)."""
     if _device.on_host(message):
-        words = (kind, header, data, _LABEL_WORDS, *label)
+        words = _control_words(kind, header, data, label)
         message[:_CONTROL_BYTES].numpy().view("<i8")[: len(words)] = words
     else:
         message[:_CONTROL_BYTES].view(torch.int64).copy_(_control(kind, header, data, label))

@@ -35,6 +35,15 @@ _HELD_FOR_W: weakref.WeakKeyDictionary[nn.Module, dict[tuple[object, ...], int]]
 on_shutdown(_HELD_FOR_W.clear)
 _SIGNATURES_KEPT = 64
 
+
+def _remember(known: dict[tuple[object, ...], int], key: tuple[object, ...], nbytes: int) -> None:
+    """``known[key] = nbytes``, forgetting the oldest signature when ``_SIGNATURES_KEPT``
+    are already known."""
+    if len(known) >= _SIGNATURES_KEPT:
+        known.pop(next(iter(known)))
+    known[key] = nbytes
+
+
 SavedHooks = tuple[Callable[[torch.Tensor], object], Callable[[object], torch.Tensor]]
 """A ``saved_tensors_hooks`` pair: (pack, unpack)."""
 
@@ -153,9 +162,7 @@ class ActivationMemory:
         stage, key = found
         known = _HELD_FOR_W.setdefault(stage, {})
         if key not in known:
-            if len(known) >= _SIGNATURES_KEPT:
-                known.pop(next(iter(known)))
-            known[key] = measure()
+            _remember(known, key, measure())
         return known[key]
 
     def hold_for_weights(self, stage: int, j: int, nbytes: int) -> None:
@@ -178,9 +185,7 @@ class ActivationMemory:
         with counter or contextlib.nullcontext():
             yield
         if counter is not None:
-            if len(known) >= _SIGNATURES_KEPT:
-                known.pop(next(iter(known)))
-            known[key] = counter.bytes
+            _remember(known, key, counter.bytes)
         saved = known[key]
         self.saved_inside[(s, j)] = saved
         self.signatures[(s, j)] = (stage, key)

@@ -40,6 +40,7 @@ _PAIRS = ((7, 8), (9, 10), (11, 12))
 """Checked steps, paired: (ZB-H1's order, the placed order). The sixth step, the placed
 order's first, warms it up."""
 _CHECKED_STEPS = tuple(step for pair in _PAIRS for step in pair)
+_UNIT_STEPS = frozenset(unit for unit, _ in _PAIRS)
 _GAIN = 0.01
 """How much faster than ZB-H1's order the placed order must run to be kept."""
 _KINDS = (Kind.F, Kind.I, Kind.W)
@@ -96,8 +97,7 @@ class MeasuredPlacement:
         if step in _CHECKED_STEPS:
             self._spans.append(_span(timeline))
         if step != _CHECKED_STEPS[-1]:
-            following = step + 1
-            return unit if any(following == u for u, _ in _PAIRS) else placed
+            return unit if step + 1 in _UNIT_STEPS else placed
         by_rank = all_gather_object_world(self._spans, st.grid)
         self._orders = None
         longest = [max(spans[k] for spans in by_rank) for k in range(len(_CHECKED_STEPS))]
