@@ -65,6 +65,10 @@ class ModelSpec:
         )
 
 
+BACKEND = "+backend"
+"""Suffix of an mpar schedule run with ``shared_memory: false``: its pipeline transfers
+go through gloo like the peers', for a side-by-side with the default."""
+
 MEASURED = "zero_bubble+measured"
 """mpar's zero_bubble with ``active_microbatches`` one above what ZB-H1 holds (at most
 the microbatches): the runtime times steps 3 to 5, places W from those times and keeps

@@ -57,7 +57,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import MEASURED, Case, ModelSpec  # noqa: E402
+from _common import BACKEND, MEASURED, Case, ModelSpec  # noqa: E402
 from _harness import launch_job, missing_module  # noqa: E402
 
 from mpar.schedule._csv import is_csv_path  # noqa: E402
@@ -73,6 +73,9 @@ CASES = [
     # from steps 3 to 5's measured times (_common.MEASURED)
     ("mpar", MEASURED, 1, "zero_bubble"),
     ("mpar", "zbv", 2, "zbv"),
+    # the same schedules with their transfers through gloo instead of shared memory
+    ("mpar", "interleaved" + BACKEND, 1, "interleaved"),
+    ("mpar", "zero_bubble" + BACKEND, 1, "zero_bubble"),
     ("torch", "ScheduleGPipe", 1, "simple"),
     ("torch", "Schedule1F1B", 1, "interleaved"),
     ("torch", "ScheduleInterleaved1F1B", 2, "interleaved"),
@@ -304,6 +307,8 @@ def _split_label(case: Case) -> str:
         return f"{case.split} (schedule CSV)"
     if case.schedule == MEASURED:
         return f"{case.split} (measured placement)"
+    if case.schedule.endswith(BACKEND):
+        return f"{case.split} (transfers through gloo)"
     return case.split
 
 

@@ -258,6 +258,11 @@ def on_host(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu"
 
 
+def is_host(device: torch.device) -> bool:
+    """Whether ``device`` is host memory."""
+    return device.type == "cpu"
+
+
 def host_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An uninitialised CPU buffer that exchanges data with ``device``: pinned for
     CUDA (asynchronous copies), plain elsewhere (pinning needs CUDA)."""

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 from _common import (
+    BACKEND,
     MEASURED,
     Case,
     global_batch,
@@ -37,6 +38,8 @@ def _sequential(case: Case) -> nn.Sequential:
 
 
 def _schedule_keys(case: Case) -> dict[str, Any]:
+    if case.schedule.endswith(BACKEND):
+        return {"pipeline": case.schedule.removesuffix(BACKEND), "shared_memory": False}
     if case.schedule != MEASURED:
         return {"pipeline": case.schedule}
     from mpar.schedule import zero_bubble_peak

@@ -28,6 +28,7 @@ from mpar.comm._grid import ProcessGrid, build_process_grid
 from mpar.comm._layout import Layout, detect_layout
 from mpar.comm._p2p import Links
 from mpar.comm._progress import PROGRESS, RECENT, Waiting
+from mpar.comm._shared import SharedMemory, connect
 from mpar.comm._tp import TP_GROUP, clear_tp_groups, register_tp_group
 from mpar.comm._watchdog import transport_timeout
 from mpar.config import Config, load_config
@@ -200,6 +201,7 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
         backend=backend,
         owns_process_group=owns,
     )
+    _STATE.p2p_links.shared = _shared_memory(_STATE, world_backend)
     if not _EXIT_HOOKED:
         atexit.register(_shutdown_at_exit)
         sys.excepthook = _mark_failed
@@ -208,6 +210,21 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
 
 
 _EXIT_HOOKED = False
+
+
+def _shared_memory(st: State, world_backend: str) -> SharedMemory | None:
+    """Shared-memory rings for the pipeline transfers between ranks of one host, when
+    the transfers travel through host memory over gloo and the config allows them."""
+    wire = _device.p2p_device(st.device, st.backend)
+    if not (
+        st.config.shared_memory
+        and st.grid.pp_size > 1
+        and world_backend == "gloo"
+        and _device.is_host(wire)
+    ):
+        return None
+    with Waiting(("collective", "shared-memory setup (in mpar.init)", None)):
+        return connect(st.layout.rank, st.grid.pp_ranks, st.layout.local_size, group=None)
 
 
 def _shutdown_at_exit() -> None:
@@ -262,6 +279,7 @@ def shutdown() -> None:
         hook()
     _final_barrier(_STATE)
     current, _STATE = _STATE, None
+    current.p2p_links.close()
     _abort.stop_watcher()
     _watchdog.stop()
     PROGRESS.reset(RECENT)

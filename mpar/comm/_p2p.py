@@ -51,6 +51,7 @@ import torch.distributed as dist
 from mpar import _device
 from mpar._tree import tree_leaves, tree_map
 from mpar.comm._progress import Waiting
+from mpar.comm._shared import SharedMemory
 from mpar.comm._types import Transfer, TransferLabel, Work
 from mpar.errors import CommError
 
@@ -106,13 +107,14 @@ class PendingSends:
         buffer: torch.Tensor,
         dst: int,
         tag: int,
+        links: Links,
         pool: list[Any] | None = None,
         keep: object = None,
     ) -> None:
         """Send ``buffer``; once sent, ``keep`` (default: ``buffer``) goes back to ``pool``
         (when given) for reuse."""
         self.buffers.append(buffer if keep is None else keep)
-        self.works.append(_world().send([buffer], dst, tag))
+        self.works.append(links.send(buffer, dst, tag))
         self.peers.append(dst)
         self.pools.append(pool)
 
@@ -227,6 +229,36 @@ class Links:
     def __init__(self) -> None:
         self._sent: dict[tuple[int, int], _Sent] = {}
         self._received: dict[tuple[int, int], _Received] = {}
+        self.shared: SharedMemory | None = None
+        """The shared-memory rings to the peers on this host (``mpar.init`` sets them up
+        when transfers are on the host and the ``shared_memory`` key allows it)."""
+
+    def _shared(self, peer: int, device: torch.device) -> SharedMemory | None:
+        """The rings when messages on ``device`` to or from ``peer`` go through them."""
+        shared = self.shared
+        if shared is not None and peer in shared.peers and _device.is_host(device):
+            return shared
+        return None
+
+    def send(self, buffer: torch.Tensor, dst: int, tag: int) -> dist.Work | None:
+        """Start sending the bytes of ``buffer`` to ``dst`` on stream ``tag``; None
+        when they are sent already (into a shared-memory ring)."""
+        shared = self._shared(dst, buffer.device)
+        if shared is not None and shared.send(buffer, dst, tag):
+            return None
+        return _world().send([buffer], dst, tag)
+
+    def recv(self, buffer: torch.Tensor, src: int, tag: int) -> None:
+        """Receive the next message of stream (``src``, ``tag``) into ``buffer``."""
+        shared = self._shared(src, buffer.device)
+        if shared is None or not shared.recv(buffer, src, tag):
+            _world().recv([buffer], src, tag).wait()
+
+    def close(self) -> None:
+        """Release the shared-memory rings (``mpar.shutdown``)."""
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
 
     def sent(self, dst: int, tag: int) -> _Sent:
         link = self._sent.get((dst, tag))
@@ -244,10 +276,12 @@ class Links:
         """Start receiving the next transfer on stream (``src``, ``tag``) now.
 
         The bytes then arrive in the background; :func:`recv_payload` takes them.
-        Posting twice for the same stream before receiving is a no-op.
+        Posting twice for the same stream before receiving is a no-op, and so is
+        posting on a shared-memory ring (its messages wait in the ring, or say that
+        they come through the backend).
         """
         link = self.received(src, tag)
-        if link.posted is None:
+        if link.posted is None and self._shared(src, device) is None:
             buffer = torch.empty(link.expect, dtype=torch.uint8, device=device)
             link.posted = (_world().recv([buffer], src, tag), buffer)
 
@@ -375,7 +409,7 @@ def send_payload(
         if message is None:
             message = _Message(size, device)
         message.write(data, label, tensors, offsets)
-        pending.add(message.tensor, dst, tag, link.free if reuse else None, keep=message)
+        pending.add(message.tensor, dst, tag, links, link.free if reuse else None, keep=message)
         return
     start = -(-len(header) // _ALIGN) * _ALIGN
     control = torch.zeros(link.expect, dtype=torch.uint8, device=device)
@@ -383,8 +417,8 @@ def send_payload(
     body = torch.empty(start + data, dtype=torch.uint8, device=device)
     body[: len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
     _pack(body, start, tensors, offsets)
-    pending.add(control, dst, tag)
-    pending.add(body, dst, tag)
+    pending.add(control, dst, tag, links)
+    pending.add(body, dst, tag, links)
     link.header, link.expect = header, _CONTROL_BYTES + data
     link.structure = structure if plain else None
 
@@ -428,7 +462,7 @@ def recv_payload(
                 work.wait()
         else:
             message = torch.empty(link.expect, dtype=torch.uint8, device=device)
-            _world().recv([message], src, tag).wait()
+            links.recv(message, src, tag)
     if _device.on_host(message):  # (numpy: fewer calls, see _Message)
         words = message.numpy()[:_CONTROL_BYTES].view("<i8").tolist()
     else:
@@ -455,7 +489,7 @@ def recv_payload(
     start = -(-header_bytes // _ALIGN) * _ALIGN
     body = torch.empty(start + data, dtype=torch.uint8, device=device)
     with Waiting(("recv", src, label)):
-        _world().recv([body], src, tag).wait()
+        links.recv(body, src, tag)
     link.structure = pickle.loads(body[:header_bytes].cpu().numpy().tobytes())
     link.slots = _slots(link.structure)
     link.offsets, _ = _offsets(link.slots)

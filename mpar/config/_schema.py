@@ -286,6 +286,11 @@ class Config:
     no progress, its last action and its stack, and every rank's position (the
     transfers' own timeouts are longer, so this report comes first)."""
 
+    shared_memory: bool = True
+    """Pipeline transfers between ranks of one host go through shared-memory rings when
+    they travel through host memory (gloo): no copy through the kernel, and no backend
+    thread woken per message. False: through the backend, like every other transfer."""
+
     trace: str | None = None
     """Directory where each rank writes its flight recorder (its last actions with
     times, its position and stacks) when the job hangs or its step raises, and the
@@ -344,6 +349,7 @@ class Config:
             "offload_activations",
             "bf16",
             "fp16",
+            "shared_memory",
         ):
             _check_bool(key, getattr(self, key))
         _check_int("default_partition", self.default_partition, minimum=0)

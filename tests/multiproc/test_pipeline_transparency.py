@@ -50,12 +50,13 @@ def _valid(pp: int, dp: int, pipeline: str, v: int, m: int, model: str) -> bool:
     return pp * v <= units
 
 
-def _run(pp, dp, pipeline, v, m, model, optimizer, clip=None):
+def _run(pp, dp, pipeline, v, m, model, optimizer, clip=None, **extra):
     config = {
         "pipeline_parallel_degree": pp,
         "microbatches": m,
         "pipeline": pipeline,
         "virtual_stages": v,
+        **extra,
     }
     results = run_distributed(
         train_ranks, pp * dp, args=(config, model, optimizer, STEPS, clip), timeout=180
@@ -84,6 +85,11 @@ DEFAULT = [
 @pytest.mark.parametrize(("pp", "dp", "pipeline", "v", "m", "model", "optimizer"), DEFAULT)
 def test_transparent(pp, dp, pipeline, v, m, model, optimizer):
     _run(pp, dp, pipeline, v, m, model, optimizer)
+
+
+def test_transparent_through_the_backend_without_shared_memory():
+    # the default layouts above send between their ranks through shared memory
+    _run(2, 2, "interleaved", 2, 4, "gpt", "adamw", shared_memory=False)
 
 
 def test_global_norm_clipping_is_transparent():

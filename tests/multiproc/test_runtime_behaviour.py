@@ -392,6 +392,7 @@ def _activations_of(
         "planned": mine.activation_bytes,
         "in_flight": mine.in_flight,
         "extra": mine.extra_bytes,  # kept boundary tensors, message buffers, the loss
+        "units": mine.units,
         # what a W of one microbatch (12 rows) keeps on this rank: inputs, output grads
         "weight_work": sum(12 * 4 * sum(w.shape) for w in weights),
     }
@@ -403,15 +404,19 @@ def test_a_split_backward_counts_what_each_waiting_w_keeps():
     runtime's activation peak counts the difference, and the plan (which counts each
     microbatch in flight as the larger of the two) is not below it.
     Without the split (``split_backward: false``) zero_bubble holds what 1F1B holds."""
-    runs = {
-        name: {r["rank"]: r for r in run_distributed(_activations_of, 2, args=args, timeout=90)}
-        for name, args in {
-            "1f1b": ("interleaved", True),
-            "zb": ("zero_bubble", True),
-            "zb_unsplit": ("zero_bubble", False),
-        }.items()
-    }
-    last = {name: ranks[1] for name, ranks in runs.items()}
+    for _ in range(3):  # the split follows measured timings: compare runs that split alike
+        runs = {
+            name: {r["rank"]: r for r in run_distributed(_activations_of, 2, args=args, timeout=90)}
+            for name, args in {
+                "1f1b": ("interleaved", True),
+                "zb": ("zero_bubble", True),
+                "zb_unsplit": ("zero_bubble", False),
+            }.items()
+        }
+        last = {name: ranks[1] for name, ranks in runs.items()}
+        if len({tuple(r["units"]) for r in last.values()}) == 1:
+            break
+    assert len({tuple(r["units"]) for r in last.values()}) == 1, "three runs split differently"
     one = last["1f1b"]["measured"]  # 1F1B's last stage: one microbatch at a time
     kept = last["zb"]["weight_work"]
     assert kept > one > 0
@@ -422,8 +427,11 @@ def test_a_split_backward_counts_what_each_waiting_w_keeps():
     # nothing waits for a W: what 1F1B holds (give or take the boundary's bytes)
     assert abs(last["zb_unsplit"]["measured"] - one) <= 0.1 * kept, (last["zb_unsplit"], one)
     # the plan's activations are not below what ran, and close to it for zero_bubble
+    # (the plan counts the stage's received input in extra_bytes, the runtime among its
+    # activations when the first unit saves it)
     for name in ("1f1b", "zb", "zb_unsplit"):
-        assert last[name]["planned"] >= last[name]["measured"], (name, last[name])
+        planned = last[name]["planned"] + last[name]["extra"]
+        assert planned >= last[name]["measured"], (name, last[name])
     assert last["zb"]["planned"] <= 1.25 * last["zb"]["measured"], last["zb"]
 
 

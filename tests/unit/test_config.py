@@ -36,6 +36,7 @@ def test_accepted_keys_are_frozen():
         "backend",
         "seed",
         "timeout_s",
+        "shared_memory",
         "trace",
         "device_memory",
         "shard_optimizer_state",
