@@ -65,4 +65,8 @@ def run(case: Case) -> dict[str, Any]:
     result["threads"] = threads
     parts = [int(p) for p in net.parts]
     result["stage_layers"] = [b - a for a, b in itertools.pairwise(parts)]
+    # gloo's threads must stop before the interpreter exits, or the process may abort
+    # there ("terminate called without an active exception") after its work is done
+    dist.barrier()
+    dist.destroy_process_group()
     return result
