@@ -36,6 +36,10 @@ microseconds), and both ends keep the data section's offsets; a stream's message
 up to 1 MiB are written again once sent (a fresh buffer costs a page fault per page); messages go to
 the default process group's ``send``/``recv`` without ``torch.distributed``'s
 per-call checks.
+
+Between ranks of one host, host messages go through shared-memory rings instead
+(:mod:`mpar.comm._shared`, :meth:`Links.send` and :meth:`Links.recv` choose): the
+same messages, copied into a ring that both ranks map; a ring needs no posted receive.
 """
 
 from __future__ import annotations
