@@ -94,7 +94,17 @@ def _decide_boundaries(
             f" x virtual_stages {cfg.virtual_stages}); lower one of them"
         )
     if not cfg.auto_partition:
-        return manual_boundaries(module, units, default=cfg.default_partition), None
+        boundaries = manual_boundaries(module, units, default=cfg.default_partition)
+        if len(boundaries) != num_stages:
+            raise PartitionError(
+                f"manual placement (auto_partition false) puts the model's units on "
+                f"{len(boundaries)} stage(s), 0 to {len(boundaries) - 1}, but the configuration "
+                f"has {num_stages} (pipeline_parallel_degree {cfg.pipeline_parallel_degree} x "
+                f"virtual_stages {cfg.virtual_stages}): attach modules inside "
+                f"`with mpar.partition(i):` blocks for every stage 0 to {num_stages - 1}, or "
+                "set auto_partition true"
+            )
+        return boundaries, None
     # A meta model, or one that does not fit this rank's device_memory, is profiled
     # from FLOPs on fake tensors: nothing runs for real.
     mode = profile_mode(module, cfg.device_memory)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-from mpar.testing import run_distributed
+from mpar.testing import DistributedTestError, run_distributed
 from tests.multiproc._pipeline_cases import batch, loss_fn
 
 
@@ -59,3 +60,26 @@ def test_manual_placement_is_used_and_transparent():
         opt.zero_grad()
     for name, tensor in ref.state_dict().items():
         torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)
+
+
+def _unplaced_ranks():
+    import mpar
+
+    mpar.init({"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False})
+    torch.manual_seed(0)
+    model = mpar.DistributedModel(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)))
+
+    @mpar.step
+    def train(m, x, y):
+        loss = nn.functional.mse_loss(m(x), y)
+        m.backward(loss)
+        return loss
+
+    train(model, torch.randn(4, 8), torch.randn(4, 4))
+
+
+@pytest.mark.timeout(60)
+def test_manual_placement_that_leaves_a_stage_empty_is_refused_by_name():
+    # nothing placed with mpar.partition: every unit would be on stage 0 of 2
+    with pytest.raises(DistributedTestError, match=r"PartitionError.*on 1 stage\(s\), 0 to 0"):
+        run_distributed(_unplaced_ranks, 2, timeout=50)
