@@ -139,8 +139,15 @@ def set_threads(local_size: int) -> None:
     CPU threads, unless the user chose (``OMP_NUM_THREADS``)."""
     if "OMP_NUM_THREADS" in os.environ:
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    torch.set_num_threads(max(1, (cores or 1) // max(1, local_size)))
+    torch.set_num_threads(max(1, host_cores() // max(1, local_size)))
+
+
+def host_cores() -> int:
+    """CPUs this process may run on (respects affinity masks and cpusets)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def to_device(value: Any, device: torch.device) -> Any:
@@ -255,7 +262,7 @@ def p2p_device(device: torch.device, backend: str) -> torch.device:
 
 def on_host(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is in host memory (numpy can write it in place)."""
-    return tensor.device.type == "cpu"
+    return is_host(tensor.device)
 
 
 def is_host(device: torch.device) -> bool:

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mpar._device import host_cores
 from mpar.errors import CommError
 
 __all__ = ["SharedMemory", "available", "connect"]
@@ -126,9 +127,9 @@ def _map(path: str, size: int, create: bool) -> mmap.mmap:
         os.close(fd)
 
 
-def _positions(memory: mmap.mmap) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    array = np.frombuffer(memory, dtype=np.uint8)
-    return array[_WRITE : _WRITE + 8].view("<i8"), array[_READ : _READ + 8].view("<i8"), array
+def _word(memory: mmap.mmap, offset: int = 0) -> np.ndarray:
+    """The 8-byte integer at ``offset`` of ``memory``, as a one-element array on it."""
+    return np.frombuffer(memory, dtype="<i8", count=1, offset=offset)
 
 
 class _Ring:
@@ -138,8 +139,8 @@ class _Ring:
 
     def __init__(self, memory: mmap.mmap, peer: int) -> None:
         self.memory = memory
-        self.write, self.read, array = _positions(memory)
-        self.data = array[_HEAD:]
+        self.write, self.read = _word(memory, _WRITE), _word(memory, _READ)
+        self.data = np.frombuffer(memory, dtype=np.uint8, offset=_HEAD)
         self.capacity = self.data.nbytes
         self.peer = peer
         self.mine = 0
@@ -178,19 +179,17 @@ class SharedMemory:
         self._rings_out: dict[tuple[int, int], _Ring] = {}
         self._rings_in: dict[tuple[int, int], _Ring] = {}
         self._flag = _map(self._path(rank, "flag"), 64, create=True)
-        self._asleep = np.frombuffer(self._flag, dtype=np.uint8)[:8].view("<i8")
-        self._bell = os.open(self._path(rank, "bell", fifo=True), os.O_RDWR | os.O_NONBLOCK)
+        self._asleep = _word(self._flag)
+        os.mkfifo(self._path(rank, "bell"), 0o600)
+        self._bell = os.open(self._path(rank, "bell"), os.O_RDWR | os.O_NONBLOCK)
         self._peer_flags: dict[int, np.ndarray] = {}
         self._peer_bells: dict[int, int] = {}
         self._maps: list[mmap.mmap] = []
         self._route = np.zeros(1, dtype="<i8")
         self._route_bytes = self._route.view(np.uint8)
 
-    def _path(self, rank: int, what: str, fifo: bool = False, tag: int | None = None) -> str:
-        name = f"{ROOT}/mpar-{self.token}-{rank}-{what}" + ("" if tag is None else f"-{tag}")
-        if fifo and rank == self.rank and not os.path.exists(name):
-            os.mkfifo(name, 0o600)
-        return name
+    def _path(self, rank: int, what: str, tag: int | None = None) -> str:
+        return f"{ROOT}/mpar-{self.token}-{rank}-{what}" + ("" if tag is None else f"-{tag}")
 
     def open_peers(self, candidates: Iterable[int]) -> set[int]:
         """Open the flag and bell of each candidate peer; the ones that could be opened."""
@@ -202,7 +201,7 @@ class SharedMemory:
             except OSError:
                 continue
             self._maps.append(memory)
-            self._peer_flags[peer] = np.frombuffer(memory, dtype=np.uint8)[:8].view("<i8")
+            self._peer_flags[peer] = _word(memory)
             self._peer_bells[peer] = bell
             opened.add(peer)
         return opened
@@ -342,7 +341,7 @@ def connect(
     dist.all_gather_object(first, (token, host), group=group)
     token = first[0][0]  # type: ignore[index]
     local = [p for p in peers if p != rank and host is not None and first[p][1] == host]  # type: ignore[index]
-    spin_s = SPIN_S if ranks_on_host <= _cores() else SHARED_CORE_SPIN_S
+    spin_s = SPIN_S if ranks_on_host <= host_cores() else SHARED_CORE_SPIN_S
     mine = SharedMemory(str(token), rank, (), spin_s) if host is not None else None
     opened: set[int] = set()
     second: list[object] = [None] * dist.get_world_size()
@@ -359,14 +358,6 @@ def connect(
         mine.close()
         return None
     return mine
-
-
-def _cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def _boot_id() -> str:

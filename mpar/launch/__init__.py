@@ -25,11 +25,12 @@ __all__ = ["LaunchError", "LaunchOptions", "launch", "main", "parse_options"]
 
 def launch(options: LaunchOptions) -> int:
     """Run the job described by ``options``; returns its exit status."""
-    from mpar.launch._checks import check_pipeline_degree, local_cpu_count
+    from mpar._device import host_cores
+    from mpar.launch._checks import check_pipeline_degree
     from mpar.launch._env import worker_environment
 
     check_pipeline_degree(options, os.environ)
-    extra_env = worker_environment(options, os.environ, cpus=local_cpu_count())
+    extra_env = worker_environment(options, os.environ, cpus=host_cores())
     if options.mpi:
         from mpar.launch._mpi import run_mpi
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import ipaddress
 import json
-import os
 import socket
 from collections.abc import Mapping
 from typing import Any
@@ -142,11 +141,3 @@ def open_rendezvous_socket(options: LaunchOptions) -> socket.socket:
             f"--master-port {port} is busy on {host or 'this machine'}: another process "
             f"(perhaps a previous job) is listening there. Choose {other}{hint}."
         ) from exc
-
-
-def local_cpu_count() -> int:
-    """CPUs this process may run on (respects affinity masks and cpusets)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
