@@ -31,7 +31,7 @@ import torch
 
 from mpar.partition import make_plan, solve, split_module
 from mpar.profile import profile_model
-from mpar.testing_models import GPTConfig, TinyGPT
+from mpar.testing.models import GPTConfig, TinyGPT
 
 NUM_STAGES = 4
 

@@ -230,7 +230,7 @@ def live_tensor_bytes() -> int:
 def _model(spec: Spec) -> Any:
     import torch
 
-    from mpar.testing_models import GPTConfig, TinyGPT
+    from mpar.testing.models import GPTConfig, TinyGPT
 
     torch.manual_seed(0)
     cfg = GPTConfig(
@@ -284,7 +284,7 @@ def _warm_imports() -> None:
 
     from mpar.partition import split_module
     from mpar.profile import profile_model
-    from mpar.testing_models import GPTConfig, TinyGPT
+    from mpar.testing.models import GPTConfig, TinyGPT
 
     torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])
     tiny = TinyGPT(GPTConfig(vocab_size=16, d_model=8, num_layers=2, num_heads=2, d_ffn=8))

@@ -32,12 +32,12 @@ from mpar.checkpoint._dcp import BoundedWriter, SavePlannerWithPieces
 from mpar.checkpoint._owner import Owner, RootLock
 from mpar.checkpoint._state import merge_param_groups, model_entries, optimizer_entries
 from mpar.checkpoint._verify import check_files
-from mpar.comm._bootstrap import on_shutdown
 from mpar.comm._checkpoint_comm import (
     all_gather_object_in,
     broadcast_object_in,
     checkpoint_group,
 )
+from mpar.comm._lifecycle import on_shutdown
 from mpar.comm._types import ProcessGroup
 from mpar.errors import MparError
 

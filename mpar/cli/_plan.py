@@ -257,7 +257,7 @@ def _profile(args: argparse.Namespace) -> tuple[Any, int, Any]:
     from mpar.profile import profile_model
 
     if args.hf_config is not None:
-        from mpar.cli._hf import build_hf_model
+        from mpar.cli._hf_model import build_hf_model
         from mpar.runtime._adapt import disable_caches
 
         module, ex_kwargs = build_hf_model(args.hf_config, seq_len=args.seq_len, batch=args.batch)
@@ -343,7 +343,7 @@ def microbatch_size(global_batch: int | None, dp: int, microbatches: int, profil
 
 def tp_bandwidth(args: argparse.Namespace, link: float | None) -> float | None:
     """``--tp-bandwidth`` in bytes per second (the link bandwidth without it)."""
-    from mpar.partition._plan import _bandwidth
+    from mpar.partition._planner import _bandwidth
 
     text = args.tp_bandwidth
     if text is None:
@@ -354,7 +354,7 @@ def tp_bandwidth(args: argparse.Namespace, link: float | None) -> float | None:
 def _run_plan(args: argparse.Namespace) -> str:
     from mpar.cli._plan_tp import tp_splits
     from mpar.partition import CostModel, make_plan
-    from mpar.partition._plan import _bandwidth
+    from mpar.partition._planner import _bandwidth
 
     config = _read_config(args.config, args.world_size, args.tp)
     options = _plan_options(config, args.world_size)

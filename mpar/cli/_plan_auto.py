@@ -14,7 +14,7 @@ __all__ = ["run_auto"]
 def _options(args: argparse.Namespace) -> tuple[Any, Any]:
     from mpar.cli._plan import device_kind
     from mpar.partition import CostModel, SearchSpace
-    from mpar.partition._plan import _bandwidth
+    from mpar.partition._planner import _bandwidth
 
     if args.device_memory is None:
         raise ValueError("--auto needs --device-memory (bytes per rank, e.g. 80GiB)")

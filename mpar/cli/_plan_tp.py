@@ -1,5 +1,5 @@
 """``mpar plan`` with tensor parallelism: which TP degrees a model's plan accepts, and
-what it splits in each unit (``mpar.partition._tp``).
+what it splits in each unit (``mpar.partition._tp_share``).
 
 The plan is the one the runtime would use (``mpar.tensor_parallel.resolve_plan``: the
 config's ``tp_plan``, the model's ``base_model_tp_plan``, mpar's plan for its family),
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch import nn
 
-    from mpar.partition._tp import TPSplits
+    from mpar.partition._tp_share import TPSplits
     from mpar.profile import ModelProfile
 
 __all__ = ["tp_splits"]
@@ -36,8 +36,8 @@ def tp_splits(
     the caller must have (``--tp``); its refusal, or a missing plan, raises the
     ``TPPlanError`` the runtime would raise when the model is wrapped.
     """
-    from mpar.partition._tp import TPSplits
     from mpar.partition._tp_measure import measure_splits
+    from mpar.partition._tp_share import TPSplits
     from mpar.tensor_parallel import TPPlanError, plan_layout, resolve_plan
 
     try:

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from mpar.comm._bootstrap import State
+from mpar.comm._lifecycle import State
 from mpar.comm._progress import Waiting
 from mpar.comm._types import ProcessGroup
 from mpar.comm._watchdog import transport_timeout

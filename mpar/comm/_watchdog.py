@@ -38,7 +38,7 @@ import torch.distributed as dist
 from mpar._failure import record_failure
 from mpar.comm import _abort
 from mpar.comm._hang import diagnose, format_report
-from mpar.comm._layout import Layout
+from mpar.comm._process_layout import Layout
 from mpar.comm._progress import PROGRESS
 from mpar.comm._snapshot import snapshot, wait_info, write_trace
 

@@ -1,6 +1,6 @@
 """Typed configuration: the dataclasses that every other mpar package reads.
 
-Dicts exist only at the boundary (``mpar.config._load``); inside mpar the
+Dicts exist only at the boundary (``mpar.config._boundary``); inside mpar the
 configuration is a frozen :class:`Config`. Every field carries a docstring and
 its own range check; checks that involve several fields live in
 :meth:`Config.__post_init__`, and checks that need the world size in
@@ -20,8 +20,9 @@ from mpar.errors import ConfigError, ConfigTypeError
 from mpar.schedule._csv import is_csv_path
 from mpar.schedule._generators import least_active_microbatches
 from mpar.schedule._registry import PIPELINES, check_csv_schedule
+from mpar.topology import placement_axes
 
-__all__ = ["PLACEMENT_NAMES", "Config", "ZeroConfig", "placement_axes"]
+__all__ = ["Config", "ZeroConfig"]
 
 PipelineKind = str
 """A name in ``mpar.schedule.PIPELINES`` or the path of a schedule CSV file."""
@@ -40,33 +41,6 @@ MAX_TIMEOUT_S = 1e9
 #: parallelism): "speed" mostly balances compute, "memory" mostly balances memory. The
 #: one definition; the partition solver reads it too.
 MEMORY_WEIGHT_FOR = {"speed": 0.2, "memory": 0.8}
-
-
-#: The named placements as axis letters, outermost first (``D`` data parallel, ``P``
-#: pipeline, ``T`` tensor parallel): both keep the TP group's ranks consecutive.
-PLACEMENT_NAMES = {"cluster": "DPT", "spread": "PDT"}
-_AXIS_OF_LETTER = {"P": "pp", "D": "dp", "T": "tp"}
-
-
-def placement_axes(placement: object) -> tuple[str, str, str]:
-    """The grid axes (``"pp"``, ``"dp"``, ``"tp"``) of a ``placement_strategy`` value,
-    outermost first: the last one varies fastest over consecutive global ranks.
-
-    ``"cluster"`` is ``"DPT"`` (one pipeline's stages on neighbouring ranks),
-    ``"spread"`` is ``"PDT"`` (one data-parallel group's ranks neighbouring); any
-    permutation of ``D``, ``P``, ``T`` names the order directly, as SageMaker model
-    parallelism spells it (``"TPD"``: the TP group's ranks as far apart as possible).
-    """
-    letters = PLACEMENT_NAMES.get(placement, placement) if isinstance(placement, str) else None
-    if not isinstance(letters, str) or sorted(letters) != ["D", "P", "T"]:
-        raise ConfigError(
-            f"config key 'placement_strategy' has value {placement!r}; allowed: 'cluster', "
-            "'spread', or a permutation of the letters D (data parallel), P (pipeline), "
-            "T (tensor parallel) naming the axes outermost first, e.g. 'DPT' (= 'cluster'), "
-            "'PDT' (= 'spread'), 'TPD'"
-        )
-    a, b, c = (_AXIS_OF_LETTER[x] for x in letters)
-    return a, b, c
 
 
 def _fail_choice(key: str, value: object, allowed: tuple[Any, ...]) -> None:
@@ -514,7 +488,7 @@ def _check_tp_plan(plan: Any) -> None:
             f"config key 'tp_plan' must be a dict from module-name patterns to style names "
             f"(e.g. {{'blocks.*.attn.q': 'colwise'}}) or null, got {plan!r}"
         )
-    from mpar.tensor_parallel._plan import parse_style
+    from mpar._tp_styles import parse_style
 
     for pattern, style in plan.items():
         parse_style(style, f"config key 'tp_plan' entry {pattern!r}")

@@ -12,12 +12,12 @@ import sys
 import types
 from contextlib import AbstractContextManager
 
-from mpar.partition._auto import Candidate, SearchResult, SearchSpace, fit_fixed_times, search
 from mpar.partition._cost import CostModel
 from mpar.partition._manual import assigned_stage, manual_boundaries, partition
-from mpar.partition._memory import Layout
+from mpar.partition._memory_model import Layout
 from mpar.partition._methods import parameter_boundaries, uniform_boundaries
-from mpar.partition._plan import Plan, StagePlan, make_plan, parse_bytes
+from mpar.partition._planner import Plan, StagePlan, make_plan, parse_bytes
+from mpar.partition._search import Candidate, SearchResult, SearchSpace, fit_fixed_times, search
 from mpar.partition._solver import (
     memory_weight_for,
     min_memory_for,
@@ -26,7 +26,7 @@ from mpar.partition._solver import (
     stage_costs,
 )
 from mpar.partition._split import SplitModel, split_module
-from mpar.partition._units import find_units, unit_modules
+from mpar.profile._units import find_units, unit_modules
 
 __all__ = [
     "Candidate",

@@ -20,13 +20,13 @@ them as calls instead. For every group ``g`` of units (in graph order):
   weight ``w`` is a parameter that this call alone reads: it runs
   ``gate.linear(g, x, w, b)``, which may compute the weight's gradient after
   the group's backward, once its gathered parameters are freed (see
-  :meth:`mpar.shard._units.UnitGather.linear`). The matrix product's backward
+  :meth:`mpar.shard._unit_gather.UnitGather.linear`). The matrix product's backward
   would otherwise hold the gathered weight and its whole gradient at once (an
   LM head: twice the vocabulary's table).
 
 ``gate`` is read from the stage's attribute ``mpar_unit_gate`` (any object
 with the four methods, and optionally ``linear``; see
-:class:`mpar.shard._units.UnitGather`).
+:class:`mpar.shard._unit_gather.UnitGather`).
 :func:`owners` says which group alone uses each parameter: parameters read
 by glue or by two groups belong to none (the runtime keeps them gathered for
 the whole stage).

@@ -52,7 +52,7 @@ from torch import nn
 
 from mpar.errors import PartitionError
 from mpar.partition._traced import _set_attr, traced_stages
-from mpar.partition._units import find_units
+from mpar.profile._units import find_units
 
 __all__ = ["SplitModel", "split_module"]
 

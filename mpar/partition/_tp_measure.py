@@ -33,12 +33,12 @@ import torch
 from torch import nn
 
 from mpar._compat import FakeTensorMode, pytree
-from mpar.partition._tp import UnitSplit
+from mpar.partition._tp_share import UnitSplit
 from mpar.profile import OPTIMIZER_BYTES_PER_PARAM, preserved_state
 
 if TYPE_CHECKING:
+    from mpar._tp_styles import Style
     from mpar.profile import UnitProfile
-    from mpar.tensor_parallel._plan import Style
 
 __all__ = ["measure_splits", "param_splits"]
 

@@ -39,7 +39,7 @@ from torch.overrides import TorchFunctionMode
 from mpar import _device
 from mpar._compat import FakeTensorMode, FlopCounterMode, pytree
 from mpar.errors import PartitionError
-from mpar.partition._units import find_units
+from mpar.profile._units import find_units
 
 __all__ = [
     "OPTIMIZER_BYTES_PER_PARAM",
@@ -82,7 +82,7 @@ class UnitProfile:
     0 unless fitted from two profiles (``mpar.partition.fit_fixed_times``)."""
     tp_comm_bytes: int = 0
     """Bytes one rank sends over its tensor-parallel group per microbatch (forward and
-    backward collectives); 0 except in a TP rank's profile (``mpar.partition._tp``)."""
+    backward collectives); 0 except in a TP rank's profile (``mpar.partition._tp_share``)."""
     weight_work_bytes: int = 0
     """Bytes a split backward keeps from the unit's I until its W for one microbatch:
     the input and the output gradient of each linear layer whose weight W computes

@@ -19,7 +19,7 @@ from torch import nn
 from mpar import _device
 from mpar._compat import top_saved_tensors_hooks
 from mpar._tree import tree_leaves
-from mpar.comm._bootstrap import on_shutdown
+from mpar.comm._lifecycle import on_shutdown
 
 __all__ = ["ActivationMemory", "counting_only", "storage_bytes", "tensor_bytes"]
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from mpar.comm._bootstrap import State
 from mpar.comm._consistency import first_few, gather_from_every_rank
+from mpar.comm._lifecycle import State
 from mpar.errors import BatchMismatchError
 from mpar.topology import Grid
 

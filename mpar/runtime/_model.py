@@ -22,10 +22,10 @@ from mpar.config import Config
 from mpar.errors import StepError
 from mpar.runtime._adapt import disable_caches
 from mpar.runtime._executor import Captured, StepRun
+from mpar.runtime._local_stages import LocalStages, build_local_stages
 from mpar.runtime._microbatch import Microbatches
 from mpar.runtime._placement import MeasuredPlacement
 from mpar.runtime._sharding import gathered, make_sharded
-from mpar.runtime._stages import LocalStages, build_local_stages
 from mpar.shard import ShardedStages
 from mpar.tensor_parallel import TPLayout, TPShard
 
@@ -57,7 +57,7 @@ class DistributedModel:
         dynamic_axes: Sequence[int] = (0,),
         init_fn: Callable[[nn.Module], None] | None = None,
     ) -> None:
-        from mpar.build import build_module, tensor_shapes
+        from mpar.meta import build_module, tensor_shapes
 
         module = build_module(module)
         self._tensor_shapes = tensor_shapes(module)
@@ -74,7 +74,7 @@ class DistributedModel:
         self.module = module
         self.init_fn = init_fn
         """A meta-built model: called on each module to initialise it (default: its own
-        initialisers; see ``mpar.build``)."""
+        initialisers; see ``mpar.meta``)."""
         self.after_partition: list[Callable[[DistributedModel], None]] = []
         """Run once the model is partitioned (a deferred ``mpar.load_pretrained``). A hook
         with an ``overwrites`` attribute (state-dict keys) overwrites those tensors whole:
@@ -114,7 +114,7 @@ class DistributedModel:
         return dataclasses.replace(self._st, config=self.config)
 
     def _partition(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        from mpar.build import start_materialize
+        from mpar.meta import start_materialize
 
         st = self.run_state()
         self.stages = build_local_stages(

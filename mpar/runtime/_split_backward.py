@@ -56,7 +56,7 @@ from torch import nn
 
 from mpar._compat import top_saved_tensors_hooks
 from mpar._tree import tree_leaves
-from mpar.comm._bootstrap import on_shutdown
+from mpar.comm._lifecycle import on_shutdown
 from mpar.runtime._activations import counting_only
 
 __all__ = [

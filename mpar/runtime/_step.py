@@ -42,7 +42,7 @@ def _prepare(
     if model.active_run is not None:
         raise StepError("a @mpar.step function cannot be called from inside another step")
     if model.config.auto_keys:
-        from mpar.runtime._auto import resolve_auto
+        from mpar.runtime._resolve_auto import resolve_auto
 
         model.config = resolve_auto(
             fn, model, args, kwargs, model.run_state(),

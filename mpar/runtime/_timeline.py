@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from mpar.comm._bootstrap import on_shutdown
+from mpar.comm._lifecycle import on_shutdown
 
 __all__ = ["KEEP", "StepTimeline", "write_timeline"]
 

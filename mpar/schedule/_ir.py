@@ -15,7 +15,7 @@ from enum import Enum
 from typing import Any
 
 from mpar.errors import ScheduleError
-from mpar.schedule._grid import format_grid
+from mpar.schedule._text_grid import format_grid
 
 __all__ = [
     "COMMUNICATION_KINDS",

@@ -6,9 +6,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from mpar.schedule._grid import format_grid
 from mpar.schedule._ir import COMPUTE_KINDS, Kind, Schedule
 from mpar.schedule._simulate import SimulationResult, TimedAction
+from mpar.schedule._text_grid import format_grid
 
 __all__ = ["render_png", "render_text", "to_chrome_trace"]
 

@@ -77,7 +77,7 @@ from mpar.comm._shard_comm import (
     reduce_scatter_flat,
 )
 from mpar.comm._types import ProcessGroup, Work
-from mpar.shard._layout import BucketSpec
+from mpar.shard._flat_layout import BucketSpec
 
 __all__ = ["BucketGrads", "FlatBucket", "GroupInfo", "Residence"]
 

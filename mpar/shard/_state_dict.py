@@ -17,7 +17,7 @@ import torch
 from mpar.comm._shard_comm import all_gather_flat, all_gather_objects
 
 if TYPE_CHECKING:
-    from mpar.shard._optimizer import SegmentParam, ShardedOptimizer
+    from mpar.shard._sharded_optimizer import SegmentParam, ShardedOptimizer
 
 __all__ = ["SHARDED_FORMAT", "gather_full_state", "split_full_state"]
 

@@ -1,12 +1,17 @@
 """Tensor parallelism: plans (which module is split how) and applying them to a model.
 
-See ``docs/tensor_parallel.md``. The collectives are operators in ``mpar.comm._tp``;
+See ``docs/tensor_parallel.md``. The collectives are operators in ``mpar.comm._tp_ops``;
 sequence parallelism (``optimize: "memory"``) is in ``_sequence``.
 """
 
 from mpar.tensor_parallel._apply import HEAD_ATTRS, TPLayout, TPShard, apply_layout, plan_layout
 from mpar.tensor_parallel._loss import vocab_parallel_cross_entropy
-from mpar.tensor_parallel._plan import (
+from mpar.tensor_parallel._sequence import (
+    SequenceLayout,
+    SequenceParallelError,
+    sequence_parallel_on,
+)
+from mpar.tensor_parallel._tp_plan import (
     FAMILY_PLANS,
     STYLES,
     Style,
@@ -14,11 +19,6 @@ from mpar.tensor_parallel._plan import (
     match_plan,
     parse_style,
     resolve_plan,
-)
-from mpar.tensor_parallel._sequence import (
-    SequenceLayout,
-    SequenceParallelError,
-    sequence_parallel_on,
 )
 
 __all__ = [

@@ -5,7 +5,7 @@
 and head count divides by the TP degree, and no split weight is shared with a
 module that uses it whole. :func:`apply_layout` then, on every rank, keeps this
 rank's piece of each split parameter and gives each planned module a forward
-that communicates through the TP operators of :mod:`mpar.comm._tp`:
+that communicates through the TP operators of :mod:`mpar.comm._tp_ops`:
 
 =====================  ==================================  ==========================
 style                  parameters kept                     forward
@@ -45,14 +45,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpar.comm._tp import tp_copy, tp_gather, tp_reduce, tp_reduce_scatter, tp_split
-from mpar.tensor_parallel._plan import Style, TPPlanError, match_plan
+from mpar.comm._tp_ops import tp_copy, tp_gather, tp_reduce, tp_reduce_scatter, tp_split
 from mpar.tensor_parallel._sequence import (
     SequenceLayout,
     apply_sequence,
     check_stream,
     plan_sequence,
 )
+from mpar.tensor_parallel._tp_plan import Style, TPPlanError, match_plan
 
 __all__ = ["HEAD_ATTRS", "TPLayout", "TPShard", "apply_layout", "plan_layout"]
 

@@ -45,8 +45,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpar.comm._tp import tp_copy, tp_gather, tp_split
-from mpar.tensor_parallel._plan import Style, TPPlanError
+from mpar.comm._tp_ops import tp_copy, tp_gather, tp_split
+from mpar.tensor_parallel._tp_plan import Style, TPPlanError
 
 __all__ = [
     "SequenceLayout",

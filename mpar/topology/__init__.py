@@ -28,10 +28,37 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mpar.config import placement_axes
 from mpar.errors import ConfigError
 
-__all__ = ["AXES", "Grid", "make_grid"]
+__all__ = ["AXES", "PLACEMENT_NAMES", "Grid", "make_grid", "placement_axes"]
+
+
+#: The named placements as axis letters, outermost first (``D`` data parallel, ``P``
+#: pipeline, ``T`` tensor parallel): both keep the TP group's ranks consecutive.
+PLACEMENT_NAMES = {"cluster": "DPT", "spread": "PDT"}
+_AXIS_OF_LETTER = {"P": "pp", "D": "dp", "T": "tp"}
+
+
+def placement_axes(placement: object) -> tuple[str, str, str]:
+    """The grid axes (``"pp"``, ``"dp"``, ``"tp"``) of a ``placement_strategy`` value,
+    outermost first: the last one varies fastest over consecutive global ranks.
+
+    ``"cluster"`` is ``"DPT"`` (one pipeline's stages on neighbouring ranks),
+    ``"spread"`` is ``"PDT"`` (one data-parallel group's ranks neighbouring); any
+    permutation of ``D``, ``P``, ``T`` names the order directly, as SageMaker model
+    parallelism spells it (``"TPD"``: the TP group's ranks as far apart as possible).
+    """
+    letters = PLACEMENT_NAMES.get(placement, placement) if isinstance(placement, str) else None
+    if not isinstance(letters, str) or sorted(letters) != ["D", "P", "T"]:
+        raise ConfigError(
+            f"config key 'placement_strategy' has value {placement!r}; allowed: 'cluster', "
+            "'spread', or a permutation of the letters D (data parallel), P (pipeline), "
+            "T (tensor parallel) naming the axes outermost first, e.g. 'DPT' (= 'cluster'), "
+            "'PDT' (= 'spread'), 'TPD'"
+        )
+    a, b, c = (_AXIS_OF_LETTER[x] for x in letters)
+    return a, b, c
+
 
 AXES = ("pp", "dp", "tp")
 """The grid's axis names, outermost first (the ``DeviceMesh`` dimension names)."""

@@ -102,7 +102,7 @@ def profile_budget(device_memory: int | None) -> dict[str, Any]:
 
     import mpar
     import mpar.partition
-    from mpar.testing_models import GPTConfig, TinyGPT
+    from mpar.testing.models import GPTConfig, TinyGPT
 
     # The planner counts ~84 MiB of per-process overhead against device_memory, so a
     # model whose weights exceed the budget would need > 120 MiB to be plannable;

@@ -31,7 +31,7 @@ def mlp() -> nn.Module:
 
 
 def tiny_gpt() -> nn.Module:
-    from mpar.testing_models import GPTConfig, TinyGPT
+    from mpar.testing.models import GPTConfig, TinyGPT
 
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=32, d_model=16, num_layers=4, num_heads=2, d_ffn=32, max_seq_len=8)
@@ -39,8 +39,8 @@ def tiny_gpt() -> nn.Module:
 
 
 def tp_gpt() -> nn.Module:
-    """TinyGPT with separate q/k/v (split by ``mpar.testing_models.GPT_TP_PLAN``), 4 heads."""
-    from mpar.testing_models import GPTConfig, TinyGPT
+    """TinyGPT with separate q/k/v (split by ``mpar.testing.models.GPT_TP_PLAN``), 4 heads."""
+    from mpar.testing.models import GPTConfig, TinyGPT
 
     torch.manual_seed(0)
     cfg = GPTConfig(

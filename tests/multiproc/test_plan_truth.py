@@ -32,7 +32,7 @@ def _step_bytes(config, model_fn, make_data, loss_fn, *, steps=3):
 
     import mpar
     from mpar.partition import make_plan
-    from mpar.partition._memory import Layout, unit_state_bytes
+    from mpar.partition._memory_model import Layout, unit_state_bytes
     from mpar.profile import profile_model
     from tests.multiproc._tensor_peak import TensorPeak
 

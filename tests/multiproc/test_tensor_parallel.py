@@ -13,7 +13,7 @@ import torch
 from torch.testing import assert_close
 
 from mpar.testing import DistributedTestError, run_distributed
-from mpar.testing_models import GPT_TP_PLAN
+from mpar.testing.models import GPT_TP_PLAN
 from tests.multiproc._pipeline_cases import MODELS, reference, train_ranks
 
 STEPS = 3
@@ -89,7 +89,7 @@ def test_pp2_tp2(placement, coordinates):
 @pytest.mark.slow
 def test_pp2_tp2_auto_keys():
     """ "auto" keys under TP: the planner keeps the configured degree and lays out one TP
-    rank's share (``mpar.runtime._stages.tp_splits_of``); the resolved run is the
+    rank's share (``mpar.runtime._local_stages.tp_splits_of``); the resolved run is the
     one-process model."""
     config = _config(
         2,

@@ -163,7 +163,7 @@ def _gpt_layouts():
     import torch
 
     import mpar
-    from mpar.testing_models import GPTConfig, TinyGPT
+    from mpar.testing.models import GPTConfig, TinyGPT
 
     cfg = GPTConfig(vocab_size=64, d_model=32, num_heads=2, num_layers=6, max_seq_len=16)
     idx = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(3))
@@ -215,7 +215,7 @@ def _tinygpt_reference(cfg, idx):
     """TinyGPT trained 2 SGD steps in one process on the whole batch (vocabulary 64)."""
     import torch
 
-    from mpar.testing_models import TinyGPT
+    from mpar.testing.models import TinyGPT
 
     torch.manual_seed(0)
     ref = TinyGPT(cfg)
@@ -261,7 +261,7 @@ def _embedding_layouts():
 
     import mpar
     from mpar.shard._bucket import Residence
-    from mpar.testing_models import GPTConfig, TinyGPT
+    from mpar.testing.models import GPTConfig, TinyGPT
 
     cfg = GPTConfig(
         vocab_size=64, d_model=32, num_heads=2, num_layers=4, max_seq_len=16, tie_embeddings=False
@@ -354,7 +354,7 @@ def _head_layouts():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import mpar
-    from mpar.testing_models import GPTConfig, TinyGPT
+    from mpar.testing.models import GPTConfig, TinyGPT
 
     cfg = GPTConfig(
         vocab_size=64, d_model=32, num_heads=2, num_layers=4, max_seq_len=16, tie_embeddings=False

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import mpar
-from mpar.build import InitError, build_module
-from mpar.build._init import init_groups, initialize_group, module_initializer
+from mpar.meta import InitError, build_module
+from mpar.meta._init import init_groups, initialize_group, module_initializer
 
 
 def _torch_model() -> nn.Module:
@@ -116,7 +116,7 @@ def test_build_module_checks_the_factory():
 
 
 def test_groups_a_pending_load_overwrites_are_not_initialised():
-    from mpar.build import RankMaterializer
+    from mpar.meta import RankMaterializer
 
     model = _meta(_torch_model)
     called: list[str] = []

@@ -11,7 +11,7 @@ import pytest
 from mpar.config import load_config
 from mpar.errors import PartitionError
 from mpar.partition import CostModel, Layout, SearchSpace, make_plan, search
-from mpar.partition._memory import (
+from mpar.partition._memory_model import (
     Transfers,
     loss_bytes,
     stage_extra_bytes,
@@ -98,7 +98,7 @@ def test_last_stage_holds_the_loss_and_checkpointing_keeps_boundaries():
 
 
 def test_held_messages_follow_the_schedule():
-    from mpar.partition._plan import _transfers
+    from mpar.partition._planner import _transfers
 
     # 1F1B, 4 ranks, 4 microbatches: rank 1 runs F0 F1 F2 B0 F3 B1 B2 B3; its peak of 3 in
     # flight is last reached after F3, when 4 activations and 1 gradient have been sent
@@ -231,7 +231,7 @@ def _factory(tmp_path, monkeypatch):
         textwrap.dedent(
             """
             import torch
-            from mpar.testing_models import GPTConfig, TinyGPT
+            from mpar.testing.models import GPTConfig, TinyGPT
 
             def make():
                 return TinyGPT(GPTConfig(num_layers=2)), torch.zeros(2, 8, dtype=torch.long)

@@ -8,7 +8,7 @@ from mpar.config import load_config
 from mpar.errors import PartitionError
 from mpar.partition import Layout, SearchSpace, make_plan, search
 from mpar.partition._cost import zero3_gathers_per_step
-from mpar.partition._memory import (
+from mpar.partition._memory_model import (
     effective_gather,
     splits_backward,
     working_set_for_solver,
@@ -193,7 +193,7 @@ def test_cli_plan_reads_zero_gather():
 
 
 def test_runtime_auto_searches_the_configured_split_backward_schedule():
-    from mpar.runtime._auto import _space
+    from mpar.runtime._resolve_auto import _space
 
     config = load_config(
         {

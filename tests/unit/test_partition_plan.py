@@ -113,7 +113,7 @@ def test_parse_bytes():
 def test_find_units_patterns():
     seq = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
     assert find_units(seq) == ["0", "1"]
-    from mpar.testing_models import TinyGPT
+    from mpar.testing.models import TinyGPT
 
     assert find_units(TinyGPT()) == [
         "wte",
@@ -161,7 +161,7 @@ def _write_factory(tmp_path, monkeypatch):
         textwrap.dedent(
             """
             import torch
-            from mpar.testing_models import GPTConfig, TinyGPT
+            from mpar.testing.models import GPTConfig, TinyGPT
 
             def make():
                 return TinyGPT(GPTConfig(num_layers=2)), torch.zeros(2, 8, dtype=torch.long)

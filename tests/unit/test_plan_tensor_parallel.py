@@ -14,10 +14,10 @@ import torch
 from mpar.cli._plan_tp import tp_splits
 from mpar.errors import PartitionError
 from mpar.partition import CostModel, SearchSpace, make_plan, search
-from mpar.partition._auto import NO_TP_PLAN, TP_REFUSED
-from mpar.partition._tp import TPSplits, tp_share
+from mpar.partition._search import NO_TP_PLAN, TP_REFUSED
+from mpar.partition._tp_share import TPSplits, tp_share
 from mpar.profile import profile_model
-from mpar.testing_models import GPT_TP_PLAN, GPTConfig, TinyGPT
+from mpar.testing.models import GPT_TP_PLAN, GPTConfig, TinyGPT
 
 B, T = 2, 16
 
@@ -154,7 +154,7 @@ def _factory(tmp_path, monkeypatch):
             """
             import types
             import torch
-            from mpar.testing_models import GPT_TP_PLAN, GPTConfig, TinyGPT
+            from mpar.testing.models import GPT_TP_PLAN, GPTConfig, TinyGPT
 
             def make():
                 model = TinyGPT(GPTConfig(num_layers=2, fused_qkv=False))

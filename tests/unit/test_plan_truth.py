@@ -13,7 +13,7 @@ from torch import nn
 
 from mpar.config import ZeroConfig
 from mpar.partition import CostModel, Layout, make_plan
-from mpar.partition._memory import unit_host_bytes, unit_state_bytes
+from mpar.partition._memory_model import unit_host_bytes, unit_state_bytes
 from mpar.profile import profile_model
 from mpar.shard import ShardedStages
 
@@ -152,7 +152,7 @@ def test_plan_scales_the_microbatch_for_the_global_batch(tmp_path, monkeypatch, 
 
 @pytest.mark.parametrize(("stage", "dtype"), [(0, torch.bfloat16), (2, torch.bfloat16), (1, None)])
 def test_optimizer_update_adds_what_the_plan_says(stage, dtype):
-    from mpar.partition._memory import optimizer_step_bytes
+    from mpar.partition._memory_model import optimizer_step_bytes
     from tests.multiproc._tensor_peak import TensorPeak
 
     x = torch.randn(8, 64)
@@ -223,7 +223,7 @@ def test_a_cap_on_microbatches_in_flight_is_counted(pipeline, cap, held):
     """``active_microbatches`` below the schedule's peak caps what the runtime holds and
     lengthens its step: the plan counts the capped schedule's microbatches in flight and
     simulates its step, as the runtime builds it."""
-    from mpar.partition._plan import _phase_times
+    from mpar.partition._planner import _phase_times
     from mpar.schedule import StageCosts, build_schedule, simulate
 
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
 """The runtime's partition under tensor parallelism is solved on one TP rank's share of
-the whole model's profile (``mpar.runtime._stages``): split units weigh 1/tp, replicated
+the whole model's profile (``mpar.runtime._local_stages``): split units weigh 1/tp, replicated
 ones whole, and the memory cap is checked against one TP rank's bytes. Pure: a meta
 model, profiled in meta mode, no processes."""
 
@@ -12,12 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from mpar.build import find_units_meta
 from mpar.config import config_from_dict
 from mpar.errors import PartitionError
-from mpar.partition._tp import tp_share
+from mpar.meta import find_units_meta
+from mpar.partition._tp_share import tp_share
 from mpar.profile import profile_model
-from mpar.runtime._stages import _decide_boundaries, tp_splits_of
+from mpar.runtime._local_stages import _decide_boundaries, tp_splits_of
 from mpar.tensor_parallel import plan_layout, resolve_plan
 
 D, F = 256, 1024

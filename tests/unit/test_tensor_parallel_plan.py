@@ -19,7 +19,7 @@ from mpar.tensor_parallel import (
     resolve_plan,
     sequence_parallel_on,
 )
-from mpar.testing_models import GPT_TP_PLAN, GPTConfig, TinyGPT
+from mpar.testing.models import GPT_TP_PLAN, GPTConfig, TinyGPT
 
 
 def _gpt(**kw):
@@ -149,7 +149,7 @@ def test_hf_plans_resolve():
     "shard", [TPShard(0, 2), TPShard(1, 2), TPShard(1, 2, packs=3), TPShard(0, 4)]
 )
 def test_full_runs_place_every_held_element(shard):
-    from mpar.build._owned import Share, full_runs
+    from mpar.meta._owned import Share, full_runs
 
     whole = torch.arange(12 * 12).reshape(12, 12)
     for rank in range(shard.size):

@@ -4,7 +4,7 @@ Stages are laid out looped, as in Megatron-LM: with ``p`` ranks and ``v``
 virtual stages there are ``p * v`` stages and stage ``s`` runs on rank
 ``s % p`` as its chunk ``s // p``.
 
-Memory per stage is its share of a rank's *peak* (``mpar.partition._memory``):
+Memory per stage is its share of a rank's *peak* (``mpar.partition._memory_model``):
 parameters, gradients and optimizer state of its units by ZeRO stage, precision
 and offload (tied replicas included), saved activations per microbatch in
 flight on its rank (from ``mpar.schedule``'s ``peak_in_flight``, spread evenly
@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 from mpar._size import parse_bytes
 from mpar.errors import PartitionError
 from mpar.partition._cost import CostModel, step_overhead_s
-from mpar.partition._memory import (
+from mpar.partition._memory_model import (
     Layout,
     Transfers,
     boundary_bytes,
@@ -60,7 +60,7 @@ from mpar.partition._memory import (
 )
 from mpar.partition._methods import parameter_boundaries, uniform_boundaries
 from mpar.partition._solver import _fmt, memory_weight_for, solve, stage_costs
-from mpar.partition._tp import TPSplits, tp_comm_s, tp_share
+from mpar.partition._tp_share import TPSplits, tp_comm_s, tp_share
 from mpar.schedule._csv import is_csv_path
 from mpar.schedule._registry import PIPELINES
 
@@ -152,7 +152,7 @@ class Plan:
     """The ``Layout`` knobs (dp, ZeRO, precision, checkpointing, offload, microbatch scale,
     the ZeRO 2/3 gather granularity the runtime will use)."""
     tensor_parallel_degree: int = 1
-    """Ranks that split each layer; every figure above is one TP rank's (``mpar.partition._tp``)."""
+    """Ranks that split each layer; every figure above is one TP rank's (``mpar.partition._tp_share``)."""
     tp_bandwidth: float | None = None
     """Bytes per second per rank in TP collectives; None when they are not modelled."""
     tp_comm_bytes: list[int] = field(default_factory=list)
@@ -643,7 +643,7 @@ def make_plan(
         microbatch_size: samples per microbatch, only reported (``microbatch_scale``
             scales the figures).
         tensor_parallel_degree, tp_splits: ranks splitting each layer, and what the TP
-            plan splits (``mpar.partition._tp``); the figures become one TP rank's and
+            plan splits (``mpar.partition._tp_share``); the figures become one TP rank's and
             each unit's time gains its TP collectives over ``cost.tp_bandwidth``.
     """
     p, v, m, tp = num_ranks, virtual_stages, microbatches, tensor_parallel_degree

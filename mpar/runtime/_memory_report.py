@@ -6,9 +6,9 @@ import torch
 
 from mpar import _device
 from mpar.comm import State, state
+from mpar.runtime._distributed_optimizer import DistributedOptimizer
 from mpar.runtime._model import DistributedModel
-from mpar.runtime._optimizer import DistributedOptimizer
-from mpar.shard._memory import count_bytes
+from mpar.shard._byte_count import count_bytes
 
 __all__ = ["memory_report"]
 

@@ -5,7 +5,7 @@
 * tensor-parallel degree ``tp``: the divisors of the world size that the model's
   TP plan accepts (heads and split sizes divisible, ``TPSplits.degrees``); a model
   without a plan gets ``tp = 1`` only. Each degree is laid out from one TP rank's
-  share of the profile (``mpar.partition._tp.tp_share``: split parameters and
+  share of the profile (``mpar.partition._tp_share.tp_share``: split parameters and
   activations ``1/tp``, TP collectives added to each unit's time);
 * pipeline degree ``pp``: the divisors of ``world / tp`` (``dp = world / (pp * tp)``;
   the global batch must split evenly over the ``dp`` replicas);
@@ -41,14 +41,14 @@ from typing import TYPE_CHECKING, Any
 from mpar._size import parse_bytes
 from mpar.errors import PartitionError
 from mpar.partition._cost import CostModel
-from mpar.partition._memory import Layout, _check_gather, effective_gather, splits_backward
-from mpar.partition._plan import (
+from mpar.partition._memory_model import Layout, _check_gather, effective_gather, splits_backward
+from mpar.partition._planner import (
     _predict,
     lay_out,
     lower_bound_s,
     rank_overheads,
 )
-from mpar.partition._tp import TPSplits, tp_share
+from mpar.partition._tp_share import TPSplits, tp_share
 
 if TYPE_CHECKING:
     from mpar.profile import ModelProfile
@@ -449,7 +449,7 @@ def search(
         host_memory: bytes (or "64GiB") of host memory per rank for offloaded state on a
             CUDA or XLA device; None: not capped.
         tp_splits: what the model's TP plan splits and the degrees it accepts
-            (``mpar.partition._tp``); None: no plan, ``tp = 1`` only.
+            (``mpar.partition._tp_share``); None: no plan, ``tp = 1`` only.
 
     Returns a ``SearchResult``; ``result.best`` raises ``PartitionError`` when nothing fits.
     """

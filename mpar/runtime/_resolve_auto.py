@@ -9,8 +9,8 @@ every rank then runs the model with the resolved config (``model.config`` shows
 it; ``mpar.config()`` keeps what ``mpar.init`` was given).
 
 Under tensor parallelism the search keeps the configured degree and lays out one TP
-rank's share of the profile (``mpar.partition._tp``), read from the model's checked
-TP layout as the partition reads it (``mpar.runtime._stages.tp_splits_of``).
+rank's share of the profile (``mpar.partition._tp_share``), read from the model's checked
+TP layout as the partition reads it (``mpar.runtime._local_stages.tp_splits_of``).
 """
 
 from __future__ import annotations
@@ -63,10 +63,10 @@ def _choose(
     model: DistributedModel, fn: Callable[..., Any], whole: Any, st: State
 ) -> dict[str, Any]:
     """Rank 0: profile on the replica's batch and search; returns the resolved values."""
-    from mpar.build import find_units_meta
+    from mpar.meta import find_units_meta
     from mpar.partition import find_units, search
     from mpar.profile import preserved_state, profile_mode, profile_model
-    from mpar.runtime._stages import tp_splits_of
+    from mpar.runtime._local_stages import tp_splits_of
 
     cfg = st.config
     args, kwargs = model.capture(fn, whole, 0)

@@ -36,7 +36,7 @@ gradient the host optimizer reads, and the parameter shard with
 beside the device's; on a CPU device it is the same memory, so it counts in the
 rank's peak and offload saves nothing (it adds the host gradient).
 
-What a process holds besides tensors is added per rank by ``mpar.partition._plan``
+What a process holds besides tensors is added per rank by ``mpar.partition._planner``
 (``CostModel.process_bytes``).
 
 Profiles are taken in fp32 at one microbatch size; activations, outputs and
@@ -234,7 +234,7 @@ def _gather_groups(units: Sequence[UnitProfile], gather: str | int) -> list[list
 def zero_working_set_bytes(units: Sequence[UnitProfile], layout: Layout) -> float:
     """ZeRO-2/3 bytes a stage of ``units`` holds only while it computes.
 
-    By ``layout.gather`` (``mpar.shard._units``; the groups of :func:`_gather_groups`):
+    By ``layout.gather`` (``mpar.shard._unit_gather``; the groups of :func:`_gather_groups`):
 
     * ``"unit"`` / an int ``n``: at ZeRO-3 at most two neighbouring groups' full
       parameters are gathered at once (the one running and the prefetched next, in
@@ -245,7 +245,7 @@ def zero_working_set_bytes(units: Sequence[UnitProfile], layout: Layout) -> floa
     * ``"chunk"``: at ZeRO-3 the whole stage is gathered from its UNSHARD to its
       RESHARD, and at ZeRO-2/3 its gradients accumulate into a full-size buffer
       (``FlatBucket.staging``, the ``.grad`` are views of it) from its first backward
-      to its once-per-step reduction. A rank's stages add up (``mpar.partition._plan``
+      to its once-per-step reduction. A rank's stages add up (``mpar.partition._planner``
       sums them): under ``interleaved``, ``zero_bubble`` and ``zbv`` with ``v`` virtual
       stages the lowered schedule (``lower_sharding``, prefetch 1) holds all ``v``
       chunks of a rank gathered, and all ``v`` gradient buffers, at once. GPipe
@@ -382,7 +382,7 @@ class Transfers:
     A send packs the payload into a new message buffer that the runtime keeps until
     the end of the step (``PendingSends``); a receive is posted early into a buffer
     of the stream's message size, one per incoming stream. Counted from the schedule
-    by ``mpar.partition._plan`` (sends issued up to the last moment the rank's
+    by ``mpar.partition._planner`` (sends issued up to the last moment the rank's
     microbatches in flight reach their peak; transfers between stages on the same
     rank are handed over without a message).
     """

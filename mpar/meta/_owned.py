@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from mpar.shard._bucket import FlatBucket, Residence
-from mpar.shard._layout import SlotSpec
+from mpar.shard._flat_layout import SlotSpec
 from mpar.tensor_parallel import TPShard
 
 __all__ = ["Share", "full_runs", "local_shares", "stored_range", "written_range"]

@@ -25,11 +25,11 @@ from mpar import _device
 from mpar.comm import _abort, _watchdog
 from mpar.comm._consistency import check_same_config
 from mpar.comm._grid import ProcessGrid, build_process_grid
-from mpar.comm._layout import Layout, detect_layout
 from mpar.comm._p2p import Links
+from mpar.comm._process_layout import Layout, detect_layout
 from mpar.comm._progress import PROGRESS, RECENT, Waiting
 from mpar.comm._shared import SharedMemory, connect
-from mpar.comm._tp import TP_GROUP, clear_tp_groups, register_tp_group
+from mpar.comm._tp_ops import TP_GROUP, clear_tp_groups, register_tp_group
 from mpar.comm._watchdog import transport_timeout
 from mpar.config import Config, load_config
 from mpar.errors import AlreadyInitializedError, ConfigError, NotInitializedError

@@ -4,7 +4,7 @@ checkpoints, each rank reading and writing only what it stores.
 Loading checks the checkpoint's keys and shapes against the model at once
 (missing keys, unexpected keys, shape mismatches are one error naming them),
 then, on a partitioned model, every rank reads exactly the elements it stores
-(``mpar.build._owned``); on a model not yet partitioned that is built on the
+(``mpar.meta._owned``); on a model not yet partitioned that is built on the
 meta device, the read waits until the model is partitioned (the first step);
 on a real model not yet partitioned, the whole module is loaded.
 
@@ -180,7 +180,7 @@ def _load_whole(model: Any, ckpt: Checkpoint, matched: Mapping[str, str]) -> Non
 
 
 def _load_partitioned(model: Any, ckpt: Checkpoint, matched: Mapping[str, str]) -> None:
-    from mpar.build._owned import fill_bucket, local_shares, stored_range
+    from mpar.meta._owned import fill_bucket, local_shares, stored_range
 
     per_bucket: dict[int, tuple[Any, dict[int, tuple[int, torch.Tensor]]]] = {}
     with torch.no_grad():
@@ -267,7 +267,7 @@ def _saved_keys(model: Any) -> list[str]:
 
 def _pieces(model: Any) -> list[tuple[str, int, torch.Tensor]]:
     """(key, first element, values) this rank writes."""
-    from mpar.build._owned import full_runs, local_shares, read_range, written_range
+    from mpar.meta._owned import full_runs, local_shares, read_range, written_range
 
     if not model.partitioned:
         if any(t.is_meta for t in model.module.state_dict().values()):

@@ -13,13 +13,13 @@ from mpar.comm._collectives import group_size
 from mpar.comm._types import ProcessGroup
 from mpar.config import ZeroConfig
 from mpar.shard._bucket import FlatBucket, GroupInfo, Residence
-from mpar.shard._layout import plan_buckets
-from mpar.shard._memory import count_bytes
+from mpar.shard._byte_count import count_bytes
+from mpar.shard._flat_layout import plan_buckets
 from mpar.shard._scaler import LossScaler
-from mpar.shard._units import UnitGather, WeightGradHooks
+from mpar.shard._unit_gather import UnitGather, WeightGradHooks
 
 if TYPE_CHECKING:
-    from mpar.shard._optimizer import ShardedOptimizer
+    from mpar.shard._sharded_optimizer import ShardedOptimizer
 
 __all__ = ["ShardedStages"]
 
@@ -63,12 +63,12 @@ class ShardedStages:
     ``units`` (ZeRO 2 and 3) maps a stage to its groups of partition units, each
     the list of parameters that group alone uses, in execution order: those get
     buckets of their own, gathered and reduced group by group
-    (:mod:`mpar.shard._units`; the runtime calls :meth:`unit_gather`'s hooks).
+    (:mod:`mpar.shard._unit_gather`; the runtime calls :meth:`unit_gather`'s hooks).
     Parameters of the stage in no group stay stage-wide.
 
     ``materialize`` (parameters on the meta device) is called on each parameter
     right before its bucket copies it in, so a stage of a meta-built model
-    never exists whole on the rank (``mpar.build``).
+    never exists whole on the rank (``mpar.meta``).
 
     ``unread_in_backward`` holds the ``id`` of parameters whose gradient needs
     none of their values (an embedding lookup's weight): at ZeRO-3 a unit group
@@ -76,7 +76,7 @@ class ShardedStages:
 
     ``weight_grads`` (the runtime's split backward) lets ZeRO-3 compute a linear
     layer's weight gradient after its unit's parameters are freed
-    (:meth:`mpar.shard._units.UnitGather.linear`).
+    (:meth:`mpar.shard._unit_gather.UnitGather.linear`).
     """
 
     def __init__(
@@ -443,7 +443,7 @@ class ShardedStages:
     # ------------------------------------------------------------ optimizer, report
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
         """The same optimizer class and hyperparameters over this rank's flat shards."""
-        from mpar.shard._optimizer import ShardedOptimizer
+        from mpar.shard._sharded_optimizer import ShardedOptimizer
 
         self.optimizer = ShardedOptimizer(self, optimizer)
         return self.optimizer

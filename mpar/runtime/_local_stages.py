@@ -7,7 +7,7 @@ the parameters of the others.
 
 Under tensor parallelism the profile is of the whole model (the layout is applied
 after the partition, before the split) and the partition is solved on one TP rank's
-share of it (``mpar.partition._tp.tp_share``): what the layout splits in each unit is
+share of it (``mpar.partition._tp_share.tp_share``): what the layout splits in each unit is
 read from the checked layout and one forward of the whole model, as ``mpar plan --tp``
 reads it (:func:`tp_splits_of`); nothing of the layout runs before the split.
 """
@@ -25,13 +25,13 @@ from torch import nn
 from mpar import _device
 from mpar.comm import State
 from mpar.comm._collectives import broadcast_object_world
-from mpar.comm._tp import TP_GROUP
+from mpar.comm._tp_ops import TP_GROUP
 from mpar.errors import PartitionError
 from mpar.runtime._precision import cast_floats, compute_dtype
 from mpar.tensor_parallel import TPLayout, apply_layout
 
 if TYPE_CHECKING:
-    from mpar.partition._tp import TPSplits
+    from mpar.partition._tp_share import TPSplits
     from mpar.profile import ModelProfile
 
 __all__ = ["LocalStages", "build_local_stages", "tp_splits_of"]
@@ -64,8 +64,8 @@ def tp_splits_of(
     ``mpar plan --tp`` measures them: split parameters (exact, from ``layout.shards``),
     and from one forward of the whole model (on fake tensors for a meta profile) the
     activations saved in split regions and the TP collectives' bytes."""
-    from mpar.partition._tp import TPSplits
     from mpar.partition._tp_measure import measure_splits
+    from mpar.partition._tp_share import TPSplits
 
     units = measure_splits(
         module, profile.units, layout.modules, layout.shards, args, kwargs,
@@ -167,7 +167,7 @@ def _free_unowned(module: nn.Module, kept: list[nn.Module]) -> None:
 
 
 def _has_meta(module: nn.Module) -> bool:
-    from mpar.build import has_meta
+    from mpar.meta import has_meta
 
     return has_meta(module)
 
@@ -207,7 +207,7 @@ def build_local_stages(
             tp_size=st.grid.tp_size,
             tp_split=tp_split,
         )
-    from mpar.build import find_units_meta
+    from mpar.meta import find_units_meta
     from mpar.partition import find_units, split_module
     from mpar.profile import preserved_state, profile_mode
 

@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from mpar.shard._bucket import FlatBucket
-from mpar.shard._layout import Segment, segments_of
+from mpar.shard._flat_layout import Segment, segments_of
 from mpar.shard._state_dict import SHARDED_FORMAT, gather_full_state, split_full_state
 
 if TYPE_CHECKING:
-    from mpar.shard._stages import ShardedStages
+    from mpar.shard._sharded_stages import ShardedStages
 
 __all__ = ["ShardedOptimizer"]
 
