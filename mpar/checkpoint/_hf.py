@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mpar.checkpoint._common import CheckpointError
 from mpar.checkpoint._safetensors import (
     Checkpoint,
     create_files,
@@ -123,7 +125,54 @@ def _match(model: Any, ckpt: Checkpoint, key_mapping: KeyMapping, strict: bool) 
             + "; ".join(problems)
             + hint
         )
+    if not strict:
+        _report_partial(model, ckpt, len(out), missing, unexpected)
     return out
+
+
+def _report_partial(
+    model: Any, ckpt: Checkpoint, loaded: int, missing: list[str], unexpected: list[str]
+) -> None:
+    """``strict=False``: raise when nothing matched, else warn (rank 0) with the counts."""
+    total = loaded + len(missing)
+    if loaded == 0:
+        raise PretrainedKeyError(
+            f"checkpoint {ckpt.root} shares no tensor with {type(model.module).__name__} "
+            f"(0 of its {len(ckpt.shapes)} tensors match the model's {total}): checkpoint keys "
+            f"look like {sorted(ckpt.shapes)[:3]}, model keys like {model._key_order[:3]}. "
+            "Is it another architecture? Rename keys with key_mapping={regex: replacement}"
+        )
+    if (missing or unexpected) and model.grid.rank == 0:
+        warnings.warn(
+            f"mpar.load_pretrained(strict=False) from {ckpt.root}: loaded {loaded} of the "
+            f"model's {total} tensors; {len(missing)} missing kept their values "
+            f"{missing[:5]}; {len(unexpected)} checkpoint tensors unused {unexpected[:5]}",
+            stacklevel=4,
+        )
+
+
+def _kind(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_floating_point:
+        return "floating point"
+    return "complex" if dtype.is_complex else "integer"
+
+
+def _check_casts(model: Any, ckpt: Checkpoint, matched: Mapping[str, str]) -> None:
+    """Refuse casts between dtype kinds (integer or bool to floating point, floating point
+    to bool or integer): they lose values, and usually mean a key matched the wrong tensor."""
+    lossy = []
+    for key, ckey in matched.items():
+        have, want = ckpt.dtype(ckey), model._dtypes[key]
+        if _kind(have) != _kind(want):
+            lossy.append(f"{ckey!r} ({str(have).removeprefix('torch.')} -> {want})")
+    if lossy:
+        raise CheckpointError(
+            f"checkpoint {ckpt.root}: {len(lossy)} tensors would be cast to another kind of "
+            f"dtype, which loses values: {lossy[:5]}. Check the key mapping, or pass "
+            "allow_lossy_casts=True to mpar.load_pretrained to cast them anyway"
+        )
 
 
 def load_pretrained(
@@ -132,6 +181,7 @@ def load_pretrained(
     *,
     key_mapping: KeyMapping = None,
     strict: bool = True,
+    allow_lossy_casts: bool = False,
 ) -> None:
     """Load a Hugging Face safetensors checkpoint into ``model`` (a DistributedModel).
 
@@ -143,12 +193,19 @@ def load_pretrained(
     model's: ``{regex: replacement}`` applied in order, or a callable. With
     ``strict`` (default) a missing or unexpected key is an error; a shape
     mismatch always is (:class:`PretrainedKeyError`, naming the keys and both
-    shapes). Before the model is partitioned, a model built on the meta device
-    is loaded when it is (at its first step). Collective: call it on every rank.
+    shapes). ``strict=False`` loads what matches, warns with the counts of what
+    did not, and raises when nothing matched. A cast between kinds of dtype
+    (integer or bool into floating point, floating point into bool or integer)
+    raises :class:`CheckpointError` unless ``allow_lossy_casts=True``; casts within
+    a kind (bf16 into fp32) are made. Before the model is partitioned, a model
+    built on the meta device is loaded when it is (at its first step).
+    Collective: call it on every rank.
     """
     _check_model(model, "load_pretrained")
     ckpt = Checkpoint(path)
     matched = _match(model, ckpt, key_mapping, strict)
+    if not allow_lossy_casts:
+        _check_casts(model, ckpt, matched)
     if model.partitioned:
         _load_partitioned(model, ckpt, matched)
     elif any(t.is_meta for t in model.module.state_dict().values()):

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from mpar.checkpoint._common import CheckpointError
+
 __all__ = [
     "INDEX",
     "SINGLE",
@@ -100,10 +102,7 @@ class Checkpoint:
             files = {None: root}
             root = root.parent
         elif (root / INDEX).is_file():
-            index = json.loads((root / INDEX).read_text())
-            weight_map = index.get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise ValueError(f"{root / INDEX} has no 'weight_map' object")
+            weight_map = _weight_map(root / INDEX)
             files = {k: root / v for k, v in weight_map.items()}
         elif (root / SINGLE).is_file():
             files = {None: root / SINGLE}
@@ -137,6 +136,10 @@ class Checkpoint:
                 raise FileNotFoundError(f"checkpoint shard {file} (named by {INDEX}) is missing")
             self._headers[file] = _read_header(file)
         return self._headers[file]
+
+    def dtype(self, key: str) -> torch.dtype:
+        """The dtype tensor ``key`` is stored in."""
+        return self._header(self.file_of[key])[key].dtype
 
     def read(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Elements ``[start, stop)`` of tensor ``key`` (row-major), 1-D, in the file's
@@ -177,6 +180,24 @@ class Checkpoint:
 
     def close(self) -> None:
         self._headers.clear()
+
+
+def _weight_map(path: Path) -> dict[str, str]:
+    """The ``weight_map`` of an index file; CheckpointError naming the file and what is
+    wrong."""
+    try:
+        index = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(
+            f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}): "
+            "the index is corrupt or was cut short; save the checkpoint again"
+        ) from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path} is not a text (JSON) file: the index is corrupt") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{path} has no 'weight_map' object of tensor name -> file name")
+    return weight_map
 
 
 @dataclass
