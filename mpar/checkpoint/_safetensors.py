@@ -98,6 +98,7 @@ class Checkpoint:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         root = Path(path)
+        files: dict[str | None, Path]
         if root.is_file():
             files = {None: root}
             root = root.parent
