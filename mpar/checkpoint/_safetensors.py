@@ -4,17 +4,21 @@ Reading: :class:`Checkpoint` opens ``model.safetensors`` or the shards named by
 ``model.safetensors.index.json`` and returns any range of a tensor's elements
 (row-major): exactly their bytes are read (``os.preadv``), never the whole
 tensor, and nothing is memory-mapped, so a rank's resident memory holds only
-the elements it keeps.
+the elements it keeps. A folder that ``save_pretrained`` never committed, or
+whose files its marker lists are missing or short, is refused
+(:func:`mpar.checkpoint._hf_dirs.check_committed`).
 
 Writing: :func:`plan_files` lays the tensors out in files of at most
 ``max_shard_size`` bytes, the same on every rank (pure: names, shapes, dtypes);
-:func:`create_files` writes each file's header and sizes it; then any rank
-writes any byte range of a tensor with :func:`write_range` (``os.pwrite``), so
-the ranks of a job each write what they hold, with no gathering.
+:func:`create_files` writes each file's header and reserves its size on disk;
+then any rank writes byte ranges of a file with :func:`write_ranges`
+(``os.pwrite``, flushed to disk and read back), so the ranks of a job each
+write what they hold, with no gathering.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -26,6 +30,8 @@ from typing import Any
 import torch
 
 from mpar.checkpoint._common import CheckpointError
+from mpar.checkpoint._dirs import write_file
+from mpar.checkpoint._hf_dirs import check_committed
 
 __all__ = [
     "INDEX",
@@ -36,7 +42,7 @@ __all__ = [
     "parse_size",
     "plan_files",
     "write_index",
-    "write_range",
+    "write_ranges",
 ]
 
 SINGLE = "model.safetensors"
@@ -99,6 +105,8 @@ class Checkpoint:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         root = Path(path)
         files: dict[str | None, Path]
+        if not root.is_file():
+            check_committed(root)
         if root.is_file():
             files = {None: root}
             root = root.parent
@@ -305,30 +313,68 @@ def _layout(name: str, group: Sequence[tuple[str, torch.Size, torch.dtype]]) -> 
 
 
 def create_files(root: Path, files: Sequence[FileLayout]) -> None:
-    """Write every file's header and give it its final size (data still zero)."""
+    """Write every file's header and reserve its final size on disk (data still zero):
+    a disk without room fails here, before any rank writes (OSError ENOSPC)."""
     root.mkdir(parents=True, exist_ok=True)
     for layout in files:
-        with open(root / layout.name, "wb") as f:
-            f.write(layout.header)
-            f.truncate(layout.size)
+        fd = os.open(root / layout.name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_all(fd, memoryview(layout.header), 0)
+            os.ftruncate(fd, layout.size)
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, layout.size)
+        finally:
+            os.close(fd)
 
 
-def write_range(root: Path, layout: FileLayout, key: str, start: int, values: torch.Tensor) -> None:
-    """Write ``values`` (1-D, the saved dtype) as elements ``start...`` of ``key``."""
-    data = values.detach().to("cpu").contiguous().view(torch.uint8).numpy()
-    offset = layout.offsets[key] + start * values.element_size()
-    fd = os.open(root / layout.name, os.O_WRONLY)
+def _write_all(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        written = os.pwrite(fd, view, offset)
+        if written <= 0:
+            raise OSError(errno.EIO, "a write made no progress")
+        view, offset = view[written:], offset + written
+
+
+_CHECK_BYTES = 16 << 20
+
+
+def _read_back(fd: int, view: memoryview, offset: int) -> bool:
+    """Whether the file holds ``view`` at ``offset`` (compared in bounded pieces)."""
+    for at in range(0, len(view), _CHECK_BYTES):
+        piece = view[at : at + _CHECK_BYTES]
+        if os.pread(fd, len(piece), offset + at) != piece:
+            return False
+    return True
+
+
+def write_ranges(
+    root: Path, layout: FileLayout, items: Sequence[tuple[str, int, torch.Tensor]]
+) -> None:
+    """Write each ``(key, first element, values)`` (1-D, the saved dtype) into the file
+    of ``layout``, flush it to disk, and read every range back: CheckpointError naming
+    the file when one does not hold what was written."""
+    path = root / layout.name
+    fd = os.open(path, os.O_RDWR)
     try:
-        view = data.data.cast("B")
-        while view:
-            written = os.pwrite(fd, view, offset)
-            view, offset = view[written:], offset + written
+        ranges = []
+        for key, start, values in items:
+            data = values.detach().to("cpu").contiguous().view(torch.uint8).numpy()
+            offset = layout.offsets[key] + start * values.element_size()
+            ranges.append((key, data.data.cast("B"), offset))
+            _write_all(fd, ranges[-1][1], offset)
+        os.fsync(fd)
+        for key, view, offset in ranges:
+            if not _read_back(fd, view, offset):
+                raise CheckpointError(
+                    f"{path}: the bytes of {key!r} read back differ from those written: the "
+                    "file system lost a write"
+                )
     finally:
         os.close(fd)
 
 
 def write_index(root: Path, files: Sequence[FileLayout]) -> None:
-    """``model.safetensors.index.json`` for several files (nothing for one)."""
+    """``model.safetensors.index.json`` for several files (nothing for one), on disk."""
     if len(files) == 1:
         return
     weight_map = {key: layout.name for layout in files for key in layout.offsets}
@@ -336,4 +382,4 @@ def write_index(root: Path, files: Sequence[FileLayout]) -> None:
     for layout in files:
         total += layout.size - len(layout.header)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (root / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    write_file(root / INDEX, json.dumps(index, indent=2, sort_keys=True) + "\n")
