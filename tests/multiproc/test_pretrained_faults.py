@@ -30,24 +30,48 @@ ZERO3_DP2 = {"zero": {"stage": 3}, "microbatches": 1}
 """Two data-parallel ranks, each writing its ZeRO-3 shard's part of every tensor."""
 
 
-def _net(version: int) -> torch.nn.Module:
-    """GPT-2, different values per ``version`` (0: the earlier save, 1: the new one)."""
-    net = hf.build("gpt2")
+def _net(version: int, kind: str = "gpt2") -> torch.nn.Module:
+    """GPT-2 (for transformers' loader) or a plain MLP (cheaper: no transformers in the
+    ranks), different values per ``version`` (0: the earlier save, 1: the new one)."""
+    if kind == "gpt2":
+        net = hf.build("gpt2")
+    else:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(
+            torch.nn.Linear(8, 48), torch.nn.ReLU(), torch.nn.Linear(48, 48), torch.nn.Linear(48, 4)
+        )
     with torch.no_grad():
         for p in net.parameters():
             p.add_(float(version))
     return net
 
 
-def _expected(version: int) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in _net(version).state_dict().items()}
+def _expected(version: int, kind: str = "gpt2") -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in _net(version, kind).state_dict().items()}
 
 
-def _model(version: int) -> Any:
+def _model(version: int, kind: str = "gpt2") -> Any:
+    """Partitioned at once: each rank holds (and writes) its ZeRO-3 shard."""
     import mpar
 
-    ids = torch.zeros(2, 8, dtype=torch.long)  # partitioned now: each rank holds its shard
-    return mpar.DistributedModel(_net(version), example_kwargs={"input_ids": ids})
+    if kind == "gpt2":
+        ids = torch.zeros(2, 8, dtype=torch.long)
+        return mpar.DistributedModel(_net(version), example_kwargs={"input_ids": ids})
+    return mpar.DistributedModel(_net(version, kind), example_inputs=(torch.zeros(2, 8),))
+
+
+def _held(root: Path, kind: str) -> int:
+    """The version the safetensors files in ``root`` hold, read in this process the way
+    mpar.load_pretrained reads them (a committed save checked first)."""
+    from mpar.checkpoint._safetensors import Checkpoint
+
+    ckpt = Checkpoint(root)
+    state = {
+        k: ckpt.read(k, 0, ckpt.shapes[k].numel()).reshape(ckpt.shapes[k]) for k in ckpt.shapes
+    }
+    want = _expected(0, kind)
+    assert set(state) <= set(want) and len(state) >= len(want) - 1  # (GPT-2: lm_head is tied)
+    return _which({**want, **state}, "the files", kind, keys=list(state))
 
 
 def _die(*args: Any, **kwargs: Any) -> None:
@@ -106,19 +130,25 @@ def _mpar_load(root: str) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def _which(state: dict[str, torch.Tensor], where: str) -> int:
+def _which(
+    state: dict[str, torch.Tensor], where: str, kind: str = "gpt2", keys: list[str] | None = None
+) -> int:
     """The version ``state`` equals, whole; fails on a mix, zeros or anything else."""
     for version in (0, 1):
-        want = _expected(version)
-        if all(torch.equal(state[k], v) for k, v in want.items()):
+        want = _expected(version, kind)
+        if all(torch.equal(state[k], want[k]) for k in keys or want):
             return version
     raise AssertionError(f"{where} loads neither the earlier save nor the new one, whole")
 
 
-def _loads_as(root: Path) -> int:
-    """The version both loaders read from ``root``; and no file beyond the marker's list."""
-    (state,) = run_distributed(_mpar_load, 1, args=(str(root),), timeout=60)
-    ours = _which(state, "mpar.load_pretrained")
+def _loads_as(root: Path, mpar_job: bool = True) -> int:
+    """The version both loaders read from ``root`` (mpar's in a job of its own, or its
+    reader here); and no file beyond the marker's list."""
+    if mpar_job:
+        (state,) = run_distributed(_mpar_load, 1, args=(str(root),), timeout=60)
+        ours = _which(state, "mpar.load_pretrained")
+    else:
+        ours = _held(root, "gpt2")
     net, info = transformers.GPT2LMHeadModel.from_pretrained(root, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     theirs = _which(net.state_dict(), "transformers' from_pretrained")
@@ -132,11 +162,11 @@ def _loads_as(root: Path) -> int:
     return ours
 
 
-def _save_once(root: str, version: int, overwrite: bool = False) -> None:
+def _save_once(root: str, version: int, kind: str = "gpt2") -> None:
     import mpar
 
     mpar.init()
-    mpar.save_pretrained(_model(version), root, max_shard_size="30KB", overwrite=overwrite)
+    mpar.save_pretrained(_model(version, kind), root, max_shard_size="5KB")
 
 
 def _kill_case(tmp_path: Path, moment: str, expect: int) -> None:
@@ -175,7 +205,7 @@ def _save_at_once(root: str, start_dir: str, name: str, version: int) -> str | N
     from mpar.checkpoint import _hf_save
 
     mpar.init(ZERO3_DP2)
-    model = _model(version)
+    model = _model(version, "mlp")
     write = _hf_save.write_ranges
     _hf_save.write_ranges = lambda *a: (time.sleep(0.5), write(*a))  # a slow disk
     Path(start_dir, f"{name}-{os.getpid()}").touch()
@@ -185,7 +215,7 @@ def _save_at_once(root: str, start_dir: str, name: str, version: int) -> str | N
     if name == "b":
         time.sleep(0.3)  # a starts first
     try:
-        mpar.save_pretrained(model, root, max_shard_size="20KB")
+        mpar.save_pretrained(model, root, max_shard_size="4KB")
     except mpar.CheckpointError as exc:
         return str(exc)
     return None
@@ -214,7 +244,7 @@ def test_two_jobs_saving_into_one_folder_one_wins_whole_the_other_names_it(tmp_p
     for message in results[loser]:
         assert message is not None and "another job is saving a model into" in message
         assert "pid " in message and "saving since" in message  # names the first job
-    assert _loads_as(root) == {"a": 0, "b": 1}[winners[0]]
+    assert _held(root, "mlp") == {"a": 0, "b": 1}[winners[0]]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "start"]  # nothing left
 
 
@@ -251,8 +281,8 @@ def test_saving_again_replaces_the_folder_whole_and_foreign_content_needs_overwr
     assert "holds other files (1: ['notes.txt'])" in refused_foreign
     assert "overwrite=True" in refused_foreign
     (root / "tokenizer.json").unlink()
-    assert _loads_as(root) == 1  # the last save, 20KB shards: none of the earlier ones left
-    assert _loads_as(foreign) == 0 and not (foreign / "notes.txt").exists()
+    assert _loads_as(root, mpar_job=False) == 1  # the last save: none of the earlier files
+    assert _held(foreign, "gpt2") == 0 and not (foreign / "notes.txt").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["foreign", "out"]
 
 
@@ -264,8 +294,8 @@ def _save_on_a_full_disk(root: str, where: str) -> str | None:
     import mpar
 
     mpar.init(ZERO3_DP2)
-    mpar.save_pretrained(_model(0), root, max_shard_size="20KB")
-    new = _model(1)
+    mpar.save_pretrained(_model(0, "mlp"), root, max_shard_size="4KB")
+    new = _model(1, "mlp")
 
     def full(*args: Any) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -275,7 +305,7 @@ def _save_on_a_full_disk(root: str, where: str) -> str | None:
     elif where == "write" and mpar.rank() == 1:
         os.pwrite = full
     try:
-        mpar.save_pretrained(new, root, max_shard_size="20KB")
+        mpar.save_pretrained(new, root, max_shard_size="4KB")
     except mpar.CheckpointError as exc:
         return str(exc)
     return None
@@ -292,7 +322,7 @@ def test_a_full_disk_is_an_error_naming_the_folder_and_bytes_and_leaves_nothing(
         assert f"no space left on device under {str(tmp_path)!r}: the save needs " in message
         assert "bytes free" in message and "partial files are removed" in message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary folder
-    assert _loads_as(root) == 0
+    assert _held(root, "mlp") == 0
 
 
 # ------------------------------------------------------------- loads
@@ -303,7 +333,7 @@ def test_loaders_refuse_an_uncommitted_or_damaged_save(tmp_path):
     from mpar.checkpoint._safetensors import Checkpoint
 
     root = tmp_path / "out"
-    run_distributed(_save_once, 1, args=(str(root), 0), timeout=60)
+    run_distributed(_save_once, 1, args=(str(root), 0, "mlp"), timeout=60)
     Checkpoint(root)  # committed: loads
     pending = tmp_path / ".out.mpar-tmp-0123456789ab"
     shutil.copytree(root, pending)
