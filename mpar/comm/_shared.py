@@ -132,7 +132,11 @@ def _create(path: str, size: int = 0, *, fifo: bool = False) -> int:
     holds a shared lock on it while open (see the module docstring). OSError when
     there is no room."""
     for _ in range(100):
-        fd = _open_new(path, fifo)
+        try:
+            fd = _open_new(path, fifo)
+        except FileExistsError:  # a sweeper has not removed our first try yet
+            time.sleep(1e-3)
+            continue
         _CREATED.add(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -202,19 +206,21 @@ def _make_ring(path: str) -> tuple[int, mmap.mmap | None]:
     through the backend (None)."""
     temporary = path + ".new"
     memory = None
-    fd = -1
+    fd, error = -1, None
     for capacity in (RING_BYTES, SMALL_RING_BYTES, 0):
         try:
             fd = _create(temporary, _HEAD + capacity if capacity else 0)
-        except OSError:
+        except OSError as exc:
+            error = exc
             continue
         if capacity:
             memory = mmap.mmap(fd, _HEAD + capacity)
         break
     else:
         raise CommError(
-            f"no room in {ROOT} even for an empty file (its inodes are used up); enlarge "
-            f"{ROOT} (docker: --shm-size) or set the config key 'shared_memory' to false"
+            f"cannot make a pipeline transfer ring in {ROOT}, not even an empty file "
+            f"({error}); enlarge {ROOT} (docker: --shm-size) or set the config key "
+            "'shared_memory' to false"
         )
     os.rename(temporary, path)
     _CREATED.discard(temporary)
