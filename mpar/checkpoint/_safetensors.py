@@ -347,6 +347,14 @@ def _read_back(fd: int, view: memoryview, offset: int) -> bool:
     return True
 
 
+def _bytes_at(
+    layout: FileLayout, key: str, start: int, values: torch.Tensor
+) -> tuple[memoryview, int]:
+    """The host bytes of ``values`` (elements ``start...`` of ``key``) and their offset."""
+    data = values.detach().to("cpu").contiguous().view(torch.uint8).numpy()
+    return data.data.cast("B"), layout.offsets[key] + start * values.element_size()
+
+
 def write_ranges(
     root: Path, layout: FileLayout, items: Sequence[tuple[str, int, torch.Tensor]]
 ) -> None:
@@ -356,15 +364,11 @@ def write_ranges(
     path = root / layout.name
     fd = os.open(path, os.O_RDWR)
     try:
-        ranges = []
         for key, start, values in items:
-            data = values.detach().to("cpu").contiguous().view(torch.uint8).numpy()
-            offset = layout.offsets[key] + start * values.element_size()
-            ranges.append((key, data.data.cast("B"), offset))
-            _write_all(fd, ranges[-1][1], offset)
+            _write_all(fd, *_bytes_at(layout, key, start, values))
         os.fsync(fd)
-        for key, view, offset in ranges:
-            if not _read_back(fd, view, offset):
+        for key, start, values in items:  # (host bytes made again: one piece held at a time)
+            if not _read_back(fd, *_bytes_at(layout, key, start, values)):
                 raise CheckpointError(
                     f"{path}: the bytes of {key!r} read back differ from those written: the "
                     "file system lost a write"

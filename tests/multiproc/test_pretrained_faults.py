@@ -345,3 +345,14 @@ def test_loaders_refuse_an_uncommitted_or_damaged_save(tmp_path):
         CheckpointError, match=rf"{shard.name}', written by save_pretrained, is truncated"
     ):
         Checkpoint(root)
+
+
+def test_a_write_the_file_system_lost_is_found_by_reading_back(tmp_path, monkeypatch):
+    from mpar.checkpoint import CheckpointError
+    from mpar.checkpoint._safetensors import create_files, plan_files, write_ranges
+
+    (layout,) = plan_files([("w", torch.Size([64]), torch.float32)], 1 << 20)
+    create_files(tmp_path, [layout])
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: len(data))  # "written"
+    with pytest.raises(CheckpointError, match=r"model.safetensors: the bytes of 'w' read back"):
+        write_ranges(tmp_path, layout, [("w", 0, torch.ones(64))])
