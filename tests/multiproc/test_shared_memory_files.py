@@ -164,15 +164,15 @@ def _in_small_tmpfs(tmp_path: Path, size: str) -> list[dict[str, object]]:
     return json.loads(lines[0][len("RESULT ") :])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    ("size", "rings"),
-    [("68k", 0), pytest.param("4k", None, marks=pytest.mark.slow)],
-    ids=["room-for-flags-not-rings", "room-for-one-flag"],
+    ("size", "rings"), [("68k", 0), ("4k", None)], ids=["room-for-flags-not-rings", "one-flag"]
 )
 def test_a_full_dev_shm_falls_back_to_the_backend_never_sigbus(tmp_path, size, rings):
     # Before: with room for one small ring and not the flags' pages, a rank died of
     # SIGBUS reading its peer's flag file, and the launcher only said "killed by SIGBUS".
+    # (A real tmpfs in a private mount; in the default suite: the test below.)
     from tests.multiproc._pipeline_cases import reference
 
     results = _in_small_tmpfs(tmp_path, size)
@@ -182,3 +182,31 @@ def test_a_full_dev_shm_falls_back_to_the_backend_never_sigbus(tmp_path, size, r
         assert r["left"] == []
         for got, expected in zip(r["losses"], want):
             assert abs(got - expected) < 1e-5
+
+
+def test_files_are_reserved_before_they_are_mapped_else_the_backend_carries(tmp_path, monkeypatch):
+    """No room to reserve (ENOSPC from posix_fallocate, as on a full tmpfs): a rank makes
+    no flag it could not touch (no rings, a warning), and a stream no ring (an empty
+    file: its receiver sends it through the backend). Before: the flag was never
+    reserved, and its first touched page could be a SIGBUS."""
+    import errno
+    import warnings
+
+    from mpar.comm import _shared
+
+    monkeypatch.setattr(_shared, "ROOT", str(tmp_path))
+
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _shared._own_files("t", 0, 0.0) is None
+    assert "no room in" in str(caught[0].message) and "go through the backend" in str(
+        caught[0].message
+    )
+    assert _files(str(tmp_path)) == []  # nothing half made is left
+    fd, memory = _shared._make_ring(f"{tmp_path}/{_shared.PREFIX}t-1-ring-2")
+    assert memory is None and os.path.getsize(f"{tmp_path}/{_shared.PREFIX}t-1-ring-2") == 0
+    os.close(fd)
