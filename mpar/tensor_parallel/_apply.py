@@ -46,13 +46,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpar.comm._tp_ops import tp_copy, tp_gather, tp_reduce, tp_reduce_scatter, tp_split
+from mpar.tensor_parallel._probe import check_inferred_heads
 from mpar.tensor_parallel._sequence import (
     SequenceLayout,
     apply_sequence,
     check_stream,
     plan_sequence,
 )
-from mpar.tensor_parallel._tp_plan import Style, TPPlanError, match_plan
+from mpar.tensor_parallel._tp_plan import (
+    USER_PLAN,
+    Style,
+    TPPlanError,
+    check_every_pattern,
+    match_plan,
+)
 
 __all__ = ["HEAD_ATTRS", "TPLayout", "TPShard", "apply_layout", "plan_layout"]
 
@@ -169,7 +176,11 @@ def plan_layout(
 ) -> TPLayout:
     """Check ``plan`` against ``module`` for TP degree ``tp`` (with sequence parallelism
     if ``sequence_parallel``); raises :class:`TPPlanError` naming the module and the
-    numbers when it cannot be applied."""
+    numbers when it cannot be applied. Every pattern of a user's plan (``source`` is
+    :data:`USER_PLAN`) must match a module; a model's own plan may name modules that
+    only some of its configurations have."""
+    if source == USER_PLAN:
+        check_every_pattern(module, plan, source)
     styles = match_plan(module, plan)
     if not styles:
         raise TPPlanError(
@@ -209,6 +220,7 @@ def plan_layout(
             if shard is not None and seen is None:
                 layout.shards[full] = shard
     _check_heads(module, styles, tp)
+    _check_inferred(module, styles, layout.shards, tp)
     if sequence_parallel:
         layout.sequence = plan_sequence(module, styles, set(layout.shards), tp)
     return layout
@@ -253,6 +265,37 @@ def _check_heads(module: nn.Module, styles: dict[str, Style], tp: int) -> None:
             "each tensor-parallel rank computes whole attention heads; pick a "
             "tensor_parallel_degree that divides it",
         )
+
+
+def _check_inferred(
+    module: nn.Module, styles: dict[str, Style], shards: dict[str, TPShard], tp: int
+) -> None:
+    """Probe each kind of module holding a colwise-split module whose head count is
+    neither an attribute of :data:`HEAD_ATTRS` nor in a Hugging Face config (whose
+    models take heads from the tensors): :func:`check_inferred_heads`."""
+    config = getattr(module, "config", None)
+    if any(type(getattr(config, a, None)) is int for a in _CONFIG_HEADS):
+        return
+    probed: set[Any] = set()
+    for parent_name in sorted(_parents(styles)):
+        parent = module.get_submodule(parent_name) if parent_name else module
+        if any(type(parent.__dict__.get(a)) is int for a in HEAD_ATTRS):
+            continue
+        prefix = f"{parent_name}." if parent_name else ""
+        planned = {
+            n: (module.get_submodule(n), st) for n, st in styles.items() if n.startswith(prefix)
+        }
+        planned = dict(sorted(planned.items(), key=lambda item: item[1][1].kind != "colwise"))
+        kind = (
+            type(parent),
+            tuple((n[len(prefix) :], st, m.weight.shape) for n, (m, st) in planned.items()),
+        )
+        if kind in probed:
+            continue
+        probed.add(kind)
+        local = {k[len(prefix) :]: v for k, v in shards.items() if k.startswith(prefix)}
+        label = f"module {parent_name or '<root>'} ({type(parent).__name__})"
+        check_inferred_heads(parent, label, planned, local, tp, HEAD_ATTRS)
 
 
 # -- applying ---------------------------------------------------------------------------
