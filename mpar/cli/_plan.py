@@ -56,18 +56,31 @@ import dataclasses
 import importlib
 import json
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
 from mpar._size import parse_bandwidth, parse_bytes
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from torch import nn
+
     from mpar.config import Config
     from mpar.partition import PlanInputs
+    from mpar.profile import ModelProfile
+    from mpar.tensor_parallel import ExampleInputs
+
+    Profiled = tuple[ModelProfile, int, tuple[nn.Module, ExampleInputs]]
+    """A profile, its samples per microbatch, and the module and inputs it profiled."""
 
 __all__ = ["add_parser", "run"]
 
+T = TypeVar("T")
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+
+def add_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     """Register ``mpar plan``."""
     parser = subparsers.add_parser(
         "plan",
@@ -160,7 +173,7 @@ def _add_auto_arguments(parser: argparse.ArgumentParser) -> None:
     auto.add_argument("--top", type=int, default=10, help="candidates to rank (10)")
 
 
-def _load_factory(spec: str) -> Any:
+def _load_factory(spec: str) -> Callable[[], object]:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"--model must look like pkg.module:factory, got {spec!r}")
@@ -171,13 +184,13 @@ def _load_factory(spec: str) -> Any:
     return factory
 
 
-def _split_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _split_inputs(inputs: object) -> tuple[tuple[object, ...], dict[str, object]]:
     import torch
 
     if isinstance(inputs, torch.Tensor):
         return (inputs,), {}
     if isinstance(inputs, dict):
-        return (), dict(inputs)
+        return (), {str(k): v for k, v in inputs.items()}
     if isinstance(inputs, (tuple, list)):
         return tuple(inputs), {}
     raise ValueError(
@@ -186,7 +199,7 @@ def _split_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     )
 
 
-def _build(spec: str, meta: bool) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+def _build(spec: str, meta: bool) -> tuple[nn.Module, tuple[object, ...], dict[str, object]]:
     import torch
 
     factory = _load_factory(spec)
@@ -239,7 +252,7 @@ def plan_inputs_of(args: argparse.Namespace, config: Config) -> PlanInputs:
     return dataclasses.replace(inputs, device_memory=parse_bytes(args.device_memory))
 
 
-def _profile(args: argparse.Namespace) -> tuple[Any, int, Any]:
+def _profile(args: argparse.Namespace) -> Profiled:
     """Profile the model; returns the profile, its samples per microbatch and the
     ``(module, (args, kwargs))`` it profiled (for the TP plan).
 
@@ -253,9 +266,11 @@ def _profile(args: argparse.Namespace) -> tuple[Any, int, Any]:
         from mpar.cli._hf_model import build_hf_model
         from mpar.runtime._adapt import disable_caches
 
-        module, ex_kwargs = build_hf_model(args.hf_config, seq_len=args.seq_len, batch=args.batch)
+        module, hf_kwargs = build_hf_model(args.hf_config, seq_len=args.seq_len, batch=args.batch)
         disable_caches(module)  # as DistributedModel does
-        ex_args, meta, batch = (), True, args.batch
+        ex_args: tuple[object, ...] = ()
+        ex_kwargs: dict[str, object] = dict(hf_kwargs)
+        meta, batch = True, int(args.batch)
     else:
         module, ex_args, ex_kwargs = _build(args.model, args.meta)
         meta, batch = args.meta, _batch_of((ex_args, ex_kwargs))
@@ -269,21 +284,22 @@ def _profile(args: argparse.Namespace) -> tuple[Any, int, Any]:
     return profile, batch, (module, (ex_args, ex_kwargs))
 
 
-def _first_samples(inputs: Any, batch: int, keep: int) -> Any:
+def _first_samples(inputs: T, batch: int, keep: int) -> T:
     """The inputs with every tensor whose first dimension is ``batch`` cut to ``keep``."""
     import torch
 
     from mpar._compat import pytree
 
-    def cut(x: Any) -> Any:
+    def cut(x: object) -> object:
         if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch:
             return x[:keep]
         return x
 
-    return pytree.tree_map(cut, inputs)
+    kept: T = pytree.tree_map(cut, inputs)
+    return kept
 
 
-def _batch_of(inputs: Any) -> int:
+def _batch_of(inputs: object) -> int:
     """Samples in the example inputs: the first dimension of their first tensor."""
     import torch
 

@@ -12,16 +12,10 @@ from typing import TYPE_CHECKING
 from mpar._size import parse_bandwidth, parse_bytes
 
 if TYPE_CHECKING:
-    from torch import nn
-
+    from mpar.cli._plan import Profiled
     from mpar.partition import CostModel, SearchSpace
-    from mpar.profile import ModelProfile
-    from mpar.tensor_parallel import ExampleInputs
 
-__all__ = ["Profiled", "run_auto"]
-
-Profiled = tuple["ModelProfile", int, tuple["nn.Module", "ExampleInputs"]]
-"""A profile, its samples per microbatch, and the module and inputs it profiled."""
+__all__ = ["run_auto"]
 
 
 def _options(args: argparse.Namespace) -> tuple[SearchSpace, CostModel]:

@@ -13,7 +13,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from mpar._size import parse_bytes
 from mpar.errors import ConfigError, ConfigTypeError
@@ -45,7 +45,7 @@ MAX_TIMEOUT_S = 1e9
 MEMORY_WEIGHT_FOR = {"speed": 0.2, "memory": 0.8}
 
 
-def _fail_choice(key: str, value: object, allowed: tuple[Any, ...]) -> None:
+def _fail_choice(key: str, value: object, allowed: tuple[object, ...]) -> None:
     if value not in allowed:
         options = ", ".join(repr(a) for a in allowed)
         raise ConfigError(f"config key {key!r} has value {value!r}; allowed: {options}")
@@ -489,7 +489,7 @@ class Config:
                 f"pipeline_parallel_degree to {world_size}"
             )
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """The configuration as canonical keys (JSON-able); unresolved keys read "auto"."""
         data = dataclasses.asdict(self)
         auto = data.pop("auto_keys")
@@ -499,7 +499,7 @@ class Config:
         return data
 
 
-def _check_tp_plan(plan: Any) -> None:
+def _check_tp_plan(plan: object) -> None:
     if plan is None:
         return
     if not isinstance(plan, Mapping) or not all(

@@ -14,7 +14,6 @@ else mpar's plan for its family (:data:`FAMILY_PLANS`: GPT-2, BERT, ViT, T5).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from torch import nn
 
@@ -85,7 +84,7 @@ def _model_plan(module: nn.Module) -> tuple[dict[str, str] | None, str]:
 
 
 def resolve_plan(
-    module: nn.Module, user_plan: Mapping[str, Any] | None
+    module: nn.Module, user_plan: Mapping[str, str] | None
 ) -> tuple[dict[str, Style], str]:
     """The plan for ``module`` as ``{pattern: Style}`` and where it came from."""
     if user_plan is not None:
