@@ -190,7 +190,7 @@ def _split_inputs(inputs: object) -> tuple[tuple[object, ...], dict[str, object]
     if isinstance(inputs, torch.Tensor):
         return (inputs,), {}
     if isinstance(inputs, dict):
-        return (), {str(k): v for k, v in inputs.items()}
+        return (), dict(inputs)
     if isinstance(inputs, (tuple, list)):
         return tuple(inputs), {}
     raise ValueError(

@@ -272,8 +272,9 @@ def load_config(
         given = defaults if raw is None else _require_mapping(raw, "config")
         return _with_env_overrides(config_from_dict(given))
     if isinstance(config, str | os.PathLike):
-        read = _require_mapping(_read_file(Path(config)), "config")
-        return _with_env_overrides(config_from_dict(read))
+        read = _read_file(Path(config))  # an empty file: the defaults
+        given = None if read is None else _require_mapping(read, "config")
+        return _with_env_overrides(config_from_dict(given))
     if isinstance(config, Mapping):
         return _with_env_overrides(config_from_dict(config))
     raise ConfigTypeError(

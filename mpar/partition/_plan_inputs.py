@@ -12,8 +12,9 @@ The record is frozen and grouped as the config is: the grid's axes
 (:class:`ZeroSetup`), then precision, checkpointing, the device and its memory, the
 partition objective, and what the model's tensor-parallel plan splits (measured from
 the model, so given beside the config). A new config key the planner must honour is
-one field here and one line of :func:`plan_inputs`; a new grid axis is a field of
-``GridShape`` only.
+one field here and one line of :func:`plan_inputs`; a new grid axis (``cp``, ``ep``)
+is one field of ``GridShape`` (and the line of ``Config.grid_shape`` that reads its
+key): ``PlanInputs.grid`` carries it to every reader.
 
 What a plan needs besides the run (bandwidths and speed factors in a ``CostModel``,
 the partition method, the microbatch size for ``--global-batch``) is given to
@@ -36,8 +37,8 @@ from mpar.partition._memory_model import (
     effective_gather,
 )
 from mpar.partition._prediction import splits_backward
+from mpar.schedule import PIPELINES
 from mpar.schedule._csv import is_csv_path
-from mpar.schedule._registry import PIPELINES
 from mpar.topology import GridShape
 
 if TYPE_CHECKING:

@@ -69,7 +69,8 @@ class Plan:
     """What limits the plan as a whole: "compute", "single unit" or "memory cap"."""
     rank_memory_bytes: list[int] = field(default_factory=list)
     simulated: bool = False
-    """True when step time and bubble come from ``mpar.schedule.simulate``."""
+    """Whether step time and bubble come from ``mpar.schedule.simulate`` (``make_plan``
+    always simulates the schedule the runtime builds)."""
     link_bandwidth: float | None = None
     """Bytes per second between neighbouring stages; None when communication is not modelled."""
     overhead_s: float = 0.0

@@ -60,7 +60,7 @@ from mpar.partition._memory_model import (
 from mpar.partition._methods import parameter_boundaries, uniform_boundaries
 from mpar.partition._plan_report import Plan, StagePlan
 from mpar.partition._prediction import (
-    in_flight,
+    in_flight_per_rank,
     message_counts,
     predict,
     split_backward_gain,
@@ -205,7 +205,7 @@ def lay_out(
     ``profile`` is one TP rank's (``tp_share``); the cap is ``inputs.device_memory``."""
     p, s, layout = inputs.grid.pp, inputs.schedule, inputs.memory_layout(microbatch_scale)
     v, m, k = s.virtual_stages, s.microbatches, s.active_microbatches
-    flight = list(in_flight(p, v, m, s.pipeline, k))
+    flight = list(in_flight_per_rank(p, v, m, s.pipeline, k))
     messages = message_counts(p, v, m, s.pipeline, k)
     units = profile.units
     memory, reserve = unit_memory(units, layout, max(flight), messages)

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "build",
-    "in_flight",
+    "in_flight_per_rank",
     "lower_bound_s",
     "message_counts",
     "phase_times",
@@ -62,7 +62,7 @@ def _key(inputs: PlanInputs, pipeline: str | None = None) -> ScheduleKey:
 
 
 @functools.lru_cache(maxsize=4096)
-def in_flight(
+def in_flight_per_rank(
     p: int, v: int, m: int, pipeline: str, active_microbatches: int | None = None
 ) -> tuple[int, ...]:
     """Per rank: microbatches in flight per chunk.

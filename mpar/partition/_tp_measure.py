@@ -208,7 +208,7 @@ def _running(
             ),
             (args, kwargs),
         )
-    with preserved_state(module), fake or contextlib.nullcontext():
+    with preserved_state(module), fake if fake is not None else contextlib.nullcontext():
         fakes = [fake.from_tensor(t) for t in state] if fake is not None else []
         exclude = {t.untyped_storage()._cdata for t in [*state, *fakes]}
         yield args, kwargs, exclude

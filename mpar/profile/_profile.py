@@ -521,7 +521,7 @@ def profile_model(
             lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x,
             _to_meta((args, kwargs)) if on_meta else (args, kwargs),
         )
-    with preserved_state(module), fake or contextlib.nullcontext():
+    with preserved_state(module), fake if fake is not None else contextlib.nullcontext():
         # The fake copies of parameters that ops make, kept alive so every op gets the same.
         fakes = [fake.from_tensor(t) for t in _state(module)] if fake is not None else []
         names = list(units) if units is not None else find_units(module, args, kwargs)

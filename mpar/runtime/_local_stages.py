@@ -54,7 +54,7 @@ class LocalStages:
     qualnames: dict[int, dict[str, str]]
     """Stage index -> (local name -> original name), only for stages on this rank."""
     tied: list[list[tuple[int, str]]] = field(default_factory=list)
-    plan: Any = None
+    plan: Plan | None = None
     unit_names: list[list[str]] = field(default_factory=list)
     tied_groups: list[tuple[Any, nn.Parameter]] = field(default_factory=list)
     """(process group, local parameter) for tied parameters whose copies live on other ranks."""

@@ -130,6 +130,16 @@ def test_parse_bytes():
         parse_bytes("lots")
 
 
+def test_parse_bandwidth():
+    assert parse_bandwidth("10GB") == parse_bandwidth("10GB/s") == 10e9
+    assert parse_bandwidth(" 1GiB/s ") == 2**30 and parse_bandwidth(5e8) == 5e8
+    assert parse_bandwidth(None) is None
+    with pytest.raises(ValueError, match="--tp-bandwidth must be a positive number"):
+        parse_bandwidth("0", "--tp-bandwidth")
+    with pytest.raises(ValueError, match="cannot read a memory size"):
+        parse_bandwidth("fast")
+
+
 def test_find_units_patterns():
     seq = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
     assert find_units(seq) == ["0", "1"]
