@@ -22,8 +22,10 @@ from mpar.tensor_parallel._tp_plan import (
     parse_style,
     resolve_plan,
 )
+from mpar.tensor_parallel._tp_splits import ExampleInputs, measure_tp_splits, tp_splits
 
 __all__ = [
+    "ExampleInputs",
     "FAMILY_PLANS",
     "HEAD_ATTRS",
     "STYLES",
@@ -37,9 +39,11 @@ __all__ = [
     "apply_layout",
     "check_every_pattern",
     "match_plan",
+    "measure_tp_splits",
     "parse_style",
     "plan_layout",
     "resolve_plan",
+    "tp_splits",
     "vocab_parallel_cross_entropy",
     "sequence_parallel_on",
 ]

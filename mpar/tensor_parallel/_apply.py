@@ -38,8 +38,9 @@ and the parameters between the split layers have their gradients summed over TP.
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -308,7 +309,18 @@ def _local_param(param: nn.Parameter, shard: TPShard, rank: int) -> None:
         param.data = shard.local(param.data, rank).clone()
 
 
-def _linear_colwise(style: Style, group: str) -> Any:
+Forward = Callable[..., torch.Tensor]
+"""A replacement ``forward(self, x)`` of a split module."""
+
+
+class _Conv1D(Protocol):
+    """Hugging Face's ``Conv1D`` (GPT-2): a linear layer with its weight transposed."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+
+
+def _linear_colwise(style: Style, group: str) -> Forward:
     def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(tp_copy(x, group), self.weight, self.bias)
         return tp_gather(out, -1, group) if style.gather_output else out
@@ -316,8 +328,8 @@ def _linear_colwise(style: Style, group: str) -> Any:
     return forward
 
 
-def _conv1d_colwise(style: Style, group: str) -> Any:
-    def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+def _conv1d_colwise(style: Style, group: str) -> Forward:
+    def forward(self: _Conv1D, x: torch.Tensor) -> torch.Tensor:
         x = tp_copy(x, group)
         weight: torch.Tensor = self.weight
         shape = (*x.shape[:-1], weight.shape[1])
@@ -341,7 +353,7 @@ def _rowwise_sum(
     return out if bias is None else out + bias
 
 
-def _linear_rowwise(style: Style, group: str, scatter: str | None) -> Any:
+def _linear_rowwise(style: Style, group: str, scatter: str | None) -> Forward:
     def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if style.split_input:
             x = tp_split(x, -1, group)
@@ -350,8 +362,8 @@ def _linear_rowwise(style: Style, group: str, scatter: str | None) -> Any:
     return forward
 
 
-def _conv1d_rowwise(style: Style, group: str, scatter: str | None) -> Any:
-    def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+def _conv1d_rowwise(style: Style, group: str, scatter: str | None) -> Forward:
+    def forward(self: _Conv1D, x: torch.Tensor) -> torch.Tensor:
         if style.split_input:
             x = tp_split(x, -1, group)
         weight: torch.Tensor = self.weight
@@ -362,7 +374,7 @@ def _conv1d_rowwise(style: Style, group: str, scatter: str | None) -> Any:
     return forward
 
 
-def _embedding_rowwise(rank: int, group: str) -> Any:
+def _embedding_rowwise(rank: int, group: str) -> Forward:
     def forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
         rows = self.weight.shape[0]
         lo = rank * rows
@@ -386,7 +398,7 @@ def _embedding_rowwise(rank: int, group: str) -> Any:
 
 def _new_forward(
     module: nn.Module, style: Style, rank: int, group: str, scatter: str | None
-) -> Any:
+) -> Forward | None:
     if isinstance(module, nn.Embedding):
         return _embedding_rowwise(rank, group) if style.kind == "embedding_rowwise" else None
     conv1d = not isinstance(module, nn.Linear)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping
-from typing import Any
 
 from torch import nn
 
@@ -92,7 +91,7 @@ def _model_plan(module: nn.Module) -> tuple[dict[str, str] | None, str]:
 
 
 def resolve_plan(
-    module: nn.Module, user_plan: Mapping[str, Any] | None
+    module: nn.Module, user_plan: Mapping[str, str] | None
 ) -> tuple[dict[str, Style], str]:
     """The plan for ``module`` as ``{pattern: Style}`` and where it came from."""
     if user_plan is not None:

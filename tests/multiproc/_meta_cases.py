@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -108,7 +109,9 @@ def profile_budget(device_memory: int | None) -> dict[str, Any]:
     # model whose weights exceed the budget would need > 120 MiB to be plannable;
     # the budget here only decides how rank 0 profiles, the plan ignores it.
     make_plan = mpar.partition.make_plan
-    mpar.partition.make_plan = lambda *a, **k: make_plan(*a, **{**k, "device_memory": None})
+    mpar.partition.make_plan = lambda profile, inputs, **k: make_plan(
+        profile, dataclasses.replace(inputs, device_memory=None), **k
+    )
     config: dict[str, Any] = {"pipeline_parallel_degree": 2, "microbatches": 2}
     if device_memory is not None:
         config["device_memory"] = device_memory

@@ -89,7 +89,7 @@ def test_pp2_tp2(placement, coordinates):
 @pytest.mark.slow
 def test_pp2_tp2_auto_keys():
     """ "auto" keys under TP: the planner keeps the configured degree and lays out one TP
-    rank's share (``mpar.runtime._local_stages.tp_splits_of``); the resolved run is the
+    rank's share (``mpar.tensor_parallel.measure_tp_splits``); the resolved run is the
     one-process model."""
     config = _config(
         2,
