@@ -20,9 +20,10 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from mpar.checkpoint._safetensors import (
     Checkpoint,
@@ -36,6 +37,11 @@ from mpar.comm import state
 from mpar.comm._collectives import all_gather_object_pp, barrier
 from mpar.errors import MparError
 
+if TYPE_CHECKING:
+    from mpar.meta._owned import Share
+    from mpar.runtime import DistributedModel
+    from mpar.shard._bucket import FlatBucket
+
 __all__ = ["PretrainedKeyError", "load_pretrained", "save_pretrained"]
 
 KeyMapping = Mapping[str, str] | Callable[[str], str] | None
@@ -48,7 +54,7 @@ class PretrainedKeyError(MparError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-def _check_model(model: Any, fn: str) -> None:
+def _check_model(model: object, fn: str) -> None:
     from mpar.runtime import DistributedModel
 
     if not isinstance(model, DistributedModel):
@@ -75,17 +81,19 @@ def _mapper(key_mapping: KeyMapping) -> Callable[[str], str]:
     return apply
 
 
-def _ignored(module: Any) -> list[re.Pattern[str]]:
+def _ignored(module: nn.Module) -> list[re.Pattern[str]]:
     patterns = getattr(module, "_keys_to_ignore_on_load_unexpected", None) or []
     return [re.compile(p) for p in patterns]
 
 
-def _match(model: Any, ckpt: Checkpoint, key_mapping: KeyMapping, strict: bool) -> dict[str, str]:
+def _match(
+    model: DistributedModel, ckpt: Checkpoint, key_mapping: KeyMapping, strict: bool
+) -> dict[str, str]:
     """Model key (canonical, one per tensor) -> checkpoint key; raises on a mismatch."""
     to_model = _mapper(key_mapping)
     by_model: dict[str, str] = {}
     unexpected: list[str] = []
-    known = set(model._key_order)
+    known = set(model.state_keys.order)
     ignored = _ignored(model.module)
     for ckey in ckpt.shapes:
         mkey = to_model(ckey)
@@ -97,16 +105,16 @@ def _match(model: Any, ckpt: Checkpoint, key_mapping: KeyMapping, strict: bool) 
     missing: list[str] = []
     mismatched: list[str] = []
     seen: set[str] = set()
-    for key in model._key_order:
+    for key in model.state_keys.order:
         if key in seen:
             continue
-        names = [key, *model._aliases.get(key, ())]
+        names = list(model.state_keys.names_of(key))
         seen.update(names)
         found = next((by_model[n] for n in names if n in by_model), None)
         if found is None:
             missing.append(key)
             continue
-        want, got = model._shapes[key], ckpt.shapes[found]
+        want, got = model.state_keys.shapes[key], ckpt.shapes[found]
         if want != got:
             mismatched.append(
                 f"{found!r}: checkpoint {tuple(got)}, model {tuple(want)} (model key {key!r})"
@@ -127,7 +135,7 @@ def _match(model: Any, ckpt: Checkpoint, key_mapping: KeyMapping, strict: bool) 
 
 
 def load_pretrained(
-    model: Any,
+    model: DistributedModel,
     path: str | os.PathLike[str],
     *,
     key_mapping: KeyMapping = None,
@@ -152,7 +160,7 @@ def load_pretrained(
     if model.partitioned:
         _load_partitioned(model, ckpt, matched)
     elif any(t.is_meta for t in model.module.state_dict().values()):
-        model.after_partition.append(_DeferredLoad(ckpt, matched, model._aliases))
+        model.after_partition.append(_DeferredLoad(ckpt, matched, model.state_keys.aliases))
     else:
         _load_whole(model, ckpt, matched)
 
@@ -162,16 +170,16 @@ class _DeferredLoad:
     names every tensor it writes whole, so that materializing skips their init."""
 
     def __init__(
-        self, ckpt: Checkpoint, matched: Mapping[str, str], aliases: Mapping[str, Any]
+        self, ckpt: Checkpoint, matched: Mapping[str, str], aliases: Mapping[str, tuple[str, ...]]
     ) -> None:
         self.ckpt, self.matched = ckpt, matched
         self.overwrites = {n for key in matched for n in [key, *aliases.get(key, ())]}
 
-    def __call__(self, model: Any) -> None:
+    def __call__(self, model: DistributedModel) -> None:
         _load_partitioned(model, self.ckpt, self.matched)
 
 
-def _load_whole(model: Any, ckpt: Checkpoint, matched: Mapping[str, str]) -> None:
+def _load_whole(model: DistributedModel, ckpt: Checkpoint, matched: Mapping[str, str]) -> None:
     state = model.module.state_dict()
     with torch.no_grad():
         for key, ckey in matched.items():
@@ -179,10 +187,12 @@ def _load_whole(model: Any, ckpt: Checkpoint, matched: Mapping[str, str]) -> Non
             t.copy_(ckpt.read(ckey, 0, t.numel()).reshape(t.shape))
 
 
-def _load_partitioned(model: Any, ckpt: Checkpoint, matched: Mapping[str, str]) -> None:
+def _load_partitioned(
+    model: DistributedModel, ckpt: Checkpoint, matched: Mapping[str, str]
+) -> None:
     from mpar.meta._owned import fill_bucket, local_shares, stored_range
 
-    per_bucket: dict[int, tuple[Any, dict[int, tuple[int, torch.Tensor]]]] = {}
+    per_bucket: dict[int, tuple[FlatBucket, dict[int, tuple[int, torch.Tensor]]]] = {}
     with torch.no_grad():
         for key, share in local_shares(model).items():
             if key not in matched:
@@ -204,7 +214,7 @@ def _load_partitioned(model: Any, ckpt: Checkpoint, matched: Mapping[str, str]) 
 
 
 def _read(
-    ckpt: Checkpoint, ckey: str, share: Any, tp_rank: int, start: int, stop: int
+    ckpt: Checkpoint, ckey: str, share: Share, tp_rank: int, start: int, stop: int
 ) -> torch.Tensor:
     """Elements ``[start, stop)`` of what this rank holds of ``share``: of the tensor, or
     of its tensor-parallel piece (only the piece's blocks are read)."""
@@ -218,7 +228,7 @@ def _read(
 
 
 def save_pretrained(
-    model: Any,
+    model: DistributedModel,
     path: str | os.PathLike[str],
     *,
     max_shard_size: int | str = "5GB",
@@ -238,13 +248,15 @@ def save_pretrained(
     limit = parse_size(max_shard_size)
     root = Path(path)
     keys = _saved_keys(model)
-    files = plan_files([(k, model._shapes[k], model._dtypes[k]) for k in keys], limit)
+    files = plan_files(
+        [(k, model.state_keys.shapes[k], model.state_keys.dtypes[k]) for k in keys], limit
+    )
     if st.layout.rank == 0:
         create_files(root, files)
     barrier()
     layout_of = {key: layout for layout in files for key in layout.offsets}
     for key, start, values in _pieces(model):
-        write_range(root, layout_of[key], key, start, values.to(model._dtypes[key]))
+        write_range(root, layout_of[key], key, start, values.to(model.state_keys.dtypes[key]))
     barrier()
     if st.layout.rank == 0:
         write_index(root, files)
@@ -254,18 +266,18 @@ def save_pretrained(
     barrier()
 
 
-def _saved_keys(model: Any) -> list[str]:
+def _saved_keys(model: DistributedModel) -> list[str]:
     """State-dict keys, each tensor once (tied aliases after the first left out)."""
     out: list[str] = []
     seen: set[str] = set()
-    for key in model._key_order:
+    for key in model.state_keys.order:
         if key not in seen:
             out.append(key)
-            seen.update([key, *model._aliases.get(key, ())])
+            seen.update(model.state_keys.names_of(key))
     return out
 
 
-def _pieces(model: Any) -> list[tuple[str, int, torch.Tensor]]:
+def _pieces(model: DistributedModel) -> list[tuple[str, int, torch.Tensor]]:
     """(key, first element, values) this rank writes."""
     from mpar.meta._owned import full_runs, local_shares, read_range, written_range
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import datetime
 import os
 import sys
@@ -35,12 +36,28 @@ from mpar.config import Config, load_config
 from mpar.errors import AlreadyInitializedError, ConfigError, NotInitializedError
 from mpar.topology import Grid
 
-__all__ = ["State", "init", "is_initialized", "on_shutdown", "shutdown", "state"]
+__all__ = [
+    "Session",
+    "State",
+    "init",
+    "is_initialized",
+    "on_shutdown",
+    "session",
+    "shutdown",
+    "state",
+]
 
 
-@dataclass
+@dataclass(frozen=True)
 class State:
-    """Everything ``mpar.init`` decided, for this process."""
+    """What a step needs from ``mpar.init``: one typed, read-only object.
+
+    ``mpar.init`` makes the process's; a model whose ``"auto"`` keys were resolved holds
+    one of its own (:meth:`with_config`), made when its config changes, never per step.
+    Nothing is written on it: what changes while mpar runs lives in objects it refers
+    to (the point-to-point streams in ``p2p_links``, process groups made on first use
+    in ``grid``), shared by every model of the process.
+    """
 
     config: Config
     layout: Layout
@@ -48,20 +65,29 @@ class State:
     """The rank grid and its process groups (passed to whoever needs them)."""
     device: torch.device
     backend: str
-    owns_process_group: bool = True
     p2p_links: Links = field(default_factory=Links)
     """Point-to-point streams kept open across steps (pipeline transfers)."""
-    checkpoint_group: dist.ProcessGroup | None = None
-    """The checkpoints' gloo group over every rank, made at the first save or load."""
-    models: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
+
+    def with_config(self, config: Config) -> State:
+        """This state with another config (a model's, its ``"auto"`` keys resolved)."""
+        return self if config is self.config else dataclasses.replace(self, config=config)
+
+
+@dataclass(eq=False)
+class Session:
+    """One ``mpar.init`` of this process: its :class:`State` and what the process keeps
+    beside it until ``mpar.shutdown``."""
+
+    state: State
+    owns_process_group: bool = True
+    """Whether ``init`` created the default process group (``shutdown`` destroys it)."""
+    models: weakref.WeakSet[object] = field(default_factory=weakref.WeakSet)
     """The ``DistributedModel`` objects of this ``init`` (``memory_report`` sums them)."""
-    optimizers: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
+    optimizers: weakref.WeakSet[object] = field(default_factory=weakref.WeakSet)
     """The ``DistributedOptimizer`` objects of this ``init`` (``memory_report``)."""
-    batch_checks: int = 0
-    """Steps so far that were due for the same-batch check (``runtime/_batch_check``)."""
 
 
-_STATE: State | None = None
+_SESSION: Session | None = None
 _SHUTDOWN_HOOKS: list[Callable[[], None]] = []
 _STORE: tuple[Any, dist.Store] | None = None
 """(what identifies the rendezvous, the store) kept for the process's lifetime."""
@@ -75,15 +101,20 @@ def on_shutdown(hook: Callable[[], None]) -> None:
         _SHUTDOWN_HOOKS.append(hook)
 
 
+def session() -> Session:
+    """The current ``mpar.init``; a clear error before it."""
+    if _SESSION is None:
+        raise NotInitializedError("mpar is not initialised: call mpar.init(config) first")
+    return _SESSION
+
+
 def state() -> State:
     """The state of the current ``mpar.init``; a clear error before it."""
-    if _STATE is None:
-        raise NotInitializedError("mpar is not initialised: call mpar.init(config) first")
-    return _STATE
+    return session().state
 
 
 def is_initialized() -> bool:
-    return _STATE is not None
+    return _SESSION is not None
 
 
 def _pick_backend(config: Config, device: torch.device) -> str:
@@ -161,8 +192,8 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
     (mpi4py) or SLURM; with none of them mpar runs as a single process. The
     whole configuration is checked before any process group is created.
     """
-    global _STATE, _EXIT_HOOKED
-    if _STATE is not None:
+    global _SESSION, _EXIT_HOOKED
+    if _SESSION is not None:
         raise AlreadyInitializedError(
             "mpar.init() was already called in this process; call mpar.shutdown() before "
             "initialising again"
@@ -193,15 +224,9 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
             layout.master_addr, layout.master_port, layout.rank, resolved.timeout_s
         )
         _watchdog.start(layout, resolved.timeout_s, resolved.trace)
-    _STATE = State(
-        config=resolved,
-        layout=layout,
-        grid=grid,
-        device=device,
-        backend=backend,
-        owns_process_group=owns,
-    )
-    _STATE.p2p_links.shared = _shared_memory(_STATE, world_backend)
+    st = State(config=resolved, layout=layout, grid=grid, device=device, backend=backend)
+    st.p2p_links.shared = _shared_memory(st, world_backend)
+    _SESSION = Session(st, owns_process_group=owns)
     if not _EXIT_HOOKED:
         atexit.register(_shutdown_at_exit)
         sys.excepthook = _mark_failed
@@ -272,14 +297,14 @@ def shutdown() -> None:
     its generation (see :func:`_rendezvous_store`), and the annotations on the user's
     modules (``mpar.partition(i)`` placements, layers patched for the split backward).
     """
-    global _STATE
-    if _STATE is None:
+    global _SESSION
+    if _SESSION is None:
         return
     for hook in list(_SHUTDOWN_HOOKS):
         hook()
-    _final_barrier(_STATE)
-    current, _STATE = _STATE, None
-    current.p2p_links.close()
+    _final_barrier(_SESSION.state)
+    current, _SESSION = _SESSION, None
+    current.state.p2p_links.close()
     _abort.stop_watcher()
     _watchdog.stop()
     PROGRESS.reset(RECENT)

@@ -14,16 +14,44 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from mpar.comm._lifecycle import on_shutdown
 
-__all__ = ["KEEP", "StepTimeline", "write_timeline"]
+__all__ = ["KEEP", "StepTimeline", "TimedAction", "TraceLayout", "write_timeline"]
 
 KEEP = 8
 """Steps each rank keeps in its timeline file (the latest ones)."""
 
-_STEPS: list[dict[str, Any]] = []
+TimedAction = tuple[str, float, float, float, float]
+"""An executed action: ``(text, start, end, waited, computed)``."""
+
+
+class TraceLayout(TypedDict):
+    """What ``mpar schedule --trace`` needs to rebuild and simulate a rank's schedule."""
+
+    rank: int
+    pp_rank: int
+    dp_rank: int
+    pipeline: str
+    num_ranks: int
+    virtual_stages: int
+    microbatches: int
+    active_microbatches: int | None
+    forward_only: bool
+    schedule: dict[str, object]
+    """The lowered schedule the ranks executed (``Schedule.to_dict``)."""
+
+
+class _TimedStep(TypedDict):
+    step: int
+    start: float
+    end: float
+    actions: list[TimedAction]
+
+
+_STEPS: list[_TimedStep] = []
+"""This rank's latest :data:`KEEP` timed steps (process state: cleared by ``shutdown``)."""
 on_shutdown(_STEPS.clear)
 
 
@@ -46,14 +74,14 @@ class StepTimeline:
         self.end = start
         self.waited = 0.0
         self.computed = 0.0
-        self.actions: list[tuple[str, float, float, float, float]] = []
+        self.actions: list[TimedAction] = []
 
 
 def write_timeline(
     trace_dir: str,
     step: int,
     timeline: StepTimeline,
-    layout: dict[str, Any],
+    layout: TraceLayout,
 ) -> None:
     """Add one step to this rank's file (best effort: tracing never fails a step)."""
     _STEPS.append(
