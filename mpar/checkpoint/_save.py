@@ -43,7 +43,6 @@ from mpar.comm._checkpoint_comm import (
     broadcast_object_in,
     checkpoint_group,
 )
-from mpar.comm._lifecycle import on_shutdown
 from mpar.comm._types import ProcessGroup
 from mpar.errors import MparError
 from mpar.runtime import DistributedModel, DistributedOptimizer
@@ -258,7 +257,6 @@ def save_checkpoint(
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
     wait_checkpoint()
-    on_shutdown(_wait_quietly)
     group = checkpoint_group(model.grid)
     root = Path(path)
     save = _prepare_root(root, group, model.grid.rank)
@@ -285,16 +283,3 @@ def save_checkpoint(
     if async_save:
         return submit(job, save.final)
     return finished(job, save.final)
-
-
-def _wait_quietly() -> None:
-    """At shutdown: finish a pending save; report (not raise) its failure."""
-    import warnings
-
-    try:
-        wait_checkpoint()
-    except CheckpointError as exc:
-        warnings.warn(f"the last asynchronous checkpoint failed: {exc}", stacklevel=2)
-
-
-# ------------------------------------------------------------------------- load

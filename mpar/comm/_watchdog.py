@@ -42,7 +42,14 @@ from mpar.comm._process_layout import Layout
 from mpar.comm._progress import PROGRESS
 from mpar.comm._snapshot import snapshot, wait_info, write_trace
 
-__all__ = ["HANG_REPORTED", "exit_if_reported", "start", "stop", "transport_timeout"]
+__all__ = [
+    "HANG_REPORTED",
+    "exit_if_reported",
+    "is_stopped",
+    "start",
+    "stop",
+    "transport_timeout",
+]
 
 HANG_REPORTED = threading.Event()
 """Set once a hang verdict is out: this rank's own later errors (connections closed
@@ -52,7 +59,6 @@ _POLL_S = 0.25
 _ANSWER_WINDOW_S = 5.0
 _EXIT_WAIT_S = 5.0
 _TRANSPORT_MARGIN_S = 60.0
-_generation = 0
 _stop = threading.Event()
 _thread: threading.Thread | None = None
 
@@ -69,12 +75,17 @@ class _Watchdog:
     """One rank's side of the protocol (runs in the watchdog thread)."""
 
     def __init__(
-        self, store: dist.Store, layout: Layout, timeout_s: float, trace: str | None
+        self,
+        store: dist.Store,
+        layout: Layout,
+        timeout_s: float,
+        trace: str | None,
+        generation: int,
     ) -> None:
         self.store, self.layout = store, layout
         self.rank, self.world = layout.rank, layout.world_size
         self.timeout_s, self.trace = timeout_s, trace
-        self.prefix = f"mpar/hang/{layout.restart}/{_generation}"
+        self.prefix = f"mpar/hang/{layout.restart}/{generation}"
         self.answered = False
 
     def key(self, name: str) -> str:
@@ -195,10 +206,10 @@ def _run(dog: _Watchdog) -> None:
                 return
 
 
-def start(layout: Layout, timeout_s: float, trace: str | None) -> None:
-    """Start this rank's watchdog thread (multi-process jobs only; best effort)."""
-    global _thread, _generation
-    _generation += 1
+def start(layout: Layout, timeout_s: float, trace: str | None, generation: int) -> None:
+    """Start this rank's watchdog thread (multi-process jobs only; best effort).
+    ``generation`` (the count of ``mpar.init`` calls) keeps each run's keys apart."""
+    global _thread
     _stop.clear()
     HANG_REPORTED.clear()
     try:
@@ -211,14 +222,25 @@ def start(layout: Layout, timeout_s: float, trace: str | None) -> None:
         )
     except Exception:
         return
-    dog = _Watchdog(store, layout, timeout_s, trace)
+    dog = _Watchdog(store, layout, timeout_s, trace, generation)
     _thread = threading.Thread(target=_run, args=(dog,), name="mpar-watchdog", daemon=True)
     _thread.start()
 
 
 def stop() -> None:
+    """Stop the watchdog thread; once it has ended, forget this run (its events too).
+    A thread still running is acting on a hang verdict: it ends the process."""
     global _thread
     _stop.set()
     if _thread is not None:
         _thread.join(timeout=2 * _POLL_S + 1)
+        if _thread.is_alive():
+            return
     _thread = None
+    _stop.clear()
+    HANG_REPORTED.clear()
+
+
+def is_stopped() -> bool:
+    """Whether no watchdog runs and nothing of a run is left (as at import)."""
+    return _thread is None and not _stop.is_set() and not HANG_REPORTED.is_set()

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import TypedDict
 
-from mpar.comm._lifecycle import on_shutdown
+from mpar.comm import _process_state
 
 __all__ = ["KEEP", "StepTimeline", "TimedAction", "TraceLayout", "write_timeline"]
 
@@ -52,7 +52,7 @@ class _TimedStep(TypedDict):
 
 _STEPS: list[_TimedStep] = []
 """This rank's latest :data:`KEEP` timed steps (process state: cleared by ``shutdown``)."""
-on_shutdown(_STEPS.clear)
+_process_state.register("mpar.runtime._timeline._STEPS", _STEPS.clear, lambda: not _STEPS)
 
 
 class StepTimeline:
