@@ -31,6 +31,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -41,6 +42,7 @@ from mpar.comm._hang import diagnose, format_report
 from mpar.comm._process_layout import Layout
 from mpar.comm._progress import PROGRESS
 from mpar.comm._snapshot import snapshot, wait_info, write_trace
+from mpar.comm._types import Wait
 
 __all__ = [
     "HANG_REPORTED",
@@ -97,7 +99,7 @@ class _Watchdog:
     def get(self, name: str) -> Any:
         return json.loads(self.store.get(self.key(name)).decode())
 
-    def put(self, name: str, value: Any) -> None:
+    def put(self, name: str, value: object) -> None:
         self.store.set(self.key(name), json.dumps(value))
 
     def poll(self) -> None:
@@ -113,7 +115,7 @@ class _Watchdog:
         if self.answered and self.has("verdict"):
             self.act(self.get("verdict"))
 
-    def coordinate(self, wait: tuple[str, Any, Any], since: float) -> None:
+    def coordinate(self, wait: Wait, since: float) -> None:
         request = {"rank": self.rank, "wait": wait_info(wait, since, self.rank)}
         self.put("request", request)
         self.put(f"snap/{self.rank}", snapshot(self.rank))
@@ -166,7 +168,7 @@ class _Watchdog:
         return all(self.has(f"{name}/{r}") or not self.has(f"snap/{r}") for r in others)
 
     @staticmethod
-    def wait_until(done: Any) -> None:
+    def wait_until(done: Callable[[], bool]) -> None:
         """Poll ``done()`` for a few seconds; a store that went away ends the wait."""
         deadline = time.monotonic() + _EXIT_WAIT_S
         try:

@@ -256,7 +256,7 @@ class WeightWork:
 def split_backward(
     roots: list[torch.Tensor],
     root_grads: list[torch.Tensor] | None,
-    inputs: Any,
+    inputs: object,
     *,
     split: bool = True,
 ) -> WeightWork:
