@@ -393,6 +393,10 @@ class ShardedStages:
         if units is not None:
             units.release_all()
 
+    def buckets_used_by(self, s: int) -> list[FlatBucket]:
+        """The buckets holding a parameter stage ``s``'s module uses (what it gathers)."""
+        return list(self._stage(s).used)
+
     def unit_gather(self, s: int) -> UnitGather | None:
         """Stage ``s``'s unit-group hooks (None when it gathers as a whole)."""
         return self.units.get(s)
