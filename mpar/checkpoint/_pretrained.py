@@ -21,14 +21,20 @@ import os
 import re
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from mpar.checkpoint._common import CheckpointError
 from mpar.checkpoint._hf_save import check_model, save_pretrained
 from mpar.checkpoint._safetensors import Checkpoint
 from mpar.errors import MparError
+
+if TYPE_CHECKING:
+    from mpar.meta._owned import Share
+    from mpar.runtime import DistributedModel
+    from mpar.shard._bucket import FlatBucket
 
 __all__ = ["PretrainedKeyError", "load_pretrained", "save_pretrained"]
 
@@ -62,17 +68,19 @@ def _mapper(key_mapping: KeyMapping) -> Callable[[str], str]:
     return apply
 
 
-def _ignored(module: Any) -> list[re.Pattern[str]]:
+def _ignored(module: nn.Module) -> list[re.Pattern[str]]:
     patterns = getattr(module, "_keys_to_ignore_on_load_unexpected", None) or []
     return [re.compile(p) for p in patterns]
 
 
-def _match(model: Any, ckpt: Checkpoint, key_mapping: KeyMapping, strict: bool) -> dict[str, str]:
+def _match(
+    model: DistributedModel, ckpt: Checkpoint, key_mapping: KeyMapping, strict: bool
+) -> dict[str, str]:
     """Model key (canonical, one per tensor) -> checkpoint key; raises on a mismatch."""
     to_model = _mapper(key_mapping)
     by_model: dict[str, str] = {}
     unexpected: list[str] = []
-    known = set(model._key_order)
+    known = set(model.state_keys.order)
     ignored = _ignored(model.module)
     for ckey in ckpt.shapes:
         mkey = to_model(ckey)
@@ -84,16 +92,16 @@ def _match(model: Any, ckpt: Checkpoint, key_mapping: KeyMapping, strict: bool) 
     missing: list[str] = []
     mismatched: list[str] = []
     seen: set[str] = set()
-    for key in model._key_order:
+    for key in model.state_keys.order:
         if key in seen:
             continue
-        names = [key, *model._aliases.get(key, ())]
+        names = list(model.state_keys.names_of(key))
         seen.update(names)
         found = next((by_model[n] for n in names if n in by_model), None)
         if found is None:
             missing.append(key)
             continue
-        want, got = model._shapes[key], ckpt.shapes[found]
+        want, got = model.state_keys.shapes[key], ckpt.shapes[found]
         if want != got:
             mismatched.append(
                 f"{found!r}: checkpoint {tuple(got)}, model {tuple(want)} (model key {key!r})"
@@ -116,7 +124,11 @@ def _match(model: Any, ckpt: Checkpoint, key_mapping: KeyMapping, strict: bool) 
 
 
 def _report_partial(
-    model: Any, ckpt: Checkpoint, loaded: int, missing: list[str], unexpected: list[str]
+    model: DistributedModel,
+    ckpt: Checkpoint,
+    loaded: int,
+    missing: list[str],
+    unexpected: list[str],
 ) -> None:
     """``strict=False``: raise when nothing matched, else warn (rank 0) with the counts."""
     total = loaded + len(missing)
@@ -124,7 +136,7 @@ def _report_partial(
         raise PretrainedKeyError(
             f"checkpoint {ckpt.root} shares no tensor with {type(model.module).__name__} "
             f"(0 of its {len(ckpt.shapes)} tensors match the model's {total}): checkpoint keys "
-            f"look like {sorted(ckpt.shapes)[:3]}, model keys like {model._key_order[:3]}. "
+            f"look like {sorted(ckpt.shapes)[:3]}, model keys like {list(model.state_keys.order[:3])}. "
             "Is it another architecture? Rename keys with key_mapping={regex: replacement}"
         )
     if (missing or unexpected) and model.grid.rank == 0:
@@ -144,12 +156,12 @@ def _kind(dtype: torch.dtype) -> str:
     return "complex" if dtype.is_complex else "integer"
 
 
-def _check_casts(model: Any, ckpt: Checkpoint, matched: Mapping[str, str]) -> None:
+def _check_casts(model: DistributedModel, ckpt: Checkpoint, matched: Mapping[str, str]) -> None:
     """Refuse casts between dtype kinds (integer or bool to floating point, floating point
     to bool or integer): they lose values, and usually mean a key matched the wrong tensor."""
     lossy = []
     for key, ckey in matched.items():
-        have, want = ckpt.dtype(ckey), model._dtypes[key]
+        have, want = ckpt.dtype(ckey), model.state_keys.dtypes[key]
         if _kind(have) != _kind(want):
             lossy.append(f"{ckey!r} ({str(have).removeprefix('torch.')} -> {want})")
     if lossy:
@@ -161,7 +173,7 @@ def _check_casts(model: Any, ckpt: Checkpoint, matched: Mapping[str, str]) -> No
 
 
 def load_pretrained(
-    model: Any,
+    model: DistributedModel,
     path: str | os.PathLike[str],
     *,
     key_mapping: KeyMapping = None,
@@ -194,7 +206,7 @@ def load_pretrained(
     if model.partitioned:
         _load_partitioned(model, ckpt, matched)
     elif any(t.is_meta for t in model.module.state_dict().values()):
-        model.after_partition.append(_DeferredLoad(ckpt, matched, model._aliases))
+        model.after_partition.append(_DeferredLoad(ckpt, matched, model.state_keys.aliases))
     else:
         _load_whole(model, ckpt, matched)
 
@@ -204,16 +216,16 @@ class _DeferredLoad:
     names every tensor it writes whole, so that materializing skips their init."""
 
     def __init__(
-        self, ckpt: Checkpoint, matched: Mapping[str, str], aliases: Mapping[str, Any]
+        self, ckpt: Checkpoint, matched: Mapping[str, str], aliases: Mapping[str, tuple[str, ...]]
     ) -> None:
         self.ckpt, self.matched = ckpt, matched
         self.overwrites = {n for key in matched for n in [key, *aliases.get(key, ())]}
 
-    def __call__(self, model: Any) -> None:
+    def __call__(self, model: DistributedModel) -> None:
         _load_partitioned(model, self.ckpt, self.matched)
 
 
-def _load_whole(model: Any, ckpt: Checkpoint, matched: Mapping[str, str]) -> None:
+def _load_whole(model: DistributedModel, ckpt: Checkpoint, matched: Mapping[str, str]) -> None:
     state = model.module.state_dict()
     with torch.no_grad():
         for key, ckey in matched.items():
@@ -221,10 +233,12 @@ def _load_whole(model: Any, ckpt: Checkpoint, matched: Mapping[str, str]) -> Non
             t.copy_(ckpt.read(ckey, 0, t.numel()).reshape(t.shape))
 
 
-def _load_partitioned(model: Any, ckpt: Checkpoint, matched: Mapping[str, str]) -> None:
+def _load_partitioned(
+    model: DistributedModel, ckpt: Checkpoint, matched: Mapping[str, str]
+) -> None:
     from mpar.meta._owned import fill_bucket, local_shares, stored_range
 
-    per_bucket: dict[int, tuple[Any, dict[int, tuple[int, torch.Tensor]]]] = {}
+    per_bucket: dict[int, tuple[FlatBucket, dict[int, tuple[int, torch.Tensor]]]] = {}
     with torch.no_grad():
         for key, share in local_shares(model).items():
             if key not in matched:
@@ -246,7 +260,7 @@ def _load_partitioned(model: Any, ckpt: Checkpoint, matched: Mapping[str, str]) 
 
 
 def _read(
-    ckpt: Checkpoint, ckey: str, share: Any, tp_rank: int, start: int, stop: int
+    ckpt: Checkpoint, ckey: str, share: Share, tp_rank: int, start: int, stop: int
 ) -> torch.Tensor:
     """Elements ``[start, stop)`` of what this rank holds of ``share``: of the tensor, or
     of its tensor-parallel piece (only the piece's blocks are read)."""
