@@ -26,6 +26,7 @@ from mpar.comm import _abort, _watchdog
 from mpar.comm._consistency import check_same_config
 from mpar.comm._grid import ProcessGrid, build_process_grid
 from mpar.comm._layout import Layout, detect_layout
+from mpar.comm._nccl_rules import NcclRules
 from mpar.comm._p2p import Links
 from mpar.comm._progress import PROGRESS, RECENT, Waiting
 from mpar.comm._shared import SharedMemory, connect
@@ -201,6 +202,7 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
         backend=backend,
         owns_process_group=owns,
     )
+    _STATE.p2p_links.rules = _nccl_rules(_STATE, world_backend)
     _STATE.p2p_links.shared = _shared_memory(_STATE, world_backend)
     if not _EXIT_HOOKED:
         atexit.register(_shutdown_at_exit)
@@ -212,12 +214,27 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
 _EXIT_HOOKED = False
 
 
+def _nccl_rules(st: State, world_backend: str) -> NcclRules | None:
+    """The NCCL-rules test transport (config key ``nccl_rules``), on a gloo group of its
+    own over every rank (collective: every rank makes it)."""
+    if not st.config.nccl_rules or st.layout.world_size == 1:
+        return None
+    if world_backend != "gloo":
+        raise ConfigError(
+            f"config key 'nccl_rules' needs the gloo backend, but this job runs on "
+            f"{world_backend!r}; set backend 'gloo' (or drop 'nccl_rules')"
+        )
+    group = dist.new_group(backend="gloo", timeout=st.grid.timeout)
+    return NcclRules(group, st.layout.rank, st.layout.world_size)
+
+
 def _shared_memory(st: State, world_backend: str) -> SharedMemory | None:
     """Shared-memory rings for the pipeline transfers between ranks of one host, when
     the transfers travel through host memory over gloo and the config allows them."""
     wire = _device.p2p_device(st.device, st.backend)
     if not (
         st.config.shared_memory
+        and not st.config.nccl_rules
         and st.grid.pp_size > 1
         and world_backend == "gloo"
         and _device.is_host(wire)

@@ -21,6 +21,7 @@ __all__ = [
     "all_reduce_pp",
     "barrier",
     "broadcast_object_world",
+    "gather_step_outputs",
     "group_size",
     "world_all_reduce",
 ]
@@ -84,6 +85,25 @@ def all_gather_object_world(obj: T, grid: ProcessGrid) -> list[T]:
 def all_gather_object_pp(obj: T, grid: ProcessGrid) -> list[T]:
     """Every pipeline stage's ``obj`` (this rank's pipeline), in stage order."""
     return _all_gather_object(obj, grid.pp_group, grid.pp_size)
+
+
+def gather_step_outputs(own: T | None, last: int, grid: ProcessGrid) -> list[T]:
+    """Every data-parallel replica's step outputs, in replica order, on every rank.
+
+    ``own``: this rank's replica's outputs where it holds the last stage (pipeline
+    rank ``last``; every TP rank there computed the same), else None. They are
+    broadcast within each pipeline from that rank, then all-gathered over the
+    data-parallel group: two collectives, no message between every pair of ranks.
+    """
+    value = own
+    if grid.pp_size > 1:
+        box: list[object] = [own]
+        src = grid.rank_of(last, grid.dp_rank, grid.tp_rank)
+        with Waiting(("collective", "broadcast_object (step outputs)", grid.pp_group)):
+            dist.broadcast_object_list(box, src=src, group=grid.pp_group)
+        value = box[0]  # type: ignore[assignment]
+    replicas = _all_gather_object((grid.dp_rank, value), grid.dp_group, grid.dp_size)
+    return [outputs for _, outputs in sorted(replicas, key=lambda r: r[0])]  # type: ignore[misc]
 
 
 def all_gather_object_tp(obj: T, grid: ProcessGrid) -> list[T]:

@@ -26,6 +26,7 @@ from mpar.runtime._microbatch import Microbatches
 from mpar.runtime._placement import MeasuredPlacement
 from mpar.runtime._sharding import gathered, make_sharded
 from mpar.runtime._stages import LocalStages, build_local_stages
+from mpar.runtime._transfers import step_signature
 from mpar.shard import ShardedStages
 from mpar.tensor_parallel import TPLayout, TPShard
 
@@ -199,6 +200,7 @@ class DistributedModel:
             capture=lambda j: self.capture(fn, batches, j),
             name=getattr(fn, "__name__", repr(fn)),
             record=self._placement.records(self.run_state(), training),
+            signature=step_signature(fn, batches, training),
         )
         self.active_run = run  # model(...) and model.backward(loss) go to it
         try:
