@@ -325,8 +325,10 @@ class NcclRules:
             first = pair.queue[0] if pair.queue else ()
             head = sorted(op.key for op in first if not op.done)[:_MAX_HEAD]
             behind = [op.key for op in pair.pending.values() if op not in first]
-            front = [min((s for k, s in behind if k is kind), default=count)
-                     for kind, count in ((True, pair.sends), (False, pair.receives))]  # fmt: skip
+            front = [
+                min((seq for send, seq in behind if send == kind), default=count)
+                for kind, count in ((True, pair.sends), (False, pair.receives))
+            ]
             blocked = self._blocked.key if self._blocked and self._blocked.peer == peer else None
             state = (pair.sends, pair.receives, *front, tuple(head), blocked)
             if state == pair.published:
@@ -419,9 +421,8 @@ class NcclRules:
     def _deadlock_message(self, peer: int, pair: _Pair) -> str:
         mine = [op for op in (pair.queue[0] if pair.queue else ()) if not op.done]
         head = "; ".join(op.describe(self.rank) for op in mine)
-        theirs = ", ".join(
-            f"its {'send' if s else 'receive'} #{seq}" for s, seq in sorted(pair.peer.head)
-        ) if pair.peer else ""  # fmt: skip
+        heads = sorted(pair.peer.head) if pair.peer else []
+        theirs = ", ".join(f"its {'send' if s else 'receive'} #{seq}" for s, seq in heads)
         waiting = (
             f" (this rank waits for {self._blocked.describe(self.rank)})" if self._blocked else ""
         )

@@ -142,13 +142,14 @@ def check_p2p_order(schedule: Schedule, posts: Mapping[int, Sequence[tuple[Actio
     as :func:`receive_posts` gives them), sends (at SEND actions) and waits (at RECV
     actions, and for every send at the end) complete under NCCL's rules, each send
     matched with the receive of the same transfer."""
-    ranks = [_Rank(_program(schedule.actions.get(r, []), posts.get(r, ()))) for r in
-             range(schedule.num_ranks)]  # fmt: skip
-    home = schedule.stage_to_rank
+    ranks = [
+        _Rank(_program(schedule.actions.get(r, []), posts.get(r, ())))
+        for r in range(schedule.num_ranks)
+    ]
     while True:
         moved = False
         for r, rank in enumerate(ranks):
-            moved = _advance(schedule, r, rank, home) or moved
+            moved = _advance(schedule, r, rank) or moved
         moved = _match_heads(schedule, ranks) or moved
         if not moved:
             break
@@ -158,7 +159,7 @@ def check_p2p_order(schedule: Schedule, posts: Mapping[int, Sequence[tuple[Actio
         raise ScheduleError(_deadlock(schedule, ranks, stuck, unsent))
 
 
-def _advance(schedule: Schedule, r: int, rank: _Rank, home: object) -> bool:
+def _advance(schedule: Schedule, r: int, rank: _Rank) -> bool:
     """Run ``rank``'s events up to a wait that is not satisfied; True if any ran."""
     start = rank.at
     while rank.at < len(rank.events):
@@ -173,11 +174,10 @@ def _advance(schedule: Schedule, r: int, rank: _Rank, home: object) -> bool:
             if not op.done:
                 break
         elif what == "post":
-            peer = schedule.stage_to_rank(action.stage - 1 if action.kind is Kind.RECV_F else
-                                          action.stage + 1)  # fmt: skip
-            op = _Op(r, peer, False, action)
+            source = action.stage - 1 if action.kind is Kind.RECV_F else action.stage + 1
+            op = _Op(r, schedule.stage_to_rank(source), False, action)
             rank.receives[action] = op
-            rank.queues.setdefault(peer, deque()).append(op)
+            rank.queues.setdefault(op.peer, deque()).append(op)
         else:
             receive = matching_receive(action)
             op = _Op(r, schedule.stage_to_rank(receive.stage), True, receive)
@@ -211,8 +211,10 @@ def _match_heads(schedule: Schedule, ranks: list[_Rank]) -> bool:
 
 
 def _deadlock(schedule: Schedule, ranks: list[_Rank], stuck: list[int], unsent: list[_Op]) -> str:
-    lines = ["transfers deadlock under NCCL's rules (per-pair order, each operation "
-             "completes only once matched):"]  # fmt: skip
+    lines = [
+        "transfers deadlock under NCCL's rules (per-pair order, each operation completes "
+        "only once matched):"
+    ]
     for r, rank in enumerate(ranks):
         heads = ", ".join(
             f"{'send' if q[0].send else 'receive'} for {q[0].label} with rank {peer}"

@@ -175,8 +175,11 @@ def _rings(full):
             pending.add(_bytes(j + burst, size), other, links)
     through_ring = sum(work is None for work in pending.works)
     ok = []
-    posted = [(torch.empty(size, dtype=torch.uint8), j + burst)
-              for burst in (5, 6) for j, size in enumerate(sizes)]  # fmt: skip
+    posted = [
+        (torch.empty(size, dtype=torch.uint8), j + burst)
+        for burst in (5, 6)
+        for j, size in enumerate(sizes)
+    ]
     receives = [links.recv(buffer, other) for buffer, _ in posted]
     for receive in receives[::-1]:  # (waiting for the last takes the earlier ones first)
         receive.wait()
