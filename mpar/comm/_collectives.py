@@ -27,6 +27,8 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+_OBJECT_BACKENDS = ("gloo", "nccl", "mpi")
+"""Backends whose groups take torch's object collectives."""
 
 
 def barrier() -> None:
@@ -91,19 +93,38 @@ def gather_step_outputs(own: T | None, last: int, grid: ProcessGrid) -> list[T]:
     """Every data-parallel replica's step outputs, in replica order, on every rank.
 
     ``own``: this rank's replica's outputs where it holds the last stage (pipeline
-    rank ``last``; every TP rank there computed the same), else None. They are
-    broadcast within each pipeline from that rank, then all-gathered over the
-    data-parallel group: two collectives, no message between every pair of ranks.
+    rank ``last``), else None. With tensor parallelism TP rank 0's are the replica's
+    (broadcast over the last stage's TP group). They are broadcast within each
+    pipeline from the last stage's rank, then all-gathered over the data-parallel
+    group (over every rank where that group is torch_xla's, which takes no objects):
+    two collectives (three with TP), no message between every pair of ranks.
     """
-    value = own
+    value: object = own
+    if grid.tp_size > 1 and grid.pp_rank == last and _objects(grid.tp_group):
+        # TP rank 0's are the replica's (a vocabulary-parallel head splits them)
+        value = _broadcast_object(value, grid.rank_of(last, grid.dp_rank, 0), grid.tp_group)
     if grid.pp_size > 1:
-        box: list[object] = [own]
         src = grid.rank_of(last, grid.dp_rank, grid.tp_rank)
-        with Waiting(("collective", "broadcast_object (step outputs)", grid.pp_group)):
-            dist.broadcast_object_list(box, src=src, group=grid.pp_group)
-        value = box[0]  # type: ignore[assignment]
-    replicas = _all_gather_object((grid.dp_rank, value), grid.dp_group, grid.dp_size)
-    return [outputs for _, outputs in sorted(replicas, key=lambda r: r[0])]  # type: ignore[misc]
+        value = _broadcast_object(value, src, grid.pp_group)
+    group: ProcessGroup | None = grid.dp_group
+    size = grid.dp_size
+    if size > 1 and not _objects(grid.dp_group):
+        group, size = None, grid.world_size  # torch_xla's group carries no objects: gloo's
+    entries = _all_gather_object((grid.pp_rank, grid.tp_rank, grid.dp_rank, value), group, size)
+    mine = [e for e in entries if e[:2] == (grid.pp_rank, grid.tp_rank)]
+    return [e[3] for e in sorted(mine, key=lambda e: e[2])]  # type: ignore[misc]
+
+
+def _broadcast_object(obj: object, src: int, group: ProcessGroup) -> object:
+    box = [obj]
+    with Waiting(("collective", "broadcast_object (step outputs)", group)):
+        dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def _objects(group: ProcessGroup) -> bool:
+    """Whether ``group`` takes torch's object collectives (torch_xla's does not)."""
+    return dist.get_backend(group) in _OBJECT_BACKENDS
 
 
 def all_gather_object_tp(obj: T, grid: ProcessGrid) -> list[T]:

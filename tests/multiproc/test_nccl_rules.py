@@ -269,7 +269,11 @@ def _old_order(early):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("early", [True, False], ids=["early_receives", "receives_at_recv"])
+@pytest.mark.parametrize(
+    "early",
+    [True, pytest.param(False, marks=pytest.mark.slow)],
+    ids=["early_receives", "receives_at_recv"],
+)
 def test_the_order_mpar_used_before_deadlocks_under_the_rules(early):
     for rank, (message, seconds) in enumerate(
         run_distributed(_old_order, 2, args=(early,), timeout=50)
