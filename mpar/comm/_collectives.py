@@ -8,6 +8,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from mpar import _device
 from mpar.comm import _staging
 from mpar.comm._grid import ProcessGrid
 from mpar.comm._progress import Waiting, WatchedWork, watched
@@ -27,8 +28,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-_OBJECT_BACKENDS = ("gloo", "nccl", "mpi")
-"""Backends whose groups take torch's object collectives."""
 
 
 def barrier() -> None:
@@ -96,8 +95,8 @@ def gather_step_outputs(own: T | None, last: int, grid: ProcessGrid) -> list[T]:
     rank ``last``), else None. With tensor parallelism TP rank 0's are the replica's
     (broadcast over the last stage's TP group). They are broadcast within each
     pipeline from the last stage's rank, then all-gathered over the data-parallel
-    group (over every rank where that group is torch_xla's, which takes no objects):
-    two collectives (three with TP), no message between every pair of ranks.
+    group (over every rank where that group takes no objects: XLA's): two collectives
+    (three with TP), no message between every pair of ranks.
     """
     value: object = own
     if grid.tp_size > 1 and grid.pp_rank == last and _objects(grid.tp_group):
@@ -109,7 +108,7 @@ def gather_step_outputs(own: T | None, last: int, grid: ProcessGrid) -> list[T]:
     group: ProcessGroup | None = grid.dp_group
     size = grid.dp_size
     if size > 1 and not _objects(grid.dp_group):
-        group, size = None, grid.world_size  # torch_xla's group carries no objects: gloo's
+        group, size = None, grid.world_size  # (the world group is gloo there)
     entries = _all_gather_object((grid.pp_rank, grid.tp_rank, grid.dp_rank, value), group, size)
     mine = [e for e in entries if e[:2] == (grid.pp_rank, grid.tp_rank)]
     return [e[3] for e in sorted(mine, key=lambda e: e[2])]  # type: ignore[misc]
@@ -123,8 +122,8 @@ def _broadcast_object(obj: object, src: int, group: ProcessGroup) -> object:
 
 
 def _objects(group: ProcessGroup) -> bool:
-    """Whether ``group`` takes torch's object collectives (torch_xla's does not)."""
-    return dist.get_backend(group) in _OBJECT_BACKENDS
+    """Whether ``group`` takes torch's object collectives."""
+    return _device.takes_objects(str(dist.get_backend(group)))
 
 
 def all_gather_object_tp(obj: T, grid: ProcessGrid) -> list[T]:
