@@ -28,7 +28,7 @@ on the CPU first, with a message that says why:
 How. A gloo process group of its own carries two kinds of messages: fixed-size
 *control* words (``READY``: a receive reached the head of its queue, with its dtype
 and shape; ``DATA``: the bytes of a send follow; ``STATE``: what a queue waits for;
-``MISMATCH``; ``STOP``) and the *data* of each transfer, which goes straight into the
+``MISMATCH``; ``DEADLOCK``: found one with the receiving rank; ``STOP``) and the *data* of each transfer, which goes straight into the
 receiving tensor. A listener thread on every rank takes the control words, so queues
 progress while the main thread computes or waits in a collective, as NCCL's do on
 the GPU. Slow, and meant to be: every transfer costs three messages.
@@ -55,7 +55,7 @@ P2P = tuple[bool, int, torch.Tensor, str]
 
 _WORDS = 64
 _TAG_CONTROL, _TAG_DATA = 1, 2
-_READY, _DATA, _STATE, _MISMATCH, _STOP = 1, 2, 3, 4, 5
+_READY, _DATA, _STATE, _MISMATCH, _DEADLOCK, _STOP = 1, 2, 3, 4, 5, 6
 _DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
@@ -232,8 +232,8 @@ class NcclRules:
                     self._check_deadlock(waiting.peer)
                     self._cond.wait(_POLL_S)
             finally:
-                if self._blocked is not None:
-                    self._blocked = None
+                if self._blocked is not None and self._failure is None:
+                    self._blocked = None  # (a rank that failed stays blocked to its peers)
                     self._publish()
 
     def _flush(self) -> None:
@@ -386,6 +386,14 @@ class NcclRules:
                 self._finish(op, pair)
             elif kind == _STATE:
                 self._take_state(pair, words)
+            elif kind == _DEADLOCK and self._failure is None:
+                self._failure = (
+                    f"nccl_rules: deadlock between ranks {self.rank} and {src} under NCCL's "
+                    f"point-to-point rules, found by rank {src} (see its error): each rank's "
+                    "queue with the other waits for an operation the other posted behind its "
+                    "own head. Post both sides' transfers in one order derived from the "
+                    "schedule, crossing sends and receives together as one group"
+                )
             self._progress()
         if receive is not None and receive.work is not None:
             receive.work.wait()  # the bytes were sent before the word that says so
@@ -416,6 +424,7 @@ class NcclRules:
             pair.suspected = now
         elif now - pair.suspected >= _CONFIRM_S:
             self._failure = self._deadlock_message(peer, pair)
+            self._control(peer, [_DEADLOCK])  # the peer fails too, even if it saw less
             raise CommError(self._failure)
 
     def _deadlock_message(self, peer: int, pair: _Pair) -> str:

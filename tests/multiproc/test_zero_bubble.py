@@ -276,7 +276,8 @@ def test_zbv_v_placement_is_transparent(pp, dp, m, model, optimizer, extra):
 
 
 UNDER_RULES = [
-    (2, 1, 4, "gpt", "adamw", {}),
+    (2, 1, 4, "mlp", "adamw", {}),
+    pytest.param(2, 1, 4, "gpt", "adamw", {}, marks=pytest.mark.slow),
     pytest.param(2, 1, 4, "gpt", "adamw", ZBV_CONFIG, marks=pytest.mark.slow),
     pytest.param(2, 2, 4, "gpt", "sgd", {"virtual_stages": 2}, marks=pytest.mark.slow),
     pytest.param(4, 1, 8, "mlp", "sgd", ZBV_CONFIG, marks=pytest.mark.slow),
