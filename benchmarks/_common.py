@@ -1,7 +1,7 @@
 """What every framework in ``benchmarks/pipeline.py`` shares: model, data, split, timing.
 
 The model is one list of layers — a token+position embedding, ``num_layers``
-pre-norm transformer blocks (``mpar.testing_models.Block``), a final norm with
+pre-norm transformer blocks (``mpar.testing.models.Block``), a final norm with
 the LM head — that mpar (as an ``nn.Sequential``), torch.distributed.pipelining
 (``PipelineStage``s of slices of it) and DeepSpeed (``PipelineModule(layers=...)``)
 all take unchanged. Every framework builds it from the same seed, trains it on
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpar.testing_models import Block, GPTConfig
+from mpar.testing.models import Block, GPTConfig
 
 __all__ = [
     "package_version",

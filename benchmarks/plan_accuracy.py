@@ -230,7 +230,7 @@ def live_tensor_bytes() -> int:
 def _model(spec: Spec) -> Any:
     import torch
 
-    from mpar.testing_models import GPTConfig, TinyGPT
+    from mpar.testing.models import GPTConfig, TinyGPT
 
     torch.manual_seed(0)
     cfg = GPTConfig(
@@ -258,18 +258,15 @@ def _pp1_plan(spec: Spec, layout: Layout, x: Any) -> Any:
     resolved config, profiled at ``layout.profile_batch`` samples (default: the
     microbatch's) and scaled to the microbatch."""
     import mpar
-    from mpar.cli._plan import _plan_options
-    from mpar.partition import make_plan
+    from mpar.partition import make_plan, plan_inputs
     from mpar.profile import profile_model
 
     config = mpar.config()
-    options = _plan_options(config, mpar.size())
-    mb = spec.batch // options["data_parallel_degree"] // config.microbatches
+    inputs = plan_inputs(config, mpar.size(), device="cpu")
+    mb = spec.batch // inputs.grid.dp // config.microbatches
     profiled = layout.profile_batch or mb
     profile = profile_model(_model(spec), (x[:profiled],), repeats=3, warmup=1)
-    return make_plan(
-        profile, device="cpu", microbatch_scale=mb / profiled, microbatch_size=mb, **options
-    )
+    return make_plan(profile, inputs, microbatch_scale=mb / profiled, microbatch_size=mb)
 
 
 def _warm_imports() -> None:
@@ -284,7 +281,7 @@ def _warm_imports() -> None:
 
     from mpar.partition import split_module
     from mpar.profile import profile_model
-    from mpar.testing_models import GPTConfig, TinyGPT
+    from mpar.testing.models import GPTConfig, TinyGPT
 
     torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])
     tiny = TinyGPT(GPTConfig(vocab_size=16, d_model=8, num_layers=2, num_heads=2, d_ffn=8))
@@ -348,7 +345,7 @@ def _train(spec: Spec, layout: Layout, args: argparse.Namespace) -> dict[str, An
         "rest_tensor_bytes": rest_tensors,
         "predicted_peak_bytes": plan.rank_memory_bytes[mpar.pp_rank()],
         "predicted_host_bytes": (plan.host_memory_bytes or [0] * 8)[mpar.pp_rank()],
-        "predicted_gather": plan.layout.get("gather", "unit"),
+        "predicted_gather": plan.layout.gather,
         "measured_step_s": statistics.median(times[args.warmup :]),
         "predicted_step_s": plan.step_time_s,
         "boundaries": list(plan.boundaries),

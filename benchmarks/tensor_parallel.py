@@ -1,6 +1,6 @@
 """Tensor-parallel training throughput and per-rank memory: mpar against torch's own TP.
 
-One GPT-style model (``mpar.testing_models.TinyGPT`` with separate q/k/v,
+One GPT-style model (``mpar.testing.models.TinyGPT`` with separate q/k/v,
 ``fused_qkv=False``; ``benchmarks/tp_peers/common.py``) is trained with torch's
 AdamW on the same fixed batch, one intra-op thread per rank, at ``--tp`` on
 ``--tp`` processes (gloo on loopback, dp = pp = 1), by
@@ -338,7 +338,7 @@ def _meta(args: argparse.Namespace, spec: TPSpec) -> dict[str, Any]:
     from tp_peers.common import expected_local_parameters
 
     import mpar
-    from mpar.testing_models import gpt_param_count
+    from mpar.testing.models import gpt_param_count
 
     head = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True

@@ -18,7 +18,7 @@ import torch
 from _progress import progress
 
 import mpar
-from mpar.testing_models import GPTConfig, TinyGPT
+from mpar.testing.models import GPTConfig, TinyGPT
 
 
 def batches(vocab: int, seq: int, batch: int, seed: int):

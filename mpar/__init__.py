@@ -19,10 +19,10 @@ from mpar._ranks import (
     tp_rank,
     tp_size,
 )
-from mpar.build import materialize
 from mpar.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, wait_checkpoint
-from mpar.checkpoint._hf import load_pretrained, save_pretrained
+from mpar.checkpoint._pretrained import load_pretrained, save_pretrained
 from mpar.comm import init, is_initialized, shutdown
+from mpar.meta import materialize
 from mpar.runtime import DistributedModel, DistributedOptimizer, StepOutput, memory_report, step
 
 __version__ = "0.1.0.dev0"

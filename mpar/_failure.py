@@ -4,7 +4,7 @@ A failing rank prints ``[mpar-launch] rank R (pid P on HOST) failed:`` and its
 text on stderr (``mpar launch --mpi`` watches for that line), and writes a JSON
 record in the layout of ``torch.distributed.elastic.multiprocessing.errors`` to
 the error file torch elastic names and to ``mpar launch --mpi``'s run folder.
-The launcher's child entry (``mpar/launch/_bootstrap.py``, which loads this
+The launcher's child entry (``mpar/launch/_child.py``, which loads this
 file by path so that it starts without importing torch) records uncaught
 exceptions with it; the hang watchdog (``mpar.comm``) records its report.
 Callers pass where to write: this module reads no environment.

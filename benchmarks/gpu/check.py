@@ -78,7 +78,7 @@ SEQ = {"1b": 1024, "sanity": 128, "tiny": 16}
 def _gpt(size: str, device: Any) -> Any:
     import torch
 
-    from mpar.testing_models import GPTConfig, TinyGPT
+    from mpar.testing.models import GPTConfig, TinyGPT
 
     cfg = GPTConfig(**SIZES[size][0], max_seq_len=SEQ[size])
     torch.manual_seed(0)

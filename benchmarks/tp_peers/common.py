@@ -1,6 +1,6 @@
 """What every engine in ``benchmarks/tensor_parallel.py`` shares: model, data, optimizer, result.
 
-The model is ``mpar.testing_models.TinyGPT`` with separate ``q``/``k``/``v``
+The model is ``mpar.testing.models.TinyGPT`` with separate ``q``/``k``/``v``
 projections (``fused_qkv=False``), whose attention takes its head count from the
 tensor shape (``view(b, t, -1, head_dim)``), so column-splitting q/k/v by heads
 needs no change to the module. Every engine builds it from the same seed, splits
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpar.testing_models import GPTConfig, TinyGPT
+from mpar.testing.models import GPTConfig, TinyGPT
 
 __all__ = [
     "SPLIT",
@@ -97,7 +97,7 @@ def make_model(spec: TPSpec) -> TinyGPT:
 def expected_local_parameters(spec: TPSpec, tp: int) -> int:
     """This rank's parameter count at ``tp``: the replicated parameters whole, the split
     ones (q, k, v, ``mlp.0`` with their biases; ``proj``, ``mlp.2`` weights) by ``tp``."""
-    from mpar.testing_models import gpt_param_count
+    from mpar.testing.models import gpt_param_count
 
     d, f = spec.d_model, 4 * spec.d_model
     split = 3 * (d * d + d) + (d * f + f) + d * d + f * d

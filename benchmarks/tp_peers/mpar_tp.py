@@ -17,7 +17,7 @@ def run(case: TPCase) -> dict[str, Any]:
     import torch.distributed as dist
 
     import mpar
-    from mpar.testing_models import GPT_TP_PLAN
+    from mpar.testing.models import GPT_TP_PLAN
 
     mpar.init(
         {

@@ -121,7 +121,7 @@ def batch_slice(spec: MLPSpec, dp: int, dp_rank: int) -> tuple[torch.Tensor, tor
 
 def count_model_state(groups: Mapping[str, Sequence[torch.Tensor]]) -> dict[str, int]:
     """Bytes of distinct storages per category, every device together (mpar's counting)."""
-    from mpar.shard._memory import count_bytes
+    from mpar.shard._byte_count import count_bytes
 
     total = {key: 0 for key in groups}
     for row in count_bytes(groups).values():

@@ -78,7 +78,7 @@ def _oldest(ranks: list[int], snaps: Mapping[int, Snapshot], *, waiting: bool) -
 
 
 _SHUTDOWN = "mpar.shutdown"
-"""In the name of the final barrier's wait (``comm._bootstrap``)."""
+"""In the name of the final barrier's wait (``comm._lifecycle``)."""
 
 
 def diagnose(snaps: Mapping[int, Snapshot], world_size: int, trigger: Mapping[str, Any]) -> Verdict:

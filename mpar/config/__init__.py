@@ -1,23 +1,27 @@
 """mpar configuration: typed dataclasses inside, dicts/JSON/YAML at the boundary."""
 
-from mpar.config._load import ACCEPTED_KEYS, ENV_VAR, TRACE_ENV_VAR, config_from_dict, load_config
+from mpar.config._boundary import (
+    ACCEPTED_KEYS,
+    ENV_VAR,
+    TRACE_ENV_VAR,
+    config_from_dict,
+    load_config,
+)
 from mpar.config._schema import (
     MEMORY_WEIGHT_FOR,
-    PLACEMENT_NAMES,
     Config,
+    PrecisionKind,
     ZeroConfig,
-    placement_axes,
 )
 
 __all__ = [
     "ACCEPTED_KEYS",
     "ENV_VAR",
     "MEMORY_WEIGHT_FOR",
-    "PLACEMENT_NAMES",
     "TRACE_ENV_VAR",
     "Config",
+    "PrecisionKind",
     "ZeroConfig",
     "config_from_dict",
     "load_config",
-    "placement_axes",
 ]

@@ -1,6 +1,6 @@
 """Typed configuration: the dataclasses that every other mpar package reads.
 
-Dicts exist only at the boundary (``mpar.config._load``); inside mpar the
+Dicts exist only at the boundary (``mpar.config._boundary``); inside mpar the
 configuration is a frozen :class:`Config`. Every field carries a docstring and
 its own range check; checks that involve several fields live in
 :meth:`Config.__post_init__`, and checks that need the world size in
@@ -13,15 +13,16 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from mpar._size import parse_bytes
 from mpar.errors import ConfigError, ConfigTypeError
 from mpar.schedule._csv import is_csv_path
 from mpar.schedule._generators import least_active_microbatches
 from mpar.schedule._registry import PIPELINES, check_csv_schedule
+from mpar.topology import GridShape, placement_axes
 
-__all__ = ["PLACEMENT_NAMES", "Config", "ZeroConfig", "placement_axes"]
+__all__ = ["Config", "PrecisionKind", "ZeroConfig"]
 
 PipelineKind = str
 """A name in ``mpar.schedule.PIPELINES`` or the path of a schedule CSV file."""
@@ -33,6 +34,8 @@ OffloadKind = Literal["none", "cpu"]
 DeviceKind = Literal["auto", "cpu", "cuda", "xla"]
 BackendKind = Literal["auto", "gloo", "nccl", "xla", "mpi"]
 CheckpointingKind = Literal["none", "each"]
+PrecisionKind = Literal["fp32", "bf16", "fp16"]
+"""What ``bf16`` / ``fp16`` choose: fp32, or that mixed precision."""
 
 #: Largest ``timeout_s`` (about 31 years): process-group timeouts must stay representable.
 MAX_TIMEOUT_S = 1e9
@@ -42,34 +45,7 @@ MAX_TIMEOUT_S = 1e9
 MEMORY_WEIGHT_FOR = {"speed": 0.2, "memory": 0.8}
 
 
-#: The named placements as axis letters, outermost first (``D`` data parallel, ``P``
-#: pipeline, ``T`` tensor parallel): both keep the TP group's ranks consecutive.
-PLACEMENT_NAMES = {"cluster": "DPT", "spread": "PDT"}
-_AXIS_OF_LETTER = {"P": "pp", "D": "dp", "T": "tp"}
-
-
-def placement_axes(placement: object) -> tuple[str, str, str]:
-    """The grid axes (``"pp"``, ``"dp"``, ``"tp"``) of a ``placement_strategy`` value,
-    outermost first: the last one varies fastest over consecutive global ranks.
-
-    ``"cluster"`` is ``"DPT"`` (one pipeline's stages on neighbouring ranks),
-    ``"spread"`` is ``"PDT"`` (one data-parallel group's ranks neighbouring); any
-    permutation of ``D``, ``P``, ``T`` names the order directly, as SageMaker model
-    parallelism spells it (``"TPD"``: the TP group's ranks as far apart as possible).
-    """
-    letters = PLACEMENT_NAMES.get(placement, placement) if isinstance(placement, str) else None
-    if not isinstance(letters, str) or sorted(letters) != ["D", "P", "T"]:
-        raise ConfigError(
-            f"config key 'placement_strategy' has value {placement!r}; allowed: 'cluster', "
-            "'spread', or a permutation of the letters D (data parallel), P (pipeline), "
-            "T (tensor parallel) naming the axes outermost first, e.g. 'DPT' (= 'cluster'), "
-            "'PDT' (= 'spread'), 'TPD'"
-        )
-    a, b, c = (_AXIS_OF_LETTER[x] for x in letters)
-    return a, b, c
-
-
-def _fail_choice(key: str, value: object, allowed: tuple[Any, ...]) -> None:
+def _fail_choice(key: str, value: object, allowed: tuple[object, ...]) -> None:
     if value not in allowed:
         options = ", ".join(repr(a) for a in allowed)
         raise ConfigError(f"config key {key!r} has value {value!r}; allowed: {options}")
@@ -416,7 +392,7 @@ class Config:
                 f"{self.num_stages} stages (pipeline_parallel_degree x virtual_stages); "
                 f"use a value below {self.num_stages}"
             )
-        if self.offload_activations and self.activation_checkpointing in (False, "none"):
+        if self.offload_activations and not self.checkpointing:
             raise ConfigError(
                 "config key 'offload_activations' is true but 'activation_checkpointing' is off; "
                 "offloading keeps checkpointed activations, so turn checkpointing on"
@@ -470,6 +446,25 @@ class Config:
         return self.pipeline_parallel_degree * self.virtual_stages
 
     @property
+    def precision(self) -> PrecisionKind:
+        """``"bf16"`` or ``"fp16"`` under that mixed precision, else ``"fp32"``."""
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
+
+    @property
+    def checkpointing(self) -> bool:
+        """Whether activations are recomputed in backward (``activation_checkpointing``
+        true or ``"each"``)."""
+        return self.activation_checkpointing not in (False, "none")
+
+    def grid_shape(self, world_size: int) -> GridShape:
+        """The rank grid of this layout on ``world_size`` ranks (checked against it):
+        data parallelism takes what the other axes leave."""
+        self.check_world_size(world_size)
+        return GridShape.for_world(
+            world_size, pp=self.pipeline_parallel_degree, tp=self.tensor_parallel_degree
+        )
+
+    @property
     def resolved_memory_weight(self) -> float:
         """``memory_weight``, or the default of the ``optimize`` objective."""
         if self.memory_weight is not None:
@@ -509,7 +504,7 @@ class Config:
                 f"pipeline_parallel_degree to {world_size}"
             )
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """The configuration as canonical keys (JSON-able); unresolved keys read "auto"."""
         data = dataclasses.asdict(self)
         auto = data.pop("auto_keys")
@@ -519,7 +514,7 @@ class Config:
         return data
 
 
-def _check_tp_plan(plan: Any) -> None:
+def _check_tp_plan(plan: object) -> None:
     if plan is None:
         return
     if not isinstance(plan, Mapping) or not all(
@@ -529,7 +524,7 @@ def _check_tp_plan(plan: Any) -> None:
             f"config key 'tp_plan' must be a dict from module-name patterns to style names "
             f"(e.g. {{'blocks.*.attn.q': 'colwise'}}) or null, got {plan!r}"
         )
-    from mpar.tensor_parallel._plan import parse_style
+    from mpar._tp_styles import parse_style
 
     for pattern, style in plan.items():
         parse_style(style, f"config key 'tp_plan' entry {pattern!r}")

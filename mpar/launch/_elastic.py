@@ -32,8 +32,8 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from mpar._compat import launch_config
-from mpar.launch._bootstrap import BOOTSTRAP_PATH
 from mpar.launch._checks import open_rendezvous_socket
+from mpar.launch._child import BOOTSTRAP_PATH
 from mpar.launch._options import LaunchOptions
 from mpar.launch._report import (
     RankFailure,

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import IO, Literal
 
 from mpar._failure import FAILURE_MARKER
-from mpar.launch._bootstrap import BOOTSTRAP_PATH, RUNDIR_ENV, SUPERVISE_ENV
+from mpar.launch._child import BOOTSTRAP_PATH, RUNDIR_ENV, SUPERVISE_ENV
 from mpar.launch._env import TORCHRUN_VARIABLES
 from mpar.launch._options import LaunchError, LaunchOptions
 from mpar.launch._report import (

@@ -17,7 +17,7 @@ meta device) and are scaled, per layout, by:
   every backward of every microbatch, or of each chunk at most twice a step when
   gathered by chunk (:func:`zero3_gathers_per_step`);
 * tensor parallelism: each unit's TP collectives per microbatch over
-  ``tp_bandwidth``, added to its time (``mpar.partition._tp``);
+  ``tp_bandwidth``, added to its time (``mpar.partition._tp_share``);
 * offload, over ``host_bandwidth``: gradients to the host and parameters back
   (optimizer offload) plus the host optimizer at ``host_optimizer_rate``
   parameters per second; parameter shards copied in at every gather.
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from mpar.errors import PartitionError
 
 if TYPE_CHECKING:
-    from mpar.partition._memory import Layout
+    from mpar.partition._memory_model import MemoryLayout
     from mpar.profile import UnitProfile
 
 __all__ = ["CostModel", "step_overhead_s", "zero3_gathers_per_step"]
@@ -48,7 +48,7 @@ class CostModel:
     """Per rank in data-parallel collectives; None leaves them out."""
     tp_bandwidth: float | None = 10e9
     """Per rank in tensor-parallel collectives (ring all-reduce and all-gather inside a
-    TP group, usually one host's links); None leaves them out (``mpar.partition._tp``)."""
+    TP group, usually one host's links); None leaves them out (``mpar.partition._tp_share``)."""
     host_bandwidth: float = 10e9
     """Device <-> host copies of offloaded state."""
     host_optimizer_rate: float = 1e9
@@ -112,7 +112,7 @@ class CostModel:
 
 def zero3_gathers_per_step(microbatches: int, gather: str | int = "unit") -> int:
     """ZeRO-3 all-gathers of each parameter per step, by gather granularity
-    (``Layout.gather``, as ``_memory.zero_working_set_bytes`` models it).
+    (``MemoryLayout.gather``, as ``_memory.zero_working_set_bytes`` models it).
 
     By unit or group (at most two gathered at once) a stage cannot keep its
     parameters between its actions, so every forward and every backward of every
@@ -125,7 +125,7 @@ def zero3_gathers_per_step(microbatches: int, gather: str | int = "unit") -> int
 
 def step_overhead_s(
     groups: Sequence[Sequence[UnitProfile]],
-    layout: Layout,
+    layout: MemoryLayout,
     cost: CostModel,
     *,
     pipeline: str = "interleaved",

@@ -65,7 +65,7 @@ from mpar.runtime._transfers import Transfers
 from mpar.schedule import COMPUTE_KINDS, Action, Kind, Schedule
 
 if TYPE_CHECKING:
-    from mpar.runtime._stages import LocalStages
+    from mpar.runtime._local_stages import LocalStages
 
 __all__ = ["NO_SHARDING", "Captured", "NoSharding", "Sharding", "StepRun"]
 

@@ -10,13 +10,13 @@ from torch import nn
 
 from mpar import _device
 from mpar.comm import State
-from mpar.partition._memory import effective_gather
+from mpar.partition._memory_model import effective_gather
+from mpar.runtime._local_stages import LocalStages
 from mpar.runtime._precision import compute_dtype
 from mpar.runtime._split_backward import accumulate_weight_grads, deferred_linear
-from mpar.runtime._stages import LocalStages
 from mpar.runtime._unit_hooks import Gate, group_units, install_groups
 from mpar.shard import ShardedStages
-from mpar.shard._units import WeightGradHooks
+from mpar.shard._unit_gather import WeightGradHooks
 
 __all__ = ["gathered", "make_sharded"]
 
@@ -39,7 +39,7 @@ def make_sharded(
     (the first microbatch's model inputs) finds the units of a stage that is
     the whole model (``pipeline_parallel_degree`` 1) for unit-granular ZeRO.
     ``materialize`` (a meta model) gives a parameter its value right before its
-    bucket copies it (see ``mpar.build``).
+    bucket copies it (see ``mpar.meta``).
     """
     zero, dtype = st.config.zero, compute_dtype(st.config)
     if zero.stage == 0 and dtype is None and st.grid.dp_size == 1 and not stages.tied_groups:
@@ -98,7 +98,7 @@ def _unit_groups(
         if names == ["<whole model>"]:
             if example is None:
                 continue
-            from mpar.build import find_units_meta, has_meta
+            from mpar.meta import find_units_meta, has_meta
             from mpar.partition import find_units
             from mpar.profile import preserved_state
 

@@ -1,4 +1,4 @@
-"""Placing the unit-group hooks of ZeRO 2/3 (``mpar.shard._units``) on a rank's stages.
+"""Placing the unit-group hooks of ZeRO 2/3 (``mpar.shard._unit_gather``) on a rank's stages.
 
 ``zero.gather`` decides the groups: ``"unit"`` (default) one partition unit
 each, an int ``n`` groups of ``n`` consecutive units, ``"chunk"`` no groups
@@ -26,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from mpar._tree import tree_leaves, tree_map
 from mpar.partition._gates import GATE_ATTR, enter, leave
-from mpar.shard._units import UnitGather
+from mpar.shard._unit_gather import UnitGather
 
 __all__ = ["group_units", "install_groups"]
 

@@ -65,7 +65,7 @@ apply to it. ``offload_params="cpu"`` without ``offload_optimizer`` also
 steps on the CPU (the CPU shard is what the optimizer updates).
 """
 
-from mpar.shard._optimizer import ShardedOptimizer
-from mpar.shard._stages import ShardedStages
+from mpar.shard._sharded_optimizer import ShardedOptimizer
+from mpar.shard._sharded_stages import ShardedStages
 
 __all__ = ["ShardedOptimizer", "ShardedStages"]

@@ -5,14 +5,14 @@ TP rank holds ``vocab / tp`` logits per token; gathering them to compute the los
 move ``batch x seq x vocab`` values. Megatron-LM's loss reduces three per-token numbers
 over the TP group instead — the max logit, the sum of exponentials and the target's
 logit — and its backward (``softmax - one_hot``) needs no communication. The operator is
-``mpar.comm._tp.vocab_parallel_ce``.
+``mpar.comm._tp_ops.vocab_parallel_ce``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mpar.comm._tp import TP_GROUP, vocab_parallel_ce
+from mpar.comm._tp_ops import TP_GROUP, vocab_parallel_ce
 
 __all__ = ["vocab_parallel_cross_entropy"]
 

@@ -60,7 +60,7 @@ def _context() -> Any:
 
 
 def _free_port() -> int:
-    from mpar.comm._layout import free_port
+    from mpar.comm._process_layout import free_port
 
     return free_port()
 

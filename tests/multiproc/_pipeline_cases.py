@@ -31,7 +31,7 @@ def mlp() -> nn.Module:
 
 
 def tiny_gpt() -> nn.Module:
-    from mpar.testing_models import GPTConfig, TinyGPT
+    from mpar.testing.models import GPTConfig, TinyGPT
 
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=32, d_model=16, num_layers=4, num_heads=2, d_ffn=32, max_seq_len=8)
@@ -39,8 +39,8 @@ def tiny_gpt() -> nn.Module:
 
 
 def tp_gpt() -> nn.Module:
-    """TinyGPT with separate q/k/v (split by ``mpar.testing_models.GPT_TP_PLAN``), 4 heads."""
-    from mpar.testing_models import GPTConfig, TinyGPT
+    """TinyGPT with separate q/k/v (split by ``mpar.testing.models.GPT_TP_PLAN``), 4 heads."""
+    from mpar.testing.models import GPTConfig, TinyGPT
 
     torch.manual_seed(0)
     cfg = GPTConfig(
@@ -170,9 +170,9 @@ def train_ranks(
         "pp": (mpar.pp_rank(), mpar.pp_size()),
         "dp": (dp_rank, dp),
         "schedule": dmodel.schedule(forward_only=False),  # the training schedule run last
-        "placement_costs": dmodel._placement.costs,  # zero_bubble placed from measured times
-        "placement_kept": dmodel._placement.kept,  # and whether it ran faster than ZB-H1
-        "placement_ratios": dmodel._placement.ratios,  # placed / ZB-H1 step, per pair
+        "placement_costs": dmodel.placement.costs,  # zero_bubble placed from measured times
+        "placement_kept": dmodel.placement.kept,  # and whether it ran faster than ZB-H1
+        "placement_ratios": dmodel.placement.ratios,  # placed / ZB-H1 step, per pair
         "param_devices": sorted({p.device.type for p in dmodel.local_parameters()}),
         "tp": (mpar.tp_rank(), mpar.tp_size()),
         "tp_shards": {} if dmodel.tp_layout is None else dict(dmodel.tp_layout.shards),

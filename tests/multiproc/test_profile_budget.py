@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mpar.testing import run_distributed
-from mpar.testing_models import GPTConfig, TinyGPT
+from mpar.testing.models import GPTConfig, TinyGPT
 from tests.multiproc import _meta_cases as cases
 
 

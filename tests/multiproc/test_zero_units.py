@@ -163,7 +163,7 @@ def _gpt_layouts():
     import torch
 
     import mpar
-    from mpar.testing_models import GPTConfig, TinyGPT
+    from mpar.testing.models import GPTConfig, TinyGPT
 
     cfg = GPTConfig(vocab_size=64, d_model=32, num_heads=2, num_layers=6, max_seq_len=16)
     idx = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(3))
@@ -215,7 +215,7 @@ def _tinygpt_reference(cfg, idx):
     """TinyGPT trained 2 SGD steps in one process on the whole batch (vocabulary 64)."""
     import torch
 
-    from mpar.testing_models import TinyGPT
+    from mpar.testing.models import TinyGPT
 
     torch.manual_seed(0)
     ref = TinyGPT(cfg)
@@ -261,7 +261,7 @@ def _embedding_layouts():
 
     import mpar
     from mpar.shard._bucket import Residence
-    from mpar.testing_models import GPTConfig, TinyGPT
+    from mpar.testing.models import GPTConfig, TinyGPT
 
     cfg = GPTConfig(
         vocab_size=64, d_model=32, num_heads=2, num_layers=4, max_seq_len=16, tie_embeddings=False
@@ -288,7 +288,7 @@ def _embedding_layouts():
                                     (b.residence, b.full.untyped_storage().nbytes())
                                 )
                             )
-                        if len(bucket.params) == 1 and bucket.grads.unit_grads:
+                        if len(bucket.params) == 1 and bucket.grads.per_unit:
                             grads, start = bucket.grads, bucket.grads.start_reduce
 
                             def start_reduce(grads=grads, start=start):
@@ -354,7 +354,7 @@ def _head_layouts():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import mpar
-    from mpar.testing_models import GPTConfig, TinyGPT
+    from mpar.testing.models import GPTConfig, TinyGPT
 
     cfg = GPTConfig(
         vocab_size=64, d_model=32, num_heads=2, num_layers=4, max_seq_len=16, tie_embeddings=False
@@ -385,7 +385,7 @@ def _head_layouts():
         else:  # partitioned now: the head is the last stage's (64, 32) unit bucket
             buckets = [b for u in model.sharded.units.values() for g in u.groups for b in g.buckets]
             last = mpar.pp_rank() == 1  # (the first stage's token table has that shape too)
-            head = [b for b in buckets if b.shapes == [(64, 32)]] if last else []
+            head = [b for b in buckets if b.shapes == ((64, 32),)] if last else []
             assert len(head) == last
             with Watch(head[0] if head else buckets[0]):
                 losses.append(step(model, mine).reduce_mean().item())

@@ -6,14 +6,21 @@ runtime; checkpoint, the public API and the launcher are shells; cli is the top.
 A module may import modules of its own layer or of the layers before it, never
 one after it. Imports inside functions and under ``TYPE_CHECKING`` count too.
 
-Two notes on the order:
+Notes on the order:
 
-- ``mpar.partition._units`` (where a model can be cut) sits under ``profile``:
-  the profiler measures per unit. The rest of ``partition`` (cost model,
-  solver, planner) reads profiles, and sits above it.
+- ``mpar.topology`` (the rank grid and the placement letters) sits under ``config``:
+  it is pure geometry, and ``config`` checks ``placement_strategy`` with it.
+- ``mpar._tp_styles`` (tensor-parallel style names) is a leaf: ``config`` checks a
+  ``tp_plan`` with it and ``partition`` reads the parsed styles, below the
+  ``tensor_parallel`` package that applies them.
+- ``mpar.profile._units`` (where a model can be cut) is part of ``profile``: the
+  profiler measures per unit; ``partition`` (cost model, solver, planner) reads
+  profiles and sits above it.
 - ``mpar.launch`` only imports the leaves: the child entry of ``mpar launch``
   runs before torch is imported. It sits just under cli, and nothing under it
   may import it (comm records failures through the ``mpar._failure`` leaf).
+
+No layer has exceptions: a lazy import inside a function is checked like any other.
 """
 
 from __future__ import annotations
@@ -29,23 +36,29 @@ import mpar
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "leaves",
-        ("mpar.errors", "mpar._size", "mpar._failure", "mpar._tree", "mpar._compat", "mpar._swap"),
+        (
+            "mpar.errors",
+            "mpar._size",
+            "mpar._failure",
+            "mpar._tree",
+            "mpar._compat",
+            "mpar._swap",
+            "mpar._tp_styles",
+        ),
     ),
     ("schedule", ("mpar.schedule",)),
-    ("tp plans", ("mpar.tensor_parallel._plan",)),
-    ("config", ("mpar.config",)),
     ("topology", ("mpar.topology",)),
+    ("config", ("mpar.config",)),
     ("device", ("mpar._device",)),
-    ("units", ("mpar.partition._units",)),
     ("profile", ("mpar.profile",)),
     ("partition", ("mpar.partition",)),
     ("comm", ("mpar.comm",)),
     ("tensor_parallel", ("mpar.tensor_parallel",)),
     ("shard", ("mpar.shard",)),
-    ("build", ("mpar.build",)),
+    ("meta", ("mpar.meta",)),
     ("runtime", ("mpar.runtime",)),
     ("checkpoint", ("mpar.checkpoint",)),
-    ("api", ("mpar", "mpar._ranks", "mpar._data", "mpar.testing", "mpar.testing_models")),
+    ("api", ("mpar", "mpar._ranks", "mpar._data", "mpar.testing")),
     ("launch", ("mpar.launch",)),
     ("cli", ("mpar.cli", "mpar.__main__")),
 ]
@@ -81,7 +94,21 @@ def imported_modules(source: str, modules: set[str]) -> set[str]:
             for alias in node.names:
                 name = f"{node.module}.{alias.name}"
                 found.add(name if name in modules else node.module)
+        elif isinstance(node, ast.Call) and _call_name(node) in ("import_module", "__import__"):
+            found.update(
+                arg.value
+                for arg in node.args
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str)
+            )
     return {m for m in found if m == "mpar" or m.startswith("mpar.")}
+
+
+def _call_name(node: ast.Call) -> str | None:
+    """The called function's name: ``f`` for ``f(...)`` and ``m.f(...)``."""
+    func = node.func
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    return func.id if isinstance(func, ast.Name) else None
 
 
 def violations(sources: Mapping[str, str]) -> list[str]:
@@ -134,14 +161,16 @@ def test_the_checker_finds_a_planted_violation():
         "mpar.schedule._fake": "import torch\nfrom mpar.errors import ScheduleError\n",
         "mpar.config._fake": "def f():\n    from mpar.runtime import step\n",
         "mpar.comm._fake": "from mpar import launch\n",
-        "mpar.partition._solver_fake": "from mpar.partition._units import find_units\n",
+        "mpar.partition._solver_fake": "from mpar.profile._units import find_units\n",
         "mpar.launch": "",
         "mpar.runtime._x": "from mpar.cli import main\n",
+        "mpar.profile._lazy": "def f():\n    importlib.import_module('mpar.shard')\n",
     }
     found = violations(sources)
     assert found == [
         "mpar.comm._fake (layer comm) imports mpar.launch (layer launch, above it)",
         "mpar.config._fake (layer config) imports mpar.runtime (layer runtime, above it)",
+        "mpar.profile._lazy (layer profile) imports mpar.shard (layer shard, above it)",
         "mpar.runtime._x (layer runtime) imports mpar.cli (layer cli, above it)",
     ]
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from mpar.profile import profile_mode, profile_model
-from mpar.testing_models import GPTConfig, TinyGPT, gpt_param_count
+from mpar.testing.models import GPTConfig, TinyGPT, gpt_param_count
 
 
 def test_linear_stack_counts():

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mpar.shard._layout import BucketSpec, Piece, Segment, SlotSpec, plan_buckets, segments_of
+from mpar.shard._flat_layout import BucketSpec, Piece, Segment, SlotSpec, plan_buckets, segments_of
 
 F32 = "float32"
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from mpar.errors import PartitionError
 from mpar.partition import find_units, split_module
-from mpar.testing_models import GPTConfig, TinyGPT
+from mpar.testing.models import GPTConfig, TinyGPT
 
 
 def _check_transparent(model, args, kwargs, boundaries, pick=lambda o: o):

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from mpar.partition import find_units, split_module
-from mpar.testing_models import GPTConfig, TinyGPT
+from mpar.testing.models import GPTConfig, TinyGPT
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 

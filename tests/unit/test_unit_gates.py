@@ -15,7 +15,7 @@ from mpar.partition import find_units, split_module
 from mpar.partition._gates import gate_graph, owners
 from mpar.runtime._split_backward import accumulate_weight_grads, deferred_linear
 from mpar.runtime._unit_hooks import group_units
-from mpar.testing_models import GPTConfig, TinyGPT
+from mpar.testing.models import GPTConfig, TinyGPT
 
 
 class Recorder:

@@ -9,7 +9,7 @@ import torch
 from torch.nn import functional as F
 from torch.testing import assert_close
 
-from mpar.comm._tp import TP_GROUP, clear_tp_groups, register_tp_group
+from mpar.comm._tp_ops import TP_GROUP, clear_tp_groups, register_tp_group
 from mpar.tensor_parallel import vocab_parallel_cross_entropy
 
 

@@ -4,12 +4,12 @@ initialisation, and which part of each tensor a rank stores.
 * :func:`materialize` allocates and initialises a meta-built model in one process;
   :class:`RankMaterializer` does it for one rank's stages (``DistributedModel``
   uses it when it is given a meta model or a factory).
-* :mod:`mpar.build._owned` says which elements of each tensor this rank stores
+* :mod:`mpar.meta._owned` says which elements of each tensor this rank stores
   (``load_pretrained`` and ``save_pretrained`` read and write exactly those).
 """
 
-from mpar.build._init import InitError, InitFn, stable_seed
-from mpar.build._materialize import (
+from mpar.meta._init import InitError, InitFn, stable_seed
+from mpar.meta._materialize import (
     RankMaterializer,
     build_module,
     find_units_meta,

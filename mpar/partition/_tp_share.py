@@ -25,7 +25,7 @@ profile:
   all-gathers its output and ``rowwise_rep`` its input's gradient. A ring all-reduce
   of ``S`` bytes sends ``2 (tp - 1) / tp * S`` per rank, an all-gather of a whole
   ``S`` sends ``(tp - 1) / tp * S``; seconds are bytes over ``CostModel.tp_bandwidth``,
-  not overlapped with compute (``mpar.partition._plan`` adds them to the unit's time).
+  not overlapped with compute (``mpar.partition._planner`` adds them to the unit's time).
 
 Pipeline boundary tensors stay whole (each TP rank sends the whole tensor to its
 peer in the next stage), so ``output_bytes`` is unchanged.

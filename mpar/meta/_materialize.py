@@ -1,7 +1,7 @@
 """Materializing a model built on the meta device: in one process, or one rank's share.
 
 ``materialize(module)`` gives every tensor storage and initialises it (see
-:mod:`mpar.build._init`). A :class:`RankMaterializer` does the same for only the
+:mod:`mpar.meta._init`). A :class:`RankMaterializer` does the same for only the
 tensors of one rank's pipeline stages, one init group (a partition unit) at a
 time, as sharding asks for them: at ZeRO-3 a bucket takes its parameters'
 values right after their group is initialised and drops them, so a stage never
@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from mpar import _device
-from mpar.build._init import (
+from mpar.meta._init import (
     InitError,
     InitFn,
     InitGroup,
@@ -142,7 +142,7 @@ def materialize(module: nn.Module, seed: int = 0, *, init_fn: InitFn | None = No
     config ``seed`` in any layout: each tensor is initialised by the model's own
     initialisers (``init_fn(module)`` if given; Hugging Face ``_init_weights``;
     ``reset_parameters()``) under a seed drawn from ``seed`` and its module's name.
-    Tensors already on a real device are kept. Raises :class:`mpar.build.InitError`
+    Tensors already on a real device are kept. Raises :class:`mpar.meta.InitError`
     naming a tensor no initialiser set.
     """
     if not isinstance(module, nn.Module):

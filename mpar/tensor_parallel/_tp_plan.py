@@ -13,77 +13,24 @@ else mpar's plan for its family (:data:`FAMILY_PLANS`: GPT-2, BERT, ViT, T5).
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
 
 from torch import nn
 
-from mpar.errors import ConfigError
+from mpar._tp_styles import STYLES, Style, TPPlanError, parse_style
 
 __all__ = [
     "FAMILY_PLANS",
     "STYLES",
+    "USER_PLAN",
     "Style",
     "TPPlanError",
+    "check_every_pattern",
     "match_plan",
     "parse_style",
     "resolve_plan",
 ]
-
-
-class TPPlanError(ConfigError):
-    """A tensor-parallel plan that cannot be applied to this model."""
-
-
-@dataclass(frozen=True)
-class Style:
-    """How one module is split across the TP group."""
-
-    kind: str
-    """``"colwise"`` (output features split), ``"rowwise"`` (input features split),
-    ``"embedding_rowwise"`` (vocabulary split), ``"replicate"``, or
-    ``"sequence_parallel"`` (nothing split; the entry turns sequence parallelism on,
-    see ``mpar.tensor_parallel._sequence``)."""
-    gather_output: bool = False
-    """colwise: all-gather the output pieces (the next module needs the whole output)."""
-    split_input: bool = False
-    """rowwise: the input arrives whole; take this rank's piece first."""
-    packs: int = 1
-    """colwise: the output features are ``packs`` equal blocks split each (fused q|k|v)."""
-
-
-STYLES: dict[str, Style] = {
-    "colwise": Style("colwise"),
-    "colwise_rep": Style("colwise", gather_output=True),
-    "colwise_gather_output": Style("colwise", gather_output=True),
-    "rowwise": Style("rowwise"),
-    "rowwise_rep": Style("rowwise", split_input=True),
-    "embedding_rowwise": Style("embedding_rowwise"),
-    "packed_colwise": Style("colwise", packs=2),
-    "replicate": Style("replicate"),
-    "sequence_parallel": Style("sequence_parallel"),
-}
-"""The style names a plan may use; ``"packed_colwise:k"`` packs ``k`` blocks."""
-
-
-def parse_style(name: Any, where: str) -> Style:
-    """The :class:`Style` spelled ``name`` (``where`` names the plan entry in errors)."""
-    if not isinstance(name, str):
-        raise TPPlanError(f"{where}: a style must be a string, got {name!r}")
-    base, _, count = name.partition(":")
-    if base == "packed_colwise" and count:
-        if not count.isdigit() or int(count) < 1:
-            raise TPPlanError(
-                f"{where}: 'packed_colwise:k' needs a block count k >= 1, got {name!r}"
-            )
-        return Style("colwise", packs=int(count))
-    if count or base not in STYLES:
-        raise TPPlanError(
-            f"{where}: unknown tensor-parallel style {name!r}; use one of "
-            f"{sorted(STYLES)} or 'packed_colwise:k'"
-        )
-    return STYLES[base]
 
 
 FAMILY_PLANS: dict[str, dict[str, str]] = {
@@ -128,6 +75,10 @@ FAMILY_PLANS: dict[str, dict[str, str]] = {
 """mpar's plans for Hugging Face families that ship none (keys relative to the base model)."""
 
 
+USER_PLAN = "the config's tp_plan"
+"""The source :func:`resolve_plan` gives a user's plan: every pattern of it must match."""
+
+
 def _model_plan(module: nn.Module) -> tuple[dict[str, str] | None, str]:
     config = getattr(module, "config", None)
     own = getattr(config, "base_model_tp_plan", None)
@@ -140,11 +91,11 @@ def _model_plan(module: nn.Module) -> tuple[dict[str, str] | None, str]:
 
 
 def resolve_plan(
-    module: nn.Module, user_plan: Mapping[str, Any] | None
+    module: nn.Module, user_plan: Mapping[str, str] | None
 ) -> tuple[dict[str, Style], str]:
     """The plan for ``module`` as ``{pattern: Style}`` and where it came from."""
     if user_plan is not None:
-        plan, source = dict(user_plan), "the config's tp_plan"
+        plan, source = dict(user_plan), USER_PLAN
     else:
         found, source = _model_plan(module)
         if found is None:
@@ -184,3 +135,38 @@ def match_plan(module: nn.Module, plan: Mapping[str, Style]) -> dict[str, Style]
                     found[name] = style
                 break
     return found
+
+
+def _suffixes(names: list[str], length: int) -> set[str]:
+    """The last ``length`` components of each name: as written, with every number as
+    ``*``, and with every number but the last as ``*`` (how plans name modules)."""
+    out: set[str] = set()
+    for name in names:
+        parts = name.split(".")
+        if len(parts) >= length:
+            tail = parts[len(parts) - length :]
+            starred = ["*" if p.isdigit() else p for p in tail]
+            out.update(".".join(t) for t in (tail, starred, [*starred[:-1], tail[-1]]))
+    return out
+
+
+def check_every_pattern(module: nn.Module, plan: Mapping[str, Style], source: str) -> None:
+    """Raise :class:`TPPlanError` naming each pattern of ``plan`` that matches no module
+    of ``module`` and the closest module names (a misspelt pattern would otherwise leave
+    its modules whole, and the first step fail deep in torch, or train a different model)."""
+    names = [n for n, _ in module.named_modules() if n]
+    unmatched = [p for p in plan if not any(_matches(p, n) for n in names)]
+    if not unmatched:
+        return
+    hints = []
+    for pattern in unmatched:
+        near = difflib.get_close_matches(
+            pattern, sorted(_suffixes(names, pattern.count(".") + 1)), n=3, cutoff=0.5
+        )
+        hints.append(f"{pattern!r} (closest: {near or 'none'})")
+    raise TPPlanError(
+        f"{source}: {len(unmatched)} of its {len(plan)} patterns match no module of "
+        f"{type(module).__name__}: {'; '.join(hints)}. A pattern names a module or the last "
+        "components of its name, '*' standing for one component; module names look like "
+        f"{names[:4]}"
+    )

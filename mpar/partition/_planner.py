@@ -1,0 +1,476 @@
+"""``make_plan``: a partition and memory plan from a profile, before anything runs.
+
+What the run is comes in one record, :class:`mpar.partition.PlanInputs` (built from
+a ``Config`` by ``plan_inputs``); what the plan assumes of the hardware in a
+``CostModel``.
+
+Stages are laid out looped, as in Megatron-LM: with ``p`` ranks and ``v``
+virtual stages there are ``p * v`` stages and stage ``s`` runs on rank
+``s % p`` as its chunk ``s // p`` (zbv: in a V).
+
+Memory per stage is its share of a rank's *peak* (``mpar.partition._memory_model``):
+parameters, gradients and optimizer state of its units by ZeRO stage, precision
+and offload (tied replicas included), saved activations per microbatch in
+flight on its rank (from the schedule's ``peak_in_flight``, spread evenly
+over the rank's chunks; one microbatch's with activation checkpointing), and
+``extra_bytes``: kept boundary tensors, pipeline message buffers (counted from
+the schedule, ``mpar.partition._prediction.message_counts``), the ZeRO-2/3 working
+set, a gradient bucket and, on the last stage, the loss; each rank adds its
+process's memory besides tensors (``CostModel.process_bytes``). ``device_memory``
+caps a rank; the solver caps each of its ``v`` stages at
+``(device_memory - process) / v`` (less a reserve for the cut-dependent extras) and
+the exact figures are reported.
+
+Communication: a stage that is not the last sends its last unit's output on
+in the forward pass and receives the gradient of the same size back, so it
+costs ``comm = 2 * output_bytes / link_bandwidth`` seconds per microbatch
+(``CostModel.link_bandwidth`` in bytes per second, default 10 GB/s; None leaves
+communication out). The solver adds it to the stage's compute (see
+``solve(comm=...)``), so cuts land where activations are small when the times
+allow.
+
+Predicted step time and bubble come from simulating the schedule with the
+profiled stage times (``mpar.partition._prediction``); ``step_time_s`` adds
+``overhead_s``: the busiest rank's data-parallel sync and offload time per step
+(``mpar.partition._cost``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from mpar.errors import PartitionError
+from mpar.partition._cost import CostModel, step_overhead_s
+from mpar.partition._memory_model import (
+    MemoryLayout,
+    MessageCounts,
+    boundary_bytes,
+    loss_bytes,
+    optimizer_step_bytes,
+    stage_extra_bytes,
+    unit_held_bytes,
+    unit_host_bytes,
+    unit_state_bytes,
+    working_set_for_solver,
+)
+from mpar.partition._methods import parameter_boundaries, uniform_boundaries
+from mpar.partition._plan_report import Plan, StagePlan
+from mpar.partition._prediction import (
+    in_flight_per_rank,
+    message_counts,
+    predict,
+    split_backward_gain,
+)
+from mpar.partition._solver import memory_weight_for, solve, stage_costs
+from mpar.partition._tp_share import tp_comm_s, tp_share
+
+if TYPE_CHECKING:
+    from mpar.partition._plan_inputs import PlanInputs
+    from mpar.profile import ModelProfile, UnitProfile
+
+__all__ = [
+    "Laid",
+    "Method",
+    "lay_out",
+    "make_plan",
+    "process_bytes",
+    "rank_overheads",
+    "unit_memory",
+]
+
+Method = Literal["profile", "uniform", "parameters"]
+_METHODS = ("profile", "uniform", "parameters")
+
+
+def make_plan(
+    profile: ModelProfile,
+    inputs: PlanInputs,
+    *,
+    cost: CostModel | None = None,
+    method: Method = "profile",
+    microbatch_scale: float = 1.0,
+    microbatch_size: int | None = None,
+) -> Plan:
+    """Partition a profiled model for the run ``inputs`` describes and predict its cost.
+
+    Args:
+        profile: from ``mpar.profile.profile_model`` (one microbatch of the whole model).
+        inputs: the run: grid, schedule, ZeRO, precision, checkpointing, device and its
+            memory, objective, TP splits (``mpar.partition.plan_inputs`` builds it from
+            a ``Config``). With ``grid.tp > 1`` the figures are one TP rank's and each
+            unit's time gains its TP collectives over ``cost.tp_bandwidth``.
+        cost: bandwidths and speed factors (``CostModel``; its ``link_bandwidth``
+            prices each cut, ``2 * output_bytes / link_bandwidth`` per microbatch).
+        method: "profile" (optimal on profiled time and memory, under
+            ``device_memory``), "uniform" (equal units) or "parameters" (equal
+            parameter counts).
+        microbatch_scale: samples per microbatch over the profiled microbatch's.
+        microbatch_size: samples per microbatch, only reported.
+    """
+    cost = cost or CostModel()
+    share = _tp_profile(profile, inputs)
+    _check(share, inputs, method)
+    laid = lay_out(share, inputs, cost=cost, microbatch_scale=microbatch_scale, method=method)
+    makespan, bubble = predict(laid.stages, inputs, cost)
+    overhead = max(rank_overheads(laid.stages, inputs, laid.layout, cost, share.units))
+    grid, s, cap = inputs.grid, inputs.schedule, inputs.device_memory
+    splits = inputs.tp_splits
+    return Plan(
+        laid.stages,
+        laid.starts,
+        grid.pp,
+        s.virtual_stages,
+        s.microbatches,
+        s.pipeline,
+        method,
+        laid.weight,
+        cap,
+        makespan + overhead,
+        bubble,
+        _bind(laid, None if cap is None else cap / s.virtual_stages),
+        laid.rank_memory,
+        True,
+        cost.link_bandwidth,
+        overhead_s=overhead,
+        process_bytes=int(process_bytes(grid.pp, cost, laid.layout)),
+        host_memory_bytes=laid.host_memory,
+        optimizer_step_bytes=laid.optimizer_step,
+        microbatch_size=microbatch_size,
+        layout=laid.layout,
+        tensor_parallel_degree=grid.tp,
+        tp_bandwidth=cost.tp_bandwidth if grid.tp > 1 else None,
+        tp_comm_bytes=tp_step_bytes(laid.stages, share.units, laid.layout, inputs),
+        tp_source=splits.source if grid.tp > 1 and splits is not None else "",
+        split_backward_gain=split_backward_gain(laid.stages, inputs, cost),
+    )
+
+
+def _tp_profile(profile: ModelProfile, inputs: PlanInputs) -> ModelProfile:
+    """One TP rank's share of ``profile`` (``profile`` itself at tp = 1)."""
+    tp = inputs.grid.tp
+    if tp == 1:
+        return profile
+    if inputs.tp_splits is None:
+        raise PartitionError(
+            f"tensor_parallel_degree {tp} needs tp_splits in the plan inputs (what the "
+            "model's TP plan splits, from mpar.tensor_parallel.measure_tp_splits)"
+        )
+    return tp_share(profile, inputs.tp_splits, tp)
+
+
+def _check(profile: ModelProfile, inputs: PlanInputs, method: str) -> None:
+    p, v = inputs.grid.pp, inputs.schedule.virtual_stages
+    if method not in _METHODS:
+        raise PartitionError(f"method must be one of {', '.join(_METHODS)}; got {method!r}")
+    if len(profile.units) < p * v:
+        raise PartitionError(
+            f"{p} ranks x {v} virtual stages = {p * v} stages but the model "
+            f"has only {len(profile.units)} units; lower pipeline_parallel_degree or "
+            "virtual_stages"
+        )
+
+
+@dataclass
+class Laid:
+    """A partition with per-stage figures, before the schedule is simulated."""
+
+    starts: list[int]
+    stages: list[StagePlan]
+    layout: MemoryLayout
+    """The memory model's knobs the figures were computed with."""
+    weight: float
+    """The memory weight the solver used."""
+    memory: list[float]
+    comm: list[float] | None
+    compute: list[float]
+    rank_memory: list[int]
+    host_memory: list[int] = field(default_factory=list)
+    optimizer_step: list[int] = field(default_factory=list)
+
+
+def lay_out(
+    profile: ModelProfile,
+    inputs: PlanInputs,
+    *,
+    cost: CostModel,
+    microbatch_scale: float = 1.0,
+    method: str = "profile",
+) -> Laid:
+    """Partition for one run and compute every stage's memory and time (no simulation).
+
+    ``profile`` is one TP rank's (``tp_share``); the cap is ``inputs.device_memory``."""
+    p, s, layout = inputs.grid.pp, inputs.schedule, inputs.memory_layout(microbatch_scale)
+    v, m, k = s.virtual_stages, s.microbatches, s.active_microbatches
+    flight = list(in_flight_per_rank(p, v, m, s.pipeline, k))
+    messages = message_counts(p, v, m, s.pipeline, k)
+    units = profile.units
+    memory, reserve = unit_memory(units, layout, max(flight), messages)
+    process = process_bytes(p, cost, layout)
+    cap_rank, weight = (
+        inputs.device_memory,
+        memory_weight_for(inputs.optimize, inputs.memory_weight),
+    )
+    cap = None if cap_rank is None else max((cap_rank - process) / v - reserve, 0.0)
+    comm = _comm(units, layout, cost.link_bandwidth)
+    tp = [tp_comm_s(u, microbatch_scale * layout.dtype_factor, cost.tp_bandwidth) for u in units]
+    compute = [_unit_time(u, layout, cost) + t for u, t in zip(units, tp)]
+    starts = _boundaries(profile, method, p * v, memory, weight, cap, comm, compute)
+    home = _placement(s.pipeline, p * v, p)
+    stages = _stage_plans(units, starts, home, flight, layout, comm, compute, messages, tp)
+    step = optimizer_step(stages, units, layout, p)
+    rank_memory = [
+        int(process)
+        + sum(s.state_bytes for s in stages if s.rank == r)
+        + max(sum(s.memory_bytes - s.state_bytes for s in stages if s.rank == r), step[r])
+        for r in range(p)
+    ]
+    host = host_memory(stages, units, layout, p)
+    return Laid(starts, stages, layout, weight, memory, comm, compute, rank_memory, host, step)
+
+
+def _unit_time(unit: UnitProfile, layout: MemoryLayout, cost: CostModel) -> float:
+    """Seconds of one microbatch of the layout's size: the per-sample part scales."""
+    k, speed = layout.microbatch_scale, cost.mixed_speedup if layout.mixed else 1.0
+    return (unit.fixed_time_s + (unit.time_s - unit.fixed_time_s) * k) / speed
+
+
+def _tied_replicas(units: Sequence[UnitProfile], names: set[str]) -> int:
+    """State bytes of tied parameters a stage holds whose owner is on another stage."""
+    extra: dict[str, int] = {}
+    for unit in units:
+        for owner, nbytes in unit.tied_state_bytes.items():
+            if owner not in names:
+                extra[owner] = max(extra.get(owner, 0), nbytes)
+    return sum(extra.values())
+
+
+def _comm(
+    units: Sequence[UnitProfile], layout: MemoryLayout, bandwidth: float | None
+) -> list[float] | None:
+    """Per unit: seconds to send its output on and its gradient back, per microbatch."""
+    if bandwidth is None:
+        return None
+    return [2 * boundary_bytes(u, layout) / bandwidth for u in units]
+
+
+def _boundaries(
+    profile: ModelProfile,
+    method: str,
+    num_stages: int,
+    memory: Sequence[float],
+    weight: float,
+    cap: float | None,
+    comm: Sequence[float] | None,
+    compute: Sequence[float],
+) -> list[int]:
+    if method == "uniform":
+        return uniform_boundaries(len(profile.units), num_stages)
+    if method == "parameters":
+        return parameter_boundaries([u.param_count for u in profile.units], num_stages)
+    return solve(
+        compute,
+        num_stages,
+        memory=memory,
+        memory_weight=weight,
+        memory_cap=cap,
+        comm=comm,
+        names=profile.names,
+    )
+
+
+def unit_memory(
+    units: Sequence[UnitProfile],
+    layout: MemoryLayout,
+    in_flight: int,
+    transfers: Sequence[MessageCounts] = (),
+) -> tuple[list[float], float]:
+    """Per-unit memory for the solver, and the bytes to reserve below the cap.
+
+    Additive parts go to the units (states, saved activations per microbatch in
+    flight or one microbatch's recomputed ones, the loss on the last unit, the ZeRO
+    working set when it is gathered by chunk); what depends on where the cuts fall
+    (kept boundary tensors, message buffers, the ZeRO working set by unit or group)
+    is bounded by the largest boundary and units and reserved from the cap.
+    """
+    working, reserve = working_set_for_solver(units, layout)
+    memory = [
+        unit_state_bytes(u, layout) + unit_held_bytes(u, layout, in_flight) + w
+        for u, w in zip(units, working)
+    ]
+    memory[-1] += loss_bytes(units[-1], layout, in_flight)
+    widest = max((boundary_bytes(u, layout) for u in units[:-1]), default=0.0)
+    messages = max(
+        (t.sends_forward + t.sends_backward + t.receives_forward + t.receives_backward
+         for t in transfers),
+        default=4,
+    )  # fmt: skip
+    copies = in_flight * (2 if layout.activation_checkpointing else 1) + messages
+    bucket = layout.bucket_bytes if layout.data_parallel_degree > 1 else 0
+    return memory, widest * copies + bucket + reserve
+
+
+def process_bytes(p: int, cost: CostModel, layout: MemoryLayout | None = None) -> float:
+    """Memory a rank's process holds besides tensors (``CostModel.process_bytes``, plus
+    ``pipeline_process_bytes`` when the model is split into a pipeline and
+    ``mixed_process_bytes`` under bf16/fp16)."""
+    mixed = cost.mixed_process_bytes if layout is not None and layout.mixed else 0.0
+    return cost.process_bytes + (cost.pipeline_process_bytes if p > 1 else 0.0) + mixed
+
+
+def host_memory(
+    stages: Sequence[StagePlan], units: Sequence[UnitProfile], layout: MemoryLayout, p: int
+) -> list[int]:
+    """Per rank: host bytes of its stages' offloaded state (``unit_host_bytes``)."""
+    by_name = {u.name: u for u in units}
+    return [
+        int(
+            sum(unit_host_bytes(by_name[n], layout) for s in stages if s.rank == r for n in s.units)
+        )
+        for r in range(p)
+    ]
+
+
+def optimizer_step(
+    stages: Sequence[StagePlan], units: Sequence[UnitProfile], layout: MemoryLayout, p: int
+) -> list[int]:
+    """Per rank: what the optimizer update adds (``optimizer_step_bytes``): its stages'
+    gradient copies and the largest stage's temporaries. On a CUDA/XLA device with
+    offload the update runs on the host and adds nothing to the device."""
+    if layout.offloads_optimizer and not layout.host_is_device:
+        return [0] * p
+    by_name = {u.name: u for u in units}
+    out = []
+    for r in range(p):
+        parts = [
+            optimizer_step_bytes([by_name[n] for n in s.units], layout)
+            for s in stages
+            if s.rank == r
+        ]
+        out.append(int(sum(c for c, _ in parts) + max((t for _, t in parts), default=0.0)))
+    return out
+
+
+def tp_step_bytes(
+    stages: Sequence[StagePlan],
+    units: Sequence[UnitProfile],
+    layout: MemoryLayout,
+    inputs: PlanInputs,
+) -> list[int]:
+    """Per rank: bytes one TP rank sends in TP collectives per step (every microbatch)."""
+    by_name = {u.name: u for u in units}
+    scale = layout.microbatch_scale * layout.dtype_factor * inputs.schedule.microbatches
+    return [
+        int(scale * sum(by_name[n].tp_comm_bytes for s in stages if s.rank == r for n in s.units))
+        for r in range(inputs.grid.pp)
+    ]
+
+
+def rank_overheads(
+    stages: Sequence[StagePlan],
+    inputs: PlanInputs,
+    layout: MemoryLayout,
+    cost: CostModel,
+    units: Sequence[UnitProfile],
+) -> list[float]:
+    """Per rank: data-parallel sync and offload seconds per step."""
+    by_name = {u.name: u for u in units}
+    s = inputs.schedule
+    return [
+        step_overhead_s(
+            [[by_name[n] for n in stage.units] for stage in stages if stage.rank == r],
+            layout,
+            cost,
+            pipeline=s.pipeline,
+            virtual_stages=s.virtual_stages,
+            microbatches=s.microbatches,
+        )
+        for r in range(inputs.grid.pp)
+    ]
+
+
+def _placement(pipeline: str, num_stages: int, p: int) -> Callable[[int], int]:
+    """Stage -> rank as the schedule places stages (looped, or zbv's V)."""
+    from mpar.schedule import placement_of, stage_rank
+
+    placement = placement_of(pipeline)
+    return lambda s: stage_rank(s, num_stages, p, placement)
+
+
+def _stage_plans(
+    units: Sequence[UnitProfile],
+    starts: Sequence[int],
+    home: Callable[[int], int],
+    in_flight: Sequence[int],
+    layout: MemoryLayout,
+    comm: Sequence[float] | None,
+    compute: Sequence[float],
+    transfers: Sequence[MessageCounts] = (),
+    tp_comm: Sequence[float] = (),
+) -> list[StagePlan]:
+    total = math.fsum(compute) or 1.0
+    plans = []
+    ends = [*starts[1:], len(units)]
+    for s, (a, b) in enumerate(zip(starts, ends)):
+        group = units[a:b]
+        rank = home(s)
+        flight = in_flight[rank]
+        state = int(sum(unit_state_bytes(u, layout) for u in group))
+        state += _tied_replicas(group, {u.name for u in group})
+        # stage 0's layers never defer (nothing waits for its I): its W is one whole
+        # backward, holding what the forward saved
+        held = layout if s > 0 else dataclasses.replace(layout, weight_work=False)
+        act = int(sum(unit_held_bytes(u, held, flight) for u in group))
+        moved = transfers[s] if s < len(transfers) else None
+        extra = int(stage_extra_bytes(units, a, b, flight, layout, moved))
+        seconds = math.fsum(compute[a:b])
+        plans.append(
+            StagePlan(
+                s,
+                rank,
+                s // len(in_flight),
+                [u.name for u in group],
+                seconds,
+                seconds / total,
+                sum(u.param_count for u in group),
+                state,
+                act,
+                flight,
+                state + act + extra,
+                "",
+                comm[b - 1] if comm is not None and b < len(units) else 0.0,
+                [n for u in group for n in u.outer_params],
+                extra,
+                math.fsum(tp_comm[a:b]),
+            )
+        )
+    return plans
+
+
+def _bind(laid: Laid, cap: float | None) -> str:
+    """Label what binds each stage and the plan; returns the plan-level label."""
+    compute, memory, comm, starts, weight = (
+        laid.compute, laid.memory, laid.comm, laid.starts, laid.weight
+    )  # fmt: skip
+    costs = stage_costs(compute, starts, memory=memory, memory_weight=weight, comm=comm)
+    top = max(costs)
+    plan_binding = "compute"
+    if cap is not None:
+        free = solve(compute, len(starts), memory=memory, memory_weight=weight, comm=comm)
+        free_top = max(stage_costs(compute, free, memory=memory, memory_weight=weight, comm=comm))
+        if top > free_top * (1 + 1e-9):
+            plan_binding = "memory cap"
+    for stage, cost in zip(laid.stages, costs):
+        if cap is not None and stage.memory_bytes > cap:
+            stage.binding = "over memory cap"
+        elif cost >= top * (1 - 1e-9):
+            stage.binding = "single unit" if len(stage.units) == 1 else plan_binding
+        elif cap is not None and stage.memory_bytes >= 0.9 * cap:
+            stage.binding = "memory cap"
+    bottleneck = next(s for s, c in zip(laid.stages, costs) if c >= top * (1 - 1e-9))
+    if plan_binding == "compute" and len(bottleneck.units) == 1:
+        plan_binding = "single unit"
+    return plan_binding
