@@ -35,7 +35,7 @@ from collections.abc import Callable, Hashable
 import torch
 
 from mpar import _device
-from mpar.comm import State
+from mpar.comm import State, _process_state
 from mpar.comm._collectives import gather_step_outputs
 from mpar.comm._p2p import Incoming, Links, PendingSends, post_payload, send_payload, take_payload
 from mpar.comm._types import Transfer, TransferLabel
@@ -53,6 +53,7 @@ _PLANS: dict[int, tuple[Schedule, dict[int, list[tuple[TransferLabel, ...]]]]] =
 """id(schedule) -> (the schedule, its receive posts as labels per rank): schedules are
 built once per model and kept, so this stays small."""
 _PLANS_KEPT = 16
+_process_state.register("mpar.runtime._transfers._PLANS", _PLANS.clear, lambda: not _PLANS)
 
 
 def step_signature(fn: Callable[..., object], batches: Microbatches, training: bool) -> Hashable:
