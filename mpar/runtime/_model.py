@@ -281,7 +281,7 @@ class DistributedModel:
             capture=lambda j: self.capture(fn, batches, j),
             name=getattr(fn, "__name__", repr(fn)),
             record=self._steps.placement.records(self._run, training),
-            signature=step_signature(fn, batches, training),
+            signature=step_signature(self._steps, fn, batches, training),
         )
         self.active_run = run  # model(...) and model.backward(loss) go to it
         try:
