@@ -188,7 +188,7 @@ def _load_partitioned(model: Any, ckpt: Checkpoint, matched: Mapping[str, str]) 
             if key not in matched:
                 continue
             start, stop = stored_range(share)
-            values = _read(ckpt, matched[key], share, model.grid.tp_rank, start, stop)
+            values = _read(ckpt, matched[key], share, start, stop)
             if share.bucket is None:
                 share.tensor.copy_(values.reshape(share.tensor.shape))
                 continue
@@ -203,14 +203,12 @@ def _load_partitioned(model: Any, ckpt: Checkpoint, matched: Mapping[str, str]) 
             fill_bucket(bucket, given)
 
 
-def _read(
-    ckpt: Checkpoint, ckey: str, share: Any, tp_rank: int, start: int, stop: int
-) -> torch.Tensor:
+def _read(ckpt: Checkpoint, ckey: str, share: Any, start: int, stop: int) -> torch.Tensor:
     """Elements ``[start, stop)`` of what this rank holds of ``share``: of the tensor, or
-    of its tensor-parallel piece (only the piece's blocks are read)."""
+    of its piece (TP, or a fused expert weight's rows: only the piece's blocks are read)."""
     if share.split is None:
         return ckpt.read(ckey, start, stop)
-    boxes = share.split.boxes(share.shape, tp_rank)
+    boxes = share.split.boxes(share.shape, share.split_rank)
     return ckpt.read_piece(ckey, share.split.dim, boxes).reshape(-1)[start:stop]
 
 
@@ -289,10 +287,10 @@ def _pieces(model: Any) -> list[tuple[str, int, torch.Tensor]]:
     for key, share in shares.items():
         if share.stage != lowest[key]:
             continue
-        if share.split is None and model.grid.tp_rank != 0:
+        if share.tp_whole and model.grid.tp_rank != 0:
             continue  # whole on every TP rank: TP rank 0 writes it
-        start, stop = written_range(share, model.grid.dp_rank)
+        start, stop = written_range(share)
         if start < stop:
             values = read_range(share, start, stop)
-            out += [(key, a, run) for a, run in full_runs(share, model.grid.tp_rank, start, values)]
+            out += [(key, a, run) for a, run in full_runs(share, share.split_rank, start, values)]
     return out

@@ -58,18 +58,19 @@ def param_names(model: Any) -> dict[int, str]:
 
 def _pieces(model: Any, key: str, shape: torch.Size, dtype: torch.dtype) -> Pieces:
     """Empty pieces of the tensor under ``key``, of which this rank holds runs of
-    ``shape`` elements: the whole tensor, or its tensor-parallel piece."""
-    shard = model.tp_shard_of(key)
-    if shard is None:
+    ``shape`` elements: the whole tensor, or its piece (tensor-parallel, or a fused
+    expert weight's rows under expert parallelism)."""
+    split = model.split_of(key)
+    if split is None:
         return Pieces(shape, dtype)
     full = torch.Size(model._shapes[key])
-    return Pieces(full, dtype, LocalSplit(full, shard, model.grid.tp_rank))
+    return Pieces(full, dtype, LocalSplit(full, *split))
 
 
 def _split_whole(model: Any, key: str, tensor: torch.Tensor) -> Any:
-    """``tensor`` as it goes into the checkpoint: itself, or (a tensor-parallel piece)
-    :class:`Pieces` over all of it."""
-    if model.tp_shard_of(key) is None:
+    """``tensor`` as it goes into the checkpoint: itself, or (a piece) :class:`Pieces`
+    over all of it."""
+    if model.split_of(key) is None:
         return tensor
     pieces = _pieces(model, key, tensor.shape, tensor.dtype)
     pieces.add_run(tensor.view(-1), 0, tensor.numel())

@@ -25,8 +25,10 @@ from torch import nn
 from mpar import _device
 from mpar.comm import State
 from mpar.comm._collectives import broadcast_object_world
+from mpar.comm._ep_ops import BATCH_GROUP, EP_GROUP
 from mpar.comm._tp_ops import TP_GROUP
 from mpar.errors import PartitionError
+from mpar.expert_parallel import EPLayout, apply_ep_layout, install_router_aux
 from mpar.runtime._precision import cast_floats, compute_dtype
 from mpar.tensor_parallel import TPLayout, apply_layout
 
@@ -55,6 +57,9 @@ class LocalStages:
     """Ranks of the tensor-parallel group that split these stages' layers."""
     tp_split: frozenset[int] = frozenset()
     """``id`` of every parameter tensor parallelism split (the rest are replicated over TP)."""
+    expert_params: frozenset[int] = frozenset()
+    """``id`` of every parameter of this rank's experts under expert parallelism (their
+    gradients and ZeRO state live on the expert-data-parallel group)."""
 
 
 def tp_splits_of(
@@ -187,15 +192,18 @@ def build_local_stages(
     *,
     dynamic_axes: Sequence[int] = (0,),
     tp: TPLayout | None = None,
+    ep: EPLayout | None = None,
 ) -> LocalStages:
     """Partition ``module`` (identically on every rank) and keep this rank's stages;
     traced stages accept any size of the ``dynamic_axes`` of their inputs. With a
-    tensor-parallel layout ``tp``, the model is profiled and partitioned whole, then
-    made this rank's TP share before it is split into stages."""
+    tensor-parallel layout ``tp`` (an expert-parallel layout ``ep``), the model is
+    profiled and partitioned whole, then made this rank's TP share (its experts' share)
+    before it is split into stages."""
     num_stages = st.config.num_stages
     meta = _has_meta(module)  # tensors get storage later, on this rank's share only
     if num_stages == 1:
         tp_split = _apply_tp(module, tp, st)
+        experts = _apply_ep(module, ep, st)
         if not meta:
             _device.move_module(module, st.device)
         names = {n: n for n, _ in list(module.named_parameters()) + list(module.named_buffers())}
@@ -206,6 +214,7 @@ def build_local_stages(
             unit_names=[["<whole model>"]],
             tp_size=st.grid.tp_size,
             tp_split=tp_split,
+            expert_params=experts,
         )
     from mpar.meta import find_units_meta
     from mpar.partition import find_units, split_module
@@ -230,6 +239,7 @@ def build_local_stages(
         raise decision[1]
     _, boundaries, plan = decision
     tp_split = _apply_tp(module, tp, st)  # profiled whole; split as this rank's TP share
+    experts = _apply_ep(module, ep, st)  # and its experts' share
     dtype = compute_dtype(st.config)
     with preserved_state(module), _parameters_in(module, dtype):
         args, kwargs = cast_floats((args, kwargs), dtype)
@@ -252,7 +262,19 @@ def build_local_stages(
         tied_groups=_tied_groups(split.tied, mine, st),
         tp_size=st.grid.tp_size,
         tp_split=tp_split,
+        expert_params=experts,
     )
+
+
+def _apply_ep(module: nn.Module, ep: EPLayout | None, st: State) -> frozenset[int]:
+    """Make ``module`` this rank's share of its experts (and, over data parallelism, its
+    router balance loss the one of the whole batch); the ids of its expert parameters."""
+    if st.grid.dp_size > 1:
+        install_router_aux(module, BATCH_GROUP)
+    if ep is None:
+        return frozenset()
+    apply_ep_layout(module, ep, st.grid.ep_rank, EP_GROUP)
+    return frozenset(id(p) for name in ep.experts for p in module.get_submodule(name).parameters())
 
 
 def _apply_tp(module: nn.Module, tp: TPLayout | None, st: State) -> frozenset[int]:

@@ -14,7 +14,7 @@ from mpar.comm._types import ProcessGroup
 from mpar.config import ZeroConfig
 from mpar.shard._bucket import FlatBucket, GroupInfo, Residence
 from mpar.shard._byte_count import count_bytes
-from mpar.shard._flat_layout import plan_buckets
+from mpar.shard._flat_layout import BucketSpec, plan_buckets
 from mpar.shard._scaler import LossScaler
 from mpar.shard._unit_gather import UnitGather, WeightGradHooks
 
@@ -77,6 +77,12 @@ class ShardedStages:
     ``weight_grads`` (the runtime's split backward) lets ZeRO-3 compute a linear
     layer's weight gradient after its unit's parameters are freed
     (:meth:`mpar.shard._unit_gather.UnitGather.linear`).
+
+    ``experts`` holds the ``id`` of the parameters of this rank's experts under
+    expert parallelism: they get buckets of their own over ``expert_comm``, the
+    expert-data-parallel group (the ranks holding the same experts), whose gradients
+    are summed and whose ZeRO state is sharded there; the data-parallel group's other
+    ranks hold other experts.
     """
 
     def __init__(
@@ -96,6 +102,8 @@ class ShardedStages:
         tp_split: Collection[int] = (),
         unread_in_backward: Collection[int] = (),
         weight_grads: WeightGradHooks | None = None,
+        experts: Collection[int] = (),
+        expert_comm: GroupInfo | None = None,
     ) -> None:
         if not stages:
             raise ValueError("ShardedStages needs at least one stage module, got an empty dict")
@@ -110,6 +118,9 @@ class ShardedStages:
         self.zero = zero
         self.device = torch.device(device)
         self.comm = GroupInfo(group, tuple(group_ranks), rank_in_group)
+        self._experts = frozenset(experts)
+        self.expert_comm = expert_comm or self.comm
+        """The group expert parameters are reduced and sharded over."""
         self.stages = dict(stages)
         self.compute_dtype = compute_dtype
         self.scaler = LossScaler() if compute_dtype == torch.float16 else None
@@ -232,11 +243,18 @@ class ShardedStages:
             tp = None if self._tp_split is None else id(p) in self._tp_split
             return (p.dtype, p.device, tied, self._unit_of.get(id(p)), tp)
 
-        specs = plan_buckets(
-            {s: [(index[id(p)], p.numel(), kind(p)) for p in ps] for s, ps in owned.items()},
-            group_size=self.comm.size,
-            bucket_elems=bucket_elems,
-        )
+        def plan(comm: GroupInfo, expert: bool) -> list[tuple[BucketSpec, GroupInfo]]:
+            wanted: dict[int, Sequence[tuple[int, int, object]]] = {
+                s: [
+                    (index[id(p)], p.numel(), kind(p))
+                    for p in ps
+                    if (id(p) in self._experts) == expert
+                ]
+                for s, ps in owned.items()
+            }
+            specs = plan_buckets(wanted, group_size=comm.size, bucket_elems=bucket_elems)
+            return [(spec, comm) for spec in specs]
+
         return [
             FlatBucket(
                 spec,
@@ -244,12 +262,12 @@ class ShardedStages:
                 zero_stage=self.zero.stage,
                 offload_optimizer=self.zero.offload_optimizer == "cpu",
                 offload_params=self.zero.offload_params == "cpu",
-                comm=self.comm,
+                comm=comm,
                 device=self.device,
                 compute_dtype=self.compute_dtype,
                 materialize=self._materialize,
             )
-            for spec in specs
+            for spec, comm in plan(self.comm, False) + plan(self.expert_comm, True)
         ]
 
     def _bucket_of(self, param: nn.Parameter) -> FlatBucket:

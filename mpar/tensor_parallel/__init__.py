@@ -17,6 +17,7 @@ from mpar.tensor_parallel._tp_plan import (
     Style,
     TPPlanError,
     match_plan,
+    name_matches,
     parse_style,
     resolve_plan,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "TPShard",
     "apply_layout",
     "match_plan",
+    "name_matches",
     "parse_style",
     "plan_layout",
     "resolve_plan",

@@ -26,6 +26,7 @@ __all__ = [
     "Style",
     "TPPlanError",
     "match_plan",
+    "name_matches",
     "parse_style",
     "resolve_plan",
 ]
@@ -111,7 +112,9 @@ def _component_match(pattern: list[str], name: list[str]) -> bool:
     return len(pattern) == len(name) and all(p in ("*", n) for p, n in zip(pattern, name))
 
 
-def _matches(pattern: str, name: str) -> bool:
+def name_matches(pattern: str, name: str) -> bool:
+    """Whether plan ``pattern`` matches module ``name``: it equals the name's last
+    components, ``*`` standing for any one component."""
     want, have = pattern.split("."), name.split(".")
     return len(have) >= len(want) and _component_match(want, have[len(have) - len(want) :])
 
@@ -124,7 +127,7 @@ def match_plan(module: nn.Module, plan: Mapping[str, Style]) -> dict[str, Style]
         if not name:
             continue
         for pattern, style in plan.items():
-            if _matches(pattern, name):
+            if name_matches(pattern, name):
                 if style.kind not in ("replicate", "sequence_parallel"):
                     found[name] = style
                 break
