@@ -47,8 +47,11 @@ def _same(t: torch.Tensor) -> torch.Tensor:
 
 def param_names(model: Any) -> dict[int, str]:
     """``id(parameter) -> name``: the first state-dict key of each parameter (of the
-    original module and of this rank's stages)."""
+    original module, as wrapped: other ranks' experts included, and of this rank's
+    stages)."""
     names = {id(p): n for n, p in model.module.named_parameters()}
+    for key, name in model.wrapped_names.items():
+        names.setdefault(key, name)
     if model.stages is not None:
         for key, tensor in model._local_tensors().items():
             if isinstance(tensor, nn.Parameter):

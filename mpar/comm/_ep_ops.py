@@ -236,16 +236,30 @@ def _combine(
 
 @torch.library.custom_op("mpar::ep_combine", mutates_args=())
 def ep_combine(
-    y: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, top_k: int, group: str
+    y: torch.Tensor,
+    rows: torch.Tensor,
+    order: torch.Tensor,
+    counts: torch.Tensor,
+    top_k: int,
+    group: str,
 ) -> torch.Tensor:
-    """The experts' output rows ``y [R, H]`` (of :func:`ep_dispatch`'s rows) sent back to
-    their tokens' ranks and summed over each token's ``top_k`` pairs: ``[T, H]``."""
+    """The experts' output rows ``y [R, H]`` (of :func:`ep_dispatch`'s ``rows``) sent back
+    to their tokens' ranks and summed over each token's ``top_k`` pairs: ``[T, H]``.
+
+    ``rows`` is not read: it ties this operator's backward to the dispatch's on every
+    rank, so that every rank of the group joins both backward all-to-alls even where
+    its experts got no rows (and ``y`` depends on no parameter)."""
     return _combine(y, order, counts, top_k, group)
 
 
 @ep_combine.register_fake
 def _(
-    y: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, top_k: int, group: str
+    y: torch.Tensor,
+    rows: torch.Tensor,
+    order: torch.Tensor,
+    counts: torch.Tensor,
+    top_k: int,
+    group: str,
 ) -> torch.Tensor:
     return y.new_empty(order.shape[0] // top_k, y.shape[-1])
 
@@ -272,18 +286,20 @@ def _dispatch_backward(ctx: Any, gx: Any, _ids: Any, gw: Any, _order: Any, _coun
 
 
 def _combine_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    _, order, counts, top_k, group = inputs
+    y, _, order, counts, top_k, group = inputs
     ctx.save_for_backward(order, counts)
-    ctx.meta = (top_k, group)
+    ctx.meta = (top_k, group, y.dtype, y.shape[-1])
 
 
-def _combine_backward(ctx: Any, grad: torch.Tensor) -> Any:
+def _combine_backward(ctx: Any, grad: torch.Tensor | None) -> Any:
     """Each pair's gradient (its token's) to the rank of its expert, in received order."""
     order, counts = ctx.saved_tensors
-    top_k, group = ctx.meta
-    pairs = grad.repeat_interleave(top_k, dim=0)
+    top_k, group, dtype, width = ctx.meta
     send, recv = _splits(counts)
-    return _all_to_all(pairs[order], send, recv, _group(group)), None, None, None, None
+    if grad is None:  # every rank of the group still joins the all-to-all
+        grad = torch.zeros(order.numel() // top_k, width, dtype=dtype, device=order.device)
+    pairs = grad.repeat_interleave(top_k, dim=0)
+    return _all_to_all(pairs[order], send, recv, _group(group)), None, None, None, None, None
 
 
 ep_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)

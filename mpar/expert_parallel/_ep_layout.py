@@ -144,7 +144,7 @@ def _fused_forward(inner: Forward, num_experts: int, group: str) -> Forward:
     ) -> torch.Tensor:
         x, ids, w, order, counts = ep_dispatch(hidden, index, weights, num_experts, group)
         y = inner(x, ids.unsqueeze(-1), w.unsqueeze(-1))
-        return ep_combine(y, order, counts, index.shape[-1], group)
+        return ep_combine(y, x, order, counts, index.shape[-1], group)
 
     return forward
 
@@ -160,7 +160,7 @@ def _listed_forward(em: ExpertsModule, first: int, count: int, group: str) -> Fo
             rows = torch.nonzero(ids == i).squeeze(-1)
             out = experts[first + i](x[rows]) * w[rows].unsqueeze(-1)
             y = y.index_add(0, rows, out.to(y.dtype))
-        return ep_combine(y, order, counts, index.shape[-1], group)
+        return ep_combine(y, x, order, counts, index.shape[-1], group)
 
     return forward
 

@@ -92,6 +92,9 @@ class DistributedModel:
         self._dtypes = {k: v.dtype for k, v in module.state_dict().items()}
         self._shapes = {k: v.shape for k, v in module.state_dict().items()}
         self._key_order = list(self._dtypes)
+        self.wrapped_names = {id(p): n for n, p in module.named_parameters()}
+        """``id(parameter) -> name`` of the module as wrapped (expert parallelism takes
+        the experts other ranks hold out of this rank's module)."""
         self._aliases = _tensor_aliases(module)
         self._schedules: dict[bool, Any] = {}
         self._placement = MeasuredPlacement()

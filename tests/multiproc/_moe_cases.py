@@ -21,6 +21,8 @@ import torch
 from torch import nn
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+USER = ("tiny_listed", "tiny_fused")
+"""``mpar.testing.models.TinyMoE`` with per-expert or fused experts (placed by ep_plan)."""
 BATCH = 8
 SEQ = 8
 VOCAB = 64
@@ -31,9 +33,14 @@ MAX_NORM = 0.5
 
 def build(family: str, *, experts: int = EXPERTS, layers: int = 2) -> nn.Module:
     """The family's model, seeded so every process builds the same weights."""
+    torch.manual_seed(0)
+    if family in USER:
+        from mpar.testing.models import MoEConfig, TinyMoE
+
+        cfg = MoEConfig(vocab_size=VOCAB, num_experts=experts, num_layers=layers)
+        return TinyMoE(MoEConfig(**{**vars(cfg), "per_expert": family == "tiny_listed"}))
     import transformers as hf
 
-    torch.manual_seed(0)
     common = dict(
         hidden_size=32,
         num_hidden_layers=layers,
@@ -79,7 +86,18 @@ def chunks(ids: torch.Tensor, dp: int, microbatches: int) -> list[torch.Tensor]:
 
 
 def _optimizer(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.5)
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
+def losses_of(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss to train on, [loss, balance loss]) of one chunk: the model's own loss for a
+    Hugging Face family, next-token cross-entropy (no balance loss) for ``TinyMoE``."""
+    if hasattr(getattr(model, "module", model), "config"):  # a Hugging Face model
+        out = model(input_ids=ids, labels=ids)
+        return out.loss, torch.stack([out.loss, out.aux_loss])
+    logits = model(ids)
+    loss = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    return loss, torch.stack([loss, torch.zeros_like(loss)])
 
 
 def reference(family: str, steps: int, dp: int, microbatches: int) -> dict[str, Any]:
@@ -90,9 +108,9 @@ def reference(family: str, steps: int, dp: int, microbatches: int) -> dict[str, 
     for s in range(steps):
         parts = []
         for chunk in chunks(batch(s), dp, microbatches):
-            out = net(input_ids=chunk, labels=chunk)
-            (out.loss / microbatches).backward()
-            parts.append(torch.stack([out.loss, out.aux_loss]).detach())
+            loss, both = losses_of(net, chunk)
+            (loss / microbatches).backward()
+            parts.append(both.detach())
         norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), MAX_NORM)))
         opt.step()
         opt.zero_grad()
@@ -101,27 +119,39 @@ def reference(family: str, steps: int, dp: int, microbatches: int) -> dict[str, 
     return {"losses": torch.stack(losses), "norms": torch.tensor(norms), "state": state}
 
 
-def train(family: str, steps: int, microbatches: int) -> dict[str, Any]:
-    """Train one family with mpar (``mpar.init`` already called) on this replica's shard."""
+def wrap(family: str) -> tuple[Any, Any]:
+    """``(DistributedModel, DistributedOptimizer)`` of the family (``mpar.init`` called)."""
     import mpar
 
     model = mpar.DistributedModel(build(family))
-    opt = mpar.DistributedOptimizer(_optimizer(model.parameters()))
+    return model, mpar.DistributedOptimizer(_optimizer(model.parameters()))
+
+
+def run_steps(model: Any, opt: Any, steps: range) -> tuple[list[torch.Tensor], list[float]]:
+    """Train ``model`` on this replica's shard of the batches of ``steps``."""
+    import mpar
 
     @mpar.step
     def train_step(m: Any, ids: torch.Tensor) -> torch.Tensor:
-        out = m(input_ids=ids, labels=ids)
-        m.backward(out.loss)
-        return torch.stack([out.loss, out.aux_loss])
+        loss, both = losses_of(m, ids)
+        m.backward(loss)
+        return both
 
     dp, rank = mpar.dp_size(), mpar.dp_rank()
     losses, norms = [], []
-    for s in range(steps):
+    for s in steps:
         shard = batch(s).chunk(dp)[rank]
         losses.append(train_step(model, shard).reduce_mean())
         norms.append(float(opt.clip_grad_norm_(MAX_NORM)))
         opt.step()
         opt.zero_grad()
+    return losses, norms
+
+
+def train(family: str, steps: int, microbatches: int) -> dict[str, Any]:
+    """Train one family with mpar (``mpar.init`` already called) on this replica's shard."""
+    model, opt = wrap(family)
+    losses, norms = run_steps(model, opt, range(steps))
     experts = model.stages.expert_params if model.stages is not None else frozenset()
     expert_bytes = sum(
         p.numel() * p.element_size() for p in model.local_parameters() if id(p) in experts
