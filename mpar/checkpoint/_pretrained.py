@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from mpar.checkpoint._expert_keys import Stacked, conversions_of, stacked_sources
 from mpar.checkpoint._safetensors import (
     Checkpoint,
     create_files,
@@ -39,6 +40,8 @@ from mpar.errors import MparError
 __all__ = ["PretrainedKeyError", "load_pretrained", "save_pretrained"]
 
 KeyMapping = Mapping[str, str] | Callable[[str], str] | None
+Source = str | Stacked
+"""Where a model tensor is read from: a checkpoint key, or per-expert keys stacked."""
 
 
 class PretrainedKeyError(MparError, KeyError):
@@ -80,20 +83,24 @@ def _ignored(module: Any) -> list[re.Pattern[str]]:
     return [re.compile(p) for p in patterns]
 
 
-def _match(model: Any, ckpt: Checkpoint, key_mapping: KeyMapping, strict: bool) -> dict[str, str]:
-    """Model key (canonical, one per tensor) -> checkpoint key; raises on a mismatch."""
+def _match(
+    model: Any, ckpt: Checkpoint, key_mapping: KeyMapping, strict: bool
+) -> dict[str, Source]:
+    """Model key (canonical, one per tensor) -> checkpoint key (or the per-expert keys a
+    fused expert weight stacks); raises on a mismatch."""
     to_model = _mapper(key_mapping)
+    conversions = conversions_of(model.module)
+    renamed = {conversions.rename(to_model(ckey)): ckey for ckey in ckpt.shapes}
     by_model: dict[str, str] = {}
     unexpected: list[str] = []
     known = set(model._key_order)
     ignored = _ignored(model.module)
-    for ckey in ckpt.shapes:
-        mkey = to_model(ckey)
+    for mkey, ckey in renamed.items():
         if mkey in known:
             by_model.setdefault(mkey, ckey)
         elif not any(p.search(ckey) for p in ignored):
             unexpected.append(ckey)
-    out: dict[str, str] = {}
+    out: dict[str, Source] = {}
     missing: list[str] = []
     mismatched: list[str] = []
     seen: set[str] = set()
@@ -112,6 +119,11 @@ def _match(model: Any, ckpt: Checkpoint, key_mapping: KeyMapping, strict: bool) 
                 f"{found!r}: checkpoint {tuple(got)}, model {tuple(want)} (model key {key!r})"
             )
         out[key] = found
+    stacked = stacked_sources(conversions, missing, model._shapes, renamed, ckpt.shapes)
+    out.update(stacked)
+    missing = [k for k in missing if k not in stacked]
+    consumed = {name for found in stacked.values() for name in found.names}
+    unexpected = [k for k in unexpected if k not in consumed]
     problems = [f"shape mismatch: {m}" for m in mismatched]
     if strict:
         problems += [f"missing keys {missing[:10]}"] if missing else []
@@ -162,7 +174,7 @@ class _DeferredLoad:
     names every tensor it writes whole, so that materializing skips their init."""
 
     def __init__(
-        self, ckpt: Checkpoint, matched: Mapping[str, str], aliases: Mapping[str, Any]
+        self, ckpt: Checkpoint, matched: Mapping[str, Source], aliases: Mapping[str, Any]
     ) -> None:
         self.ckpt, self.matched = ckpt, matched
         self.overwrites = {n for key in matched for n in [key, *aliases.get(key, ())]}
@@ -171,15 +183,15 @@ class _DeferredLoad:
         _load_partitioned(model, self.ckpt, self.matched)
 
 
-def _load_whole(model: Any, ckpt: Checkpoint, matched: Mapping[str, str]) -> None:
+def _load_whole(model: Any, ckpt: Checkpoint, matched: Mapping[str, Source]) -> None:
     state = model.module.state_dict()
     with torch.no_grad():
         for key, ckey in matched.items():
             t = state[key]
-            t.copy_(ckpt.read(ckey, 0, t.numel()).reshape(t.shape))
+            t.copy_(_read_run(ckpt, ckey, 0, t.numel()).reshape(t.shape))
 
 
-def _load_partitioned(model: Any, ckpt: Checkpoint, matched: Mapping[str, str]) -> None:
+def _load_partitioned(model: Any, ckpt: Checkpoint, matched: Mapping[str, Source]) -> None:
     from mpar.meta._owned import fill_bucket, local_shares, stored_range
 
     per_bucket: dict[int, tuple[Any, dict[int, tuple[int, torch.Tensor]]]] = {}
@@ -203,11 +215,24 @@ def _load_partitioned(model: Any, ckpt: Checkpoint, matched: Mapping[str, str]) 
             fill_bucket(bucket, given)
 
 
-def _read(ckpt: Checkpoint, ckey: str, share: Any, start: int, stop: int) -> torch.Tensor:
+def _read_run(ckpt: Checkpoint, ckey: Source, start: int, stop: int) -> torch.Tensor:
+    """Elements ``[start, stop)`` of a checkpoint tensor (or of the fused weight stacked
+    from per-expert keys: only the experts they cover are read)."""
+    if isinstance(ckey, str):
+        return ckpt.read(ckey, start, stop)
+    sizes = [ckpt.shapes[keys[0]].numel() for keys in ckey.keys]
+    return ckey.read(ckpt.read, sizes, start, stop)
+
+
+def _read(ckpt: Checkpoint, ckey: Source, share: Any, start: int, stop: int) -> torch.Tensor:
     """Elements ``[start, stop)`` of what this rank holds of ``share``: of the tensor, or
     of its piece (TP, or a fused expert weight's rows: only the piece's blocks are read)."""
     if share.split is None:
-        return ckpt.read(ckey, start, stop)
+        return _read_run(ckpt, ckey, start, stop)
+    if not isinstance(ckey, str):  # this rank's experts: a run of rows of the fused weight
+        rows = share.shape[0] // share.split.size
+        first = share.split_rank * rows * share.shape[1:].numel()
+        return _read_run(ckpt, ckey, first + start, first + stop)
     boxes = share.split.boxes(share.shape, share.split_rank)
     return ckpt.read_piece(ckey, share.split.dim, boxes).reshape(-1)[start:stop]
 

@@ -100,9 +100,12 @@ def losses_of(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return loss, torch.stack([loss, torch.zeros_like(loss)])
 
 
-def reference(family: str, steps: int, dp: int, microbatches: int) -> dict[str, Any]:
-    """One process, the whole batch in the oracle's chunks, plain torch."""
-    net = build(family)
+def reference(
+    family: str, steps: int, dp: int, microbatches: int, net: nn.Module | None = None
+) -> dict[str, Any]:
+    """One process, the whole batch in the oracle's chunks, plain torch (on ``net``, or
+    the family's model as :func:`build` makes it)."""
+    net = build(family) if net is None else net
     opt = _optimizer(net.parameters())
     losses, norms = [], []
     for s in range(steps):
@@ -119,11 +122,13 @@ def reference(family: str, steps: int, dp: int, microbatches: int) -> dict[str, 
     return {"losses": torch.stack(losses), "norms": torch.tensor(norms), "state": state}
 
 
-def wrap(family: str) -> tuple[Any, Any]:
-    """``(DistributedModel, DistributedOptimizer)`` of the family (``mpar.init`` called)."""
+def wrap(family: str, *, eager: bool = False) -> tuple[Any, Any]:
+    """``(DistributedModel, DistributedOptimizer)`` of the family (``mpar.init`` called);
+    ``eager``: partitioned now, from a microbatch of the first batch."""
     import mpar
 
-    model = mpar.DistributedModel(build(family))
+    example = {"input_ids": batch(0)[:2], "labels": batch(0)[:2]} if eager else None
+    model = mpar.DistributedModel(build(family), example_kwargs=example)
     return model, mpar.DistributedOptimizer(_optimizer(model.parameters()))
 
 
@@ -173,11 +178,18 @@ def train_ranks(families: list[str], config: dict[str, Any], steps: int) -> dict
     return {family: train(family, steps, m) for family in families}
 
 
-def check(results: list[dict[str, Any]], families: list[str], dp: int, m: int, steps: int) -> None:
+def check(
+    results: list[dict[str, Any]],
+    families: list[str],
+    dp: int,
+    m: int,
+    steps: int,
+    net: nn.Module | None = None,
+) -> None:
     """Every rank's losses (with the balance loss), global norms and updated
-    parameters equal the oracle's (fp32)."""
+    parameters equal the oracle's (fp32; on ``net`` if given)."""
     for family in families:
-        ref = reference(family, steps, dp, m)
+        ref = reference(family, steps, dp, m, net)
         for rank, r in enumerate(results):
             got, where = r[family], f"{family} on rank {rank}"
             torch.testing.assert_close(

@@ -187,3 +187,64 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_ep4_and_ep1(tmp_path, family):
                 torch.testing.assert_close(
                     got_state[name], tensor, rtol=1e-6, atol=1e-7, msg=f"{layout}: {name}"
                 )
+
+
+# -- Hugging Face checkpoints -------------------------------------------------------------
+
+
+def _body_pretrained(src: str, out: str) -> dict[str, Any]:
+    """A Mixtral partitioned at ep=2 x pp=2 loads transformers' per-expert files
+    (recording the keys this rank reads), trains, and saves with mpar.save_pretrained."""
+    import mpar
+    from mpar.checkpoint._safetensors import Checkpoint
+
+    mpar.init({"expert_parallel_degree": 2, "pipeline_parallel_degree": 2, "microbatches": 2})
+    read: set[str] = set()
+    real = Checkpoint.read
+
+    def recorded(self: Any, key: str, start: int, stop: int) -> torch.Tensor:
+        read.add(key)
+        return real(self, key, start, stop)
+
+    Checkpoint.read = recorded  # type: ignore[method-assign]
+    model, opt = cases.wrap("mixtral", eager=True)
+    mpar.load_pretrained(model, src)
+    losses, norms = cases.run_steps(model, opt, range(STEPS))
+    Checkpoint.read = real  # type: ignore[method-assign]
+    mpar.save_pretrained(model, out)
+    return {"losses": torch.stack(losses), "norms": torch.tensor(norms), "read": read,
+            "state": model.state_dict(), "ranks": (mpar.pp_rank(), mpar.ep_rank())}  # fmt: skip
+
+
+@pytest.mark.timeout(400)
+def test_transformers_mixtral_checkpoint_trains_at_ep2_pp2_and_saves_back(tmp_path):
+    """transformers writes Mixtral's experts per expert (``block_sparse_moe.experts.{e}.w1``);
+    each rank reads its own experts only (rows of the fused ``gate_up_proj`` and
+    ``down_proj``), trains as one process from ``from_pretrained`` does, and its
+    ``save_pretrained`` (fused keys, each rank writing its rows) loads back in
+    transformers with no missing or unexpected key."""
+    import transformers
+
+    torch.manual_seed(5)
+    source = cases.build("mixtral")
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(torch.randn_like(p) * 0.01)  # values no fresh build has
+    source.save_pretrained(tmp_path / "src")
+    results = run_distributed(
+        _body_pretrained, 4, args=(str(tmp_path / "src"), str(tmp_path / "out")), timeout=380
+    )
+    net = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "src")
+    cases.check([{"mixtral": r} for r in results], ["mixtral"], 2, 2, STEPS, net=net)
+    for r in results:
+        pp_rank, ep_rank = r["ranks"]
+        experts = {k.split(".experts.")[1].split(".")[0] for k in r["read"] if ".experts." in k}
+        assert experts == ({"0", "1"} if ep_rank == 0 else {"2", "3"}), (r["ranks"], experts)
+        layers = {k.split(".layers.")[1].split(".")[0] for k in r["read"] if ".layers." in k}
+        assert layers == {str(pp_rank)}, (r["ranks"], layers)  # and its stage's layers only
+    back, info = transformers.MixtralForCausalLM.from_pretrained(
+        tmp_path / "out", output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    for name, tensor in back.state_dict().items():
+        torch.testing.assert_close(tensor, results[0]["state"][name], rtol=0, atol=0, msg=name)
