@@ -100,7 +100,7 @@ class DistributedModel:
         self._placement = MeasuredPlacement()
         self.tp_layout: TPLayout | None = _tp_layout(module, self.grid, self.config)
         """How tensor parallelism splits this model (None at tensor_parallel_degree 1)."""
-        self.ep_layout: EPLayout | None = _ep_layout(module, self.grid, self.config)
+        self.ep_layout: EPLayout | None = _ep_layout(module, self.grid, self.config, self.tp_layout)
         """How expert parallelism splits this model's experts (None at ep degree 1)."""
         self._st.models.add(self)
         if example_inputs is not None or example_kwargs is not None:
@@ -464,13 +464,22 @@ def _tp_layout(module: nn.Module, grid: ProcessGrid, config: Config) -> TPLayout
     return plan_layout(module, plan, grid.tp_size, source, sequence_parallel=sequence)
 
 
-def _ep_layout(module: nn.Module, grid: ProcessGrid, config: Config) -> EPLayout | None:
+def _ep_layout(
+    module: nn.Module, grid: ProcessGrid, config: Config, tp: TPLayout | None
+) -> EPLayout | None:
     """The checked expert-parallel layout of ``module`` (raises before any step when its
     experts cannot split over the ep degree), or None at expert_parallel_degree 1."""
     if grid.ep_size == 1:
         return None
-    from mpar.expert_parallel import plan_ep_layout
+    from mpar.expert_parallel import EPPlanError, plan_ep_layout
 
+    if tp is not None and tp.sequence is not None:
+        raise EPPlanError(
+            f"expert_parallel_degree {grid.ep_size} with sequence parallelism (optimize "
+            f"'memory' at tensor_parallel_degree {grid.tp_size}, or a 'sequence_parallel' "
+            "tp_plan entry) is not supported: the TP ranks would route different tokens "
+            "through experts they hold alike; use optimize 'speed', or expert_parallel_degree 1"
+        )
     return plan_ep_layout(module, grid.ep_size, config.ep_plan)
 
 
