@@ -12,7 +12,8 @@ intra-op thread per rank) by
 * **mpar ep=1 zero3**: the same model with the experts replicated and sharded by
   ZeRO-3 (gathered for every forward and backward) — what mpar did before expert
   parallelism;
-* **DeepSpeed-MoE** (``deepspeed.moe.layer.MoE``, ``ep_size`` = world, dropless) where
+* **mpar ep=W** (ZeRO off) against **DeepSpeed-MoE** (``deepspeed.moe.layer.MoE``,
+  ``ep_size`` = world, dropless, ZeRO off: DeepSpeed's MoE does not take ZeRO-3) where
   ``--deepspeed-python`` imports deepspeed; its row says why where it does not.
 
 A round runs every engine once, the order alternating from round to round; ratios are
@@ -82,8 +83,13 @@ def _cases(args: argparse.Namespace, spec: EPSpec) -> list[EPCase]:
     kw = {"world": args.world, "model": spec, "warmup": args.warmup, "steps": args.steps}
     cases = [EPCase("mpar", ep=args.world, zero=3, **kw), EPCase("mpar", ep=1, zero=3, **kw)]
     if "deepspeed" in args.frameworks:
+        cases.append(EPCase("mpar", ep=args.world, zero=0, **kw))
         cases.append(EPCase("deepspeed", ep=args.world, zero=0, **kw))
     return cases
+
+
+PAIRS = (("mpar ep={w} zero3", "mpar ep=1 zero3"), ("mpar ep={w}", "deepspeed ep={w}"))
+"""The ratios reported: each pair differs in one thing (ep; the engine)."""
 
 
 def _run_case(case: EPCase, args: argparse.Namespace) -> dict[str, Any]:
@@ -183,11 +189,13 @@ def _summary(case: EPCase, runs: list[dict[str, Any]], reference: list[float]) -
     return row
 
 
-def _ratios(cases: list[EPCase], runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """mpar at ep = world against each other row, per round, and the median."""
-    ours = cases[0].name
+def _ratios(world: int, runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The tokens/s ratio of each of :data:`PAIRS`, per round, and the median."""
     out = []
-    for other in (c.name for c in cases[1:]):
+    for first, second in PAIRS:
+        ours, other = first.format(w=world), second.format(w=world)
+        if ours not in runs or other not in runs:
+            continue
         per_round = [
             b["median_step_s"] / a["median_step_s"]
             for a, b in zip(runs[ours], runs[other], strict=False)
@@ -323,7 +331,7 @@ def main(argv: list[str] | None = None) -> None:
     report = {
         "meta": _meta(args, spec),
         "rows": [_summary(c, runs[c.name], reference) for c in cases],
-        "ratios": _ratios(cases, runs),
+        "ratios": _ratios(args.world, runs),
         "reference_losses": reference,
         "runs": runs,
     }

@@ -209,7 +209,7 @@ def _body_pretrained(src: str, out: str) -> dict[str, Any]:
 
     Checkpoint.read = recorded  # type: ignore[method-assign]
     model, opt = cases.wrap("mixtral", eager=True)
-    mpar.load_pretrained(model, src)
+    mpar.load_pretrained(model, src)  # partitioned: this rank's share only
     losses, norms = cases.run_steps(model, opt, range(STEPS))
     Checkpoint.read = real  # type: ignore[method-assign]
     mpar.save_pretrained(model, out)
