@@ -159,7 +159,7 @@ def _listed_forward(em: ExpertsModule, first: int, count: int, group: str) -> Fo
         for i in range(count):
             rows = torch.nonzero(ids == i).squeeze(-1)
             out = experts[first + i](x[rows]) * w[rows].unsqueeze(-1)
-            y = y.index_add(0, rows, out.to(y.dtype))
+            y.index_add_(0, rows, out.to(y.dtype))  # in place: no copy of y per expert
         return ep_combine(y, x, order, counts, index.shape[-1], group)
 
     return forward
