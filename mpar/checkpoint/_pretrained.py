@@ -8,33 +8,27 @@ then, on a partitioned model, every rank reads exactly the elements it stores
 meta device, the read waits until the model is partitioned (the first step);
 on a real model not yet partitioned, the whole module is loaded.
 
-Saving lays the tensors out in files the same way on every rank, rank 0 writes
-the headers, then every rank writes the elements it owns straight into the
+Saving (:mod:`mpar.checkpoint._hf_save`) lays the tensors out in files the same
+way on every rank, then every rank writes the elements it owns straight into the
 files (a ZeRO-3 shard, a part of a replicated tensor): the model is never
-gathered. Rank 0 adds the index and, for a Hugging Face model, ``config.json``.
+gathered. The files are written beside the target folder and replace it in one
+step once every rank has written and checked its part.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from mpar.checkpoint._common import CheckpointError
 from mpar.checkpoint._expert_keys import Stacked, conversions_of, stacked_sources
-from mpar.checkpoint._safetensors import (
-    Checkpoint,
-    create_files,
-    parse_size,
-    plan_files,
-    write_index,
-    write_range,
-)
-from mpar.comm import state
-from mpar.comm._collectives import all_gather_object_pp, barrier
+from mpar.checkpoint._hf_save import check_model, save_pretrained
+from mpar.checkpoint._safetensors import Checkpoint
 from mpar.errors import MparError
 
 __all__ = ["PretrainedKeyError", "load_pretrained", "save_pretrained"]
@@ -49,13 +43,6 @@ class PretrainedKeyError(MparError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
-
-
-def _check_model(model: Any, fn: str) -> None:
-    from mpar.runtime import DistributedModel
-
-    if not isinstance(model, DistributedModel):
-        raise TypeError(f"mpar.{fn} takes an mpar.DistributedModel, got {type(model).__name__}")
 
 
 def _mapper(key_mapping: KeyMapping) -> Callable[[str], str]:
@@ -135,7 +122,55 @@ def _match(
             + "; ".join(problems)
             + hint
         )
+    if not strict:
+        _report_partial(model, ckpt, len(out), missing, unexpected)
     return out
+
+
+def _report_partial(
+    model: Any, ckpt: Checkpoint, loaded: int, missing: list[str], unexpected: list[str]
+) -> None:
+    """``strict=False``: raise when nothing matched, else warn (rank 0) with the counts."""
+    total = loaded + len(missing)
+    if loaded == 0:
+        raise PretrainedKeyError(
+            f"checkpoint {ckpt.root} shares no tensor with {type(model.module).__name__} "
+            f"(0 of its {len(ckpt.shapes)} tensors match the model's {total}): checkpoint keys "
+            f"look like {sorted(ckpt.shapes)[:3]}, model keys like {model._key_order[:3]}. "
+            "Is it another architecture? Rename keys with key_mapping={regex: replacement}"
+        )
+    if (missing or unexpected) and model.grid.rank == 0:
+        warnings.warn(
+            f"mpar.load_pretrained(strict=False) from {ckpt.root}: loaded {loaded} of the "
+            f"model's {total} tensors; {len(missing)} missing kept their values "
+            f"{missing[:5]}; {len(unexpected)} checkpoint tensors unused {unexpected[:5]}",
+            stacklevel=4,
+        )
+
+
+def _kind(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_floating_point:
+        return "floating point"
+    return "complex" if dtype.is_complex else "integer"
+
+
+def _check_casts(model: Any, ckpt: Checkpoint, matched: Mapping[str, Source]) -> None:
+    """Refuse casts between dtype kinds (integer or bool to floating point, floating point
+    to bool or integer): they lose values, and usually mean a key matched the wrong tensor."""
+    lossy = []
+    for key, ckey in matched.items():
+        first = ckey if isinstance(ckey, str) else ckey.keys[0][0]
+        have, want = ckpt.dtype(first), model._dtypes[key]
+        if _kind(have) != _kind(want):
+            lossy.append(f"{ckey!r} ({str(have).removeprefix('torch.')} -> {want})")
+    if lossy:
+        raise CheckpointError(
+            f"checkpoint {ckpt.root}: {len(lossy)} tensors would be cast to another kind of "
+            f"dtype, which loses values: {lossy[:5]}. Check the key mapping, or pass "
+            "allow_lossy_casts=True to mpar.load_pretrained to cast them anyway"
+        )
 
 
 def load_pretrained(
@@ -144,6 +179,7 @@ def load_pretrained(
     *,
     key_mapping: KeyMapping = None,
     strict: bool = True,
+    allow_lossy_casts: bool = False,
 ) -> None:
     """Load a Hugging Face safetensors checkpoint into ``model`` (a DistributedModel).
 
@@ -155,12 +191,19 @@ def load_pretrained(
     model's: ``{regex: replacement}`` applied in order, or a callable. With
     ``strict`` (default) a missing or unexpected key is an error; a shape
     mismatch always is (:class:`PretrainedKeyError`, naming the keys and both
-    shapes). Before the model is partitioned, a model built on the meta device
-    is loaded when it is (at its first step). Collective: call it on every rank.
+    shapes). ``strict=False`` loads what matches, warns with the counts of what
+    did not, and raises when nothing matched. A cast between kinds of dtype
+    (integer or bool into floating point, floating point into bool or integer)
+    raises :class:`CheckpointError` unless ``allow_lossy_casts=True``; casts within
+    a kind (bf16 into fp32) are made. Before the model is partitioned, a model
+    built on the meta device is loaded when it is (at its first step).
+    Collective: call it on every rank.
     """
-    _check_model(model, "load_pretrained")
+    check_model(model, "load_pretrained")
     ckpt = Checkpoint(path)
     matched = _match(model, ckpt, key_mapping, strict)
+    if not allow_lossy_casts:
+        _check_casts(model, ckpt, matched)
     if model.partitioned:
         _load_partitioned(model, ckpt, matched)
     elif any(t.is_meta for t in model.module.state_dict().values()):
@@ -235,87 +278,3 @@ def _read(ckpt: Checkpoint, ckey: Source, share: Any, start: int, stop: int) -> 
         return _read_run(ckpt, ckey, first + start, first + stop)
     boxes = share.split.boxes(share.shape, share.split_rank)
     return ckpt.read_piece(ckey, share.split.dim, boxes).reshape(-1)[start:stop]
-
-
-# ---------------------------------------------------------------------------- saving
-
-
-def save_pretrained(
-    model: Any,
-    path: str | os.PathLike[str],
-    *,
-    max_shard_size: int | str = "5GB",
-) -> None:
-    """Write ``model`` as a Hugging Face safetensors checkpoint in directory ``path``.
-
-    Files of at most ``max_shard_size`` (bytes, or ``"5GB"``, ``"200MiB"``) plus
-    ``model.safetensors.index.json`` when there are several, and ``config.json``
-    for a Hugging Face model: ``transformers``' ``from_pretrained`` reads it. The
-    tensors keep the model's dtypes (the optimizer's full-precision values under
-    mixed precision); a tied weight is saved once, under its first name. Each rank
-    writes the elements it owns; nothing is gathered. Collective: call it on every
-    rank.
-    """
-    _check_model(model, "save_pretrained")
-    st = state()
-    limit = parse_size(max_shard_size)
-    root = Path(path)
-    keys = _saved_keys(model)
-    files = plan_files([(k, model._shapes[k], model._dtypes[k]) for k in keys], limit)
-    if st.layout.rank == 0:
-        create_files(root, files)
-    barrier()
-    layout_of = {key: layout for layout in files for key in layout.offsets}
-    for key, start, values in _pieces(model):
-        write_range(root, layout_of[key], key, start, values.to(model._dtypes[key]))
-    barrier()
-    if st.layout.rank == 0:
-        write_index(root, files)
-        config = getattr(model.module, "config", None)
-        if config is not None and hasattr(config, "save_pretrained"):
-            config.save_pretrained(root)
-    barrier()
-
-
-def _saved_keys(model: Any) -> list[str]:
-    """State-dict keys, each tensor once (tied aliases after the first left out)."""
-    out: list[str] = []
-    seen: set[str] = set()
-    for key in model._key_order:
-        if key not in seen:
-            out.append(key)
-            seen.update([key, *model._aliases.get(key, ())])
-    return out
-
-
-def _pieces(model: Any) -> list[tuple[str, int, torch.Tensor]]:
-    """(key, first element, values) this rank writes."""
-    from mpar.meta._owned import full_runs, local_shares, read_range, written_range
-
-    if not model.partitioned:
-        if any(t.is_meta for t in model.module.state_dict().values()):
-            raise ValueError(
-                "mpar.save_pretrained: the model is built on the meta device and has no "
-                "values before its first step (or mpar.materialize)"
-            )
-        if state().layout.rank != 0:
-            return []
-        whole = model.module.state_dict()
-        return [(k, 0, whole[k].reshape(-1)) for k in _saved_keys(model)]
-    shares = local_shares(model)
-    # The pipeline rank with the lowest stage holding a tensor writes it (tied copies).
-    lowest: dict[str, int] = {}
-    for part in all_gather_object_pp({k: s.stage for k, s in shares.items()}, model.grid):
-        for key, stage in part.items():
-            lowest[key] = min(stage, lowest.get(key, stage))
-    out = []
-    for key, share in shares.items():
-        if share.stage != lowest[key]:
-            continue
-        if share.tp_whole and model.grid.tp_rank != 0:
-            continue  # whole on every TP rank: TP rank 0 writes it
-        start, stop = written_range(share)
-        if start < stop:
-            values = read_range(share, start, stop)
-            out += [(key, a, run) for a, run in full_runs(share, share.split_rank, start, values)]
-    return out

@@ -41,7 +41,7 @@ from mpar.comm._lifecycle import on_shutdown
 from mpar.comm._types import ProcessGroup
 from mpar.errors import MparError
 
-__all__ = ["WRITE_BUFFER_BYTES", "save_checkpoint"]
+__all__ = ["WRITE_BUFFER_BYTES", "PendingSave", "save_checkpoint"]
 
 WRITE_BUFFER_BYTES = 32 * 2**20
 """Tensor bytes per shard file: DCP keeps copies of one file's tensors until it is
@@ -56,9 +56,10 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
-class _Save:
-    """Where one save writes: its temporary directory, final name, and (on rank 0)
-    the root's lock, held until the save commits or fails."""
+class PendingSave:
+    """Where one save writes: its temporary directory, the final name beside it, and
+    (on rank 0) the lock, held until the save commits or fails. ``save_checkpoint``
+    and ``save_pretrained`` both write through one."""
 
     def __init__(self, tmp: Path, name: str, lock: RootLock | None) -> None:
         self.tmp, self.name, self.lock = tmp, name, lock
@@ -97,7 +98,7 @@ def _claim_root(root: Path) -> tuple[tuple[Path, str], RootLock]:
         raise
 
 
-def _prepare_root(root: Path, group: ProcessGroup | None, rank: int) -> _Save:
+def _prepare_root(root: Path, group: ProcessGroup | None, rank: int) -> PendingSave:
     """Rank 0 claims the root (every rank learns the temporary directory's name,
     or the error)."""
     decision: Any = None
@@ -110,7 +111,7 @@ def _prepare_root(root: Path, group: ProcessGroup | None, rank: int) -> _Save:
     decision = broadcast_object_in(decision, group)
     if isinstance(decision, str):
         raise CheckpointError(f"cannot save checkpoint under {str(root)!r}: {decision}")
-    return _Save(decision[0], decision[1], lock)
+    return PendingSave(decision[0], decision[1], lock)
 
 
 def _entries(model: Any, optimizer: Any, user_content: Any, copy: Any) -> dict[str, Any]:
@@ -164,7 +165,7 @@ def _marker(model: Any) -> dict[str, Any]:
     }
 
 
-def _write(entries: dict[str, Any], save: _Save, group: ProcessGroup | None) -> None:
+def _write(entries: dict[str, Any], save: PendingSave, group: ProcessGroup | None) -> None:
     try:
         dcp.save(
             entries,
@@ -181,7 +182,7 @@ def _write(entries: dict[str, Any], save: _Save, group: ProcessGroup | None) -> 
         ) from None
 
 
-def _commit(save: _Save, keep_last: int | None, model: Any) -> str | None:
+def _commit(save: PendingSave, keep_last: int | None, model: Any) -> str | None:
     """Rank 0: check every file, then commit; the error text, or None."""
     try:
         check_files(save.tmp)
@@ -196,7 +197,7 @@ def _commit(save: _Save, keep_last: int | None, model: Any) -> str | None:
 
 def _write_and_commit(
     entries: dict[str, Any],
-    save: _Save,
+    save: PendingSave,
     group: ProcessGroup | None,
     keep_last: int | None,
     model: Any,

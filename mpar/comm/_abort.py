@@ -14,10 +14,13 @@ import datetime
 import os
 import sys
 import threading
+from typing import NoReturn
 
 import torch.distributed as dist
 
-__all__ = ["FAILED", "publish_failure", "silence", "start_watcher", "stop_watcher"]
+from mpar.comm._shared import remove_created
+
+__all__ = ["FAILED", "exit_now", "publish_failure", "silence", "start_watcher", "stop_watcher"]
 
 _KEY = "mpar/failure"
 _stop = threading.Event()
@@ -58,10 +61,17 @@ def _watch(store: dist.TCPStore, rank: int) -> None:
         if source == f"rank {rank}" or _stop.is_set():
             return
         if _quiet.is_set():  # a hang is being reported: that report says it all
-            os._exit(1)
+            exit_now()
         sys.stderr.write(f"mpar: {source} failed; stopping rank {rank}. Its traceback:\n{body}\n")
         sys.stderr.flush()
-        os._exit(1)
+        exit_now()
+
+
+def exit_now() -> NoReturn:
+    """End this process at once (status 1), after removing the shared-memory files it
+    made (nothing else runs: no ``atexit``, no ``finally``)."""
+    remove_created()
+    os._exit(1)
 
 
 def start_watcher(host: str, port: int, rank: int, timeout_s: float) -> None:

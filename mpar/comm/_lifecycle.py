@@ -29,7 +29,7 @@ from mpar.comm._grid import ProcessGrid, build_process_grid
 from mpar.comm._p2p import Links
 from mpar.comm._process_layout import Layout, detect_layout
 from mpar.comm._progress import PROGRESS, RECENT, Waiting
-from mpar.comm._shared import SharedMemory, connect
+from mpar.comm._shared import SharedMemory, connect, sweep
 from mpar.comm._tp_ops import TP_GROUP, clear_tp_groups, register_tp_group
 from mpar.comm._watchdog import transport_timeout
 from mpar.config import Config, load_config
@@ -218,7 +218,10 @@ _EXIT_HOOKED = False
 
 def _shared_memory(st: State, world_backend: str) -> SharedMemory | None:
     """Shared-memory rings for the pipeline transfers between ranks of one host, when
-    the transfers travel through host memory over gloo and the config allows them."""
+    the transfers travel through host memory over gloo and the config allows them.
+    First, on each host, the ring files that killed jobs left behind are removed."""
+    if st.layout.local_rank == 0:
+        sweep()  # the files of killed jobs on this host
     wire = _device.p2p_device(st.device, st.backend)
     if not (
         st.config.shared_memory

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-import os
 import sys
 import threading
 import time
@@ -147,7 +146,7 @@ class _Watchdog:
             self.wait_until(lambda: self.has(f"gone/{writer}"))
         with contextlib.suppress(Exception):
             self.put(f"gone/{self.rank}", 1)
-        os._exit(1)
+        _abort.exit_now()
 
     def everyone(self, name: str) -> bool:
         """Whether every other rank that answered has set ``name/<rank>``."""
@@ -169,7 +168,7 @@ def exit_if_reported() -> None:
     """End this process now if a hang report is under way: an error in the main
     thread is then the report's consequence (a peer left), not news."""
     if HANG_REPORTED.is_set():
-        os._exit(1)
+        _abort.exit_now()
 
 
 def _report(message: str, report: str, layout: Layout) -> None:
