@@ -467,7 +467,10 @@ class Config:
         data parallelism takes what the other axes leave."""
         self.check_world_size(world_size)
         return GridShape.for_world(
-            world_size, pp=self.pipeline_parallel_degree, tp=self.tensor_parallel_degree
+            world_size,
+            pp=self.pipeline_parallel_degree,
+            tp=self.tensor_parallel_degree,
+            ep=self.expert_parallel_degree,
         )
 
     @property

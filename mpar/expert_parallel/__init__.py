@@ -3,10 +3,11 @@
 See ``docs/expert_parallel.md``. The token dispatch is made of operators in
 ``mpar.comm._ep_ops``; experts modules are found in ``_moe_blocks``, split in
 ``_ep_layout``; router balance losses are made exact over data parallelism in
-``_router_aux``.
+``_router_aux``; ``_ep_measure`` measures what the planner needs.
 """
 
 from mpar.expert_parallel._ep_layout import Elsewhere, EPLayout, apply_ep_layout, plan_ep_layout
+from mpar.expert_parallel._ep_measure import measure_ep_splits
 from mpar.expert_parallel._moe_blocks import (
     EPPlanError,
     ExpertsModule,
@@ -24,6 +25,7 @@ __all__ = [
     "describe_experts",
     "find_experts",
     "install_router_aux",
+    "measure_ep_splits",
     "plan_ep_layout",
     "router_aux_loss",
 ]

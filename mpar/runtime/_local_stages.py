@@ -40,6 +40,7 @@ from mpar.tensor_parallel import TPLayout, apply_layout
 if TYPE_CHECKING:
     from mpar.config import Config
     from mpar.partition import Plan, PlanInputs
+    from mpar.partition._ep_share import EPSplits
     from mpar.partition._tp_share import TPSplits
     from mpar.topology import Grid
 
@@ -70,14 +71,20 @@ class LocalStages:
 
 
 def planner_inputs(
-    config: Config, grid: Grid, device: torch.device, tp_splits: TPSplits | None = None
+    config: Config,
+    grid: Grid,
+    device: torch.device,
+    tp_splits: TPSplits | None = None,
+    ep_splits: EPSplits | None = None,
 ) -> PlanInputs:
     """What the partition and the ``"auto"`` search plan for: ``config`` on this job's
-    ``grid`` (``ProcessGrid.topology``) and ``device``, with the model's TP splits."""
+    ``grid`` (``ProcessGrid.topology``) and ``device``, with the model's TP splits (and
+    what its experts weigh under expert parallelism)."""
     from mpar.partition import plan_inputs
     from mpar.partition._plan_inputs import plan_device
 
-    return plan_inputs(config, grid.shape, device=plan_device(device.type), tp_splits=tp_splits)
+    kind = plan_device(device.type)
+    return plan_inputs(config, grid.shape, device=kind, tp_splits=tp_splits, ep_splits=ep_splits)
 
 
 def _decide_boundaries(
@@ -87,7 +94,9 @@ def _decide_boundaries(
     units: list[str],
     st: State,
     tp: TPLayout | None = None,
+    ep: EPLayout | None = None,
 ) -> tuple[list[int], Plan | None]:
+    from mpar.expert_parallel import measure_ep_splits
     from mpar.partition import make_plan, manual_boundaries
     from mpar.profile import profile_mode, profile_model
     from mpar.tensor_parallel import measure_tp_splits
@@ -118,7 +127,11 @@ def _decide_boundaries(
     profile = profile_model(module, args, kwargs, units=units, repeats=3, warmup=1, mode=mode)
     module.zero_grad(set_to_none=True)
     splits = None if tp is None else measure_tp_splits(module, profile, tp, (args, kwargs))
-    plan = make_plan(profile, planner_inputs(cfg, st.grid.topology, st.device, splits))
+    experts = None
+    if ep is not None:
+        experts = measure_ep_splits(module, profile, (args, kwargs), plan=cfg.ep_plan)
+    inputs = planner_inputs(cfg, st.grid.topology, st.device, splits, experts)
+    plan = make_plan(profile, inputs)
     return list(plan.boundaries), plan
 
 
@@ -209,10 +222,11 @@ def build_local_stages(
     else:
         with torch.no_grad(), preserved_state(module):
             units = find_units(module, args, kwargs)
+    units = _experts_whole(units, ep)
     decision: Any = None
     if st.layout.rank == 0:
         try:
-            decision = ("ok", *_decide_boundaries(module, args, kwargs, units, st, tp))
+            decision = ("ok", *_decide_boundaries(module, args, kwargs, units, st, tp, ep))
         except Exception as exc:  # every rank must learn of the failure, not hang
             decision = ("error", exc, None)
     decision = broadcast_object_world(decision, st.grid, src=0)
@@ -254,8 +268,32 @@ def _apply_ep(module: nn.Module, ep: EPLayout | None, st: State) -> frozenset[in
         install_router_aux(module, BATCH_GROUP)
     if ep is None:
         return frozenset()
+    before = _expert_tensors(module, ep)
     apply_ep_layout(module, ep, st.grid.ep_rank, EP_GROUP)
+    kept = {id(t) for t in _expert_tensors(module, ep)}
+    for tensor in before:  # other ranks' experts: a reference the user keeps (the torch
+        if id(tensor) not in kept:  # optimizer's param_groups) must not keep them alive
+            tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
     return frozenset(id(p) for name in ep.experts for p in module.get_submodule(name).parameters())
+
+
+def _experts_whole(units: list[str], ep: EPLayout | None) -> list[str]:
+    """``units`` with the units inside an experts module (a ``ModuleList`` of experts is
+    expanded into one unit per expert) replaced by that module: no stage boundary falls
+    between one layer's experts, which the expert-parallel forward runs as one."""
+    if ep is None:
+        return units
+    out: dict[str, None] = {}
+    for unit in units:
+        holder = next((name for name in ep.experts if unit.startswith(name + ".")), unit)
+        out.setdefault(holder, None)
+    return list(out)
+
+
+def _expert_tensors(module: nn.Module, ep: EPLayout) -> list[torch.Tensor]:
+    """The parameters and buffers of ``module``'s experts modules."""
+    mods = [module.get_submodule(name) for name in ep.experts]
+    return [t for m in mods for t in [*m.parameters(), *m.buffers()]]
 
 
 def _apply_tp(module: nn.Module, tp: TPLayout | None, st: State) -> frozenset[int]:

@@ -97,15 +97,22 @@ class GridShape:
     """Data-parallel replicas of each stage."""
     tp: int = 1
     """Ranks that split each layer (one TP group)."""
+    ep: int = 1
+    """Ranks that split each MoE layer's experts, folded into ``dp`` (no ranks of its own)."""
 
-    FOLDED: ClassVar[frozenset[str]] = frozenset()
-    """Axes that reuse the ranks of others (none yet)."""
+    FOLDED: ClassVar[frozenset[str]] = frozenset({"ep"})
+    """Axes that reuse the ranks of others."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             size = getattr(self, f.name)
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ConfigError(f"grid axis {f.name} must be a positive integer, got {size!r}")
+        if self.dp % self.ep:
+            raise ConfigError(
+                f"expert parallel degree {self.ep} must divide the data-parallel degree "
+                f"{self.dp} (expert parallelism folds into the dp ranks)"
+            )
 
     @property
     def world_size(self) -> int:
@@ -162,7 +169,7 @@ class Grid:
     @property
     def shape(self) -> GridShape:
         """The size of each axis."""
-        return GridShape(pp=self.pp_size, dp=self.dp_size, tp=self.tp_size)
+        return GridShape(pp=self.pp_size, dp=self.dp_size, tp=self.tp_size, ep=self.ep_size)
 
     def _sizes(self) -> dict[str, int]:
         return {"pp": self.pp_size, "dp": self.dp_size, "tp": self.tp_size}

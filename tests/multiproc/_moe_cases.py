@@ -156,16 +156,24 @@ def run_steps(model: Any, opt: Any, steps: range) -> tuple[list[torch.Tensor], l
 def train(family: str, steps: int, microbatches: int) -> dict[str, Any]:
     """Train one family with mpar (``mpar.init`` already called) on this replica's shard."""
     model, opt = wrap(family)
+    given = list(model.parameters())  # before partitioning: every expert, as users keep them
     losses, norms = run_steps(model, opt, range(steps))
     experts = model.stages.expert_params if model.stages is not None else frozenset()
     expert_bytes = sum(
         p.numel() * p.element_size() for p in model.local_parameters() if id(p) in experts
     )
+    held = {p.untyped_storage().data_ptr() for p in model.local_parameters()}
     return {
         "losses": torch.stack(losses),
         "norms": torch.tensor(norms),
         "state": model.state_dict(),
         "expert_bytes": expert_bytes,
+        # storage still held by parameters this rank does not keep (other ranks' experts)
+        "unheld_bytes": sum(
+            p.untyped_storage().nbytes()
+            for p in given
+            if p.untyped_storage().data_ptr() not in held
+        ),
     }
 
 
@@ -192,6 +200,7 @@ def check(
         ref = reference(family, steps, dp, m, net)
         for rank, r in enumerate(results):
             got, where = r[family], f"{family} on rank {rank}"
+            assert got.get("unheld_bytes", 0) == 0, f"{where}: other ranks' experts still held"
             torch.testing.assert_close(
                 got["losses"], ref["losses"], rtol=1e-5, atol=1e-6, msg=where
             )

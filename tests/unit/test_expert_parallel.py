@@ -104,6 +104,23 @@ def test_a_users_experts_need_a_plan():
     assert find_experts(model, {"blocks.*.experts": "replicate"}) == {}
 
 
+def test_a_pipeline_never_cuts_between_one_layers_experts():
+    """A ``ModuleList`` of experts is expanded into a unit per expert; under expert
+    parallelism the experts module is one unit again (its forward runs them as one)."""
+    from mpar.partition import find_units
+    from mpar.runtime._local_stages import _experts_whole
+
+    model = TinyMoE(MoEConfig())
+    units = find_units(model, (torch.zeros(1, 4, dtype=torch.long),))
+    assert "blocks.0.experts.experts.1" in units
+    whole = _experts_whole(units, plan_ep_layout(model, 2, MOE_EP_PLAN))
+    assert whole == [
+        "embed", "blocks.0.norm", "blocks.0.experts", "blocks.1.norm", "blocks.1.experts",
+        "norm", "head",
+    ]  # fmt: skip
+    assert _experts_whole(units, None) == units
+
+
 def test_experts_must_split_over_ep():
     with pytest.raises(EPPlanError, match=r"has 4 experts.*degree 3.*\[1, 2, 4\]"):
         plan_ep_layout(TinyMoE(MoEConfig()), 3, MOE_EP_PLAN)
