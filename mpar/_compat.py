@@ -46,8 +46,17 @@ from torch.distributed.checkpoint.metadata import (
     MetadataIndex,
     StorageMeta,
     TensorProperties,
+    TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import ReadItem, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.device_mesh import DeviceMesh
 from torch.export import Dim, ExportedProgram, ShapesCollection
 from torch.utils.flop_counter import FlopCounterMode
@@ -73,12 +82,16 @@ __all__ = [
     "Metadata",
     "MetadataIndex",
     "ReadItem",
+    "SavePlan",
+    "SavePlanner",
     "ShapesCollection",
     "StorageMeta",
     "TensorProperties",
+    "TensorStorageMetadata",
     "TensorWriteData",
     "WriteItem",
     "WriteItemType",
+    "WriteResult",
     "dcp",
     "export",
     "flatten_state_dict",

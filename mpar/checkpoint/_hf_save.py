@@ -42,6 +42,7 @@ from mpar.comm._checkpoint_comm import broadcast_object_in, checkpoint_group
 from mpar.comm._collectives import all_gather_object_pp
 from mpar.comm._types import ProcessGroup
 from mpar.errors import MparError
+from mpar.runtime import DistributedModel
 
 __all__ = ["check_model", "save_pretrained"]
 
@@ -49,15 +50,13 @@ Piece = tuple[str, int, torch.Tensor]
 """(state-dict key, first element, values) that this rank writes."""
 
 
-def check_model(model: Any, fn: str) -> None:
-    from mpar.runtime import DistributedModel
-
+def check_model(model: object, fn: str) -> None:
     if not isinstance(model, DistributedModel):
         raise TypeError(f"mpar.{fn} takes an mpar.DistributedModel, got {type(model).__name__}")
 
 
 def save_pretrained(
-    model: Any,
+    model: DistributedModel,
     path: str | os.PathLike[str],
     *,
     max_shard_size: int | str = "5GB",
@@ -85,10 +84,12 @@ def save_pretrained(
         raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
     limit = parse_size(max_shard_size)
     wait_checkpoint()  # (an asynchronous checkpoint uses the same process group)
-    group = checkpoint_group(model._st)
+    group = checkpoint_group(model.grid)
     final = Path(os.path.realpath(path))
     keys = _saved_keys(model)
-    files = plan_files([(k, model._shapes[k], model._dtypes[k]) for k in keys], limit)
+    files = plan_files(
+        [(k, model.state_keys.shapes[k], model.state_keys.dtypes[k]) for k in keys], limit
+    )
     pieces = _pieces(model)
     save = _prepare(final, files, overwrite, group, model.grid.rank)
     try:
@@ -176,7 +177,7 @@ def _write(tmp: Path, files: Sequence[FileLayout], pieces: Sequence[Piece]) -> s
     return None
 
 
-def _finish(save: PendingSave, files: Sequence[FileLayout], model: Any) -> str | None:
+def _finish(save: PendingSave, files: Sequence[FileLayout], model: DistributedModel) -> str | None:
     """Rank 0: index, config, marker, sizes checked, commit; the error text, or None."""
     try:
         write_index(save.tmp, files)
@@ -199,18 +200,18 @@ def _finish(save: PendingSave, files: Sequence[FileLayout], model: Any) -> str |
     return None
 
 
-def _saved_keys(model: Any) -> list[str]:
+def _saved_keys(model: DistributedModel) -> list[str]:
     """State-dict keys, each tensor once (tied aliases after the first left out)."""
     out: list[str] = []
     seen: set[str] = set()
-    for key in model._key_order:
+    for key in model.state_keys.order:
         if key not in seen:
             out.append(key)
-            seen.update([key, *model._aliases.get(key, ())])
+            seen.update(model.state_keys.names_of(key))
     return out
 
 
-def _pieces(model: Any) -> list[Piece]:
+def _pieces(model: DistributedModel) -> list[Piece]:
     """The elements this rank writes, in the saved dtypes."""
     from mpar.meta._owned import full_runs, local_shares, read_range, written_range
 
@@ -238,6 +239,6 @@ def _pieces(model: Any) -> list[Piece]:
             continue  # whole on every TP rank: TP rank 0 writes it
         start, stop = written_range(share)
         if start < stop:
-            values = read_range(share, start, stop).to(model._dtypes[key])
+            values = read_range(share, start, stop).to(model.state_keys.dtypes[key])
             out += [(key, a, run) for a, run in full_runs(share, share.split_rank, start, values)]
     return out

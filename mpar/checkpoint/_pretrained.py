@@ -21,15 +21,21 @@ import os
 import re
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from mpar.checkpoint._common import CheckpointError
 from mpar.checkpoint._expert_keys import Stacked, conversions_of, stacked_sources
 from mpar.checkpoint._hf_save import check_model, save_pretrained
 from mpar.checkpoint._safetensors import Checkpoint
 from mpar.errors import MparError
+
+if TYPE_CHECKING:
+    from mpar.meta._owned import Share
+    from mpar.runtime import DistributedModel
+    from mpar.shard._bucket import FlatBucket
 
 __all__ = ["PretrainedKeyError", "load_pretrained", "save_pretrained"]
 
@@ -65,13 +71,13 @@ def _mapper(key_mapping: KeyMapping) -> Callable[[str], str]:
     return apply
 
 
-def _ignored(module: Any) -> list[re.Pattern[str]]:
+def _ignored(module: nn.Module) -> list[re.Pattern[str]]:
     patterns = getattr(module, "_keys_to_ignore_on_load_unexpected", None) or []
     return [re.compile(p) for p in patterns]
 
 
 def _match(
-    model: Any, ckpt: Checkpoint, key_mapping: KeyMapping, strict: bool
+    model: DistributedModel, ckpt: Checkpoint, key_mapping: KeyMapping, strict: bool
 ) -> dict[str, Source]:
     """Model key (canonical, one per tensor) -> checkpoint key (or the per-expert keys a
     fused expert weight stacks); raises on a mismatch."""
@@ -80,7 +86,7 @@ def _match(
     renamed = {conversions.rename(to_model(ckey)): ckey for ckey in ckpt.shapes}
     by_model: dict[str, str] = {}
     unexpected: list[str] = []
-    known = set(model._key_order)
+    known = set(model.state_keys.order)
     ignored = _ignored(model.module)
     for mkey, ckey in renamed.items():
         if mkey in known:
@@ -91,22 +97,22 @@ def _match(
     missing: list[str] = []
     mismatched: list[str] = []
     seen: set[str] = set()
-    for key in model._key_order:
+    for key in model.state_keys.order:
         if key in seen:
             continue
-        names = [key, *model._aliases.get(key, ())]
+        names = list(model.state_keys.names_of(key))
         seen.update(names)
         found = next((by_model[n] for n in names if n in by_model), None)
         if found is None:
             missing.append(key)
             continue
-        want, got = model._shapes[key], ckpt.shapes[found]
+        want, got = model.state_keys.shapes[key], ckpt.shapes[found]
         if want != got:
             mismatched.append(
                 f"{found!r}: checkpoint {tuple(got)}, model {tuple(want)} (model key {key!r})"
             )
         out[key] = found
-    stacked = stacked_sources(conversions, missing, model._shapes, renamed, ckpt.shapes)
+    stacked = stacked_sources(conversions, missing, model.state_keys.shapes, renamed, ckpt.shapes)
     out.update(stacked)
     missing = [k for k in missing if k not in stacked]
     consumed = {name for found in stacked.values() for name in found.names}
@@ -128,7 +134,11 @@ def _match(
 
 
 def _report_partial(
-    model: Any, ckpt: Checkpoint, loaded: int, missing: list[str], unexpected: list[str]
+    model: DistributedModel,
+    ckpt: Checkpoint,
+    loaded: int,
+    missing: list[str],
+    unexpected: list[str],
 ) -> None:
     """``strict=False``: raise when nothing matched, else warn (rank 0) with the counts."""
     total = loaded + len(missing)
@@ -136,7 +146,7 @@ def _report_partial(
         raise PretrainedKeyError(
             f"checkpoint {ckpt.root} shares no tensor with {type(model.module).__name__} "
             f"(0 of its {len(ckpt.shapes)} tensors match the model's {total}): checkpoint keys "
-            f"look like {sorted(ckpt.shapes)[:3]}, model keys like {model._key_order[:3]}. "
+            f"look like {sorted(ckpt.shapes)[:3]}, model keys like {list(model.state_keys.order[:3])}. "
             "Is it another architecture? Rename keys with key_mapping={regex: replacement}"
         )
     if (missing or unexpected) and model.grid.rank == 0:
@@ -156,13 +166,13 @@ def _kind(dtype: torch.dtype) -> str:
     return "complex" if dtype.is_complex else "integer"
 
 
-def _check_casts(model: Any, ckpt: Checkpoint, matched: Mapping[str, Source]) -> None:
+def _check_casts(model: DistributedModel, ckpt: Checkpoint, matched: Mapping[str, Source]) -> None:
     """Refuse casts between dtype kinds (integer or bool to floating point, floating point
     to bool or integer): they lose values, and usually mean a key matched the wrong tensor."""
     lossy = []
     for key, ckey in matched.items():
         first = ckey if isinstance(ckey, str) else ckey.keys[0][0]
-        have, want = ckpt.dtype(first), model._dtypes[key]
+        have, want = ckpt.dtype(first), model.state_keys.dtypes[key]
         if _kind(have) != _kind(want):
             lossy.append(f"{ckey!r} ({str(have).removeprefix('torch.')} -> {want})")
     if lossy:
@@ -174,7 +184,7 @@ def _check_casts(model: Any, ckpt: Checkpoint, matched: Mapping[str, Source]) ->
 
 
 def load_pretrained(
-    model: Any,
+    model: DistributedModel,
     path: str | os.PathLike[str],
     *,
     key_mapping: KeyMapping = None,
@@ -207,7 +217,7 @@ def load_pretrained(
     if model.partitioned:
         _load_partitioned(model, ckpt, matched)
     elif any(t.is_meta for t in model.module.state_dict().values()):
-        model.after_partition.append(_DeferredLoad(ckpt, matched, model._aliases))
+        model.after_partition.append(_DeferredLoad(ckpt, matched, model.state_keys.aliases))
     else:
         _load_whole(model, ckpt, matched)
 
@@ -217,16 +227,19 @@ class _DeferredLoad:
     names every tensor it writes whole, so that materializing skips their init."""
 
     def __init__(
-        self, ckpt: Checkpoint, matched: Mapping[str, Source], aliases: Mapping[str, Any]
+        self,
+        ckpt: Checkpoint,
+        matched: Mapping[str, Source],
+        aliases: Mapping[str, tuple[str, ...]],
     ) -> None:
         self.ckpt, self.matched = ckpt, matched
         self.overwrites = {n for key in matched for n in [key, *aliases.get(key, ())]}
 
-    def __call__(self, model: Any) -> None:
+    def __call__(self, model: DistributedModel) -> None:
         _load_partitioned(model, self.ckpt, self.matched)
 
 
-def _load_whole(model: Any, ckpt: Checkpoint, matched: Mapping[str, Source]) -> None:
+def _load_whole(model: DistributedModel, ckpt: Checkpoint, matched: Mapping[str, Source]) -> None:
     state = model.module.state_dict()
     with torch.no_grad():
         for key, ckey in matched.items():
@@ -234,10 +247,12 @@ def _load_whole(model: Any, ckpt: Checkpoint, matched: Mapping[str, Source]) -> 
             t.copy_(_read_run(ckpt, ckey, 0, t.numel()).reshape(t.shape))
 
 
-def _load_partitioned(model: Any, ckpt: Checkpoint, matched: Mapping[str, Source]) -> None:
+def _load_partitioned(
+    model: DistributedModel, ckpt: Checkpoint, matched: Mapping[str, Source]
+) -> None:
     from mpar.meta._owned import fill_bucket, local_shares, stored_range
 
-    per_bucket: dict[int, tuple[Any, dict[int, tuple[int, torch.Tensor]]]] = {}
+    per_bucket: dict[int, tuple[FlatBucket, dict[int, tuple[int, torch.Tensor]]]] = {}
     with torch.no_grad():
         for key, share in local_shares(model).items():
             if key not in matched:
@@ -267,7 +282,7 @@ def _read_run(ckpt: Checkpoint, ckey: Source, start: int, stop: int) -> torch.Te
     return ckey.read(ckpt.read, sizes, start, stop)
 
 
-def _read(ckpt: Checkpoint, ckey: Source, share: Any, start: int, stop: int) -> torch.Tensor:
+def _read(ckpt: Checkpoint, ckey: Source, share: Share, start: int, stop: int) -> torch.Tensor:
     """Elements ``[start, stop)`` of what this rank holds of ``share``: of the tensor, or
     of its piece (TP, or a fused expert weight's rows: only the piece's blocks are read)."""
     if share.split is None:

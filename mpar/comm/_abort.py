@@ -20,7 +20,15 @@ import torch.distributed as dist
 
 from mpar.comm._shared import remove_created
 
-__all__ = ["FAILED", "exit_now", "publish_failure", "silence", "start_watcher", "stop_watcher"]
+__all__ = [
+    "FAILED",
+    "exit_now",
+    "is_stopped",
+    "publish_failure",
+    "silence",
+    "start_watcher",
+    "stop_watcher",
+]
 
 _KEY = "mpar/failure"
 _stop = threading.Event()
@@ -108,8 +116,20 @@ def silence() -> None:
 
 
 def stop_watcher() -> None:
+    """Stop the watcher thread; once it has ended, forget this run (its events too).
+    A thread still running is ending the process (another rank failed)."""
     global _client, _thread
     _stop.set()
     if _thread is not None:
         _thread.join(timeout=2 * _POLL_S + 1)
+        if _thread.is_alive():
+            return
     _client, _thread = None, None
+    for event in (_stop, _quiet, FAILED):
+        event.clear()
+
+
+def is_stopped() -> bool:
+    """Whether no watcher runs and nothing of a run is left (as at import)."""
+    events = (_stop, _quiet, FAILED)
+    return _thread is None and _client is None and not any(e.is_set() for e in events)

@@ -59,6 +59,7 @@ __all__ = [
     "clear_ep_groups",
     "ep_combine",
     "ep_dispatch",
+    "ep_groups_cleared",
     "register_ep_group",
 ]
 
@@ -87,6 +88,10 @@ def register_ep_group(key: str, group: ProcessGroup | None, size: int, rank: int
 
 def clear_ep_groups() -> None:
     _GROUPS.clear()
+
+
+def ep_groups_cleared() -> bool:
+    return not _GROUPS
 
 
 def _group(key: str) -> _EPGroup:
@@ -118,6 +123,10 @@ class Traffic:
     def reset(self) -> None:
         self.messages = self.bytes_sent = self.count_bytes = 0
         self.pairs_routed = self.pairs_received = 0
+
+    def is_fresh(self) -> bool:
+        """Nothing counted since :meth:`reset` (or import)."""
+        return self == Traffic()
 
 
 TRAFFIC = Traffic()

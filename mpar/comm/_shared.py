@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 
 from mpar._device import host_cores
+from mpar.comm import _process_state
 from mpar.errors import CommError
 
 __all__ = ["PREFIX", "SharedMemory", "available", "connect", "remove_created", "sweep"]
@@ -165,6 +166,11 @@ def remove_created() -> None:
     once: a watchdog ending, a peer's failure). Safe from any thread."""
     for path in list(_CREATED):
         _remove(path)
+
+
+_process_state.register(
+    "mpar.comm._shared._CREATED", remove_created, lambda: not _CREATED, teardown=True
+)
 
 
 def sweep(root: str | None = None) -> list[str]:

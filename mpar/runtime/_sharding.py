@@ -16,7 +16,7 @@ from mpar.runtime._precision import compute_dtype
 from mpar.runtime._split_backward import accumulate_weight_grads, deferred_linear
 from mpar.runtime._unit_hooks import Gate, group_units, install_groups
 from mpar.shard import ShardedStages
-from mpar.shard._bucket import GroupInfo
+from mpar.shard._bucket_layout import GroupInfo
 from mpar.shard._unit_gather import WeightGradHooks
 
 __all__ = ["gathered", "make_sharded"]

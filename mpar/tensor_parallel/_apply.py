@@ -277,7 +277,7 @@ def _check_inferred(
     config = getattr(module, "config", None)
     if any(type(getattr(config, a, None)) is int for a in _CONFIG_HEADS):
         return
-    probed: set[object] = set()
+    probed: set[tuple[object, ...]] = set()
     for parent_name in sorted(_parents(styles)):
         parent = module.get_submodule(parent_name) if parent_name else module
         if any(type(parent.__dict__.get(a)) is int for a in HEAD_ATTRS):
