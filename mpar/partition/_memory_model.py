@@ -460,7 +460,10 @@ def stage_extra_bytes(
     pipeline message buffers (``transfers``; default: one of each kind where a
     neighbour exists), the ZeRO-2/3 working set, one gradient bucket under data
     parallelism at ZeRO-0 (the all-reduce's flat buffer; at ZeRO >= 1 the reduction
-    reads the gradient buffer itself), and the loss when it is the last stage.
+    reads the gradient buffer itself), at ZeRO-1 under expert parallelism the experts'
+    reduced gradient shards (``1/(dp/ep)`` of their gradients, kept beside the whole
+    gradients until the step: all of them when ep = dp; measured, the plan_accuracy
+    row pp2 x dp2 ep2 ZeRO-1), and the loss when it is the last stage.
     """
     last = end == len(units)
     out = 0.0 if last else boundary_bytes(units[end - 1], layout)
@@ -472,6 +475,9 @@ def stage_extra_bytes(
     if layout.data_parallel_degree > 1 and layout.zero_stage == 0:
         grads = sum(u.grad_bytes for u in group) * layout.dtype_factor
         extra += min(layout.bucket_bytes, grads)
+    if layout.zero_stage == 1:  # the experts' reduced shards beside their whole gradients
+        edp = max(layout.data_parallel_degree // layout.expert_parallel_degree, 1)
+        extra += sum(u.expert_grad_bytes for u in group) * layout.dtype_factor / edp
     if not last:
         return extra + working
     # the loss's backward comes before the last group's: its temporaries are gone when

@@ -156,6 +156,13 @@ def test_zero_shards_expert_state_over_the_expert_data_parallel_group():
     assert sum(s.state_bytes for s in ep4.stages) == pytest.approx(
         sum(s.state_bytes for s in plan.stages), abs=64
     )  # E/4 experts each whole on its rank: the same bytes
+    # ZeRO-1: the experts' reduced gradient shards (1/(dp/ep)) sit beside their whole
+    # gradients until the step; at ep = dp the shard is all of them
+    z1 = PlanInputs(GridShape(dp=2), zero=ZeroSetup(stage=1), ep_splits=experts)
+    one = make_plan(profile, z1)
+    two = make_plan(profile, dataclasses.replace(z1, grid=GridShape(dp=2, ep=2)))
+    extra = sum(s.extra_bytes for s in two.stages) - sum(s.extra_bytes for s in one.stages)
+    assert extra == pytest.approx(4 * cfg.num_layers * _expert_params(cfg) // 2, abs=8)
 
 
 def _space(**kw) -> SearchSpace:
