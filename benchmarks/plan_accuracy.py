@@ -61,6 +61,9 @@ class Spec:
     seq: int = 64
     batch: int = 16
     """Global batch (all replicas)."""
+    experts: int = 0
+    """> 0: a mixture-of-experts GPT (``ep_peers.common.MoEGPT``: every block's MLP is
+    ``experts`` GELU MLPs of ``4 d_model`` hidden features, top-2) instead of TinyGPT."""
 
 
 @dataclass(frozen=True)
@@ -96,9 +99,11 @@ class Layout:
         off = f" offload={self.offload}" if self.offload else ""
         spec = "".join(f" {k}={v}" for k, v in self.spec.items())
         prof = f" profiled@{self.profile_batch}" if self.profile_batch else ""
+        ep = self.extra.get("expert_parallel_degree", 1)
+        eps = f" ep{ep}" if ep > 1 else ""
         return (
-            f"pp{self.pp} x dp{self.dp} z{self.zero}{ck} m{self.microbatches}{v} {self.pipeline}"
-            f"{g}{prec}{off}{spec}{prof}"
+            f"pp{self.pp} x dp{self.dp}{eps} z{self.zero}{ck} m{self.microbatches}{v} "
+            f"{self.pipeline}{g}{prec}{off}{spec}{prof}"
         )
 
     def config(self) -> dict[str, Any]:
@@ -126,6 +131,15 @@ class Layout:
 ISSUE_MODEL = {"vocab": 32000, "layers": 8}
 """Issue 27's model: a 23M-parameter GPT-style TinyGPT with a 32000-token vocabulary
 (d_model 256, 8 layers, 64 tokens), global batch 16."""
+
+
+MOE_MODEL = {"vocab": 1024, "layers": 4, "experts": 8, "batch": 8}
+"""The expert-parallel rows' model: 8 experts of 256 -> 1024 -> 256 per block (25M of
+its 27M parameters), 64 tokens, global batch 8."""
+
+
+def ep(degree: int) -> dict[str, Any]:
+    return {"expert_parallel_degree": degree}
 
 
 GRID = [
@@ -156,6 +170,11 @@ GRID = [
     Layout(1, 4, 3, microbatches=1, precision="bf16", spec=ISSUE_MODEL),
     Layout(1, 2, 0, profile_batch=8),  # microbatches of 2 samples
     Layout(1, 2, 1, True, profile_batch=1, precision="bf16"),
+    # expert parallelism (experts 1/ep per rank, their state over dp/ep, the all-to-alls)
+    Layout(1, 2, 0, microbatches=1, spec=MOE_MODEL),
+    Layout(1, 2, 0, microbatches=1, extra=ep(2), spec=MOE_MODEL),
+    Layout(1, 2, 3, microbatches=1, extra=ep(2), spec=MOE_MODEL),
+    Layout(2, 2, 1, microbatches=2, extra=ep(2), spec=MOE_MODEL),
 ]
 
 
@@ -233,6 +252,14 @@ def _model(spec: Spec) -> Any:
     from mpar.testing.models import GPTConfig, TinyGPT
 
     torch.manual_seed(0)
+    if spec.experts:
+        from ep_peers.common import EPSpec, MoEGPT
+
+        moe = EPSpec(
+            vocab=spec.vocab, d_model=spec.d_model, d_expert=4 * spec.d_model,
+            num_layers=spec.layers, num_heads=spec.heads, num_experts=spec.experts, seq=spec.seq,
+        )  # fmt: skip
+        return MoEGPT(moe)
     cfg = GPTConfig(
         vocab_size=spec.vocab,
         d_model=spec.d_model,
@@ -258,14 +285,19 @@ def _pp1_plan(spec: Spec, layout: Layout, x: Any) -> Any:
     resolved config, profiled at ``layout.profile_batch`` samples (default: the
     microbatch's) and scaled to the microbatch."""
     import mpar
+    from mpar.expert_parallel import measure_ep_splits
     from mpar.partition import make_plan, plan_inputs
     from mpar.profile import profile_model
 
     config = mpar.config()
-    inputs = plan_inputs(config, mpar.size(), device="cpu")
-    mb = spec.batch // inputs.grid.dp // config.microbatches
+    mb = spec.batch // mpar.dp_size() // config.microbatches
     profiled = layout.profile_batch or mb
-    profile = profile_model(_model(spec), (x[:profiled],), repeats=3, warmup=1)
+    model = _model(spec)
+    profile = profile_model(model, (x[:profiled],), repeats=3, warmup=1)
+    experts = None
+    if config.expert_parallel_degree > 1:
+        experts = measure_ep_splits(model, profile, ((x[:profiled],), {}), plan=config.ep_plan)
+    inputs = plan_inputs(config, mpar.size(), device="cpu", ep_splits=experts)
     return make_plan(profile, inputs, microbatch_scale=mb / profiled, microbatch_size=mb)
 
 

@@ -25,8 +25,9 @@ refuses a tensor that has any, so a traced model could not move to an XLA device
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -64,7 +65,9 @@ if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
 
 __all__ = [
+    "as_if_exporting",
     "backend_options",
+    "custom_flop_formulas",
     "CheckpointException",
     "ChunkStorageMetadata",
     "DefaultLoadPlanner",
@@ -99,6 +102,52 @@ __all__ = [
     "spec_child",
     "top_saved_tensors_hooks",
 ]
+
+
+@contextlib.contextmanager
+def as_if_exporting(active: bool = True) -> Iterator[None]:
+    """``torch.compiler.is_compiling()`` and ``is_exporting()`` true inside (when
+    ``active``), as under ``torch.export``: a run on fake tensors then takes the code path
+    the captured stages will take. (transformers' mixture-of-experts layers pick a
+    traceable grouped matmul for fp32 under it; torch's fake ``_grouped_mm`` takes bf16
+    only.)"""
+    compiler: Any = torch.compiler
+    saved = (compiler._is_compiling_flag, compiler._is_exporting_flag)
+    if active:
+        compiler._is_compiling_flag = compiler._is_exporting_flag = True
+    try:
+        yield
+    finally:
+        compiler._is_compiling_flag, compiler._is_exporting_flag = saved
+
+
+def _grouped_mm_flops(input_shape: Any, weight_shape: Any, *args: Any, **kwargs: Any) -> int:
+    """``[S, K] x [E, K, N]`` grouped by expert: each of the ``S`` rows meets one ``[K, N]``."""
+    return 2 * int(input_shape[0]) * int(input_shape[1]) * int(weight_shape[-1])
+
+
+def _grouped_mm_backward_flops(
+    input_shape: Any, weight_shape: Any, *args: Any, **kwargs: Any
+) -> int:
+    return 2 * _grouped_mm_flops(input_shape, weight_shape)  # input and weight gradients
+
+
+def custom_flop_formulas() -> dict[Any, Callable[..., int]]:
+    """FLOP formulas of custom operators ``FlopCounterMode`` cannot see into (for its
+    ``custom_mapping``): transformers' grouped matmul of mixture-of-experts layers, where
+    it is loaded."""
+    ops: Any = torch.ops
+    out: dict[Any, Callable[..., int]] = {}
+    namespace = getattr(ops, "transformers", None)
+    for name, formula in (
+        ("grouped_mm_fallback", _grouped_mm_flops),
+        ("grouped_mm_fallback_backward", _grouped_mm_backward_flops),
+    ):
+        try:
+            out[getattr(namespace, name).default] = formula
+        except (AttributeError, RuntimeError):
+            continue
+    return out
 
 
 def backend_options(backend: str, timeout: datetime.timedelta) -> Any:

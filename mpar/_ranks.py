@@ -10,6 +10,8 @@ __all__ = [
     "config",
     "dp_rank",
     "dp_size",
+    "ep_rank",
+    "ep_size",
     "local_rank",
     "local_size",
     "pp_rank",
@@ -81,3 +83,15 @@ def tp_rank() -> int:
 def tp_size() -> int:
     """Tensor-parallel degree: ranks that split each layer (1 until the config sets it)."""
     return state().grid.tp_size
+
+
+def ep_rank() -> int:
+    """Index of this rank in its expert-parallel group (0 .. ep_size() - 1): it holds
+    experts ``[ep_rank E / ep_size, (ep_rank + 1) E / ep_size)`` of each MoE layer."""
+    return state().grid.ep_rank
+
+
+def ep_size() -> int:
+    """Expert-parallel degree: ranks that split each MoE layer's experts, folded into the
+    data-parallel ranks (1 until the config sets it)."""
+    return state().grid.ep_size

@@ -45,8 +45,11 @@ STYLES: dict[str, Style] = {
     "packed_colwise": Style("colwise", packs=2),
     "replicate": Style("replicate"),
     "sequence_parallel": Style("sequence_parallel"),
+    "moe_tp_experts": Style("replicate"),
 }
-"""The style names a plan may use; ``"packed_colwise:k"`` packs ``k`` blocks."""
+"""The style names a plan may use; ``"packed_colwise:k"`` packs ``k`` blocks.
+``"moe_tp_experts"`` (Hugging Face's MoE plans name the experts module so) keeps the
+experts whole on every TP rank: ``expert_parallel_degree`` splits them."""
 
 
 def parse_style(name: object, where: str) -> Style:

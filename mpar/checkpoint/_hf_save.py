@@ -235,10 +235,10 @@ def _pieces(model: DistributedModel) -> list[Piece]:
     for key, share in shares.items():
         if share.stage != lowest[key]:
             continue
-        if share.split is None and model.grid.tp_rank != 0:
+        if share.tp_whole and model.grid.tp_rank != 0:
             continue  # whole on every TP rank: TP rank 0 writes it
-        start, stop = written_range(share, model.grid.dp_rank)
+        start, stop = written_range(share)
         if start < stop:
             values = read_range(share, start, stop).to(model.state_keys.dtypes[key])
-            out += [(key, a, run) for a, run in full_runs(share, model.grid.tp_rank, start, values)]
+            out += [(key, a, run) for a, run in full_runs(share, share.split_rank, start, values)]
     return out

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from mpar.checkpoint._common import CheckpointError
+from mpar.checkpoint._expert_keys import Stacked, conversions_of, stacked_sources
 from mpar.checkpoint._hf_save import check_model, save_pretrained
 from mpar.checkpoint._safetensors import Checkpoint
 from mpar.errors import MparError
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
 __all__ = ["PretrainedKeyError", "load_pretrained", "save_pretrained"]
 
 KeyMapping = Mapping[str, str] | Callable[[str], str] | None
+Source = str | Stacked
+"""Where a model tensor is read from: a checkpoint key, or per-expert keys stacked."""
 
 
 class PretrainedKeyError(MparError, KeyError):
@@ -75,20 +78,22 @@ def _ignored(module: nn.Module) -> list[re.Pattern[str]]:
 
 def _match(
     model: DistributedModel, ckpt: Checkpoint, key_mapping: KeyMapping, strict: bool
-) -> dict[str, str]:
-    """Model key (canonical, one per tensor) -> checkpoint key; raises on a mismatch."""
+) -> dict[str, Source]:
+    """Model key (canonical, one per tensor) -> checkpoint key (or the per-expert keys a
+    fused expert weight stacks); raises on a mismatch."""
     to_model = _mapper(key_mapping)
+    conversions = conversions_of(model.module)
+    renamed = {conversions.rename(to_model(ckey)): ckey for ckey in ckpt.shapes}
     by_model: dict[str, str] = {}
     unexpected: list[str] = []
     known = set(model.state_keys.order)
     ignored = _ignored(model.module)
-    for ckey in ckpt.shapes:
-        mkey = to_model(ckey)
+    for mkey, ckey in renamed.items():
         if mkey in known:
             by_model.setdefault(mkey, ckey)
         elif not any(p.search(ckey) for p in ignored):
             unexpected.append(ckey)
-    out: dict[str, str] = {}
+    out: dict[str, Source] = {}
     missing: list[str] = []
     mismatched: list[str] = []
     seen: set[str] = set()
@@ -107,6 +112,11 @@ def _match(
                 f"{found!r}: checkpoint {tuple(got)}, model {tuple(want)} (model key {key!r})"
             )
         out[key] = found
+    stacked = stacked_sources(conversions, missing, model.state_keys.shapes, renamed, ckpt.shapes)
+    out.update(stacked)
+    missing = [k for k in missing if k not in stacked]
+    consumed = {name for found in stacked.values() for name in found.names}
+    unexpected = [k for k in unexpected if k not in consumed]
     problems = [f"shape mismatch: {m}" for m in mismatched]
     if strict:
         problems += [f"missing keys {missing[:10]}"] if missing else []
@@ -156,12 +166,13 @@ def _kind(dtype: torch.dtype) -> str:
     return "complex" if dtype.is_complex else "integer"
 
 
-def _check_casts(model: DistributedModel, ckpt: Checkpoint, matched: Mapping[str, str]) -> None:
+def _check_casts(model: DistributedModel, ckpt: Checkpoint, matched: Mapping[str, Source]) -> None:
     """Refuse casts between dtype kinds (integer or bool to floating point, floating point
     to bool or integer): they lose values, and usually mean a key matched the wrong tensor."""
     lossy = []
     for key, ckey in matched.items():
-        have, want = ckpt.dtype(ckey), model.state_keys.dtypes[key]
+        first = ckey if isinstance(ckey, str) else ckey.keys[0][0]
+        have, want = ckpt.dtype(first), model.state_keys.dtypes[key]
         if _kind(have) != _kind(want):
             lossy.append(f"{ckey!r} ({str(have).removeprefix('torch.')} -> {want})")
     if lossy:
@@ -216,7 +227,10 @@ class _DeferredLoad:
     names every tensor it writes whole, so that materializing skips their init."""
 
     def __init__(
-        self, ckpt: Checkpoint, matched: Mapping[str, str], aliases: Mapping[str, tuple[str, ...]]
+        self,
+        ckpt: Checkpoint,
+        matched: Mapping[str, Source],
+        aliases: Mapping[str, tuple[str, ...]],
     ) -> None:
         self.ckpt, self.matched = ckpt, matched
         self.overwrites = {n for key in matched for n in [key, *aliases.get(key, ())]}
@@ -225,16 +239,16 @@ class _DeferredLoad:
         _load_partitioned(model, self.ckpt, self.matched)
 
 
-def _load_whole(model: DistributedModel, ckpt: Checkpoint, matched: Mapping[str, str]) -> None:
+def _load_whole(model: DistributedModel, ckpt: Checkpoint, matched: Mapping[str, Source]) -> None:
     state = model.module.state_dict()
     with torch.no_grad():
         for key, ckey in matched.items():
             t = state[key]
-            t.copy_(ckpt.read(ckey, 0, t.numel()).reshape(t.shape))
+            t.copy_(_read_run(ckpt, ckey, 0, t.numel()).reshape(t.shape))
 
 
 def _load_partitioned(
-    model: DistributedModel, ckpt: Checkpoint, matched: Mapping[str, str]
+    model: DistributedModel, ckpt: Checkpoint, matched: Mapping[str, Source]
 ) -> None:
     from mpar.meta._owned import fill_bucket, local_shares, stored_range
 
@@ -244,7 +258,7 @@ def _load_partitioned(
             if key not in matched:
                 continue
             start, stop = stored_range(share)
-            values = _read(ckpt, matched[key], share, model.grid.tp_rank, start, stop)
+            values = _read(ckpt, matched[key], share, start, stop)
             if share.bucket is None:
                 share.tensor.copy_(values.reshape(share.tensor.shape))
                 continue
@@ -259,12 +273,23 @@ def _load_partitioned(
             fill_bucket(bucket, given)
 
 
-def _read(
-    ckpt: Checkpoint, ckey: str, share: Share, tp_rank: int, start: int, stop: int
-) -> torch.Tensor:
-    """Elements ``[start, stop)`` of what this rank holds of ``share``: of the tensor, or
-    of its tensor-parallel piece (only the piece's blocks are read)."""
-    if share.split is None:
+def _read_run(ckpt: Checkpoint, ckey: Source, start: int, stop: int) -> torch.Tensor:
+    """Elements ``[start, stop)`` of a checkpoint tensor (or of the fused weight stacked
+    from per-expert keys: only the experts they cover are read)."""
+    if isinstance(ckey, str):
         return ckpt.read(ckey, start, stop)
-    boxes = share.split.boxes(share.shape, tp_rank)
+    sizes = [ckpt.shapes[keys[0]].numel() for keys in ckey.keys]
+    return ckey.read(ckpt.read, sizes, start, stop)
+
+
+def _read(ckpt: Checkpoint, ckey: Source, share: Share, start: int, stop: int) -> torch.Tensor:
+    """Elements ``[start, stop)`` of what this rank holds of ``share``: of the tensor, or
+    of its piece (TP, or a fused expert weight's rows: only the piece's blocks are read)."""
+    if share.split is None:
+        return _read_run(ckpt, ckey, start, stop)
+    if not isinstance(ckey, str):  # this rank's experts: a run of rows of the fused weight
+        rows = share.shape[0] // share.split.size
+        first = share.split_rank * rows * share.shape[1:].numel()
+        return _read_run(ckpt, ckey, first + start, first + stop)
+    boxes = share.split.boxes(share.shape, share.split_rank)
     return ckpt.read_piece(ckey, share.split.dim, boxes).reshape(-1)[start:stop]

@@ -85,18 +85,19 @@ def _same(t: torch.Tensor) -> torch.Tensor:
 
 def _pieces(model: DistributedModel, key: str, shape: torch.Size, dtype: torch.dtype) -> Pieces:
     """Empty pieces of the tensor under ``key``, of which this rank holds runs of
-    ``shape`` elements: the whole tensor, or its tensor-parallel piece."""
-    shard = model.tp_shard_of(key)
-    if shard is None:
+    ``shape`` elements: the whole tensor, or its piece (tensor-parallel, or a fused
+    expert weight's rows under expert parallelism)."""
+    split = model.split_of(key)
+    if split is None:
         return Pieces(shape, dtype)
     full = torch.Size(model.state_keys.shapes[key])
-    return Pieces(full, dtype, LocalSplit(full, shard, model.grid.tp_rank))
+    return Pieces(full, dtype, LocalSplit(full, *split))
 
 
 def _split_whole(model: DistributedModel, key: str, tensor: torch.Tensor) -> Entry:
-    """``tensor`` as it goes into the checkpoint: itself, or (a tensor-parallel piece)
-    :class:`Pieces` over all of it."""
-    if model.tp_shard_of(key) is None:
+    """``tensor`` as it goes into the checkpoint: itself, or (a piece: tensor-parallel,
+    or a fused expert weight's rows) :class:`Pieces` over all of it."""
+    if model.split_of(key) is None:
         return tensor
     pieces = _pieces(model, key, tensor.shape, tensor.dtype)
     pieces.add_run(tensor.view(-1), 0, tensor.numel())

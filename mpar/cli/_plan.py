@@ -22,6 +22,12 @@ With ``--global-batch`` each microbatch holds ``global-batch / dp / microbatches
 samples and the profiled microbatch's figures are scaled to it; without it, the
 profiled microbatch is the plan's. The plan prints the microbatch size it assumed.
 
+With ``--ep N`` (or the config's ``expert_parallel_degree``) on a mixture-of-experts
+model the figures are one ep rank's: its ``E/N`` experts of each MoE layer, their ZeRO
+state over the ``dp/N`` ranks holding the same experts, and each stage's time gains the
+experts' all-to-alls over ``--ep-bandwidth`` (default: the link bandwidth); ep folds
+into dp (it must divide it). See docs/expert_parallel.md.
+
 With ``--tp N`` (or the config's ``tensor_parallel_degree``) the figures are one
 tensor-parallel rank's: the model's TP plan (the config's ``tp_plan``, the model's
 own ``base_model_tp_plan``, or mpar's plan for its family) is checked at ``N`` as
@@ -41,7 +47,8 @@ With ``--auto`` the layout itself is searched (``mpar.partition.search``):
         --device-memory 80GiB --global-batch 64 [--json]
 
 tensor-parallel degree (the divisors of the world size the model's TP plan
-accepts; tp = 1 without a plan), pipeline degree, virtual stages, microbatches,
+accepts; tp = 1 without a plan), expert-parallel degree (a mixture-of-experts model:
+the divisors of dp that divide its experts per layer), pipeline degree, virtual stages, microbatches,
 schedule, ZeRO stage, offload, activation checkpointing and bf16, under the memory
 cap, fastest predicted step first. The model is profiled once (at ``--batch`` samples with ``--hf-config``,
 at the example inputs' first dimension with ``--model``) and scaled linearly to
@@ -139,6 +146,17 @@ def add_parser(
         help="bytes/s per rank in tensor-parallel collectives, e.g. 150GB for NVLink "
         "(default: the link bandwidth); 'none' leaves them out",
     )
+    parser.add_argument(
+        "--ep",
+        type=int,
+        help="expert-parallel degree for a mixture-of-experts model, folded into dp "
+        "(default: the config's expert_parallel_degree); with --auto: search only this degree",
+    )
+    parser.add_argument(
+        "--ep-bandwidth",
+        help="bytes/s per rank in the expert all-to-alls, e.g. 50GB (default: the link "
+        "bandwidth); 'none' leaves them out",
+    )
     parser.add_argument("--meta", action="store_true", help="build and profile on the meta device")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     _add_auto_arguments(parser)
@@ -219,16 +237,25 @@ def _build(spec: str, meta: bool) -> tuple[nn.Module, tuple[object, ...], dict[s
     return made[0], args, kwargs
 
 
-def _read_config(path: str | None, world_size: int, tp: int | None = None) -> Config:
+def _read_config(
+    path: str | None, world_size: int, tp: int | None = None, ep: int | None = None
+) -> Config:
     from mpar.config import Config, load_config
 
     config = load_config(path, defaults={"pipeline_parallel_degree": world_size})
+    bare = path is None and load_config(None) == Config()  # no config given (nor MPAR_CONFIG)
     if tp is not None:  # --tp wins over the config's
         if tp < 1:
             raise ValueError(f"--tp must be a positive integer, got {tp}")
         config = dataclasses.replace(config, tensor_parallel_degree=tp)
-        if path is None and load_config(None) == Config():  # no config given (nor MPAR_CONFIG)
+        if bare:
             config = dataclasses.replace(config, pipeline_parallel_degree=world_size // tp)
+    if ep is not None:  # --ep wins over the config's; it needs data parallelism to fold into
+        if ep < 1:
+            raise ValueError(f"--ep must be a positive integer, got {ep}")
+        config = dataclasses.replace(config, expert_parallel_degree=ep)
+        if bare:
+            config = dataclasses.replace(config, pipeline_parallel_degree=1)
     config.check_world_size(world_size)
     if config.auto_keys:
         raise ValueError(
@@ -357,11 +384,20 @@ def tp_bandwidth(args: argparse.Namespace, link: float | None) -> float | None:
     return None if text.lower() == "none" else parse_bandwidth(text, "--tp-bandwidth")
 
 
+def ep_bandwidth(args: argparse.Namespace, link: float | None) -> float | None:
+    """``--ep-bandwidth`` in bytes per second (the link bandwidth without it)."""
+    text = args.ep_bandwidth
+    if text is None:
+        return link
+    return None if text.lower() == "none" else parse_bandwidth(text, "--ep-bandwidth")
+
+
 def _run_plan(args: argparse.Namespace) -> str:
+    from mpar.expert_parallel import measure_ep_splits
     from mpar.partition import CostModel, make_plan
     from mpar.tensor_parallel import tp_splits
 
-    config = _read_config(args.config, args.world_size, args.tp)
+    config = _read_config(args.config, args.world_size, args.tp, args.ep)
     inputs = plan_inputs_of(args, config)
     size = microbatch_size(
         args.global_batch, inputs.grid.dp, inputs.schedule.microbatches, 1
@@ -370,6 +406,7 @@ def _run_plan(args: argparse.Namespace) -> str:
     cost = CostModel(
         link_bandwidth=link,
         tp_bandwidth=tp_bandwidth(args, link),
+        ep_bandwidth=ep_bandwidth(args, link),
         **process_overrides(args.process_memory),
     )
     profile, batch, (module, example) = _profile(args)
@@ -377,6 +414,9 @@ def _run_plan(args: argparse.Namespace) -> str:
     if tp > 1:
         splits = tp_splits(module, profile, example, [tp], user_plan=config.tp_plan, required=tp)
         inputs = dataclasses.replace(inputs, tp_splits=splits)
+    if inputs.grid.ep > 1:
+        experts = measure_ep_splits(module, profile, example, plan=config.ep_plan)
+        inputs = dataclasses.replace(inputs, ep_splits=experts)
     size = size if args.global_batch is not None else batch
     plan = make_plan(
         profile, inputs, cost=cost, microbatch_scale=size / batch, microbatch_size=size

@@ -19,7 +19,13 @@ __all__ = ["run_auto"]
 
 
 def _options(args: argparse.Namespace) -> tuple[SearchSpace, CostModel]:
-    from mpar.cli._plan import device_kind, link_bandwidth, process_overrides, tp_bandwidth
+    from mpar.cli._plan import (
+        device_kind,
+        ep_bandwidth,
+        link_bandwidth,
+        process_overrides,
+        tp_bandwidth,
+    )
     from mpar.partition import CostModel, SearchSpace
 
     if args.device_memory is None:
@@ -45,6 +51,7 @@ def _options(args: argparse.Namespace) -> tuple[SearchSpace, CostModel]:
         link_bandwidth=link,
         dp_bandwidth=dp,
         tp_bandwidth=tp_bandwidth(args, link),
+        ep_bandwidth=ep_bandwidth(args, link),
         host_bandwidth=host or 10e9,
         mixed_speedup=args.bf16_speedup,
         **process,
@@ -55,6 +62,7 @@ def _options(args: argparse.Namespace) -> tuple[SearchSpace, CostModel]:
         checkpointing=(False,) if args.no_checkpointing else (False, True),
         precisions=("fp32",) if args.no_bf16 else ("fp32", "bf16"),
         tensor_parallel_degrees=None if args.tp is None else (args.tp,),
+        expert_parallel_degrees=None if args.ep is None else (args.ep,),
     )
     return space, cost
 
@@ -63,6 +71,7 @@ def run_auto(args: argparse.Namespace, profile_fn: Callable[[argparse.Namespace]
     """Profile once, search, and format the result (table or JSON)."""
     from mpar.cli._plan import device_kind
     from mpar.config import Config
+    from mpar.expert_parallel import measure_ep_splits
     from mpar.partition import make_plan, plan_inputs, search
     from mpar.partition._plan_inputs import plan_device
     from mpar.tensor_parallel import tp_splits
@@ -74,7 +83,12 @@ def run_auto(args: argparse.Namespace, profile_fn: Callable[[argparse.Namespace]
         d for d in range(2, args.world_size + 1) if args.world_size % d == 0
     ]
     splits = tp_splits(module, profile, inputs, degrees, required=args.tp)
-    base = plan_inputs(Config(), args.world_size, device=device, tp_splits=splits)
+    experts = measure_ep_splits(module, profile, inputs)
+    if args.ep not in (None, 1) and not experts.experts:
+        raise ValueError(f"--ep {args.ep}: the model has no experts module ({experts.source})")
+    base = plan_inputs(
+        Config(), args.world_size, device=device, tp_splits=splits, ep_splits=experts
+    )
     base = dataclasses.replace(base, device_memory=parse_bytes(args.device_memory))
     result = search(
         profile,

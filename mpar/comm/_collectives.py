@@ -15,6 +15,7 @@ from mpar.comm._progress import Waiting, WatchedWork, watched
 from mpar.comm._types import ProcessGroup
 
 __all__ = [
+    "all_gather_object_ep",
     "all_gather_object_pp",
     "all_reduce_dp",
     "all_reduce_dp_async",
@@ -129,6 +130,11 @@ def _objects(group: ProcessGroup) -> bool:
 def all_gather_object_tp(obj: T, grid: ProcessGrid) -> list[T]:
     """Every tensor-parallel rank's ``obj`` (this rank's TP group), in TP rank order."""
     return _all_gather_object(obj, grid.tp_group, grid.tp_size)
+
+
+def all_gather_object_ep(obj: T, grid: ProcessGrid) -> list[T]:
+    """Every ep rank's ``obj`` (this rank's ep group), in ep rank order."""
+    return _all_gather_object(obj, grid.ep_group, grid.ep_size)
 
 
 def all_reduce_tp(tensor: torch.Tensor, grid: ProcessGrid, op: str = "sum") -> torch.Tensor:

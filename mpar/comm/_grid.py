@@ -17,10 +17,15 @@ mpar's groups, they are made with ``new_group`` (same ranks, same order) and
 
 A process group the user created before ``mpar.init`` serves as the world group
 either way: the mesh's groups are new groups inside it.
+
+Expert parallelism folds into the data-parallel ranks (:mod:`mpar.topology`): its ep
+and expert-data-parallel groups are made with ``new_group`` beside the mesh, only
+where they have more than one rank.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +58,11 @@ class ProcessGrid:
     """torch's mesh over :data:`~mpar.topology.AXES`, or None (MPI, XLA; see the module)."""
     timeout: datetime.timedelta
     """The groups' transport timeout (a new group gets the same)."""
+    ep_group: dist.ProcessGroup | None = None
+    """The ranks that split this rank's experts (None when ``ep_size`` is 1)."""
+    edp_group: dist.ProcessGroup | None = None
+    """The ranks holding this rank's experts (the dp group when ``ep_size`` is 1; None
+    when it has one rank)."""
     _made: dict[str, dist.ProcessGroup] = field(default_factory=dict, compare=False, repr=False)
     """Groups over every rank made on first use, by backend (:meth:`world_group`)."""
 
@@ -98,6 +108,33 @@ class ProcessGrid:
     def tp_ranks(self) -> list[int]:
         """Global ranks of this rank's tensor-parallel group."""
         return self.topology.tp_group(self.pp_rank, self.dp_rank)
+
+    @property
+    def ep_size(self) -> int:
+        return self.topology.ep_size
+
+    @property
+    def ep_rank(self) -> int:
+        return self.topology.ep_coordinates(self.rank)[0]
+
+    @property
+    def edp_size(self) -> int:
+        """Ranks holding the same experts: ``dp_size / ep_size``."""
+        return self.dp_size // self.ep_size
+
+    @property
+    def edp_rank(self) -> int:
+        return self.topology.ep_coordinates(self.rank)[1]
+
+    @property
+    def ep_ranks(self) -> list[int]:
+        """Global ranks of this rank's ep group, in ep-rank order."""
+        return self.topology.ep_group(self.rank)
+
+    @property
+    def edp_ranks(self) -> list[int]:
+        """Global ranks of this rank's expert-data-parallel group, in edp-rank order."""
+        return self.topology.edp_group(self.rank)
 
     def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int = 0) -> int:
         """Global rank at grid coordinates ``(pp_rank, dp_rank, tp_rank)``."""
@@ -161,11 +198,34 @@ def _with_new_groups(
     return ProcessGrid(topology, rank, mine[0], mine[1], mine[2], None, timeout)
 
 
+def _expert_groups(
+    grid: ProcessGrid, backend: str
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """This rank's ep and expert-data-parallel groups: every group of more than one
+    rank made by every rank, in the topology's order."""
+    topology, timeout = grid.topology, grid.timeout
+    if topology.ep_size == 1:
+        return None, grid.dp_group
+    found: list[dist.ProcessGroup | None] = [None, None]
+    for i, groups in enumerate((topology.ep_groups, topology.edp_groups)):
+        for ranks in groups:
+            if len(ranks) < 2:
+                continue
+            group = dist.new_group(ranks, timeout=timeout, backend=backend)
+            if grid.rank in ranks:
+                found[i] = group
+    return found[0], found[1]
+
+
 def build_process_grid(
     topology: Grid, rank: int, backends: tuple[str, str], timeout: datetime.timedelta
 ) -> ProcessGrid:
     """The process groups of ``topology`` for global ``rank`` (collective: every rank
-    calls it). ``backends``: the pipeline groups' and the data-parallel (and tp) groups'."""
+    calls it). ``backends``: the pipeline groups' and the data-parallel (and tp, ep)
+    groups'."""
     if _device.mesh_device_type(backends[1]) is not None and len(set(backends)) == 1:
-        return _with_mesh(topology, rank, backends, timeout)
-    return _with_new_groups(topology, rank, backends, timeout)
+        grid = _with_mesh(topology, rank, backends, timeout)
+    else:
+        grid = _with_new_groups(topology, rank, backends, timeout)
+    ep, edp = _expert_groups(grid, backends[1])
+    return dataclasses.replace(grid, ep_group=ep, edp_group=edp)

@@ -29,6 +29,14 @@ import torch.distributed as dist
 from mpar import _device
 from mpar.comm import _abort, _process_state, _watchdog
 from mpar.comm._consistency import check_same_config
+from mpar.comm._ep_ops import (
+    BATCH_GROUP,
+    EP_GROUP,
+    TRAFFIC,
+    clear_ep_groups,
+    ep_groups_cleared,
+    register_ep_group,
+)
 from mpar.comm._grid import ProcessGrid, build_process_grid
 from mpar.comm._nccl_rules import NcclRules
 from mpar.comm._p2p import Links
@@ -206,6 +214,7 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
         resolved.pipeline_parallel_degree,
         resolved.placement_strategy,
         resolved.tensor_parallel_degree,
+        resolved.expert_parallel_degree,
     )
     device = _device.pick_device(resolved.device, layout.local_rank)
     backend = _pick_backend(resolved, device)
@@ -218,6 +227,8 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
     _checked_same_config(resolved, layout.world_size, owns)
     grid = build_process_grid(topology, layout.rank, (world_backend, dp_backend), timeout)
     register_tp_group(TP_GROUP, grid.tp_group, grid.tp_size, grid.tp_rank)
+    register_ep_group(EP_GROUP, grid.ep_group, grid.ep_size, grid.ep_rank)
+    register_ep_group(BATCH_GROUP, grid.dp_group, grid.dp_size, grid.dp_rank)
     torch.manual_seed(resolved.seed)
     PROGRESS.reset(RECENT if resolved.trace is None else 16 * RECENT)
     if layout.world_size > 1:
@@ -363,6 +374,10 @@ _process_state.register(
 _process_state.register(
     "mpar.comm._tp_ops._GROUPS", clear_tp_groups, tp_groups_cleared, teardown=True
 )
+_process_state.register(
+    "mpar.comm._ep_ops._GROUPS", clear_ep_groups, ep_groups_cleared, teardown=True
+)
+_process_state.register("mpar.comm._ep_ops.TRAFFIC", TRAFFIC.reset, TRAFFIC.is_fresh, teardown=True)
 _process_state.register(
     "mpar.comm._lifecycle._EXIT_HOOKED", _unhook_exit, _exit_unhooked, teardown=True
 )

@@ -34,6 +34,8 @@ teardown (after the final barrier)
                                                     (``HANG_REPORTED``)
 ``mpar.comm._progress.PROGRESS``                    this rank's position and flight recorder
 ``mpar.comm._tp_ops._GROUPS``                       the tensor-parallel operators' groups
+``mpar.comm._ep_ops._GROUPS``                       the expert-parallel operators' groups
+``mpar.comm._ep_ops.TRAFFIC``                       the expert dispatch's byte and pair counts
 ``mpar.comm._shared._CREATED``                      the shared-memory files this process made
                                                     and has not removed (removed)
 ``mpar.comm._lifecycle._EXIT_HOOKED``               ``shutdown`` at exit and the failure

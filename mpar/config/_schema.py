@@ -188,6 +188,19 @@ class Config:
     ``"embedding_rowwise"``, ``"packed_colwise:k"``, ``"replicate"``); None: the model's
     own ``base_model_tp_plan``, or mpar's plan for its family (see docs/tensor_parallel.md)."""
 
+    expert_parallel_degree: int = 1
+    """Ranks that split each mixture-of-experts layer's experts (alias ``ep``): folded into
+    the data-parallel ranks (as Megatron-LM does), so it needs no extra ranks and must
+    divide dp; attention and the dense layers keep the pp x dp x tp layout. Expert
+    gradients and ZeRO state live on the expert-data-parallel group (the dp / ep ranks
+    holding the same experts). See docs/expert_parallel.md."""
+
+    ep_plan: dict[str, str] | None = field(default=None, hash=False)
+    """Module-name patterns (``*`` = one name component) -> ``"experts"`` (split this
+    experts module over the ep group) or ``"replicate"`` (keep it whole); None: the
+    Hugging Face MoE blocks found by their structure (a router beside an experts
+    module). See docs/expert_parallel.md for what an ``"experts"`` module must do."""
+
     microbatches: int = 1
     """Microbatches each step's batch is split into."""
 
@@ -313,6 +326,8 @@ class Config:
         _check_int("microbatches", self.microbatches, minimum=1)
         _check_int("tensor_parallel_degree", self.tensor_parallel_degree, minimum=1)
         _check_tp_plan(self.tp_plan)
+        _check_int("expert_parallel_degree", self.expert_parallel_degree, minimum=1)
+        _check_ep_plan(self.ep_plan)
         if not is_csv_path(self.pipeline):
             _fail_choice("pipeline", self.pipeline, PIPELINES)
         _check_int("virtual_stages", self.virtual_stages, minimum=1)
@@ -434,6 +449,12 @@ class Config:
                 "device 'xla': tensor parallelism runs on cpu and cuda only for now; use "
                 "pipeline and data parallelism (and ZeRO) on XLA"
             )
+        if self.device == "xla" and self.expert_parallel_degree > 1:
+            raise ConfigError(
+                f"config key 'expert_parallel_degree' is {self.expert_parallel_degree} with "
+                "device 'xla': expert parallelism runs on cpu and cuda only for now; use "
+                "expert_parallel_degree 1 (experts replicated, ZeRO shards them) on XLA"
+            )
         if self.device == "cpu" and self.backend == "nccl":
             raise ConfigError(
                 "config key 'backend' is 'nccl' but 'device' is 'cpu'; NCCL needs CUDA: "
@@ -461,7 +482,10 @@ class Config:
         data parallelism takes what the other axes leave."""
         self.check_world_size(world_size)
         return GridShape.for_world(
-            world_size, pp=self.pipeline_parallel_degree, tp=self.tensor_parallel_degree
+            world_size,
+            pp=self.pipeline_parallel_degree,
+            tp=self.tensor_parallel_degree,
+            ep=self.expert_parallel_degree,
         )
 
     @property
@@ -503,6 +527,20 @@ class Config:
                 "data-parallel replicas but 'ddp' is false; set 'ddp' to true or "
                 f"pipeline_parallel_degree to {world_size}"
             )
+        self._check_expert_fold(world_size, dp)
+
+    def _check_expert_fold(self, world_size: int, dp: int) -> None:
+        """Expert parallelism folds into the data-parallel ranks: ep must divide them."""
+        ep = self.expert_parallel_degree
+        if dp % ep:
+            pp, tp = self.pipeline_parallel_degree, self.tensor_parallel_degree
+            raise ConfigError(
+                f"config key 'expert_parallel_degree' is {ep}, but the world size {world_size} "
+                f"/ (pipeline_parallel_degree {pp} x tensor_parallel_degree {tp}) leaves "
+                f"{dp} data-parallel rank(s), and expert parallelism folds into them (it "
+                f"takes no ranks of its own): use an expert_parallel_degree in "
+                f"{_divisors(dp)}, or more ranks"
+            )
 
     def to_dict(self) -> dict[str, object]:
         """The configuration as canonical keys (JSON-able); unresolved keys read "auto"."""
@@ -528,6 +566,25 @@ def _check_tp_plan(plan: object) -> None:
 
     for pattern, style in plan.items():
         parse_style(style, f"config key 'tp_plan' entry {pattern!r}")
+
+
+def _check_ep_plan(plan: object) -> None:
+    if plan is None:
+        return
+    if not isinstance(plan, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in plan.items()
+    ):
+        raise ConfigTypeError(
+            "config key 'ep_plan' must be a dict from module-name patterns to 'experts' or "
+            f"'replicate' (e.g. {{'blocks.*.moe.experts': 'experts'}}) or null, got {plan!r}"
+        )
+    for pattern, style in plan.items():
+        if style not in ("experts", "replicate"):
+            raise ConfigError(
+                f"config key 'ep_plan' entry {pattern!r} has value {style!r}; allowed: "
+                "'experts' (split this experts module over the ep group), 'replicate' "
+                "(keep it whole on every rank)"
+            )
 
 
 def _divisors(n: int) -> list[int]:

@@ -15,7 +15,11 @@ different part of every parameter and no element is written twice.
 
 Under tensor parallelism a rank holds its TP piece of a split tensor
 (``Share.split``): the ranges are then of the piece's elements, and
-:func:`full_runs` maps them back to runs of the whole tensor.
+:func:`full_runs` maps them back to runs of the whole tensor. Under expert
+parallelism a fused expert weight is split the same way (its rows, by ep rank), and
+a per-expert tensor is held whole by one rank of the ep group only; the ranks holding
+the same experts are the expert-data-parallel group, the "data-parallel group" of
+those tensors here.
 """
 
 from __future__ import annotations
@@ -46,7 +50,14 @@ class Share:
     bucket: FlatBucket | None = None
     slot: SlotSpec | None = None
     split: TPShard | None = None
-    """How tensor parallelism splits it (this rank holds its piece); None: whole."""
+    """How it is split over ranks (this rank holds piece ``split_rank``); None: whole."""
+    split_rank: int = 0
+    """The piece of ``split`` this rank holds (its TP rank, or its ep rank)."""
+    copy_rank: int = 0
+    """This rank's place among the ranks holding the same values (its data-parallel
+    rank; its expert-data-parallel rank for an expert's tensor)."""
+    tp_whole: bool = True
+    """Whether every rank of the TP group holds the same values (not split by TP)."""
 
     @property
     def local_shape(self) -> torch.Size:
@@ -86,8 +97,14 @@ def local_shares(model: Any) -> dict[str, Share]:
             default=0,
         )
         bucket, slot = where.get(id(t), (None, None))
-        split = model.tp_shard_of(key)
-        out[key] = Share(key, t, keys.shapes[key], stage, bucket, slot, split)
+        split = model.split_of(key)
+        shard, split_rank = split if split is not None else (None, 0)
+        expert = model.ep_layout is not None and model.ep_layout.experts_of(key) is not None
+        copy_rank = model.grid.edp_rank if expert else model.grid.dp_rank
+        tp_whole = model.tp_shard_of(key) is None
+        out[key] = Share(
+            key, t, keys.shapes[key], stage, bucket, slot, shard, split_rank, copy_rank, tp_whole
+        )
     return out
 
 
@@ -129,13 +146,13 @@ def stored_range(share: Share) -> tuple[int, int]:
     return _in_bucket(share, share.bucket.lo, share.bucket.hi)
 
 
-def written_range(share: Share, dp_rank: int) -> tuple[int, int]:
+def written_range(share: Share) -> tuple[int, int]:
     """The elements of the tensor this rank writes (given that its pipeline rank is
     the one that writes this tensor): its bucket shard's part, or all of a tensor
-    outside buckets on data-parallel rank 0."""
+    outside buckets on the first of the ranks holding it (``copy_rank`` 0)."""
     if share.bucket is None:
-        return (0, share.numel) if dp_rank == 0 else (0, 0)
-    return _in_bucket(share, *share.bucket.spec.shard_range(dp_rank))
+        return (0, share.numel) if share.copy_rank == 0 else (0, 0)
+    return _in_bucket(share, *share.bucket.spec.shard_range(share.bucket.comm.rank))
 
 
 def read_range(share: Share, start: int, stop: int) -> torch.Tensor:

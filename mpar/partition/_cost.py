@@ -18,6 +18,8 @@ meta device) and are scaled, per layout, by:
   gathered by chunk (:func:`zero3_gathers_per_step`);
 * tensor parallelism: each unit's TP collectives per microbatch over
   ``tp_bandwidth``, added to its time (``mpar.partition._tp_share``);
+* expert parallelism: each unit's expert all-to-alls per microbatch over
+  ``ep_bandwidth``, added to its time (``mpar.partition._ep_share``);
 * offload, over ``host_bandwidth``: gradients to the host and parameters back
   (optimizer offload) plus the host optimizer at ``host_optimizer_rate``
   parameters per second; parameter shards copied in at every gather.
@@ -49,6 +51,10 @@ class CostModel:
     tp_bandwidth: float | None = 10e9
     """Per rank in tensor-parallel collectives (ring all-reduce and all-gather inside a
     TP group, usually one host's links); None leaves them out (``mpar.partition._tp_share``)."""
+    ep_bandwidth: float | None = 10e9
+    """Per rank in the expert all-to-alls (between the ranks of an ep group, which are
+    data-parallel ranks: often other hosts); None leaves them out
+    (``mpar.partition._ep_share``)."""
     host_bandwidth: float = 10e9
     """Device <-> host copies of offloaded state."""
     host_optimizer_rate: float = 1e9
@@ -97,7 +103,7 @@ class CostModel:
                 raise PartitionError(
                     f"{name} must be >= 0 bytes (0 leaves it out), got {getattr(self, name)!r}"
                 )
-        for name in ("link_bandwidth", "dp_bandwidth", "tp_bandwidth"):
+        for name in ("link_bandwidth", "dp_bandwidth", "tp_bandwidth", "ep_bandwidth"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise PartitionError(f"{name} must be > 0 or None, got {value!r}")

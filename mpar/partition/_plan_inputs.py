@@ -43,6 +43,7 @@ from mpar.topology import GridShape
 
 if TYPE_CHECKING:
     from mpar.config import Config, PrecisionKind
+    from mpar.partition._ep_share import EPSplits
     from mpar.partition._tp_share import TPSplits
 
 __all__ = [
@@ -135,6 +136,9 @@ class PlanInputs:
     tp_splits: TPSplits | None = field(default=None, repr=False)
     """What the model's TP plan splits in each unit and the degrees it accepts
     (``mpar.partition._tp_share``); needed when ``grid.tp > 1``."""
+    ep_splits: EPSplits | None = field(default=None, repr=False)
+    """What the model's experts weigh and route in each unit
+    (``mpar.partition._ep_share``); needed when ``grid.ep > 1``."""
 
     def __post_init__(self) -> None:
         plan_device(self.device)
@@ -163,6 +167,7 @@ class PlanInputs:
             gather=effective_gather(s.pipeline, zero.gather),
             device=self.device,
             weight_work=split,
+            expert_parallel_degree=self.grid.ep,
         )
 
 
@@ -182,6 +187,7 @@ def plan_inputs(
     *,
     device: PlanDevice,
     tp_splits: TPSplits | None = None,
+    ep_splits: EPSplits | None = None,
 ) -> PlanInputs:
     """The planner's inputs for ``config`` on ``grid``: the job's grid shape (the
     runtime's ``Grid.shape``, checked against the config's degrees) or its world size
@@ -189,7 +195,9 @@ def plan_inputs(
 
     ``device`` is the kind the ranks compute on (the config's ``device`` resolved:
     ``"auto"`` is CUDA where there is one); ``tp_splits`` what the model's TP plan
-    splits (``mpar.tensor_parallel.measure_tp_splits``), needed at ``tp > 1``.
+    splits (``mpar.tensor_parallel.measure_tp_splits``), needed at ``tp > 1``;
+    ``ep_splits`` what its experts weigh (``mpar.expert_parallel.measure_ep_splits``),
+    needed at ``ep > 1``.
     """
     shape = config.grid_shape(grid if isinstance(grid, int) else grid.world_size)
     if not isinstance(grid, int) and grid != shape:
@@ -222,6 +230,7 @@ def plan_inputs(
         optimize=config.optimize,
         memory_weight=config.memory_weight,
         tp_splits=tp_splits,
+        ep_splits=ep_splits,
     )
 
 
@@ -252,6 +261,8 @@ def config_dict(inputs: PlanInputs) -> ConfigDict:
         "fp16": inputs.precision == "fp16",
         "memory_weight": inputs.memory_weight,
     }
+    if inputs.grid.ep > 1:
+        config["expert_parallel_degree"] = inputs.grid.ep
     if inputs.optimize != "speed":
         config["optimize"] = inputs.optimize
     if s.active_microbatches is not None:

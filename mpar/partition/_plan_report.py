@@ -47,7 +47,8 @@ class StagePlan:
     extra_bytes: int = 0
     """Kept boundary tensors, send/receive buffers, a gradient bucket, the loss (last stage)."""
     tp_comm_s: float = 0.0
-    """Seconds per microbatch of the stage's tensor-parallel collectives (in ``time_s``)."""
+    """Seconds per microbatch of the stage's tensor-parallel collectives and expert
+    all-to-alls (in ``time_s``)."""
 
 
 @dataclass
@@ -102,6 +103,13 @@ class Plan:
     """Under a split-backward schedule (zero_bubble, zbv): 1F1B's predicted step over this
     schedule's on the same stages; below 1 the split costs more than the bubble it fills.
     None for other schedules."""
+    expert_parallel_degree: int = 1
+    """Ranks that split each MoE layer's experts; the figures are one ep rank's
+    (``mpar.partition._ep_share``)."""
+    ep_bandwidth: float | None = None
+    """Bytes per second per rank in the expert all-to-alls; None when not modelled."""
+    ep_comm_bytes: list[int] = field(default_factory=list)
+    """Per pipeline rank: bytes one rank sends in expert all-to-alls per step."""
 
     def to_dict(self) -> PlanDict:
         return asdict(self)
@@ -157,10 +165,11 @@ def _row(s: StagePlan) -> tuple[str, ...]:
 
 def render(plan: Plan) -> str:
     """The plan as the table ``mpar plan`` prints."""
-    tp = plan.tensor_parallel_degree
+    tp, ep = plan.tensor_parallel_degree, plan.expert_parallel_degree
     head = (
         f"pipeline plan: {plan.num_ranks} ranks x {plan.virtual_stages} virtual stages, "
         f"{f'tensor parallel x{tp}, ' if tp > 1 else ''}"
+        f"{f'expert parallel x{ep}, ' if ep > 1 else ''}"
         f"{plan.microbatches} microbatches, {plan.pipeline}, method={plan.method}, "
         f"memory_weight={plan.memory_weight:g}"
     )
@@ -175,6 +184,7 @@ def render(plan: Plan) -> str:
     ]
     lines += _gather_note(plan.layout, plan.pipeline)
     lines += _tp_note(plan)
+    lines += _ep_note(plan)
     lines += _host_note(plan)
     lines += _split_note(plan)
     return "\n".join([*lines, "", _summary(plan)])
@@ -215,6 +225,21 @@ def _tp_note(plan: Plan) -> list[str]:
         f"tensor parallel x{tp} ({plan.tp_source}): figures are one TP rank's (split "
         f"parameters and their state 1/{tp}, activations in split regions 1/{tp}); TP "
         f"collectives send {sent} per rank per step over {link} (in each stage's time ms)"
+    ]
+
+
+def _ep_note(plan: Plan) -> list[str]:
+    """What expert parallelism does to the figures, when it is on."""
+    ep = plan.expert_parallel_degree
+    if ep == 1:
+        return []
+    link = "not modelled" if plan.ep_bandwidth is None else f"{_fmt(plan.ep_bandwidth)}/s"
+    sent = _fmt(max(plan.ep_comm_bytes, default=0))
+    return [
+        f"expert parallel x{ep}: figures are one ep rank's (its experts 1/{ep}, their "
+        f"ZeRO state over the {plan.layout.data_parallel_degree // ep} rank(s) holding the "
+        f"same experts); expert all-to-alls send {sent} per rank per step over {link} "
+        "(in each stage's time ms)"
     ]
 
 

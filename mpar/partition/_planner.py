@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Literal
 
 from mpar.errors import PartitionError
 from mpar.partition._cost import CostModel, step_overhead_s
+from mpar.partition._ep_share import ep_comm_s, ep_share
 from mpar.partition._memory_model import (
     MemoryLayout,
     MessageCounts,
@@ -112,7 +113,7 @@ def make_plan(
         microbatch_size: samples per microbatch, only reported.
     """
     cost = cost or CostModel()
-    share = _tp_profile(profile, inputs)
+    share = _ep_profile(_tp_profile(profile, inputs), inputs)
     _check(share, inputs, method)
     laid = lay_out(share, inputs, cost=cost, microbatch_scale=microbatch_scale, method=method)
     makespan, bubble = predict(laid.stages, inputs, cost)
@@ -146,6 +147,9 @@ def make_plan(
         tp_comm_bytes=tp_step_bytes(laid.stages, share.units, laid.layout, inputs),
         tp_source=splits.source if grid.tp > 1 and splits is not None else "",
         split_backward_gain=split_backward_gain(laid.stages, inputs, cost),
+        expert_parallel_degree=grid.ep,
+        ep_bandwidth=cost.ep_bandwidth if grid.ep > 1 else None,
+        ep_comm_bytes=ep_step_bytes(laid.stages, share.units, laid.layout, inputs),
     )
 
 
@@ -160,6 +164,19 @@ def _tp_profile(profile: ModelProfile, inputs: PlanInputs) -> ModelProfile:
             "model's TP plan splits, from mpar.tensor_parallel.measure_tp_splits)"
         )
     return tp_share(profile, inputs.tp_splits, tp)
+
+
+def _ep_profile(profile: ModelProfile, inputs: PlanInputs) -> ModelProfile:
+    """One ep rank's share of ``profile`` (``profile`` itself at ep = 1)."""
+    ep = inputs.grid.ep
+    if ep == 1:
+        return profile
+    if inputs.ep_splits is None:
+        raise PartitionError(
+            f"expert_parallel_degree {ep} needs ep_splits in the plan inputs (what the "
+            "model's experts weigh, from mpar.expert_parallel.measure_ep_splits)"
+        )
+    return ep_share(profile, inputs.ep_splits, ep, inputs.grid.dp)
 
 
 def _check(profile: ModelProfile, inputs: PlanInputs, method: str) -> None:
@@ -216,7 +233,11 @@ def lay_out(
     )
     cap = None if cap_rank is None else max((cap_rank - process) / v - reserve, 0.0)
     comm = _comm(units, layout, cost.link_bandwidth)
-    tp = [tp_comm_s(u, microbatch_scale * layout.dtype_factor, cost.tp_bandwidth) for u in units]
+    scale = microbatch_scale * layout.dtype_factor
+    tp = [
+        tp_comm_s(u, scale, cost.tp_bandwidth) + ep_comm_s(u, scale, cost.ep_bandwidth)
+        for u in units
+    ]
     compute = [_unit_time(u, layout, cost) + t for u, t in zip(units, tp)]
     starts = _boundaries(profile, method, p * v, memory, weight, cap, comm, compute)
     home = _placement(s.pipeline, p * v, p)
@@ -365,6 +386,21 @@ def tp_step_bytes(
     scale = layout.microbatch_scale * layout.dtype_factor * inputs.schedule.microbatches
     return [
         int(scale * sum(by_name[n].tp_comm_bytes for s in stages if s.rank == r for n in s.units))
+        for r in range(inputs.grid.pp)
+    ]
+
+
+def ep_step_bytes(
+    stages: Sequence[StagePlan],
+    units: Sequence[UnitProfile],
+    layout: MemoryLayout,
+    inputs: PlanInputs,
+) -> list[int]:
+    """Per rank: bytes one rank sends in expert all-to-alls per step (every microbatch)."""
+    by_name = {u.name: u for u in units}
+    scale = layout.microbatch_scale * layout.dtype_factor * inputs.schedule.microbatches
+    return [
+        int(scale * sum(by_name[n].ep_comm_bytes for s in stages if s.rank == r for n in s.units))
         for r in range(inputs.grid.pp)
     ]
 

@@ -7,6 +7,11 @@
   without a plan gets ``tp = 1`` only. Each degree is laid out from one TP rank's
   share of the profile (``mpar.partition._tp_share.tp_share``: split parameters and
   activations ``1/tp``, TP collectives added to each unit's time);
+* expert-parallel degree ``ep`` (a mixture-of-experts model: ``inputs.ep_splits``):
+  the divisors of ``dp`` that divide every MoE layer's expert count
+  (``EPSplits.degrees``), laid out from one ep rank's share (``mpar.partition._ep_share``:
+  its experts ``1/ep``, their ZeRO state over ``dp / ep`` ranks, the all-to-alls added
+  to each unit's time); ``ep = 1`` for other models;
 * pipeline degree ``pp``: the divisors of ``world / tp`` (``dp = world / (pp * tp)``;
   the global batch must split evenly over the ``dp`` replicas);
 * microbatches ``m``: the divisors of the per-replica batch, so every microbatch
@@ -41,6 +46,7 @@ from typing import TYPE_CHECKING
 from mpar._size import parse_bytes
 from mpar.errors import PartitionError
 from mpar.partition._cost import CostModel
+from mpar.partition._ep_share import EPSplits, ep_share
 from mpar.partition._plan_inputs import ConfigDict, PlanInputs, config_dict
 from mpar.partition._planner import lay_out, rank_overheads
 from mpar.partition._prediction import lower_bound_s, predict
@@ -76,6 +82,7 @@ TP_REFUSED = "tensor-parallel degree the model's plan refuses (heads or sizes no
 NO_TP_PLAN = "tensor-parallel degree > 1 for a model without a TP plan"
 TP_PP = "pipeline degree that does not divide world / tp"
 ACTIVE = "active_microbatches the schedule cannot run with (above m, or below its least)"
+EP_REFUSED = "expert-parallel degree that does not divide dp or the experts per layer"
 
 Shape = tuple[int, int, int, str, int]
 """(pp, dp, microbatches, pipeline, virtual stages) of a candidate."""
@@ -105,6 +112,9 @@ class SearchSpace:
     tensor_parallel_degrees: tuple[int, ...] | None = None
     """Only these TP degrees (None: every divisor of the world size the model's plan
     accepts; 1 without a plan)."""
+    expert_parallel_degrees: tuple[int, ...] | None = None
+    """Only these ep degrees (None: every divisor of dp that the model's expert counts
+    take; 1 without experts)."""
 
     def __post_init__(self) -> None:
         bad = [p for p in self.pipelines if p not in SEARCHABLE]
@@ -155,6 +165,11 @@ class Candidate:
     def tensor_parallel_degree(self) -> int:
         """Ranks splitting each layer; the memory figures are one TP rank's."""
         return self.inputs.grid.tp
+
+    @property
+    def expert_parallel_degree(self) -> int:
+        """Ranks splitting each MoE layer's experts (folded into dp)."""
+        return self.inputs.grid.ep
 
     @property
     def virtual_stages(self) -> int:
@@ -222,6 +237,7 @@ class Candidate:
             "device": i.device,
             "host_memory_bytes": list(self.host_memory_bytes),
             "tensor_parallel_degree": i.grid.tp,
+            "expert_parallel_degree": i.grid.ep,
             "max_host_memory_bytes": self.max_host_memory_bytes,
         }
 
@@ -246,6 +262,8 @@ class SearchResult:
     """The cap on each rank's host memory (None: none)."""
     tp_degrees: tuple[int, ...] = (1,)
     """The TP degrees searched."""
+    ep_degrees: tuple[int, ...] = (1,)
+    """The ep degrees searched."""
 
     @property
     def best(self) -> Candidate:
@@ -262,6 +280,8 @@ class SearchResult:
             "config": best.config(),
             "tensor_parallel_degree": best.tensor_parallel_degree,
             "tp_degrees": list(self.tp_degrees),
+            "expert_parallel_degree": best.expert_parallel_degree,
+            "ep_degrees": list(self.ep_degrees),
             "predicted": {
                 "step_time_s": best.step_time_s,
                 "bubble": best.bubble,
@@ -377,7 +397,7 @@ def _runs(base: PlanInputs, shape: Shape) -> bool:
     return cap is None or least_active_microbatches(pipeline, pp, v) <= cap <= m
 
 
-def _inputs(base: PlanInputs, shape: Shape, knobs: Knobs, tp: int) -> PlanInputs:
+def _inputs(base: PlanInputs, shape: Shape, knobs: Knobs, tp: int, ep: int = 1) -> PlanInputs:
     """The run of one candidate: ``base`` (device, its memory, the TP splits, the ZeRO
     gather and bucket, the cap and split backward) with the candidate's knobs, laid
     out for speed under the cap (memory weight 0)."""
@@ -385,7 +405,7 @@ def _inputs(base: PlanInputs, shape: Shape, knobs: Knobs, tp: int) -> PlanInputs
     zero, opt, par, ckpt, precision = knobs
     return dataclasses.replace(
         base,
-        grid=GridShape(pp=pp, dp=dp, tp=tp),
+        grid=GridShape(pp=pp, dp=dp, tp=tp, ep=ep),
         schedule=dataclasses.replace(
             base.schedule, pipeline=pipeline, virtual_stages=v, microbatches=m
         ),
@@ -429,7 +449,7 @@ def _simulate(profile: ModelProfile, c: Candidate, scale: float, cost: CostModel
 
 
 def _rank(
-    profiles: dict[int, ModelProfile],
+    profiles: dict[tuple[int, int], ModelProfile],
     fitting: list[tuple[Candidate, float]],
     top: int,
     cost: CostModel,
@@ -442,7 +462,8 @@ def _rank(
         if len(best) >= top and cand.lower_bound_s > -best[0][0]:
             skipped = len(fitting) - order
             break
-        _simulate(profiles[cand.tensor_parallel_degree], cand, scale, cost)
+        key_of = (cand.tensor_parallel_degree, cand.expert_parallel_degree)
+        _simulate(profiles[key_of], cand, scale, cost)
         key = (-(cand.step_time_s or 0.0), -cand.max_rank_memory_bytes, -order, cand)
         if len(best) < top:
             heapq.heappush(best, key)
@@ -456,6 +477,7 @@ def _preference(c: Candidate) -> tuple[float, ...]:
     time = float(f"{c.step_time_s or 0.0:.9g}")
     features = (
         c.tensor_parallel_degree,
+        c.expert_parallel_degree,
         c.zero_stage,
         c.offload_optimizer + c.offload_params,
         c.activation_checkpointing,
@@ -501,28 +523,34 @@ def search(
     fitting: list[tuple[Candidate, float]] = []
     evaluated = 0
     splits = inputs.tp_splits or TPSplits.none()
-    profiles: dict[int, ModelProfile] = {}
+    experts = inputs.ep_splits or EPSplits()
+    profiles: dict[tuple[int, int], ModelProfile] = {}
+    searched: list[int] = []
     for tp in _tp_degrees(world_size, space, splits, reject):
         tp_space = _space_for(space, world_size // tp, reject)
         if tp_space is None:
             continue
-        profiles[tp] = tp_profile = tp_share(profile, splits, tp)
+        searched.append(tp)
+        tp_profile = tp_share(profile, splits, tp)
         for shape in _shapes(len(profile.units), world_size // tp, global_batch, tp_space, reject):
             if not _runs(inputs, shape):
                 reject[ACTIVE] += 1
                 continue
             size = global_batch // shape[1] // shape[2]
-            for knobs in _knobs(shape[1], space, reject, inputs.device):
-                evaluated += 1
-                scale = size / profile_batch
-                run = _inputs(inputs, shape, knobs, tp)
-                cand = _evaluate(tp_profile, run, size, scale, cost)
-                if cand is None:
-                    reject[OVER_CAP] += 1
-                elif _over_host(cand, host_cap):
-                    reject[OVER_HOST] += 1
-                else:
-                    fitting.append((cand, scale))
+            for ep in _ep_degrees(shape[1], space, experts, reject):
+                if (tp, ep) not in profiles:
+                    profiles[tp, ep] = ep_share(tp_profile, experts, ep, shape[1])
+                for knobs in _knobs(shape[1], space, reject, inputs.device):
+                    evaluated += 1
+                    scale = size / profile_batch
+                    run = _inputs(inputs, shape, knobs, tp, ep)
+                    cand = _evaluate(profiles[tp, ep], run, size, scale, cost)
+                    if cand is None:
+                        reject[OVER_CAP] += 1
+                    elif _over_host(cand, host_cap):
+                        reject[OVER_HOST] += 1
+                    else:
+                        fitting.append((cand, scale))
     count = len(fitting)
     ranked, skipped = _rank(profiles, fitting, top, cost)
     if skipped:
@@ -530,7 +558,8 @@ def search(
     return SearchResult(
         ranked, dict(reject), evaluated, count, world_size, global_batch,
         inputs.device_memory or 0, profile_batch, cost, space, device=inputs.device,
-        host_memory=host_cap, tp_degrees=tuple(profiles),
+        host_memory=host_cap, tp_degrees=tuple(searched),
+        ep_degrees=tuple(sorted({ep for _, ep in profiles})) or (1,),
         notes=_tp_notes(world_size, space, splits),
     )  # fmt: skip
 
@@ -564,6 +593,7 @@ def space_around(inputs: PlanInputs, auto: Collection[str]) -> SearchSpace:
         virtual_stage_choices=None if "virtual_stages" in auto else (s.virtual_stages,),
         microbatch_choices=None if "microbatches" in auto else (s.microbatches,),
         tensor_parallel_degrees=(inputs.grid.tp,),
+        expert_parallel_degrees=(inputs.grid.ep,),
     )
 
 
@@ -585,13 +615,25 @@ def _tp_degrees(
     return out
 
 
+def _ep_degrees(dp: int, space: SearchSpace, experts: EPSplits, reject: Counter[str]) -> list[int]:
+    """ep degrees to search at ``dp`` data-parallel ranks: divisors of ``dp`` (or
+    ``space``'s) that divide every MoE layer's experts."""
+    fits = experts.degrees(dp) if experts.experts else [1]
+    wanted = space.expert_parallel_degrees or tuple(fits)
+    kept = [ep for ep in wanted if ep in fits]
+    if len(kept) < len(wanted):
+        reject[EP_REFUSED] += len(wanted) - len(kept)
+    return kept
+
+
 def _space_for(space: SearchSpace, world: int, reject: Counter[str]) -> SearchSpace | None:
     """``space`` with the pipeline degrees that divide ``world`` (= world / tp); None
     when none does."""
     if space.pipeline_degrees is None:
         return space
     kept = tuple(pp for pp in space.pipeline_degrees if world % pp == 0)
-    reject[TP_PP] += len(space.pipeline_degrees) - len(kept)
+    if len(kept) < len(space.pipeline_degrees):  # a rejection count is never 0
+        reject[TP_PP] += len(space.pipeline_degrees) - len(kept)
     return dataclasses.replace(space, pipeline_degrees=kept) if kept else None
 
 
@@ -638,9 +680,10 @@ def _row(rank: int, c: Candidate) -> tuple[str, ...]:
     offload = "+".join(
         n for n, on in (("opt", c.offload_optimizer), ("param", c.offload_params)) if on
     )
+    ep = f" ep{c.expert_parallel_degree}" if c.expert_parallel_degree > 1 else ""
     return (
         str(rank),
-        f"{c.pipeline_parallel_degree}x{c.data_parallel_degree}x{c.tensor_parallel_degree}",
+        f"{c.pipeline_parallel_degree}x{c.data_parallel_degree}x{c.tensor_parallel_degree}{ep}",
         str(c.virtual_stages),
         f"{c.microbatches}x{c.microbatch_size}",
         c.pipeline,
@@ -680,12 +723,17 @@ def render(result: SearchResult) -> str:
     lines += [
         "",
         f"cost model: links {cost.link_bandwidth}, dp {cost.dp_bandwidth}, tp "
-        f"{cost.tp_bandwidth}, host "
+        f"{cost.tp_bandwidth}, {_ep_bandwidth(result)}host "
         f"{cost.host_bandwidth} B/s; bf16 speedup x{cost.mixed_speedup:g}; profiled at "
         f"{result.profile_batch} sample(s) per microbatch, scaled linearly",
         _where_note(result.device),
     ]
     return "\n".join(lines)
+
+
+def _ep_bandwidth(result: SearchResult) -> str:
+    """The all-to-alls' bandwidth, where expert parallelism was searched."""
+    return f"ep {result.cost.ep_bandwidth}, " if max(result.ep_degrees) > 1 else ""
 
 
 def _where_note(device: str) -> str:

@@ -224,8 +224,26 @@ def solve(
     cap = math.inf if memory_cap is None else float(memory_cap)
     starts = _min_bottleneck(costs, num_stages, cap)
     if starts is None:
-        raise PartitionError(_no_fit_message(list(memory or []), num_stages, cap, names))
+        raise _NoFit(list(memory or []), num_stages, cap, names)
     return starts
+
+
+class _NoFit(PartitionError):
+    """No split fits the memory cap; the message (which solves again for the least
+    memory that fits) is made only when read: the layout search refuses thousands of
+    candidates this way and reads none of their messages."""
+
+    def __init__(
+        self, memory: list[float], num_stages: int, cap: float, names: Sequence[str] | None
+    ) -> None:
+        super().__init__()
+        self._why = (memory, num_stages, cap, names)
+
+    def __str__(self) -> str:
+        return _no_fit_message(*self._why)
+
+    def __reduce__(self) -> tuple[type[PartitionError], tuple[str]]:
+        return PartitionError, (str(self),)  # crosses processes as its message
 
 
 def min_memory_for(memory: Sequence[float], num_stages: int) -> float:

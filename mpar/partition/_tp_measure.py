@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from mpar._compat import FakeTensorMode, pytree
+from mpar._compat import FakeTensorMode, as_if_exporting, pytree
 from mpar.partition._tp_share import UnitSplit
 from mpar.profile import OPTIMIZER_BYTES_PER_PARAM, preserved_state
 
@@ -208,7 +208,8 @@ def _running(
             ),
             (args, kwargs),
         )
-    with preserved_state(module), fake if fake is not None else contextlib.nullcontext():
+    context = fake if fake is not None else contextlib.nullcontext()
+    with preserved_state(module), context, as_if_exporting(fake is not None):
         fakes = [fake.from_tensor(t) for t in state] if fake is not None else []
         exclude = {t.untyped_storage()._cdata for t in [*state, *fakes]}
         yield args, kwargs, exclude

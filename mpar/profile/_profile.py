@@ -37,7 +37,13 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from mpar import _device
-from mpar._compat import FakeTensorMode, FlopCounterMode, pytree
+from mpar._compat import (
+    FakeTensorMode,
+    FlopCounterMode,
+    as_if_exporting,
+    custom_flop_formulas,
+    pytree,
+)
 from mpar.errors import PartitionError
 from mpar.profile._units import find_units
 
@@ -92,6 +98,15 @@ class UnitProfile:
     tp_comm_bytes: int = 0
     """Bytes one rank sends over its tensor-parallel group per microbatch (forward and
     backward collectives); 0 except in a TP rank's profile (``mpar.partition._tp_share``)."""
+    expert_param_bytes: int = 0
+    """Of ``param_bytes``, this rank's experts' under expert parallelism (ZeRO shards them
+    over the expert-data-parallel group); 0 except in an ep rank's profile
+    (``mpar.partition._ep_share``)."""
+    expert_grad_bytes: int = 0
+    """Of ``grad_bytes``, this rank's experts' (see ``expert_param_bytes``)."""
+    ep_comm_bytes: int = 0
+    """Bytes one rank sends in the expert all-to-alls per microbatch (forward and
+    backward); 0 except in an ep rank's profile."""
     weight_work_bytes: int = 0
     """Bytes a split backward keeps from the unit's I until its W for one microbatch:
     the input and the output gradient of each linear layer whose weight W computes
@@ -394,7 +409,8 @@ def _profile_unit_inner(
     counter = _SavedCounter(exclude)
     saved_hooks = torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t)
     weight_work = _WeightWorkCounter()
-    with FlopCounterMode(display=False) as flop_mode, saved_hooks, weight_work:
+    flops_of = FlopCounterMode(display=False, custom_mapping=custom_flop_formulas())
+    with flops_of as flop_mode, saved_hooks, weight_work:
         for a, kw, _out in calls:
             _fwd_bwd(unit, a, kw, params)
     flops = int(flop_mode.get_total_flops())
@@ -521,7 +537,8 @@ def profile_model(
             lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x,
             _to_meta((args, kwargs)) if on_meta else (args, kwargs),
         )
-    with preserved_state(module), fake if fake is not None else contextlib.nullcontext():
+    context = fake if fake is not None else contextlib.nullcontext()
+    with preserved_state(module), context, as_if_exporting(fake is not None):
         # The fake copies of parameters that ops make, kept alive so every op gets the same.
         fakes = [fake.from_tensor(t) for t in _state(module)] if fake is not None else []
         names = list(units) if units is not None else find_units(module, args, kwargs)

@@ -30,14 +30,17 @@ from torch import nn
 from mpar import _device
 from mpar.comm import State
 from mpar.comm._collectives import broadcast_object_world
+from mpar.comm._ep_ops import BATCH_GROUP, EP_GROUP
 from mpar.comm._tp_ops import TP_GROUP
 from mpar.errors import PartitionError
+from mpar.expert_parallel import EPLayout, apply_ep_layout, install_router_aux
 from mpar.runtime._precision import cast_floats, compute_dtype
 from mpar.tensor_parallel import TPLayout, apply_layout
 
 if TYPE_CHECKING:
     from mpar.config import Config
     from mpar.partition import Plan, PlanInputs
+    from mpar.partition._ep_share import EPSplits
     from mpar.partition._tp_share import TPSplits
     from mpar.topology import Grid
 
@@ -62,17 +65,26 @@ class LocalStages:
     """Ranks of the tensor-parallel group that split these stages' layers."""
     tp_split: frozenset[int] = frozenset()
     """``id`` of every parameter tensor parallelism split (the rest are replicated over TP)."""
+    expert_params: frozenset[int] = frozenset()
+    """``id`` of every parameter of this rank's experts under expert parallelism (their
+    gradients and ZeRO state live on the expert-data-parallel group)."""
 
 
 def planner_inputs(
-    config: Config, grid: Grid, device: torch.device, tp_splits: TPSplits | None = None
+    config: Config,
+    grid: Grid,
+    device: torch.device,
+    tp_splits: TPSplits | None = None,
+    ep_splits: EPSplits | None = None,
 ) -> PlanInputs:
     """What the partition and the ``"auto"`` search plan for: ``config`` on this job's
-    ``grid`` (``ProcessGrid.topology``) and ``device``, with the model's TP splits."""
+    ``grid`` (``ProcessGrid.topology``) and ``device``, with the model's TP splits (and
+    what its experts weigh under expert parallelism)."""
     from mpar.partition import plan_inputs
     from mpar.partition._plan_inputs import plan_device
 
-    return plan_inputs(config, grid.shape, device=plan_device(device.type), tp_splits=tp_splits)
+    kind = plan_device(device.type)
+    return plan_inputs(config, grid.shape, device=kind, tp_splits=tp_splits, ep_splits=ep_splits)
 
 
 def _decide_boundaries(
@@ -82,7 +94,9 @@ def _decide_boundaries(
     units: list[str],
     st: State,
     tp: TPLayout | None = None,
+    ep: EPLayout | None = None,
 ) -> tuple[list[int], Plan | None]:
+    from mpar.expert_parallel import measure_ep_splits
     from mpar.partition import make_plan, manual_boundaries
     from mpar.profile import profile_mode, profile_model
     from mpar.tensor_parallel import measure_tp_splits
@@ -113,7 +127,11 @@ def _decide_boundaries(
     profile = profile_model(module, args, kwargs, units=units, repeats=3, warmup=1, mode=mode)
     module.zero_grad(set_to_none=True)
     splits = None if tp is None else measure_tp_splits(module, profile, tp, (args, kwargs))
-    plan = make_plan(profile, planner_inputs(cfg, st.grid.topology, st.device, splits))
+    experts = None
+    if ep is not None:
+        experts = measure_ep_splits(module, profile, (args, kwargs), plan=cfg.ep_plan)
+    inputs = planner_inputs(cfg, st.grid.topology, st.device, splits, experts)
+    plan = make_plan(profile, inputs)
     return list(plan.boundaries), plan
 
 
@@ -168,15 +186,18 @@ def build_local_stages(
     *,
     dynamic_axes: Sequence[int] = (0,),
     tp: TPLayout | None = None,
+    ep: EPLayout | None = None,
 ) -> LocalStages:
     """Partition ``module`` (identically on every rank) and keep this rank's stages;
     traced stages accept any size of the ``dynamic_axes`` of their inputs. With a
-    tensor-parallel layout ``tp``, the model is profiled and partitioned whole, then
-    made this rank's TP share before it is split into stages."""
+    tensor-parallel layout ``tp`` (an expert-parallel layout ``ep``), the model is
+    profiled and partitioned whole, then made this rank's TP share (its experts' share)
+    before it is split into stages."""
     num_stages = st.config.num_stages
     meta = _has_meta(module)  # tensors get storage later, on this rank's share only
     if num_stages == 1:
         tp_split = _apply_tp(module, tp, st)
+        experts = _apply_ep(module, ep, st)
         if not meta:
             _device.move_module(module, st.device)
         names = {n: n for n, _ in list(module.named_parameters()) + list(module.named_buffers())}
@@ -187,6 +208,7 @@ def build_local_stages(
             unit_names=[["<whole model>"]],
             tp_size=st.grid.tp_size,
             tp_split=tp_split,
+            expert_params=experts,
         )
     from mpar.meta import find_units_meta
     from mpar.partition import find_units, split_module
@@ -200,10 +222,11 @@ def build_local_stages(
     else:
         with torch.no_grad(), preserved_state(module):
             units = find_units(module, args, kwargs)
+    units = _experts_whole(units, ep)
     decision: Any = None
     if st.layout.rank == 0:
         try:
-            decision = ("ok", *_decide_boundaries(module, args, kwargs, units, st, tp))
+            decision = ("ok", *_decide_boundaries(module, args, kwargs, units, st, tp, ep))
         except Exception as exc:  # every rank must learn of the failure, not hang
             decision = ("error", exc, None)
     decision = broadcast_object_world(decision, st.grid, src=0)
@@ -211,6 +234,7 @@ def build_local_stages(
         raise decision[1]
     _, boundaries, plan = decision
     tp_split = _apply_tp(module, tp, st)  # profiled whole; split as this rank's TP share
+    experts = _apply_ep(module, ep, st)  # and its experts' share
     dtype = compute_dtype(st.config)
     with preserved_state(module), _parameters_in(module, dtype):
         args, kwargs = cast_floats((args, kwargs), dtype)
@@ -233,7 +257,43 @@ def build_local_stages(
         tied_groups=_tied_groups(split.tied, mine, st),
         tp_size=st.grid.tp_size,
         tp_split=tp_split,
+        expert_params=experts,
     )
+
+
+def _apply_ep(module: nn.Module, ep: EPLayout | None, st: State) -> frozenset[int]:
+    """Make ``module`` this rank's share of its experts (and, over data parallelism, its
+    router balance loss the one of the whole batch); the ids of its expert parameters."""
+    if st.grid.dp_size > 1:
+        install_router_aux(module, BATCH_GROUP)
+    if ep is None:
+        return frozenset()
+    before = _expert_tensors(module, ep)
+    apply_ep_layout(module, ep, st.grid.ep_rank, EP_GROUP)
+    kept = {id(t) for t in _expert_tensors(module, ep)}
+    for tensor in before:  # other ranks' experts: a reference the user keeps (the torch
+        if id(tensor) not in kept:  # optimizer's param_groups) must not keep them alive
+            tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    return frozenset(id(p) for name in ep.experts for p in module.get_submodule(name).parameters())
+
+
+def _experts_whole(units: list[str], ep: EPLayout | None) -> list[str]:
+    """``units`` with the units inside an experts module (a ``ModuleList`` of experts is
+    expanded into one unit per expert) replaced by that module: no stage boundary falls
+    between one layer's experts, which the expert-parallel forward runs as one."""
+    if ep is None:
+        return units
+    out: dict[str, None] = {}
+    for unit in units:
+        holder = next((name for name in ep.experts if unit.startswith(name + ".")), unit)
+        out.setdefault(holder, None)
+    return list(out)
+
+
+def _expert_tensors(module: nn.Module, ep: EPLayout) -> list[torch.Tensor]:
+    """The parameters and buffers of ``module``'s experts modules."""
+    mods = [module.get_submodule(name) for name in ep.experts]
+    return [t for m in mods for t in [*m.parameters(), *m.buffers()]]
 
 
 def _apply_tp(module: nn.Module, tp: TPLayout | None, st: State) -> frozenset[int]:

@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 from mpar.comm import ProcessGrid, State
-from mpar.comm._collectives import all_gather_object_pp, all_gather_object_tp
+from mpar.comm._collectives import all_gather_object_ep, all_gather_object_pp, all_gather_object_tp
 from mpar.comm._lifecycle import session
 from mpar.config import Config
 from mpar.errors import StepError
+from mpar.expert_parallel import EPLayout
 from mpar.partition import Plan
 from mpar.runtime._adapt import disable_caches
 from mpar.runtime._batch_check import batch_check_due
@@ -148,8 +149,13 @@ class DistributedModel:
         self.active_run: StepRun | None = None
         self._capture = _Capture()
         self._steps = _Steps()
+        self.wrapped_names = {id(p): n for n, p in module.named_parameters()}
+        """``id(parameter) -> name`` of the module as wrapped (expert parallelism takes
+        the experts other ranks hold out of this rank's module)."""
         self.tp_layout: TPLayout | None = _tp_layout(module, self.grid, self.config)
         """How tensor parallelism splits this model (None at tensor_parallel_degree 1)."""
+        self.ep_layout: EPLayout | None = _ep_layout(module, self.grid, self.config, self.tp_layout)
+        """How expert parallelism splits this model's experts (None at ep degree 1)."""
         process.models.add(self)
         if example_inputs is not None or example_kwargs is not None:
             args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
@@ -199,7 +205,13 @@ class DistributedModel:
 
         st = self._run
         self.stages = build_local_stages(
-            self.module, args, kwargs, st, dynamic_axes=self.dynamic_axes, tp=self.tp_layout
+            self.module,
+            args,
+            kwargs,
+            st,
+            dynamic_axes=self.dynamic_axes,
+            tp=self.tp_layout,
+            ep=self.ep_layout,
         )
         for stage in self.stages.modules.values():
             stage.train(self.module.training)
@@ -212,7 +224,7 @@ class DistributedModel:
             self.init_fn,
             self.state_keys.named_shapes,
             overwritten,
-            self._tp_cuts(),
+            self._cuts(),
         )
         ensure = None if materializer is None else materializer.ensure_or_defer
         self.sharded = make_sharded(self.stages, st, (args, kwargs), materialize=ensure)
@@ -410,7 +422,7 @@ class DistributedModel:
                 if pid in masters:
                     local[key] = masters[pid].to("cpu", copy=True)
             local = {k: v.to(self.state_keys.dtypes[k]) for k, v in local.items()}
-        local = self._tp_gathered(local)
+        local = self._ep_gathered(self._tp_gathered(local))
         merged: dict[str, torch.Tensor] = {}
         for part in all_gather_object_pp(local, self.grid):
             merged.update(part)
@@ -432,7 +444,7 @@ class DistributedModel:
                 raise KeyError(
                     f"load_state_dict: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}"
                 )
-        state_dict = self._tp_pieces(state_dict)
+        state_dict = self._pieces_of(state_dict)
         with torch.no_grad(), gathered(self.sharded, self.stages, write_back=True):
             for key, tensor in self.local_state_dict().items():
                 if key in state_dict:
@@ -451,16 +463,28 @@ class DistributedModel:
                 return self.tp_layout.shards[name]
         return None
 
-    def _tp_cuts(self) -> dict[int, Callable[[torch.Tensor], torch.Tensor]]:
-        """id(parameter) -> cut of this rank's TP piece from its whole value."""
-        layout, rank = self.tp_layout, self.grid.tp_rank
-        if layout is None:
-            return {}
-        return {
-            id(p): functools.partial(layout.shards[name].local, rank=rank)
-            for name, p in self.module.named_parameters()
-            if name in layout.shards
-        }
+    def split_of(self, key: str) -> tuple[TPShard, int] | None:
+        """How the tensor under ``key`` is split over ranks and which piece this rank
+        holds: by tensor parallelism (its TP rank's) or, a fused expert weight, by expert
+        parallelism (its ep rank's); None: this rank holds it whole."""
+        shard = self.tp_shard_of(key)
+        if shard is not None:
+            return shard, self.grid.tp_rank
+        if self.ep_layout is not None:
+            for name in self.state_keys.names_of(key):
+                if name in self.ep_layout.shards:
+                    return self.ep_layout.shards[name], self.grid.ep_rank
+        return None
+
+    def _cuts(self) -> dict[int, Callable[[torch.Tensor], torch.Tensor]]:
+        """id(parameter) -> cut of this rank's piece (TP, or expert rows) from its whole
+        value."""
+        cuts: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
+        for name, p in self.module.named_parameters():
+            split = self.split_of(name)
+            if split is not None:
+                cuts[id(p)] = functools.partial(split[0].local, rank=split[1])
+        return cuts
 
     def _tp_gathered(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``local`` with every TP-split tensor assembled from the TP group's pieces."""
@@ -475,15 +499,31 @@ class DistributedModel:
             out[key] = shard.assemble([part[key] for part in parts])
         return out
 
-    def _tp_pieces(self, state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
-        """``state`` (whole tensors) with every TP-split tensor cut to this rank's piece."""
-        if self.tp_layout is None:
+    def _ep_gathered(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``local`` with every fused expert weight assembled from the ep group's rows,
+        and the experts other ranks of the ep group hold added."""
+        layout = self.ep_layout
+        if layout is None:
+            return local
+        split = {k: v for k, v in local.items() if k in layout.shards}
+        placed = {k: v for k, v in local.items() if k in layout.placed}
+        parts = all_gather_object_ep((split, placed), self.grid)
+        out = dict(local)
+        for key in split:
+            out[key] = layout.shards[key].assemble([part[0][key] for part in parts])
+        for part in parts:
+            out.update(part[1])
+        return out
+
+    def _pieces_of(self, state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """``state`` (whole tensors) with every split tensor cut to this rank's piece."""
+        if self.tp_layout is None and self.ep_layout is None:
             return state
         out = dict(state)
         for key, value in state.items():
-            shard = self.tp_shard_of(key)
-            if shard is not None:
-                out[key] = shard.local(value, self.grid.tp_rank)
+            split = self.split_of(key)
+            if split is not None:
+                out[key] = split[0].local(value, split[1])
         return out
 
     def _mixed_precision(self) -> bool:
@@ -499,8 +539,11 @@ class DistributedModel:
 
     def param_names(self) -> dict[int, str]:
         """``id(parameter) -> name``: the first state-dict key of each parameter (of the
-        original module and of this rank's stages)."""
+        original module, as wrapped: other ranks' experts included, and of this rank's
+        stages)."""
         names = {id(p): n for n, p in self.module.named_parameters()}
+        for ident, name in self.wrapped_names.items():
+            names.setdefault(ident, name)
         if self.stages is not None:
             for key, tensor in self.local_tensors().items():
                 if isinstance(tensor, nn.Parameter):
@@ -519,6 +562,25 @@ def _tp_layout(module: nn.Module, grid: ProcessGrid, config: Config) -> TPLayout
     plan, source = resolve_plan(module, config.tp_plan)
     sequence = sequence_parallel_on(plan, config.optimize)
     return plan_layout(module, plan, grid.tp_size, source, sequence_parallel=sequence)
+
+
+def _ep_layout(
+    module: nn.Module, grid: ProcessGrid, config: Config, tp: TPLayout | None
+) -> EPLayout | None:
+    """The checked expert-parallel layout of ``module`` (raises before any step when its
+    experts cannot split over the ep degree), or None at expert_parallel_degree 1."""
+    if grid.ep_size == 1:
+        return None
+    from mpar.expert_parallel import EPPlanError, plan_ep_layout
+
+    if tp is not None and tp.sequence is not None:
+        raise EPPlanError(
+            f"expert_parallel_degree {grid.ep_size} with sequence parallelism (optimize "
+            f"'memory' at tensor_parallel_degree {grid.tp_size}, or a 'sequence_parallel' "
+            "tp_plan entry) is not supported: the TP ranks would route different tokens "
+            "through experts they hold alike; use optimize 'speed', or expert_parallel_degree 1"
+        )
+    return plan_ep_layout(module, grid.ep_size, config.ep_plan)
 
 
 class _ManualPlan:

@@ -60,7 +60,12 @@ def _choose(
     batch = whole.sizes[0]
     layout = model.tp_layout
     splits = None if layout is None else measure_tp_splits(module, profile, layout, (args, kwargs))
-    inputs = planner_inputs(cfg, st.grid.topology, st.device, splits)
+    experts = None
+    if model.ep_layout is not None:
+        from mpar.expert_parallel import measure_ep_splits
+
+        experts = measure_ep_splits(module, profile, (args, kwargs), plan=cfg.ep_plan)
+    inputs = planner_inputs(cfg, st.grid.topology, st.device, splits, experts)
     result = search(
         profile,
         inputs,

@@ -16,6 +16,7 @@ from mpar.runtime._precision import compute_dtype
 from mpar.runtime._split_backward import accumulate_weight_grads, deferred_linear
 from mpar.runtime._unit_hooks import Gate, group_units, install_groups
 from mpar.shard import ShardedStages
+from mpar.shard._bucket_layout import GroupInfo
 from mpar.shard._unit_gather import WeightGradHooks
 
 __all__ = ["gathered", "make_sharded"]
@@ -73,6 +74,8 @@ def make_sharded(
         tp_split=stages.tp_split,
         unread_in_backward=unread,
         weight_grads=WeightGradHooks(deferred_linear, accumulate_weight_grads),
+        experts=stages.expert_params,
+        expert_comm=GroupInfo(st.grid.edp_group, tuple(st.grid.edp_ranks), st.grid.edp_rank),
     )
     for s, install in connect.items():
         install(sharded.unit_gather(s))

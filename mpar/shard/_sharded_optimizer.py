@@ -208,6 +208,7 @@ class ShardedOptimizer:
             "zero_stage": self.sharded.zero.stage,
             "group_size": self.sharded.comm.size,
             "rank": self.sharded.comm.rank,
+            "expert_group": [self.sharded.expert_comm.size, self.sharded.expert_comm.rank],
             "segments": [
                 [sp.bucket_index, sp.segment.group, sp.segment.lo, sp.segment.hi]
                 for sp in self.segments

@@ -16,7 +16,7 @@ from mpar.config import ZeroConfig
 from mpar.shard._bucket import FlatBucket, Residence
 from mpar.shard._bucket_layout import BucketLayout, GroupInfo, ReduceOptions
 from mpar.shard._byte_count import count_bytes
-from mpar.shard._flat_layout import plan_buckets
+from mpar.shard._flat_layout import BucketSpec, plan_buckets
 from mpar.shard._scaler import LossScaler
 from mpar.shard._unit_gather import UnitGather, WeightGradHooks
 
@@ -156,6 +156,12 @@ class ShardedStages:
     ``weight_grads`` (the runtime's split backward) lets ZeRO-3 compute a linear
     layer's weight gradient after its unit's parameters are freed
     (:meth:`mpar.shard._unit_gather.UnitGather.linear`).
+
+    ``experts`` holds the ``id`` of the parameters of this rank's experts under
+    expert parallelism: they get buckets of their own over ``expert_comm``, the
+    expert-data-parallel group (the ranks holding the same experts), whose gradients
+    are summed and whose ZeRO state is sharded there; the data-parallel group's other
+    ranks hold other experts.
     """
 
     def __init__(
@@ -175,6 +181,8 @@ class ShardedStages:
         tp_split: Collection[int] = (),
         unread_in_backward: Collection[int] = (),
         weight_grads: WeightGradHooks | None = None,
+        experts: Collection[int] = (),
+        expert_comm: GroupInfo | None = None,
     ) -> None:
         if not stages:
             raise ValueError("ShardedStages needs at least one stage module, got an empty dict")
@@ -189,6 +197,9 @@ class ShardedStages:
         self.zero = zero
         self.device = torch.device(device)
         self.comm = GroupInfo(group, tuple(group_ranks), rank_in_group)
+        self._experts = frozenset(experts)
+        self.expert_comm = expert_comm or self.comm
+        """The group expert parameters are reduced and sharded over."""
         self.compute_dtype = compute_dtype
         self.scaler = LossScaler() if compute_dtype == torch.float16 else None
         """fp16 only: the dynamic loss scale the runtime multiplies losses by."""
@@ -301,19 +312,26 @@ class ShardedStages:
             tp = None if plan.tp_split is None else id(p) in plan.tp_split
             return (p.dtype, p.device, tied, plan.unit_of.get(id(p)), tp)
 
-        specs = plan_buckets(
-            {s: [(index[id(p)], p.numel(), kind(p)) for p in ps] for s, ps in owned.items()},
-            group_size=self.comm.size,
-            bucket_elems=bucket_elems,
-        )
+        def specs_for(comm: GroupInfo, expert: bool) -> list[tuple[BucketSpec, GroupInfo]]:
+            wanted: dict[int, Sequence[tuple[int, int, object]]] = {
+                s: [
+                    (index[id(p)], p.numel(), kind(p))
+                    for p in ps
+                    if (id(p) in self._experts) == expert
+                ]
+                for s, ps in owned.items()
+            }
+            specs = plan_buckets(wanted, group_size=comm.size, bucket_elems=bucket_elems)
+            return [(spec, comm) for spec in specs]
+
         out = []
-        for spec in specs:
+        for spec, comm in specs_for(self.comm, False) + specs_for(self.expert_comm, True):
             params = [self.params[slot.index] for slot in spec.slots]
             layout = BucketLayout.make(
                 spec,
                 params,
                 zero_stage=self.zero.stage,
-                comm=self.comm,
+                comm=comm,
                 device=self.device,
                 compute_dtype=self.compute_dtype,
                 offload_optimizer=self.zero.offload_optimizer == "cpu",

@@ -89,7 +89,7 @@ def _gather_key(opt: ShardedOptimizer, b: int, key: str, dtype: torch.dtype) -> 
     if hi - lo == bucket.spec.padded:
         return local.cpu()
     flat = torch.empty(bucket.spec.padded, dtype=dtype, device=sharded.device)
-    all_gather_flat(flat, local, group=sharded.comm.group, size=sharded.comm.size)
+    all_gather_flat(flat, local, group=bucket.comm.group, size=bucket.comm.size)
     return flat.cpu()
 
 

@@ -19,6 +19,7 @@ from mpar.tensor_parallel._tp_plan import (
     TPPlanError,
     check_every_pattern,
     match_plan,
+    name_matches,
     parse_style,
     resolve_plan,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "check_every_pattern",
     "match_plan",
     "measure_tp_splits",
+    "name_matches",
     "parse_style",
     "plan_layout",
     "resolve_plan",

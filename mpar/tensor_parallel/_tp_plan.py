@@ -28,6 +28,7 @@ __all__ = [
     "TPPlanError",
     "check_every_pattern",
     "match_plan",
+    "name_matches",
     "parse_style",
     "resolve_plan",
 ]
@@ -117,7 +118,9 @@ def _component_match(pattern: list[str], name: list[str]) -> bool:
     return len(pattern) == len(name) and all(p in ("*", n) for p, n in zip(pattern, name))
 
 
-def _matches(pattern: str, name: str) -> bool:
+def name_matches(pattern: str, name: str) -> bool:
+    """Whether plan ``pattern`` matches module ``name``: it equals the name's last
+    components, ``*`` standing for any one component."""
     want, have = pattern.split("."), name.split(".")
     return len(have) >= len(want) and _component_match(want, have[len(have) - len(want) :])
 
@@ -130,7 +133,7 @@ def match_plan(module: nn.Module, plan: Mapping[str, Style]) -> dict[str, Style]
         if not name:
             continue
         for pattern, style in plan.items():
-            if _matches(pattern, name):
+            if name_matches(pattern, name):
                 if style.kind not in ("replicate", "sequence_parallel"):
                     found[name] = style
                 break
@@ -155,7 +158,7 @@ def check_every_pattern(module: nn.Module, plan: Mapping[str, Style], source: st
     of ``module`` and the closest module names (a misspelt pattern would otherwise leave
     its modules whole, and the first step fail deep in torch, or train a different model)."""
     names = [n for n, _ in module.named_modules() if n]
-    unmatched = [p for p in plan if not any(_matches(p, n) for n in names)]
+    unmatched = [p for p in plan if not any(name_matches(p, n) for n in names)]
     if not unmatched:
         return
     hints = []

@@ -2,7 +2,9 @@
 
 ``TinyGPT`` is the GPT pattern the partitioner recognises: a token embedding, a
 position embedding, an ``nn.ModuleList`` of pre-norm transformer blocks, a final
-norm and an LM head, optionally tied to the token embedding.
+norm and an LM head, optionally tied to the token embedding. ``TinyMoE`` is a language
+model of mixture-of-experts blocks written as a user would (its own router, experts
+per module or fused), which expert parallelism places through ``ep_plan``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,20 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["GPT_TP_PLAN", "Block", "GPTConfig", "TinyGPT", "gpt_param_count"]
+__all__ = [
+    "GPT_TP_PLAN",
+    "MOE_EP_PLAN",
+    "Block",
+    "ExpertMLP",
+    "FusedExperts",
+    "GPTConfig",
+    "ListedExperts",
+    "MoEBlock",
+    "MoEConfig",
+    "TinyGPT",
+    "TinyMoE",
+    "gpt_param_count",
+]
 
 
 @dataclass
@@ -124,3 +139,108 @@ GPT_TP_PLAN = {
 }
 """A tensor-parallel plan for ``TinyGPT`` built with ``fused_qkv=False`` (Megatron's split:
 attention by heads, the MLP by hidden features)."""
+
+
+# -- a mixture-of-experts model whose MoE block is the user's own ----------------------
+
+
+@dataclass
+class MoEConfig:
+    """Sizes of a ``TinyMoE``."""
+
+    vocab_size: int = 64
+    d_model: int = 32
+    num_layers: int = 2
+    num_experts: int = 4
+    top_k: int = 2
+    d_expert: int = 48
+    per_expert: bool = True
+    """Experts as an ``nn.ModuleList`` of MLPs (true) or as fused ``[E, ...]`` weights."""
+
+
+class ExpertMLP(nn.Module):
+    """One expert: a GELU MLP on ``[n, d_model]`` rows."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.d_model, cfg.d_expert)
+        self.fc2 = nn.Linear(cfg.d_expert, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(nn.functional.gelu(self.fc1(x)))
+
+
+class ListedExperts(nn.Module):
+    """Experts held one module each; ``forward(x, top_k_index, top_k_weights)`` is the
+    routing-weighted sum of each token's experts (every expert runs on every token, and
+    zero weights drop it: simple, and a fixed-shape graph)."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(ExpertMLP(cfg) for _ in range(cfg.num_experts))
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            share = (weights * (index == e)).sum(dim=-1, keepdim=True)
+            out = out + share * expert(x)
+        return out
+
+
+class FusedExperts(nn.Module):
+    """Experts as stacked weights (the expert index first), the same contract."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.num_experts = cfg.num_experts
+        self.w_in = nn.Parameter(torch.randn(cfg.num_experts, cfg.d_expert, cfg.d_model) * 0.1)
+        self.w_out = nn.Parameter(torch.randn(cfg.num_experts, cfg.d_model, cfg.d_expert) * 0.1)
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            share = (weights * (index == e)).sum(dim=-1, keepdim=True)
+            hidden = nn.functional.gelu(x @ self.w_in[e].t())
+            out = out + share * (hidden @ self.w_out[e].t())
+        return out
+
+
+class MoEBlock(nn.Module):
+    """Pre-norm residual mixture of experts; the router is a parameter of the block
+    itself (no router module beside the experts: ``ep_plan`` names them)."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.norm = nn.LayerNorm(cfg.d_model)
+        self.route = nn.Parameter(torch.randn(cfg.num_experts, cfg.d_model) * 0.1)
+        self.experts: nn.Module = ListedExperts(cfg) if cfg.per_expert else FusedExperts(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.norm(x).reshape(b * t, d)
+        probs = torch.softmax(h @ self.route.t(), dim=-1)
+        weights, index = torch.topk(probs, self.top_k, dim=-1)
+        return x + self.experts(h, index, weights).view(b, t, d)
+
+
+class TinyMoE(nn.Module):
+    """Language model of ``MoEBlock``s: ``forward(idx) -> logits``."""
+
+    def __init__(self, cfg: MoEConfig | None = None) -> None:
+        super().__init__()
+        cfg = cfg or MoEConfig()
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(MoEBlock(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+MOE_EP_PLAN = {"blocks.*.experts": "experts"}
+"""``TinyMoE``'s expert-parallel plan (its router is no module mpar can recognise)."""

@@ -22,11 +22,22 @@ directly, as SageMaker model parallelism spells it::
 The process groups along each axis live in :class:`mpar.comm.ProcessGrid`, built
 on this grid (``mesh()`` is its torch ``DeviceMesh`` layout, indexed by coordinates
 whatever the placement).
+
+Expert parallelism takes no axis of its own: it folds into the data-parallel ranks of
+each (pp_rank, tp_rank), as Megatron-LM folds it. Those ranks, in dp order
+(:meth:`Grid.folded_ranks`), are cut into consecutive *ep groups* of ``ep_size``
+ranks that split each MoE layer's experts; the ranks at the same place of every ep
+group hold the same experts and form an *expert-data-parallel* (edp) group::
+
+    dp 4, ep 2:   dp_rank   0 1 | 2 3
+                  ep_rank   0 1 | 0 1      ep groups {0,1} {2,3}
+                  edp_rank  0 0 | 1 1      edp groups {0,2} {1,3}
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
@@ -86,15 +97,22 @@ class GridShape:
     """Data-parallel replicas of each stage."""
     tp: int = 1
     """Ranks that split each layer (one TP group)."""
+    ep: int = 1
+    """Ranks that split each MoE layer's experts, folded into ``dp`` (no ranks of its own)."""
 
-    FOLDED: ClassVar[frozenset[str]] = frozenset()
-    """Axes that reuse the ranks of others (none yet)."""
+    FOLDED: ClassVar[frozenset[str]] = frozenset({"ep"})
+    """Axes that reuse the ranks of others."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             size = getattr(self, f.name)
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ConfigError(f"grid axis {f.name} must be a positive integer, got {size!r}")
+        if self.dp % self.ep:
+            raise ConfigError(
+                f"expert parallel degree {self.ep} must divide the data-parallel degree "
+                f"{self.dp} (expert parallelism folds into the dp ranks)"
+            )
 
     @property
     def world_size(self) -> int:
@@ -121,6 +139,8 @@ class Grid:
     placement: str = "cluster"
     """``"cluster"``, ``"spread"`` or a permutation of ``D``, ``P``, ``T`` (outermost first)."""
     tp_size: int = 1
+    ep_size: int = 1
+    """Ranks that split each MoE layer's experts, folded into dp (see the module)."""
     axes: tuple[str, str, str] = field(init=False, repr=False, compare=False)
     """The axis names outermost first, from ``placement`` (``cluster``: dp, pp, tp)."""
 
@@ -136,6 +156,11 @@ class Grid:
                 + (f" / tensor parallel degree {self.tp_size}" if self.tp_size > 1 else "")
             )
         object.__setattr__(self, "axes", placement_axes(self.placement))
+        if self.ep_size < 1 or self.dp_size % self.ep_size:
+            raise ConfigError(
+                f"expert parallel degree {self.ep_size} must divide the data-parallel "
+                f"degree {self.dp_size} (expert parallelism folds into the dp ranks)"
+            )
 
     @property
     def dp_size(self) -> int:
@@ -144,7 +169,7 @@ class Grid:
     @property
     def shape(self) -> GridShape:
         """The size of each axis."""
-        return GridShape(pp=self.pp_size, dp=self.dp_size, tp=self.tp_size)
+        return GridShape(pp=self.pp_size, dp=self.dp_size, tp=self.tp_size, ep=self.ep_size)
 
     def _sizes(self) -> dict[str, int]:
         return {"pp": self.pp_size, "dp": self.dp_size, "tp": self.tp_size}
@@ -197,6 +222,43 @@ class Grid:
         """Ranks that split the same layers (one batch), in tensor-parallel order."""
         return [self.rank_of(pp_rank, dp_rank, t) for t in range(self.tp_size)]
 
+    def folded_ranks(self, pp_rank: int, tp_rank: int = 0) -> list[int]:
+        """The ranks expert parallelism folds into, in order: the data-parallel group
+        of ``(pp_rank, tp_rank)`` (the one place to widen when a context-parallel axis
+        joins the ranks that share nothing but the model)."""
+        return self.dp_group(pp_rank, tp_rank)
+
+    def ep_coordinates(self, rank: int) -> tuple[int, int]:
+        """``(ep_rank, edp_rank)`` of a global rank: its place in its ep group, and the
+        index of that ep group (its place in its expert-data-parallel group)."""
+        pp_rank, _, tp_rank = self.coordinates(rank)
+        edp_rank, ep_rank = divmod(self.folded_ranks(pp_rank, tp_rank).index(rank), self.ep_size)
+        return ep_rank, edp_rank
+
+    def ep_group(self, rank: int) -> list[int]:
+        """The ranks that split the experts of ``rank``'s MoE layers, in ep-rank order."""
+        pp_rank, _, tp_rank = self.coordinates(rank)
+        _, edp_rank = self.ep_coordinates(rank)
+        folded = self.folded_ranks(pp_rank, tp_rank)
+        return folded[edp_rank * self.ep_size : (edp_rank + 1) * self.ep_size]
+
+    def edp_group(self, rank: int) -> list[int]:
+        """The ranks holding the same experts as ``rank`` (its expert gradients are
+        reduced and its expert ZeRO state sharded over them), in edp-rank order."""
+        pp_rank, _, tp_rank = self.coordinates(rank)
+        ep_rank, _ = self.ep_coordinates(rank)
+        return self.folded_ranks(pp_rank, tp_rank)[ep_rank :: self.ep_size]
+
+    @property
+    def ep_groups(self) -> list[list[int]]:
+        """Every ep group, each once, in a fixed order (every rank creates them alike)."""
+        return _unique(self.ep_group(r) for r in range(self.world_size))
+
+    @property
+    def edp_groups(self) -> list[list[int]]:
+        """Every expert-data-parallel group, each once, in a fixed order."""
+        return _unique(self.edp_group(r) for r in range(self.world_size))
+
     @property
     def pp_groups(self) -> list[list[int]]:
         return [self.pp_group(d, t) for d in range(self.dp_size) for t in range(self.tp_size)]
@@ -222,6 +284,7 @@ class Grid:
         width = max(len(str(self.world_size - 1)), *(len(c) for row in cells for c in row))
         label = f"pp_rank {{:>{len(str(self.world_size - 1))}}}: "
         tp = f" x {self.tp_size} (tp)" if self.tp_size > 1 else ""
+        tp += f", ep {self.ep_size} folded into dp" if self.ep_size > 1 else ""
         named = f" ({self.order})" if self.placement != self.order else ""
         rows = [
             f"grid {self.pp_size} (pp) x {self.dp_size} (dp){tp}, {self.placement}{named}",
@@ -233,12 +296,22 @@ class Grid:
         return "\n".join(rows)
 
 
+def _unique(groups: Iterable[list[int]]) -> list[list[int]]:
+    out: list[list[int]] = []
+    for group in groups:
+        if group not in out:
+            out.append(group)
+    return out
+
+
 def make_grid(
     world_size: int,
     pp_size: int,
     placement: str = "cluster",
     tp_size: int = 1,
+    ep_size: int = 1,
 ) -> Grid:
     """The grid of ``world_size`` ranks with ``pp_size`` pipeline stages each (and
-    ``tp_size`` ranks per TP group), laid out by ``placement``."""
-    return Grid(world_size, pp_size, placement, tp_size)
+    ``tp_size`` ranks per TP group, ``ep_size`` ranks per ep group folded into dp),
+    laid out by ``placement``."""
+    return Grid(world_size, pp_size, placement, tp_size, ep_size)

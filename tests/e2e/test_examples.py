@@ -98,3 +98,23 @@ def test_finetune_pretrained_example_round_trips_through_hf(tmp_path):
         tmp_path / "out", output_loading_info=True
     )
     assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+@pytest.mark.slow  # 40 s; expert parallelism's transparency is in the multiproc suite
+@pytest.mark.timeout(300)
+def test_finetune_mixtral_example_ep2_pp2_round_trips_through_hf(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    out = _launch(
+        4,
+        "mixtral_ep2_pp2.json",
+        "finetune_mixtral.py",
+        "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--steps", "6",
+        timeout=290,
+    )  # fmt: skip
+    assert "ep=2: 4 experts of 8" in out
+    first = float(re.findall(r"first loss ([0-9.]+)", out)[-1])
+    assert _final_loss(out) < first, out[-2000:]
+    _, info = transformers.MixtralForCausalLM.from_pretrained(
+        tmp_path / "out", output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info

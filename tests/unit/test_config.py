@@ -45,6 +45,9 @@ def test_accepted_keys_are_frozen():
         "tensor_parallel_degree",
         "tp",
         "tp_plan",
+        "expert_parallel_degree",
+        "ep",
+        "ep_plan",
     }
 
 

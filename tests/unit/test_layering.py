@@ -53,7 +53,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("profile", ("mpar.profile",)),
     ("partition", ("mpar.partition",)),
     ("comm", ("mpar.comm",)),
-    ("tensor_parallel", ("mpar.tensor_parallel",)),
+    ("tensor_parallel", ("mpar.tensor_parallel", "mpar.expert_parallel")),
     ("shard", ("mpar.shard",)),
     ("meta", ("mpar.meta",)),
     ("runtime", ("mpar.runtime",)),

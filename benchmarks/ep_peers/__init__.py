@@ -1,0 +1,1 @@
+"""One module per engine of ``benchmarks/expert_parallel.py`` (``run(case) -> result``)."""

@@ -1,0 +1,35 @@
+"""The expert-parallel benchmark runs end to end (``--quick``: a tiny MoE model on two
+ranks, one round of mpar at ep = 2 and at ep = 1 with ZeRO-3) and writes its JSON and
+markdown: both train the model as one process does, nothing is dropped, ep = 2 keeps
+half the experts per rank and its all-to-alls send bytes (ep = 1 none)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow  # about 60 s on an idle 2-core machine
+@pytest.mark.timeout(400)
+def test_ep_benchmark_quick(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "expert_parallel.py"), "--quick",
+           "--frameworks", "mpar", "--out", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=390, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "expert_parallel.json").read_text())
+    assert (tmp_path / "expert_parallel.md").is_file()
+    rows = {row["case"]: row for row in report["rows"]}
+    ep2, ep1 = rows["mpar ep=2 zero3"], rows["mpar ep=1 zero3"]
+    whole = report["meta"]["expert_bytes"]
+    for row in (ep1, ep2):
+        assert row["status"] == "ok", row.get("reason")
+        assert row["losses_agree"] and row["dropped"] == 0 and row["pairs_routed"] > 0
+        assert row["expert_bytes"] == [whole // 2, whole // 2]  # ZeRO-3's shard; ep's half
+    assert all(b > 0 for b in ep2["a2a_bytes_per_step"])
+    assert ep1["a2a_bytes_per_step"] == [0, 0]
