@@ -26,8 +26,10 @@ The handlers sit in a table keyed by :class:`~mpar.schedule.Kind`; each takes th
 action's stage and microbatch.
 
 Sends never block; receives do, in list order — the semantics that
-``mpar.schedule.simulate`` checks for deadlock (receives are posted early, and
-step outputs travel point to point: ``runtime._transfers``). When stage ``s``
+``mpar.schedule.simulate`` checks for deadlock. Each receive is posted earlier, before
+the action :func:`mpar.schedule.receive_posts` names, in an order that holds under
+NCCL's point-to-point rules on every backend; step outputs come back by collectives
+at the end of the step (``runtime._transfers``). When stage ``s``
 finishes its last backward, its gradients start their data-parallel reduction
 while the rest of the schedule runs. What the stages keep for backward is
 counted by ``runtime._activations``.
@@ -40,7 +42,7 @@ two callables for the user's step function); the model reaches the run through
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from itertools import chain
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -210,13 +212,15 @@ class StepRun:
         capture: Callable[[int], tuple[Args, Kwargs]],
         name: str = "step",
         record: bool = False,
+        signature: Hashable = None,
     ) -> None:
         """``call(j)`` runs the user's step function on microbatch ``j`` (it calls
         ``model(...)``, which comes back here as :meth:`model_forward`);
         ``capture(j)`` runs it only up to ``model(...)`` and returns that call's
         ``(args, kwargs)``; ``name`` names the step function in errors; ``sharded``
         None: nothing is sharded (the schedule has no ZeRO actions); ``record``: keep a
-        timeline even without ``trace``."""
+        timeline even without ``trace``; ``signature``: what the shapes of the step's
+        transfers follow from (``runtime._transfers.step_signature``)."""
         self.stages, self.batches, self.st = stages, batches, st
         self.sharding: Sharding = NO_SHARDING if sharded is None else sharded
         self.call, self.capture, self.name = call, capture, name
@@ -243,7 +247,7 @@ class StepRun:
         for on the CPU), so its time is the device's; a traced run is timed as it runs."""
         self.timeline: StepTimeline | None = StepTimeline(time.time()) if recording else None
         """With ``trace`` (or ``record``): each action's start and end (``runtime._timeline``)."""
-        self.transfers = Transfers(schedule, st, self.timeline)
+        self.transfers = Transfers(schedule, st, self.timeline, signature)
         params = (p for m in stages.modules.values() for p in m.parameters())
         self.memory = ActivationMemory(chain(params, self.sharding.flat_buffers()))
         self.microbatch: int | None = None
@@ -522,14 +526,16 @@ class StepRun:
     def run(self) -> StepOutput:
         """Execute this rank's actions; every replica's outputs (also ``self.outputs``)."""
         self.sharding.reset_peak()
-        self.transfers.post_receives()
         if 0 in self.stages.modules and self.num_stages > 1:
             self.capture_inputs()
         # a local table: bound methods kept on self would make a cycle that holds the
         # run (and through ``call`` the model) until the garbage collector runs
         handlers = self._handlers(stage_wide=self.sharding is not NO_SHARDING)
-        timeline = self.timeline
-        for action in self.actions:
+        timeline, transfers = self.timeline, self.transfers
+        posts = transfers.posts
+        for index, action in enumerate(self.actions):
+            if posts[index]:  # receives this rank posts before the action
+                transfers.post(posts[index])
             PROGRESS.begin(action)  # the hang watchdog's view of this rank; ~free
             handler = handlers.get(action.kind)
             if handler is None:
@@ -552,10 +558,9 @@ class StepRun:
                         timeline.computed - computed,
                     )
                 )
-        self.transfers.check_all_sent()
-        # Outputs first: their senders wait for this receive before any collective below.
-        self.outputs = self.transfers.gather_outputs()
-        self.transfers.pending.wait()
+        transfers.check_all_sent()
+        self.outputs = transfers.gather_outputs()
+        transfers.finish()
         if self.training:
             self.sharding.finish_grads()
         return self.outputs

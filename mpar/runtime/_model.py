@@ -28,6 +28,7 @@ from mpar.runtime._local_stages import LocalStages, build_local_stages
 from mpar.runtime._microbatch import Microbatches
 from mpar.runtime._placement import MeasuredPlacement
 from mpar.runtime._sharding import gathered, make_sharded
+from mpar.runtime._transfers import step_signature
 from mpar.schedule import Schedule
 from mpar.shard import ShardedStages
 from mpar.tensor_parallel import TPLayout, TPShard
@@ -280,6 +281,7 @@ class DistributedModel:
             capture=lambda j: self.capture(fn, batches, j),
             name=getattr(fn, "__name__", repr(fn)),
             record=self._steps.placement.records(self._run, training),
+            signature=step_signature(fn, batches, training),
         )
         self.active_run = run  # model(...) and model.backward(loss) go to it
         try:
