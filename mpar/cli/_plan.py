@@ -62,6 +62,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import os
 import sys
 from typing import TYPE_CHECKING, TypeVar
 
@@ -192,9 +193,15 @@ def _add_auto_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_factory(spec: str) -> Callable[[], object]:
+    """The factory ``pkg.module:factory`` names, imported with the current folder on
+    the import path (first, as ``python -m`` puts it; the ``mpar`` script's own folder
+    is what Python puts there otherwise)."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"--model must look like pkg.module:factory, got {spec!r}")
+    here = os.getcwd()
+    if not any(os.path.abspath(p or os.curdir) == here for p in sys.path):
+        sys.path.insert(0, here)
     module = importlib.import_module(module_name)
     factory = getattr(module, attr, None)
     if not callable(factory):

@@ -251,6 +251,13 @@ def _build_and_simulate(args: argparse.Namespace) -> tuple[Schedule, SimulationR
             schedule, args.pipeline, args.stages, args.microbatches, schedule.virtual_stages
         )
     elif args.stages is None or args.microbatches is None:
+        if args.trace is not None:  # a folder of measured timelines, misspelt or not made yet
+            raise ScheduleError(
+                f"--trace {str(args.trace)!r} is not an existing folder: give the folder a run "
+                "with the config key 'trace' (or MPAR_TRACE) wrote its rank*.timeline.json "
+                "into, or add --stages and --microbatches to write a simulated trace to that "
+                "file"
+            )
         raise ScheduleError("--stages and --microbatches are required (unless --pipeline is a CSV)")
     else:
         schedule = _generate(args)

@@ -159,20 +159,39 @@ class PendingSends:
         what: str = "",
     ) -> None:
         """Send ``buffer``; once sent, ``keep`` (default: ``buffer``) goes back to ``pool``
-        (when given) for reuse."""
+        (when given) for reuse. Sends already done are let go first (:meth:`collect`)."""
+        self.collect()
         self.buffers.append(buffer if keep is None else keep)
         self.works.append(links.send(buffer, dst, what))
         self.peers.append(dst)
         self.pools.append(pool)
 
+    def collect(self) -> None:
+        """Let go of every send that is done: its message back to its stream's pool for
+        reuse, or freed. Called at every send and every receive (``runtime._transfers``),
+        so a step holds the messages still on their way, at most the microbatches in
+        flight, not every message it sent."""
+        kept = 0
+        for work, buffer, dst, pool in zip(self.works, self.buffers, self.peers, self.pools):
+            if _done(work):
+                _keep_for_reuse(buffer, pool)
+                continue
+            self.works[kept], self.buffers[kept] = work, buffer
+            self.peers[kept], self.pools[kept] = dst, pool
+            kept += 1
+        del self.works[kept:], self.buffers[kept:], self.peers[kept:], self.pools[kept:]
+
     def reclaim(self, pool: list[Any]) -> None:
         """Move the buffers of ``pool``'s stream whose sends are done back into it."""
         for i in range(len(self.buffers) - 1, -1, -1):
-            work = self.works[i]
-            done = work is None or bool(getattr(work, "is_completed", lambda: False)())
-            if self.pools[i] is pool and done:
+            if self.pools[i] is pool and _done(self.works[i]):
                 _keep_for_reuse(self.buffers[i], pool)
                 del self.works[i], self.buffers[i], self.peers[i], self.pools[i]
+
+
+def _done(work: Receive | None) -> bool:
+    """Whether a send is complete (None: it went into a shared-memory ring at once)."""
+    return work is None or bool(getattr(work, "is_completed", lambda: False)())
 
 
 def _keep_for_reuse(buffer: object, pool: list[Any] | None) -> None:

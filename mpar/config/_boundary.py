@@ -11,6 +11,14 @@ Everything a user may write is translated here into the canonical keys of
 
 Unknown keys are rejected by name with the closest valid key suggested.
 
+A config given to :func:`load_config` (``mpar.init``'s dict or file) and one in
+``MPAR_CONFIG`` (what ``mpar launch --config`` sets) are merged key by key
+(:func:`merge_configs`): each key from whichever gives it; a key both give must
+have the same value in both (the ``zero`` and ``zero_optimization`` sections are
+compared key by key, aliases as their canonical key), else a ``ConfigError``
+names the key, both values and both sources. Every key of the merged config is
+checked, so a typo in either is reported.
+
 Two environment variables override the config, read once by :func:`load_config`
 (``mpar.init``): ``MPAR_TRACE`` gives ``trace`` when the config leaves it out or
 null; ``MPAR_SPLIT_BACKWARD`` (``0``/``1``, ``false``/``true``, ``off``/``on``,
@@ -38,6 +46,7 @@ __all__ = [
     "TRACE_ENV_VAR",
     "config_from_dict",
     "load_config",
+    "merge_configs",
 ]
 
 ENV_VAR = "MPAR_CONFIG"
@@ -242,6 +251,50 @@ def _from_env() -> object:
     return _read_file(Path(text))
 
 
+def _env_source() -> str:
+    text = os.environ.get(ENV_VAR, "").strip()
+    where = "inline JSON" if text.startswith("{") else repr(text)
+    return f"{ENV_VAR} ({where}; `mpar launch --config` sets it)"
+
+
+_SECTIONS = ("zero", "zero_optimization")
+"""Keys whose values are sections, merged key by key."""
+
+
+def merge_configs(
+    first: Mapping[str, object], second: Mapping[str, object], sources: tuple[str, str]
+) -> dict[str, object]:
+    """``first`` and ``second`` as one config: each key from whichever gives it, a
+    key both give only when their values agree (sections key by key, an alias as
+    its canonical key); ``sources`` name the two in the error."""
+    merged: dict[str, object] = dict(first)
+    canonical = {_ALIASES.get(k, k): k for k in first if isinstance(k, str)}
+    for key, value in second.items():
+        mine = canonical.get(_ALIASES.get(key, key), key) if isinstance(key, str) else key
+        if mine not in merged:
+            merged[key] = value
+            continue
+        have = merged[mine]
+        if key in _SECTIONS and isinstance(have, Mapping) and isinstance(value, Mapping):
+            merged[mine] = merge_configs(have, value, sources)
+            continue
+        if have != value or type(have) is not type(value):
+            raise ConfigError(
+                f"config key {key!r} is {have!r} in {sources[0]} but {value!r} in "
+                f"{sources[1]}: the two configs are merged and may not disagree; give the "
+                "key in one of them (or the same value in both)"
+            )
+    return merged
+
+
+def _with_environment(given: Mapping[str, object], source: str) -> Mapping[str, object]:
+    """``given`` merged with the config in ``MPAR_CONFIG``, if any (:func:`merge_configs`)."""
+    env = _from_env()
+    if env is None:
+        return given
+    return merge_configs(given, _require_mapping(env, ENV_VAR), (source, _env_source()))
+
+
 def _with_env_overrides(config: Config) -> Config:
     """``config`` with the overrides of ``MPAR_TRACE`` and ``MPAR_SPLIT_BACKWARD``."""
     trace = config.trace if config.trace is not None else os.environ.get(TRACE_ENV_VAR) or None
@@ -266,8 +319,10 @@ def load_config(
 
     ``config`` is a :class:`Config`, a dict, a path to a JSON or YAML file, or
     None — then the ``MPAR_CONFIG`` variable (a path, or inline JSON), then
-    ``defaults`` (a dict; None: the defaults of :class:`Config`). The environment overrides (``MPAR_TRACE``, ``MPAR_SPLIT_BACKWARD``)
-    apply to each; this is the only place they are read.
+    ``defaults`` (a dict; None: the defaults of :class:`Config`). A dict or a file
+    given while ``MPAR_CONFIG`` is set is merged with it (:func:`merge_configs`:
+    a key both give must agree). The environment overrides (``MPAR_TRACE``,
+    ``MPAR_SPLIT_BACKWARD``) apply to each; this is the only place they are read.
     """
     if isinstance(config, Config):
         return _with_env_overrides(config)
@@ -277,10 +332,12 @@ def load_config(
         return _with_env_overrides(config_from_dict(given))
     if isinstance(config, str | os.PathLike):
         read = _read_file(Path(config))  # an empty file: the defaults
-        given = None if read is None else _require_mapping(read, "config")
-        return _with_env_overrides(config_from_dict(given))
+        given = {} if read is None else _require_mapping(read, "config")
+        merged = _with_environment(given, f"the config file {os.fspath(config)!r}")
+        return _with_env_overrides(config_from_dict(merged))
     if isinstance(config, Mapping):
-        return _with_env_overrides(config_from_dict(config))
+        merged = _with_environment(config, "the dict given to mpar.init")
+        return _with_env_overrides(config_from_dict(merged))
     raise ConfigTypeError(
         "mpar.init(config) takes a dict, a path to a JSON/YAML file, or None; "
         f"got {type(config).__name__}"

@@ -113,7 +113,9 @@ def drop_weak_refs(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     if watched:
         from torch.utils.weak import WeakIdKeyDictionary
 
-        caches = [o for o in gc.get_objects() if isinstance(o, WeakIdKeyDictionary)]
+        # type(o), not isinstance: isinstance reads ``__class__``, and objects such as the
+        # deprecated torch.distributed.reduce_op warn when any attribute is read
+        caches = [o for o in gc.get_objects() if issubclass(type(o), WeakIdKeyDictionary)]
         for cache in caches:
             for t in watched:
                 cache.pop(t, None)

@@ -25,9 +25,10 @@ The functions here turn a profile's per-unit figures into device bytes at the
   input and output per microbatch in flight, plus one microbatch's full
   activations while it is recomputed;
 * the last stage's loss (:func:`loss_bytes`);
-* pipeline messages (:class:`MessageCounts`): sends kept until the step ends and
-  one posted receive per incoming stream; one gradient bucket at ZeRO-0 when
-  ``dp > 1``.
+* pipeline messages (:class:`MessageCounts`): sends held until the peer has them
+  (at most the microbatches in flight, so not growing with the number of
+  microbatches) and one posted receive per incoming stream; one gradient bucket at
+  ZeRO-0 when ``dp > 1``.
 
 Where the memory is (``MemoryLayout.device``): offloaded state lives on the host
 (:func:`unit_host_bytes`: the optimizer state, its fp32 master copy, the fp32
@@ -419,12 +420,16 @@ def loss_backward_bytes(last: UnitProfile, layout: MemoryLayout) -> float:
 class MessageCounts:
     """The pipeline messages a stage's rank holds at the rank's peak (``mpar.comm._p2p``).
 
-    A send packs the payload into a new message buffer that the runtime keeps until
-    the end of the step (``PendingSends``); a receive is posted early into a buffer
-    of the stream's message size, one per incoming stream. Counted from the schedule
-    by ``mpar.partition._planner`` (sends issued up to the last moment the rank's
-    microbatches in flight reach their peak; transfers between stages on the same
-    rank are handed over without a message).
+    A send packs the payload into a message buffer that the runtime holds until the
+    send completes (``PendingSends`` frees completed sends at every send and receive),
+    at the latest when the peer takes it: an activation while its microbatch is in
+    flight on the sending stage, a gradient while it is in flight on the stage before.
+    A receive is posted early into a buffer of the stream's message size, one per
+    incoming stream. Counted from the schedule by
+    ``mpar.partition._prediction.message_counts`` at the last moment the rank's
+    microbatches in flight peak (transfers between stages on the same rank are handed
+    over without a message); bounded by the schedule's in-flight bound, not by the
+    number of microbatches.
     """
 
     sends_forward: int = 1

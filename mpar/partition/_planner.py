@@ -66,7 +66,7 @@ from mpar.partition._prediction import (
     predict,
     split_backward_gain,
 )
-from mpar.partition._solver import memory_weight_for, solve, stage_costs
+from mpar.partition._solver import _fmt, memory_weight_for, solve, stage_costs
 from mpar.partition._tp_share import tp_comm_s, tp_share
 
 if TYPE_CHECKING:
@@ -239,7 +239,13 @@ def lay_out(
         for u in units
     ]
     compute = [_unit_time(u, layout, cost) + t for u, t in zip(units, tp)]
-    starts = _boundaries(profile, method, p * v, memory, weight, cap, comm, compute)
+    try:
+        starts = _boundaries(profile, method, p * v, memory, weight, cap, comm, compute)
+    except PartitionError as exc:
+        if cap_rank is None:
+            raise
+        held = reserve_parts(units, layout, max(flight), messages)
+        raise PartitionError(f"{exc}. {_cap_note(cap_rank, process, v, held)}") from None
     home = _placement(s.pipeline, p * v, p)
     stages = _stage_plans(units, starts, home, flight, layout, comm, compute, messages, tp)
     step = optimizer_step(stages, units, layout, p)
@@ -317,21 +323,90 @@ def unit_memory(
     (kept boundary tensors, message buffers, the ZeRO working set by unit or group)
     is bounded by the largest boundary and units and reserved from the cap.
     """
-    working, reserve = working_set_for_solver(units, layout)
+    working, working_reserve = working_set_for_solver(units, layout)
     memory = [
         unit_state_bytes(u, layout) + unit_held_bytes(u, layout, in_flight) + w
         for u, w in zip(units, working)
     ]
     memory[-1] += loss_bytes(units[-1], layout, in_flight)
+    return memory, _reserve(units, layout, in_flight, transfers, working_reserve).total
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """What :func:`unit_memory` reserves below the cap, by part, each at the widest
+    boundary (units, groups) since the cuts are not known yet."""
+
+    widest: float
+    """The widest boundary tensor (bytes of one microbatch's)."""
+    kept: int
+    """Boundary tensors kept for backward: one per microbatch in flight (two with
+    checkpointing: the stage's input and output)."""
+    messages: int
+    """Pipeline messages a rank holds at its peak: sends until the peer takes them (at
+    most the microbatches in flight), one posted receive per incoming stream
+    (:func:`~mpar.partition._prediction.message_counts`)."""
+    bucket: float
+    """A gradient bucket under data parallelism."""
+    working: float
+    """The ZeRO-2/3 working set by unit or group."""
+
+    @property
+    def total(self) -> float:
+        return self.widest * (self.kept + self.messages) + self.bucket + self.working
+
+    def describe(self) -> str:
+        w = _fmt(self.widest)
+        parts = [
+            (f"boundary tensors kept for backward ({self.kept} x {w})", self.widest * self.kept),
+            (
+                f"pipeline messages ({self.messages} x {w}: sends held until the peer takes "
+                "them, at most the microbatches in flight, and one posted receive per "
+                "incoming stream)",
+                self.widest * self.messages,
+            ),
+            ("a gradient bucket", self.bucket),
+            ("the ZeRO-2/3 working set", self.working),
+        ]
+        return "; ".join(f"{what} {_fmt(b)}" for what, b in parts if b) or "nothing"
+
+
+def reserve_parts(
+    units: Sequence[UnitProfile],
+    layout: MemoryLayout,
+    in_flight: int,
+    transfers: Sequence[MessageCounts] = (),
+) -> Reserve:
+    """The :class:`Reserve` of a layout with ``in_flight`` microbatches in flight."""
+    return _reserve(units, layout, in_flight, transfers, working_set_for_solver(units, layout)[1])
+
+
+def _reserve(
+    units: Sequence[UnitProfile],
+    layout: MemoryLayout,
+    in_flight: int,
+    transfers: Sequence[MessageCounts],
+    working: float,
+) -> Reserve:
     widest = max((boundary_bytes(u, layout) for u in units[:-1]), default=0.0)
     messages = max(
         (t.sends_forward + t.sends_backward + t.receives_forward + t.receives_backward
          for t in transfers),
         default=4,
     )  # fmt: skip
-    copies = in_flight * (2 if layout.activation_checkpointing else 1) + messages
-    bucket = layout.bucket_bytes if layout.data_parallel_degree > 1 else 0
-    return memory, widest * copies + bucket + reserve
+    kept = in_flight * (2 if layout.activation_checkpointing else 1)
+    bucket = layout.bucket_bytes if layout.data_parallel_degree > 1 else 0.0
+    return Reserve(widest, kept, messages, bucket, working)
+
+
+def _cap_note(device: float, process: float, v: int, reserve: Reserve) -> str:
+    """How the per-stage cap came from the device's memory (for a no-fit message)."""
+    per = f" / {v} virtual stages" if v > 1 else ""
+    return (
+        f"The cap per stage is the device memory {_fmt(device)}, less the process "
+        f"{_fmt(process)}{per}, less a reserve of {_fmt(reserve.total)} for what depends "
+        f"on where the cuts fall: {reserve.describe()}"
+    )
 
 
 def process_bytes(p: int, cost: CostModel, layout: MemoryLayout | None = None) -> float:

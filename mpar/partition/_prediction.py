@@ -84,39 +84,65 @@ def message_counts(
 ) -> tuple[MessageCounts, ...]:
     """Per stage: the pipeline messages its rank holds at the rank's peak.
 
-    Walks each rank's action list as the runtime executes it: every F of a stage
-    whose next stage is on another rank sends an activation message, every B (or I)
-    of a stage whose previous stage is on another rank sends a gradient message, and
-    the runtime keeps each until the step ends. The count is taken at the last action
-    where the rank's microbatches in flight are at their peak (later actions only
-    free activations faster than they add messages). Each remote incoming stream has
-    one receive posted.
+    The runtime holds a send's message until the send completes, which is at the
+    latest when the peer has taken it (``mpar.comm._p2p.PendingSends`` frees completed
+    sends at every send and receive). An activation that stage ``s`` sent for
+    microbatch ``j`` is taken by stage ``s + 1`` before ``j``'s gradient can come back,
+    so it is held only while ``j`` is in flight on ``s`` (between its F and its B or I);
+    a gradient sent back for ``j`` only while ``j`` is in flight on ``s - 1``. Walking
+    each rank's action list as the runtime executes it, at the last action where the
+    rank's microbatches in flight peak: forward sends are the remote sends of the
+    stage's microbatches then in flight, backward sends the remote gradient sends so
+    far, at most the previous stage's peak in flight. Both are bounded by the schedule's
+    in-flight bound, not by ``m``. Each remote incoming stream has one receive posted.
     """
     schedule = build(pipeline, p, v, m, active_microbatches)
     n = schedule.num_stages
     rank_of = [schedule.stage_to_rank(s) for s in range(n)]
     remote_next = [s + 1 < n and rank_of[s + 1] != rank_of[s] for s in range(n)]
     remote_prev = [s > 0 and rank_of[s - 1] != rank_of[s] for s in range(n)]
+    open_peak = _open_peaks(schedule, n)
     at_peak: dict[int, tuple[int, int]] = {}
     for rank in range(p):
-        fwd, bwd = [0] * n, [0] * n
+        open_now, bwd = [0] * n, [0] * n
         current = peak = 0
         for action in schedule.actions.get(rank, []):
             s = action.stage
             if action.kind == sched.Kind.F:
                 current += 1
-                fwd[s] += remote_next[s]
+                open_now[s] += 1
             elif action.kind in (sched.Kind.B, sched.Kind.I):
+                open_now[s] -= 1
                 bwd[s] += remote_prev[s]
             if action.kind in (sched.Kind.B, sched.Kind.W):
                 current -= 1
             if current >= peak:
                 peak = current
-                at_peak.update({t: (fwd[t], bwd[t]) for t in range(n) if rank_of[t] == rank})
+                at_peak.update(
+                    {
+                        t: (open_now[t] * remote_next[t], min(bwd[t], open_peak[t - 1] if t else 0))
+                        for t in range(n)
+                        if rank_of[t] == rank
+                    }
+                )
     return tuple(
         MessageCounts(*at_peak.get(s, (0, 0)), int(remote_prev[s]), int(remote_next[s]))
         for s in range(n)
     )
+
+
+def _open_peaks(schedule: sched.Schedule, n: int) -> list[int]:
+    """Per stage: the most microbatches between their F and their B (or I) at once."""
+    open_now, peaks = [0] * n, [0] * n
+    for actions in schedule.actions.values():
+        for action in actions:
+            s = action.stage
+            if action.kind == sched.Kind.F:
+                open_now[s] += 1
+                peaks[s] = max(peaks[s], open_now[s])
+            elif action.kind in (sched.Kind.B, sched.Kind.I):
+                open_now[s] -= 1
+    return peaks
 
 
 def phase_times(

@@ -177,6 +177,7 @@ class Transfers:
         if timeline is not None:
             timeline.waited += time.time() - started
         self.inbox[label] = _device.to_device(payload, self.st.device) if self.staged else payload
+        self.pending.collect()  # sends done by now free their messages
 
     def send(self, label: TransferLabel) -> None:
         """SEND_F / SEND_B: start sending ``label`` to its stage's rank."""

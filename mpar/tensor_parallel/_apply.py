@@ -55,12 +55,14 @@ from mpar.tensor_parallel._sequence import (
     plan_sequence,
 )
 from mpar.tensor_parallel._tp_plan import (
+    STYLES,
     USER_PLAN,
     Style,
     TPPlanError,
     check_every_pattern,
     match_plan,
 )
+from mpar.tensor_parallel._vocab import use_vocab_parallel_loss, vocab_plan
 
 __all__ = ["HEAD_ATTRS", "TPLayout", "TPShard", "apply_layout", "plan_layout"]
 
@@ -137,6 +139,9 @@ class TPLayout:
     """Where the plan came from (for messages)."""
     sequence: SequenceLayout | None = None
     """Where sequence parallelism splits the sequence (None: it is off)."""
+    vocabulary: tuple[str, ...] = ()
+    """The token embedding and LM head mpar split by the vocabulary on its own (a model's
+    own or family plan at a degree dividing the vocabulary; ``mpar.tensor_parallel._vocab``)."""
 
 
 def _weight_dims(module: nn.Module, style: Style) -> tuple[int, int | None]:
@@ -179,9 +184,14 @@ def plan_layout(
     if ``sequence_parallel``); raises :class:`TPPlanError` naming the module and the
     numbers when it cannot be applied. Every pattern of a user's plan (``source`` is
     :data:`USER_PLAN`) must match a module; a model's own plan may name modules that
-    only some of its configurations have."""
+    only some of its configurations have. A plan that is not the user's gets the
+    vocabulary split of a Hugging Face causal LM's embedding and head (``vocab_plan``)."""
     if source == USER_PLAN:
         check_every_pattern(module, plan, source)
+        vocabulary: dict[str, str] = {}
+    else:
+        vocabulary = vocab_plan(module, tp)
+        plan = {**plan, **{name: STYLES[style] for name, style in vocabulary.items()}}
     styles = match_plan(module, plan)
     if not styles:
         raise TPPlanError(
@@ -189,7 +199,8 @@ def plan_layout(
             f"{sorted(plan)}); module names look like "
             f"{[n for n, _ in module.named_modules()][1:6]}"
         )
-    layout = TPLayout(tp, styles, source=source)
+    split_vocabulary = tuple(n for n in vocabulary if styles.get(n) == STYLES[vocabulary[n]])
+    layout = TPLayout(tp, styles, source=source, vocabulary=split_vocabulary)
     owner: dict[int, tuple[str, TPShard | None]] = {}
     for mod_name, mod in module.named_modules(remove_duplicate=False):
         style = styles.get(mod_name)
@@ -423,3 +434,4 @@ def apply_layout(module: nn.Module, layout: TPLayout, rank: int, group: str) -> 
         setattr(mod, attr, value // layout.size)
     if sequence is not None:
         apply_sequence(module, sequence, layout.size, group)
+    use_vocab_parallel_loss(module, layout.modules, group)

@@ -81,9 +81,26 @@ def test_bert_example_zero3_offload_learns():
     assert accuracy >= 90.0, out[-2000:]
 
 
+def _write_checkpoint(path: Path):
+    """A Hugging Face checkpoint of a shape the example does not know (its config.json
+    is all it learns it from), written by transformers, sharded."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=32, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path, max_shard_size="100KB")
+    return config
+
+
 @pytest.mark.timeout(300)
 def test_finetune_pretrained_example_round_trips_through_hf(tmp_path):
     transformers = pytest.importorskip("transformers")
+    config = _write_checkpoint(tmp_path / "ckpt")
+    assert len(list((tmp_path / "ckpt").glob("model-*.safetensors"))) >= 2
     out = _launch(
         4,
         "llama_zero3_pp2_dp2.json",
@@ -93,11 +110,34 @@ def test_finetune_pretrained_example_round_trips_through_hf(tmp_path):
     )  # fmt: skip
     first = float(re.findall(r"first loss ([0-9.]+)", out)[-1])
     assert _final_loss(out) < first, out[-2000:]
-    assert len(list((tmp_path / "ckpt").glob("model-*.safetensors"))) >= 2
-    _, info = transformers.LlamaForCausalLM.from_pretrained(
+    tuned, info = transformers.LlamaForCausalLM.from_pretrained(
         tmp_path / "out", output_loading_info=True
     )
     assert not info["missing_keys"] and not info["unexpected_keys"], info
+    got = tuned.config
+    assert (got.hidden_size, got.num_hidden_layers, got.vocab_size) == (64, 3, 96)
+    assert got.num_key_value_heads == config.num_key_value_heads
+
+
+@pytest.mark.timeout(120)
+def test_finetune_pretrained_example_without_a_checkpoint_says_how_to_make_one(tmp_path):
+    pytest.importorskip("transformers")
+    script = [sys.executable, str(ROOT / "examples/finetune_pretrained.py")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("MPAR_CONFIG", None)
+    missing = subprocess.run(
+        script, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert missing.returncode == 2, missing.stderr
+    assert (
+        "--checkpoint DIR is required" in missing.stderr and "--make-checkpoint" in missing.stderr
+    )
+    assert not list(tmp_path.iterdir())  # nothing written anywhere quietly
+    made = tmp_path / "llama-small"
+    done = subprocess.run([*script, "--make-checkpoint", str(made)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=100)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (made / "config.json").is_file() and list(made.glob("model-*.safetensors"))
 
 
 @pytest.mark.slow  # 40 s; expert parallelism's transparency is in the multiproc suite

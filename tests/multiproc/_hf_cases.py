@@ -145,7 +145,14 @@ def train_family(family: str, steps: int) -> dict[str, Any]:
         expected = sum(p.numel() for p in whole.values())
     devices = sorted({p.device.type for p in model.local_parameters()})
     layout = model.tp_layout
+    vocabulary = () if layout is None else layout.vocabulary
+    held = model.local_tensors()  # this rank's stages': at pp > 1 one of the two, or none
+    here = tuple(n for n in vocabulary if f"{n}.weight" in held)
+    vocab_tensors = {id(held[f"{n}.weight"]): held[f"{n}.weight"] for n in here}
     return {
+        "vocabulary": vocabulary,  # the embedding and LM head split by the vocabulary
+        "vocab_bytes": sum(t.numel() * t.element_size() for t in vocab_tensors.values()),
+        "vocab_whole_bytes": _whole_bytes(whole, here),
         "losses": losses,
         "state": state,
         "plan_param_counts": counts,
@@ -153,6 +160,14 @@ def train_family(family: str, steps: int) -> dict[str, Any]:
         "param_devices": devices,
         "sequence_parallel": layout is not None and layout.sequence is not None,
     }
+
+
+def _whole_bytes(whole: dict[str, nn.Parameter], modules: tuple[str, ...]) -> int:
+    """Bytes of the whole weights of ``modules`` (a tied weight once)."""
+    tensors = {
+        id(whole[f"{n}.weight"]): whole[f"{n}.weight"] for n in modules if f"{n}.weight" in whole
+    }
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def train_ranks(families: list[str], config: dict[str, Any], steps: int) -> dict[str, Any]:

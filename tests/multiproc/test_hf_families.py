@@ -47,6 +47,27 @@ def _check(
                 )
 
 
+CAUSAL_LMS = {
+    "llama": ("model.embed_tokens", "lm_head"),
+    "mistral": ("model.embed_tokens", "lm_head"),
+    "qwen2": ("model.embed_tokens", "lm_head"),
+    "gpt2": ("transformer.wte", "lm_head"),  # tied: one weight, split once
+}
+
+
+def _check_vocabulary_split(results: list[dict[str, Any]], families: tuple[str, ...]) -> None:
+    """At tp = 2 the causal LMs' token embedding and LM head are split by the vocabulary
+    (their loss then computed from the logits' pieces): each rank holds half their bytes;
+    the other families keep theirs whole (their plans as before)."""
+    for family in families:
+        for r in results:
+            got = r[family]
+            assert got["vocabulary"] == CAUSAL_LMS.get(family, ()), family
+            assert 2 * got["vocab_bytes"] == got["vocab_whole_bytes"], family
+        if family in CAUSAL_LMS:  # every rank holds its half of what its stages hold
+            assert sum(r[family]["vocab_bytes"] for r in results) > 0, family
+
+
 DEFAULT = [
     # 41 s; the ZeRO-3 case below takes every family through the same pp2 x dp2 pipeline
     pytest.param({"pipeline_parallel_degree": 2, "microbatches": 4}, marks=pytest.mark.slow),
@@ -77,11 +98,14 @@ TP = [
 @pytest.mark.parametrize(("world", "config"), TP, ids=["tp2", "pp2-tp2"])
 def test_every_family_tensor_parallel(world, config):
     """No tp_plan given: Llama, Mistral and Qwen2 use their own base_model_tp_plan;
-    GPT-2 (fused c_attn, Conv1D), T5 (relative attention bias), BERT and ViT mpar's."""
+    GPT-2 (fused c_attn, Conv1D), T5 (relative attention bias), BERT and ViT mpar's.
+    The causal LMs' embedding and LM head are split by the vocabulary besides (issue 44:
+    transparent, and each rank holds half their bytes; GPT-2's tied pair stays one weight)."""
     results = run_distributed(
         cases.train_ranks, world, args=(list(cases.FAMILIES), config, STEPS), timeout=480
     )
     _check(results, config)
+    _check_vocabulary_split(results, cases.FAMILIES)
 
 
 SEQUENCE_PARALLEL = [
@@ -115,6 +139,7 @@ def test_families_sequence_parallel(world, families, config):
     )
     assert all(r[family]["sequence_parallel"] for r in results for family in families)
     _check(results, config, families)
+    _check_vocabulary_split(results, families)
 
 
 SLOW_GRID = [

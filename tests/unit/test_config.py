@@ -260,3 +260,33 @@ def test_auto_values_need_device_memory_and_hold_placeholders():
         load_config({"device_memory": "lots"})
     with pytest.raises(ConfigTypeError, match="microbatches"):
         load_config({"microbatches": "many", "device_memory": "16GiB"})
+
+
+def test_init_dict_and_launch_config_are_merged(tmp_path, monkeypatch):
+    """`mpar launch --config` (MPAR_CONFIG) and a dict or file given to mpar.init: merged
+    key by key; a key both give must agree; a typo in the launch file is reported."""
+    launched = tmp_path / "launch.json"
+    launched.write_text(json.dumps({"microbatches": 4, "zero": {"stage": 2}}))
+    monkeypatch.setenv("MPAR_CONFIG", str(launched))
+    cfg = load_config({"partitions": 2, "zero": {"bucket_mb": 8}})
+    assert (cfg.pipeline_parallel_degree, cfg.microbatches) == (2, 4)
+    assert (cfg.zero.stage, cfg.zero.bucket_mb) == (2, 8)
+    assert load_config({"microbatches": 4}).microbatches == 4  # the same value: fine
+    with pytest.raises(
+        ConfigError,
+        match=r"'microbatches' is 8 in the dict given to mpar.init but 4 in MPAR_CONFIG",
+    ):
+        load_config({"microbatches": 8})
+    with pytest.raises(ConfigError, match=r"'stage' is 3 in the dict .* but 2 in MPAR_CONFIG"):
+        load_config({"zero": {"stage": 3}})
+    own = tmp_path / "own.yaml"
+    own.write_text("pipeline_parallel_degree: 2\nmicrobatches: 2\n")
+    with pytest.raises(ConfigError, match=r"in the config file .*own.yaml"):
+        load_config(own)
+    launched.write_text(json.dumps({"microbatchez": 4}))
+    with pytest.raises(ConfigError, match="unknown config key 'microbatchez'; did you mean"):
+        load_config({"partitions": 2})
+    monkeypatch.setenv("MPAR_CONFIG", '{"partitions": 2}')  # an alias: its canonical key
+    assert load_config({"pipeline_parallel_degree": 2}).pipeline_parallel_degree == 2
+    with pytest.raises(ConfigError, match="'partitions' is 4 in the dict .* but 2 in MPAR_CONFIG"):
+        load_config({"partitions": 4})

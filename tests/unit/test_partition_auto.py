@@ -115,14 +115,28 @@ def test_held_messages_follow_the_schedule():
     from mpar.partition._prediction import message_counts as _transfers
 
     # 1F1B, 4 ranks, 4 microbatches: rank 1 runs F0 F1 F2 B0 F3 B1 B2 B3; its peak of 3 in
-    # flight is last reached after F3, when 4 activations and 1 gradient have been sent
+    # flight is last reached after F3: the activations of microbatches 1-3 (in flight) may
+    # still be on their way, and the one gradient sent (B0's)
     got = _transfers(4, 1, 4, "interleaved")
     assert got[0] == MessageCounts(4, 0, 0, 1)
-    assert got[1] == MessageCounts(4, 1, 1, 1)
-    # the last rank runs F0 B0 F1 B1 ...: its peak of 1 is last reached after F3
-    assert got[3] == MessageCounts(0, 3, 1, 0)
+    assert got[1] == MessageCounts(3, 1, 1, 1)
+    # the last rank runs F0 B0 F1 B1 ...: its peak of 1 is last reached after F3, three
+    # gradients sent, at most two of them not yet taken (stage 2 holds 2 in flight)
+    assert got[3] == MessageCounts(0, 2, 1, 0)
     # GPipe: the peak is after all forwards, before any gradient is sent
     assert _transfers(4, 1, 4, "simple")[1] == MessageCounts(4, 0, 1, 1)
+
+
+def test_held_messages_do_not_grow_with_the_microbatches():
+    """Sends are held until taken (issue 44): bounded by the microbatches in flight, so
+    the same at 8 and 512 microbatches, for 1F1B, interleaved and zero-bubble schedules."""
+    from mpar.partition._prediction import message_counts as _transfers
+
+    for p, v, pipeline in [(2, 1, "interleaved"), (8, 1, "interleaved"), (4, 2, "interleaved"),
+                           (4, 1, "zero_bubble")]:  # fmt: skip
+        few, many = _transfers(p, v, 8 * p, pipeline), _transfers(p, v, 512, pipeline)
+        assert few == many, (p, v, pipeline)
+    assert _transfers(8, 1, 512, "interleaved")[0] == MessageCounts(8, 0, 0, 1)
 
 
 def test_make_plan_checkpointing_trades_memory_for_time():
@@ -311,3 +325,18 @@ def test_cli_plan_auto_measured_fits_fixed_times(tmp_path, monkeypatch, capsys):
     load_config(data["config"]).check_world_size(2)
     assert data["predicted"]["step_time_s"] > 0
     monkeypatch.delitem(sys.modules, "auto_factory_mod", raising=False)
+
+
+def test_a_plan_that_does_not_fit_says_what_the_cap_reserves():
+    """The per-stage cap is the device memory less the process and a reserve; the no-fit
+    message says how much of it goes where (issue 44: it said 'a memory cap of 0 B')."""
+    prof = _profile(8, out=64 * MiB)
+    with pytest.raises(PartitionError) as info:
+        make_plan(prof, _run(2, microbatches=128, device_memory="300MiB"))
+    text = str(info.value)
+    assert "no split into 2 stages fits a memory cap of" in text
+    assert "The cap per stage is the device memory 300.00 MiB" in text
+    # 1F1B at p = 2: two in flight, so two kept boundaries and 3 messages (stage 0: two
+    # activations sent, one gradient receive posted), not 128
+    assert "boundary tensors kept for backward (2 x 64.00 MiB) 128.00 MiB" in text
+    assert "pipeline messages (3 x 64.00 MiB: sends held until the peer takes them" in text

@@ -211,3 +211,26 @@ def test_cli_plan_auto_llama_7b_fits_in_under_3_minutes(tmp_path, monkeypatch, c
     assert _run_cli([*argv, "--device-memory", "80GiB", "--global-batch", "64", "--json"]) == 0
     assert time.monotonic() - start < 180
     _check_auto_output(json.loads(capsys.readouterr().out), 16, 80 * 2**30, 64)
+
+
+def test_cli_plan_model_imports_from_the_current_folder(tmp_path, monkeypatch, capsys):
+    """`mpar plan --model mypkg.models:build` run from mypkg's parent folder finds it, as
+    `python -m` would (the `mpar` script's own folder is what Python puts on the path)."""
+    pkg = tmp_path / "mypkg_issue44"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "models.py").write_text(
+        "import torch\n"
+        "def build():\n"
+        "    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))\n"
+        "    return net, torch.randn(2, 4)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delenv("MPAR_CONFIG", raising=False)
+    try:
+        assert _run_cli(["--model", "mypkg_issue44.models:build", "--world-size", "1"]) == 0
+    finally:
+        for name in ("mypkg_issue44", "mypkg_issue44.models"):
+            sys.modules.pop(name, None)
+    assert "stage" in capsys.readouterr().out

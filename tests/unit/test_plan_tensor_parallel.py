@@ -213,3 +213,26 @@ def test_cli_plan_auto_json_says_tp(tmp_path, monkeypatch, capsys):
     data = json.loads(capsys.readouterr().out)
     assert {c["tensor_parallel_degree"] for c in data["candidates"]} == {2}
     monkeypatch.delitem(sys.modules, "tp_factory_mod", raising=False)
+
+
+def test_a_hf_causal_lm_splits_its_embedding_and_head_by_the_vocabulary():
+    """With no tp_plan, a Hugging Face causal LM's token embedding and LM head are split
+    by the vocabulary at tp = 2 (issue 44): one TP rank's share counts half of them."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    profile = profile_model(model, (), {"input_ids": ids}, mode="meta")
+    splits = tp_splits(model, profile, ((), {"input_ids": ids}), (2, 3))
+    assert 3 in splits.refused  # 4 heads do not split 3 ways (nor 128 rows)
+    half = {u.name: u for u in tp_share(profile, splits, 2).units}
+    whole = {u.name: u for u in profile.units}
+    table = 128 * 32  # embedding rows x features; the head is the same shape
+    for unit in ("model.embed_tokens", "lm_head"):
+        assert whole[unit].param_count == table
+        assert half[unit].param_count == table // 2, unit
+        assert half[unit].optimizer_bytes == whole[unit].optimizer_bytes // 2, unit

@@ -132,3 +132,11 @@ def test_registers_subcommand() -> None:
     args = parser.parse_args(["schedule", "--stages", "2", "--microbatches", "3"])
     assert args.run is _schedule.run
     assert (args.stages, args.microbatches, args.virtual_stages) == (2, 3, 1)
+
+
+def test_trace_of_a_missing_folder_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    missing = tmp_path / "runs" / "trace"
+    assert _schedule.main(["--trace", str(missing)]) == 1
+    err = capsys.readouterr().err
+    assert f"--trace {str(missing)!r} is not an existing folder" in err
+    assert "--stages and --microbatches" in err and "config key 'trace'" in err
