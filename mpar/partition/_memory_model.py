@@ -259,29 +259,28 @@ def zero_working_set_bytes(units: Sequence[UnitProfile], layout: MemoryLayout) -
     All in the compute dtype. This is the one place to change when the runtime's
     gather or reduction granularity changes.
     """
-    return max((_group_moment(units, layout, i) for i in range(len(units))), default=0.0)
-
-
-def _group_moment(units: Sequence[UnitProfile], layout: MemoryLayout, index: int) -> float:
-    """The working set while the group holding ``units[index]`` is differentiated: its
-    parameters and a neighbour's gathered (ZeRO-3), and its gradients (ZeRO-2/3)."""
-    c, sharded = layout.dtype_factor, layout.data_parallel_degree > 1
-    groups = _gather_groups(units, layout.gather)
-    size = len(groups[0]) if groups else 1
-    g = index // size
-    if index % size:  # one figure per group
+    if layout.zero_stage < 2:
         return 0.0
+    groups = _gather_groups(units, layout.gather)
+    params = [sum(u.param_bytes for u in group) for group in groups]
+    return max((_group_moment(groups, params, layout, g) for g in range(len(groups))), default=0.0)
+
+
+def _group_moment(
+    groups: Sequence[Sequence[UnitProfile]], params: Sequence[int], layout: MemoryLayout, g: int
+) -> float:
+    """The working set while group ``g`` is differentiated: its parameters and a
+    neighbour's gathered (ZeRO-3), and its gradients (ZeRO-2/3); ``params``: each
+    group's parameter bytes."""
+    c, sharded = layout.dtype_factor, layout.data_parallel_degree > 1
     extra = 0.0
     if layout.zero_stage >= 2 and sharded:
         copies = 1 if layout.gather == "chunk" else 2  # by chunk the .grad are views
         extra += copies * c * sum(u.grad_bytes for u in groups[g])
     if layout.zero_stage == 3 and (sharded or layout.offload_params):
-        params = [sum(u.param_bytes for u in group) for group in groups]
         # the prefetch skips groups with nothing to gather: neighbours among the others
-        held = [i for i, p in enumerate(params) if p or i == g]
-        at = held.index(g)
-        before = params[held[at - 1]] if at else 0
-        after = params[held[at + 1]] if at + 1 < len(held) else 0
+        before = next((p for p in reversed(params[:g]) if p), 0)
+        after = next((p for p in params[g + 1 :] if p), 0)
         extra += c * (params[g] + max(before, after))
     return extra
 

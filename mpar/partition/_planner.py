@@ -80,6 +80,7 @@ __all__ = [
     "process_bytes",
     "rank_overheads",
     "unit_memory",
+    "unit_time",
 ]
 
 Method = Literal["profile", "uniform", "parameters"]
@@ -217,7 +218,7 @@ def lay_out(
     cap = None if cap_rank is None else max((cap_rank - process) / v - reserve, 0.0)
     comm = _comm(units, layout, cost.link_bandwidth)
     tp = [tp_comm_s(u, microbatch_scale * layout.dtype_factor, cost.tp_bandwidth) for u in units]
-    compute = [_unit_time(u, layout, cost) + t for u, t in zip(units, tp)]
+    compute = [unit_time(u, layout, cost) + t for u, t in zip(units, tp)]
     starts = _boundaries(profile, method, p * v, memory, weight, cap, comm, compute)
     home = _placement(s.pipeline, p * v, p)
     stages = _stage_plans(units, starts, home, flight, layout, comm, compute, messages, tp)
@@ -232,7 +233,7 @@ def lay_out(
     return Laid(starts, stages, layout, weight, memory, comm, compute, rank_memory, host, step)
 
 
-def _unit_time(unit: UnitProfile, layout: MemoryLayout, cost: CostModel) -> float:
+def unit_time(unit: UnitProfile, layout: MemoryLayout, cost: CostModel) -> float:
     """Seconds of one microbatch of the layout's size: the per-sample part scales."""
     k, speed = layout.microbatch_scale, cost.mixed_speedup if layout.mixed else 1.0
     return (unit.fixed_time_s + (unit.time_s - unit.fixed_time_s) * k) / speed

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import math
 from collections import Counter
 from collections.abc import Collection, Iterator
 from dataclasses import asdict, dataclass, field
@@ -42,9 +43,9 @@ from mpar._size import parse_bytes
 from mpar.errors import PartitionError
 from mpar.partition._cost import CostModel
 from mpar.partition._plan_inputs import ConfigDict, PlanInputs, config_dict
-from mpar.partition._planner import lay_out, rank_overheads
+from mpar.partition._planner import lay_out, rank_overheads, unit_time
 from mpar.partition._prediction import lower_bound_s, predict
-from mpar.partition._tp_share import TPSplits, tp_share
+from mpar.partition._tp_share import TPSplits, tp_comm_s, tp_share
 from mpar.schedule import least_active_microbatches
 from mpar.topology import GridShape
 
@@ -70,6 +71,7 @@ ZBV = "zbv needs exactly 2 virtual stages"
 SEARCHABLE = ("interleaved", "simple", "zero_bubble", "zbv")
 NO_DP = "ZeRO without data parallelism or offload shards nothing"
 SLOWER = "slower than the top candidates (not simulated)"
+UNLAID = "slower than the top candidates by their work alone (not laid out)"
 OVER_HOST = "over host memory cap"
 CPU_OFFLOAD = "offload on a CPU device (the host is the device: it saves nothing)"
 TP_REFUSED = "tensor-parallel degree the model's plan refuses (heads or sizes not divisible)"
@@ -428,27 +430,35 @@ def _simulate(profile: ModelProfile, c: Candidate, scale: float, cost: CostModel
     c.step_time_s, c.bubble = makespan + c.overhead_s, bubble
 
 
-def _rank(
-    profiles: dict[int, ModelProfile],
-    fitting: list[tuple[Candidate, float]],
-    top: int,
-    cost: CostModel,
-) -> tuple[list[Candidate], int]:
-    """Simulate in lower-bound order until no remaining bound can enter the top ``top``."""
-    fitting.sort(key=lambda cs: (cs[0].lower_bound_s, cs[0].max_rank_memory_bytes))
-    best: list[tuple[float, int, int, Candidate]] = []  # max-heap of (-time, -mem, order)
-    skipped = 0
-    for order, (cand, scale) in enumerate(fitting):
-        if len(best) >= top and cand.lower_bound_s > -best[0][0]:
-            skipped = len(fitting) - order
-            break
-        _simulate(profiles[cand.tensor_parallel_degree], cand, scale, cost)
+class _Top:
+    """The ``top`` fastest candidates so far (simulated), and how many fitting ones
+    were not simulated because their lower bound could not enter them."""
+
+    def __init__(self, top: int) -> None:
+        self.top = top
+        self.heap: list[tuple[float, int, int, Candidate]] = []  # max-heap of (-time, -mem, -order)
+        self.skipped = 0
+
+    @property
+    def worst(self) -> float:
+        """The slowest kept step time (infinite until ``top`` are kept)."""
+        return -self.heap[0][0] if len(self.heap) >= self.top else math.inf
+
+    def offer(
+        self, profile: ModelProfile, cand: Candidate, scale: float, order: int, cost: CostModel
+    ) -> None:
+        if cand.lower_bound_s > self.worst:
+            self.skipped += 1
+            return
+        _simulate(profile, cand, scale, cost)
         key = (-(cand.step_time_s or 0.0), -cand.max_rank_memory_bytes, -order, cand)
-        if len(best) < top:
-            heapq.heappush(best, key)
-        elif key[:3] > best[0][:3]:
-            heapq.heapreplace(best, key)
-    return sorted((k[3] for k in best), key=_preference), skipped
+        if len(self.heap) < self.top:
+            heapq.heappush(self.heap, key)
+        elif key[:3] > self.heap[0][:3]:
+            heapq.heapreplace(self.heap, key)
+
+    def ranked(self) -> list[Candidate]:
+        return sorted((k[3] for k in self.heap), key=_preference)
 
 
 def _preference(c: Candidate) -> tuple[float, ...]:
@@ -498,41 +508,94 @@ def search(
     _check_inputs(inputs, global_batch, profile_batch, top)
     host_cap = None if host_memory is None else parse_bytes(host_memory)
     reject: Counter[str] = Counter()
-    fitting: list[tuple[Candidate, float]] = []
-    evaluated = 0
-    splits = inputs.tp_splits or TPSplits.none()
     profiles: dict[int, ModelProfile] = {}
+    todo = _layouts(profile, inputs, global_batch, profile_batch, space, cost, reject, profiles)
+    best, evaluated, count = _Top(top), 0, 0
+    for order, (bound, run, size, scale) in enumerate(todo):
+        if bound > best.worst:  # this one and every later one is slower than the top
+            reject[UNLAID] += len(todo) - order
+            break
+        evaluated += 1
+        cand = _evaluate(profiles[run.grid.tp], run, size, scale, cost)
+        if cand is None:
+            reject[OVER_CAP] += 1
+        elif _over_host(cand, host_cap):
+            reject[OVER_HOST] += 1
+        else:
+            count += 1
+            best.offer(profiles[run.grid.tp], cand, scale, order, cost)
+    if best.skipped:
+        reject[SLOWER] += best.skipped
+    return SearchResult(
+        best.ranked(), dict(reject), evaluated, count, world_size, global_batch,
+        inputs.device_memory or 0, profile_batch, cost, space, device=inputs.device,
+        host_memory=host_cap, tp_degrees=tuple(profiles),
+        notes=_tp_notes(world_size, space, _splits_of(inputs)),
+    )  # fmt: skip
+
+
+Layout = tuple[float, PlanInputs, int, float]
+"""(lower bound of the step time, the run, samples per microbatch, scale of the profile)."""
+
+
+def _layouts(
+    profile: ModelProfile,
+    inputs: PlanInputs,
+    global_batch: int,
+    profile_batch: int,
+    space: SearchSpace,
+    cost: CostModel,
+    reject: Counter[str],
+    profiles: dict[int, ModelProfile],
+) -> list[Layout]:
+    """Every layout of the space that can run, with a lower bound of its step time
+    (``_work_bound``), cheapest bound first (ties in enumeration order); the others
+    counted in ``reject``. Fills ``profiles`` with one TP rank's profile per degree."""
+    world_size, splits = inputs.grid.world_size, _splits_of(inputs)
+    todo: list[Layout] = []
+    work: dict[tuple[int, float, bool], float] = {}  # per-unit costs, summed once per key
     for tp in _tp_degrees(world_size, space, splits, reject):
         tp_space = _space_for(space, world_size // tp, reject)
         if tp_space is None:
             continue
-        profiles[tp] = tp_profile = tp_share(profile, splits, tp)
+        profiles[tp] = tp_share(profile, splits, tp)
         for shape in _shapes(len(profile.units), world_size // tp, global_batch, tp_space, reject):
             if not _runs(inputs, shape):
                 reject[ACTIVE] += 1
                 continue
             size = global_batch // shape[1] // shape[2]
+            scale = size / profile_batch
             for knobs in _knobs(shape[1], space, reject, inputs.device):
-                evaluated += 1
-                scale = size / profile_batch
                 run = _inputs(inputs, shape, knobs, tp)
-                cand = _evaluate(tp_profile, run, size, scale, cost)
-                if cand is None:
-                    reject[OVER_CAP] += 1
-                elif _over_host(cand, host_cap):
-                    reject[OVER_HOST] += 1
-                else:
-                    fitting.append((cand, scale))
-    count = len(fitting)
-    ranked, skipped = _rank(profiles, fitting, top, cost)
-    if skipped:
-        reject[SLOWER] += skipped
-    return SearchResult(
-        ranked, dict(reject), evaluated, count, world_size, global_batch,
-        inputs.device_memory or 0, profile_batch, cost, space, device=inputs.device,
-        host_memory=host_cap, tp_degrees=tuple(profiles),
-        notes=_tp_notes(world_size, space, splits),
-    )  # fmt: skip
+                bound = _work_bound(profiles[tp], run, scale, cost, work)
+                todo.append((bound, run, size, scale))
+    order = sorted(range(len(todo)), key=lambda i: todo[i][0])  # stable: ties keep their order
+    return [todo[i] for i in order]
+
+
+def _work_bound(
+    profile: ModelProfile,
+    run: PlanInputs,
+    scale: float,
+    cost: CostModel,
+    work: dict[tuple[int, float, bool], float],
+) -> float:
+    """A lower bound of ``run``'s step time before laying it out: its ranks' average
+    work, ``m`` microbatches of every unit's forward and backward (and recomputation)
+    over ``pp`` ranks; the busiest rank's work (``lower_bound_s``) is at least that.
+    ``work`` caches the units' summed seconds per (tp, microbatch scale, mixed)."""
+    key = (run.grid.tp, scale, run.precision != "fp32")
+    if key not in work:
+        layout = run.memory_layout(scale)
+        tp = [tp_comm_s(u, scale * layout.dtype_factor, cost.tp_bandwidth) for u in profile.units]
+        work[key] = math.fsum(unit_time(u, layout, cost) + t for u, t in zip(profile.units, tp))
+    recompute = cost.recompute_fraction if run.activation_checkpointing is True else 0.0
+    per_rank = run.schedule.microbatches * (1 + recompute) * work[key] / run.grid.pp
+    return per_rank * (1 - 1e-9)  # below the stages' own sums whatever their rounding
+
+
+def _splits_of(inputs: PlanInputs) -> TPSplits:
+    return inputs.tp_splits or TPSplits.none()
 
 
 def _over_host(cand: Candidate, host_cap: int | None) -> bool:

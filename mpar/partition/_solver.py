@@ -224,8 +224,28 @@ def solve(
     cap = math.inf if memory_cap is None else float(memory_cap)
     starts = _min_bottleneck(costs, num_stages, cap)
     if starts is None:
-        raise PartitionError(_no_fit_message(list(memory or []), num_stages, cap, names))
+        raise _NoFit(list(memory or []), num_stages, cap, names)
     return starts
+
+
+class _NoFit(PartitionError):
+    """No split fits the cap; the message (which solves again without a cap to say what
+    would fit) is composed only when read: the auto search discards thousands."""
+
+    def __init__(
+        self, memory: list[float], num_stages: int, cap: float, names: Sequence[str] | None
+    ) -> None:
+        super().__init__()
+        self._inputs = (memory, num_stages, cap, names)
+        self._message: str | None = None
+
+    def __str__(self) -> str:
+        if self._message is None:
+            self._message = _no_fit_message(*self._inputs)
+        return self._message
+
+    def __reduce__(self) -> tuple[type[PartitionError], tuple[str]]:
+        return PartitionError, (str(self),)  # pickled (sent between ranks) as its message
 
 
 def min_memory_for(memory: Sequence[float], num_stages: int) -> float:
