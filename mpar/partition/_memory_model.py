@@ -69,6 +69,8 @@ __all__ = [
     "stage_extra_bytes",
     "transfer_bytes",
     "unit_activation_bytes",
+    "Checkpointing",
+    "recompute_peak_bytes",
     "unit_held_bytes",
     "unit_host_bytes",
     "unit_state_bytes",
@@ -77,6 +79,10 @@ __all__ = [
 ]
 
 _PRECISIONS: tuple[PrecisionKind, ...] = ("fp32", "bf16", "fp16")
+
+Checkpointing = bool | Literal["block"]
+"""Activation checkpointing as the planner models it: off, by stage chunk (True), or
+by block ("block": each unit keeps its input and is recomputed alone)."""
 PlanDevice = Literal["cuda", "xla", "cpu"]
 """A device kind the ranks compute on; on ``"cpu"`` host memory is the device's memory."""
 DEVICES: tuple[PlanDevice, ...] = ("cuda", "xla", "cpu")
@@ -118,7 +124,8 @@ class MemoryLayout:
     zero_stage: int = 0
     precision: PrecisionKind = "fp32"
     """"fp32", or "bf16" / "fp16" mixed precision (compute dtype, fp32 master weights)."""
-    activation_checkpointing: bool = False
+    activation_checkpointing: Checkpointing = False
+    """False; True: by stage chunk; "block": by unit (``unit_held_bytes``)."""
     offload_optimizer: bool = False
     offload_params: bool = False
     microbatch_scale: float = 1.0
@@ -321,9 +328,20 @@ def unit_held_bytes(unit: UnitProfile, layout: MemoryLayout, in_flight: int) -> 
     kept = unit.weight_work_bytes * layout.microbatch_scale * layout.dtype_factor
     if not layout.weight_work:
         kept = 0.0
+    if layout.activation_checkpointing == "block":  # the one recomputed: recompute_peak_bytes
+        return (min(saved, boundary_bytes(unit, layout)) + kept) * in_flight
     if layout.activation_checkpointing:
         return saved + kept * in_flight
     return max(saved, kept) * in_flight
+
+
+def recompute_peak_bytes(units: Sequence[UnitProfile], layout: MemoryLayout) -> float:
+    """Under per-block checkpointing, what a stage of ``units`` adds while it recomputes:
+    one block's saved activations at a time, the largest (0 otherwise: chunk
+    checkpointing counts the whole chunk's in ``unit_held_bytes``)."""
+    if layout.activation_checkpointing != "block":
+        return 0.0
+    return max((unit_activation_bytes(u, layout) for u in units), default=0.0)
 
 
 def boundary_bytes(unit: UnitProfile, layout: MemoryLayout) -> float:

@@ -51,6 +51,7 @@ from mpar.partition._memory_model import (
     boundary_bytes,
     loss_bytes,
     optimizer_step_bytes,
+    recompute_peak_bytes,
     stage_extra_bytes,
     unit_held_bytes,
     unit_host_bytes,
@@ -311,7 +312,8 @@ def unit_memory(
     )  # fmt: skip
     copies = in_flight * (2 if layout.activation_checkpointing else 1) + messages
     bucket = layout.bucket_bytes if layout.data_parallel_degree > 1 else 0
-    return memory, widest * copies + bucket + reserve
+    recompute = recompute_peak_bytes(units, layout)  # the largest block, wherever it lands
+    return memory, widest * copies + bucket + reserve + recompute
 
 
 def process_bytes(p: int, cost: CostModel, layout: MemoryLayout | None = None) -> float:
@@ -425,6 +427,7 @@ def _stage_plans(
         # backward, holding what the forward saved
         held = layout if s > 0 else dataclasses.replace(layout, weight_work=False)
         act = int(sum(unit_held_bytes(u, held, flight) for u in group))
+        act += int(recompute_peak_bytes(group, layout))
         moved = transfers[s] if s < len(transfers) else None
         extra = int(stage_extra_bytes(units, a, b, flight, layout, moved))
         seconds = math.fsum(compute[a:b])

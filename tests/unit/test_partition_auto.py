@@ -235,7 +235,7 @@ def test_search_best_config_loads_and_matches_make_plan():
     assert plan.step_time_s == pytest.approx(best.step_time_s)
     assert max(plan.rank_memory_bytes) == best.max_rank_memory_bytes
     data = result.to_dict()
-    assert data["config"]["device_memory"] == 2**30
+    assert data["config"]["device_memory"] == int(2**30 * 0.9)  # less the headroom
     assert data["predicted"]["step_time_s"] == best.step_time_s
 
 
