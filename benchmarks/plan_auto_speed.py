@@ -26,9 +26,10 @@ JOBS = {
            "--device-memory", "80GiB", "--global-batch", "64"],
     "70b-cuda": ["--hf-config", str(CONFIGS / "llama3-70b"), "--seq-len", "8192",
                  "--world-size", "64", "--device-memory", "80GiB", "--global-batch", "512",
-                 "--device", "cuda", "--tp-bandwidth", "150GB"],
+                 "--device", "cuda", "--tp-bandwidth", "150GB", "--block-checkpointing"],
     "70b-h100": ["--hf-config", str(CONFIGS / "llama3-70b"), "--seq-len", "8192",
-                 "--world-size", "64", "--global-batch", "512", "--cluster", "h100"],
+                 "--world-size", "64", "--global-batch", "512", "--cluster", "h100",
+                 "--block-checkpointing"],
 }  # fmt: skip
 
 
