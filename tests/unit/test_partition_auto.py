@@ -176,7 +176,8 @@ def test_search_turns_on_checkpointing_only_when_memory_needs_it():
     space = SearchSpace(precisions=("fp32",), offload=False)
     roomy = search(prof, _run(world=2, device_memory="64GiB"), global_batch=8, space=space)
     assert not roomy.best.activation_checkpointing
-    tight = search(prof, _run(world=2, device_memory="1200MiB"), global_batch=8, space=space)
+    tight_run = _run(world=2, device_memory="1200MiB")  # at the edge: no headroom
+    tight = search(prof, tight_run, global_batch=8, space=space, headroom=0.0)
     assert tight.best.activation_checkpointing
     assert tight.rejected["over memory cap"] > 0
     assert tight.best.step_time_s > roomy.best.step_time_s
