@@ -129,6 +129,8 @@ def run_auto(args: argparse.Namespace, profile_fn: Callable[[argparse.Namespace]
         profile, best.inputs, cost=result.cost, microbatch_scale=size / batch, microbatch_size=size
     )
     where = [] if preset is None else [preset.describe()]
+    if preset is not None and args.cluster is None:
+        where.append(f"(assumed for --device {preset.device}; name the machine with --cluster)")
     if args.json:
         return json.dumps(
             {**result.to_dict(), "plan": plan.to_dict(), "cluster": _cluster_dict(preset)},
