@@ -75,6 +75,7 @@ if TYPE_CHECKING:
 
     from mpar.config import Config
     from mpar.partition import PlanInputs
+    from mpar.partition._clusters import Cluster
     from mpar.profile import ModelProfile
     from mpar.tensor_parallel import ExampleInputs
 
@@ -113,9 +114,15 @@ def add_parser(
     parser.add_argument("--device-memory", help="memory per device, e.g. 16GiB or 40GB")
     parser.add_argument(
         "--link-bandwidth",
-        default="10GB",
-        help="bytes per second between neighbouring stages, e.g. 10GB (default) or 500MB; "
-        "'none' leaves communication out of the plan",
+        help="bytes per second between neighbouring stages, e.g. 10GB or 500MB (default: "
+        "the cluster's between nodes, else 10GB); 'none' leaves communication out of the plan",
+    )
+    parser.add_argument(
+        "--cluster",
+        help="plan for a preset machine: h100, h200, a100 or tpu-v5p (device kind, memory, "
+        "bf16 peak x assumed MFU, NVLink/ICI in a node for tp, InfiniBand between nodes, "
+        "devices per node: tp stays within a node); --device cuda/xla without it assumes "
+        "h100/tpu-v5p; flags given explicitly win",
     )
     parser.add_argument(
         "--global-batch",
@@ -168,7 +175,9 @@ def add_parser(
 def _add_auto_arguments(parser: argparse.ArgumentParser) -> None:
     auto = parser.add_argument_group("search the layout (--auto)")
     auto.add_argument("--auto", action="store_true", help="search the whole layout")
-    auto.add_argument("--host-bandwidth", default="10GB", help="device<->host bytes/s (10GB)")
+    auto.add_argument(
+        "--host-bandwidth", help="device<->host bytes/s (default: the cluster's, else 10GB)"
+    )
     auto.add_argument(
         "--host-memory",
         help="host memory per rank for offloaded state on a CUDA/XLA device, e.g. 64GiB "
@@ -188,8 +197,21 @@ def _add_auto_arguments(parser: argparse.ArgumentParser) -> None:
     auto.add_argument(
         "--no-checkpointing", action="store_true", help="never checkpoint activations"
     )
+    auto.add_argument(
+        "--block-checkpointing",
+        action="store_true",
+        help="also try per-block activation checkpointing (activation_checkpointing: "
+        "'block'; tried by default once the runtime's config takes that value)",
+    )
     auto.add_argument("--max-virtual-stages", type=int, default=4, help="(4)")
     auto.add_argument("--top", type=int, default=10, help="candidates to rank (10)")
+    auto.add_argument(
+        "--headroom",
+        type=float,
+        default=0.1,
+        help="share of --device-memory kept free for the memory model's error (0.1: lay "
+        "out under 90%% of it; the picked config's device_memory says so)",
+    )
 
 
 def _load_factory(spec: str) -> Callable[[], object]:
@@ -279,11 +301,19 @@ def plan_inputs_of(args: argparse.Namespace, config: Config) -> PlanInputs:
     from mpar.partition import plan_inputs
     from mpar.partition._plan_inputs import plan_device
 
-    kind = plan_device(device_kind(args.device, config.device))
+    kind = plan_device(device_kind(device_arg(args), config.device))
     inputs = plan_inputs(config, args.world_size, device=kind)
-    if args.device_memory is None:
-        return inputs
-    return dataclasses.replace(inputs, device_memory=parse_bytes(args.device_memory))
+    memory = device_memory_of(args, cluster_of(args, kind))
+    return inputs if memory is None else dataclasses.replace(inputs, device_memory=memory)
+
+
+def device_arg(args: argparse.Namespace) -> str | None:
+    """``--device``, else the ``--cluster``'s device kind."""
+    if args.device is None and getattr(args, "cluster", None) is not None:
+        from mpar.partition._clusters import cluster
+
+        return cluster(args.cluster).device
+    return str(args.device) if args.device is not None else None
 
 
 def _profile(args: argparse.Namespace) -> Profiled:
@@ -345,9 +375,45 @@ def _batch_of(inputs: object) -> int:
     return 1
 
 
-def link_bandwidth(text: str) -> float | None:
-    """``--link-bandwidth`` in bytes per second ('none': communication left out)."""
+def link_bandwidth(text: str | None, cluster: Cluster | None = None) -> float | None:
+    """``--link-bandwidth`` in bytes per second ('none': communication left out; not
+    given: the cluster's between nodes, else 10 GB/s)."""
+    if text is None:
+        return cluster.inter_node_bandwidth if cluster is not None else 10e9
     return None if text.lower() == "none" else parse_bandwidth(text, "link_bandwidth")
+
+
+def cluster_of(args: argparse.Namespace, kind: str) -> Cluster | None:
+    """The machine a plan is for: ``--cluster`` (its device kind must agree with
+    ``--device``), else the default preset of the device kind (None on the CPU)."""
+    from mpar.partition._clusters import cluster, default_cluster
+
+    name = getattr(args, "cluster", None)
+    if name is None:
+        return default_cluster(kind)
+    preset = cluster(name)
+    if args.device not in (None, "auto", preset.device):
+        raise ValueError(
+            f"--cluster {preset.name} runs on {preset.device}, not --device {args.device}; "
+            "leave out --device"
+        )
+    return preset
+
+
+def for_cluster(profile: ModelProfile, preset: Cluster | None, speedup: float) -> ModelProfile:
+    """The profile timed at the cluster's assumed speed (as profiled on the CPU)."""
+    from mpar.partition._clusters import timed_by_flops
+
+    return profile if preset is None else timed_by_flops(profile, preset, speedup)
+
+
+def device_memory_of(args: argparse.Namespace, preset: Cluster | None) -> int | None:
+    """``--device-memory`` in bytes, else the ``--cluster``'s (not a preset assumed from
+    ``--device``), else None."""
+    if args.device_memory is not None:
+        return parse_bytes(args.device_memory)
+    named = getattr(args, "cluster", None) is not None
+    return preset.memory_bytes if named and preset is not None else None
 
 
 def device_kind(requested: str | None, configured: str = "auto") -> str:
@@ -383,11 +449,14 @@ def microbatch_size(global_batch: int | None, dp: int, microbatches: int, profil
     return global_batch // (dp * microbatches)
 
 
-def tp_bandwidth(args: argparse.Namespace, link: float | None) -> float | None:
-    """``--tp-bandwidth`` in bytes per second (the link bandwidth without it)."""
+def tp_bandwidth(
+    args: argparse.Namespace, link: float | None, cluster: Cluster | None = None
+) -> float | None:
+    """``--tp-bandwidth`` in bytes per second (without it: the cluster's in a node,
+    else the link bandwidth)."""
     text = args.tp_bandwidth
     if text is None:
-        return link
+        return link if cluster is None else cluster.intra_node_bandwidth
     return None if text.lower() == "none" else parse_bandwidth(text, "--tp-bandwidth")
 
 
@@ -406,17 +475,19 @@ def _run_plan(args: argparse.Namespace) -> str:
 
     config = _read_config(args.config, args.world_size, args.tp, args.ep)
     inputs = plan_inputs_of(args, config)
+    preset = cluster_of(args, inputs.device)
     size = microbatch_size(
         args.global_batch, inputs.grid.dp, inputs.schedule.microbatches, 1
     )  # checked before profiling
-    link = link_bandwidth(args.link_bandwidth)
+    link = link_bandwidth(args.link_bandwidth, preset)
     cost = CostModel(
         link_bandwidth=link,
-        tp_bandwidth=tp_bandwidth(args, link),
+        tp_bandwidth=tp_bandwidth(args, link, preset),
         ep_bandwidth=ep_bandwidth(args, link),
         **process_overrides(args.process_memory),
     )
     profile, batch, (module, example) = _profile(args)
+    profile = for_cluster(profile, preset, cost.mixed_speedup)
     tp = inputs.grid.tp
     if tp > 1:
         splits = tp_splits(module, profile, example, [tp], user_plan=config.tp_plan, required=tp)

@@ -21,6 +21,8 @@ from mpar.partition._plan_inputs import PlanInputs, ScheduleSetup, ZeroSetup, pl
 from mpar.partition._plan_report import Plan, StagePlan
 from mpar.partition._planner import make_plan
 from mpar.partition._search import (
+    CHECKPOINTING,
+    HEADROOM,
     Candidate,
     SearchResult,
     SearchSpace,
@@ -39,6 +41,8 @@ from mpar.partition._split import SplitModel, split_module
 from mpar.profile._units import find_units, unit_modules
 
 __all__ = [
+    "CHECKPOINTING",
+    "HEADROOM",
     "Candidate",
     "CostModel",
     "MemoryLayout",

@@ -70,6 +70,8 @@ __all__ = [
     "stage_extra_bytes",
     "transfer_bytes",
     "unit_activation_bytes",
+    "Checkpointing",
+    "recompute_peak_bytes",
     "unit_held_bytes",
     "unit_host_bytes",
     "unit_state_bytes",
@@ -78,6 +80,10 @@ __all__ = [
 ]
 
 _PRECISIONS: tuple[PrecisionKind, ...] = ("fp32", "bf16", "fp16")
+
+Checkpointing = bool | Literal["block"]
+"""Activation checkpointing as the planner models it: off, by stage chunk (True), or
+by block ("block": each unit keeps its input and is recomputed alone)."""
 PlanDevice = Literal["cuda", "xla", "cpu"]
 """A device kind the ranks compute on; on ``"cpu"`` host memory is the device's memory."""
 DEVICES: tuple[PlanDevice, ...] = ("cuda", "xla", "cpu")
@@ -119,7 +125,8 @@ class MemoryLayout:
     zero_stage: int = 0
     precision: PrecisionKind = "fp32"
     """"fp32", or "bf16" / "fp16" mixed precision (compute dtype, fp32 master weights)."""
-    activation_checkpointing: bool = False
+    activation_checkpointing: Checkpointing = False
+    """False; True: by stage chunk; "block": by unit (``unit_held_bytes``)."""
     offload_optimizer: bool = False
     offload_params: bool = False
     microbatch_scale: float = 1.0
@@ -295,29 +302,28 @@ def zero_working_set_bytes(units: Sequence[UnitProfile], layout: MemoryLayout) -
     All in the compute dtype. This is the one place to change when the runtime's
     gather or reduction granularity changes.
     """
-    return max((_group_moment(units, layout, i) for i in range(len(units))), default=0.0)
-
-
-def _group_moment(units: Sequence[UnitProfile], layout: MemoryLayout, index: int) -> float:
-    """The working set while the group holding ``units[index]`` is differentiated: its
-    parameters and a neighbour's gathered (ZeRO-3), and its gradients (ZeRO-2/3)."""
-    c, sharded = layout.dtype_factor, layout.data_parallel_degree > 1
-    groups = _gather_groups(units, layout.gather)
-    size = len(groups[0]) if groups else 1
-    g = index // size
-    if index % size:  # one figure per group
+    if layout.zero_stage < 2:
         return 0.0
+    groups = _gather_groups(units, layout.gather)
+    params = [sum(u.param_bytes for u in group) for group in groups]
+    return max((_group_moment(groups, params, layout, g) for g in range(len(groups))), default=0.0)
+
+
+def _group_moment(
+    groups: Sequence[Sequence[UnitProfile]], params: Sequence[int], layout: MemoryLayout, g: int
+) -> float:
+    """The working set while group ``g`` is differentiated: its parameters and a
+    neighbour's gathered (ZeRO-3), and its gradients (ZeRO-2/3); ``params``: each
+    group's parameter bytes."""
+    c, sharded = layout.dtype_factor, layout.data_parallel_degree > 1
     extra = 0.0
     if layout.zero_stage >= 2 and sharded:
         copies = 1 if layout.gather == "chunk" else 2  # by chunk the .grad are views
         extra += copies * c * sum(u.grad_bytes for u in groups[g])
     if layout.zero_stage == 3 and (sharded or layout.offload_params):
-        params = [sum(u.param_bytes for u in group) for group in groups]
         # the prefetch skips groups with nothing to gather: neighbours among the others
-        held = [i for i, p in enumerate(params) if p or i == g]
-        at = held.index(g)
-        before = params[held[at - 1]] if at else 0
-        after = params[held[at + 1]] if at + 1 < len(held) else 0
+        before = next((p for p in reversed(params[:g]) if p), 0)
+        after = next((p for p in params[g + 1 :] if p), 0)
         extra += c * (params[g] + max(before, after))
     return extra
 
@@ -358,9 +364,20 @@ def unit_held_bytes(unit: UnitProfile, layout: MemoryLayout, in_flight: int) -> 
     kept = unit.weight_work_bytes * layout.microbatch_scale * layout.dtype_factor
     if not layout.weight_work:
         kept = 0.0
+    if layout.activation_checkpointing == "block":  # the one recomputed: recompute_peak_bytes
+        return (min(saved, boundary_bytes(unit, layout)) + kept) * in_flight
     if layout.activation_checkpointing:
         return saved + kept * in_flight
     return max(saved, kept) * in_flight
+
+
+def recompute_peak_bytes(units: Sequence[UnitProfile], layout: MemoryLayout) -> float:
+    """Under per-block checkpointing, what a stage of ``units`` adds while it recomputes:
+    one block's saved activations at a time, the largest (0 otherwise: chunk
+    checkpointing counts the whole chunk's in ``unit_held_bytes``)."""
+    if layout.activation_checkpointing != "block":
+        return 0.0
+    return max((unit_activation_bytes(u, layout) for u in units), default=0.0)
 
 
 def boundary_bytes(unit: UnitProfile, layout: MemoryLayout) -> float:

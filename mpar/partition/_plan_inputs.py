@@ -31,6 +31,7 @@ from mpar.errors import PartitionError
 from mpar.partition._memory_model import (
     _PRECISIONS,
     DEVICES,
+    Checkpointing,
     MemoryLayout,
     PlanDevice,
     _check_gather,
@@ -121,8 +122,10 @@ class PlanInputs:
     precision: PrecisionKind = "fp32"
     """"fp32", or "bf16" / "fp16" mixed precision (compute-dtype parameters, gradients
     and activations; fp32 master weights with the optimizer state)."""
-    activation_checkpointing: bool = False
-    """Stages keep only their inputs and recompute in backward."""
+    activation_checkpointing: Checkpointing = False
+    """True: stages keep only their inputs and recompute their chunk in backward;
+    "block": every unit (block) keeps only its input and is recomputed alone, one at a
+    time (the ``activation_checkpointing: "block"`` config value)."""
     device: PlanDevice = "cuda"
     """The device kind the ranks compute on; on "cpu" offloaded state counts in the
     rank's memory (``MemoryLayout.device``)."""

@@ -143,8 +143,8 @@ def _split_note(plan: Plan) -> list[str]:
     ]
 
 
-_COLUMNS = ("stage", "rank", "units", "time ms", "comm ms", "share", "params", "state", "activ.",
-            "memory", "binds")  # fmt: skip
+_COLUMNS = ("stage", "rank", "units", "time ms", "comm ms", "share", "params", "state",
+            "activations held", "memory", "binds")  # fmt: skip
 
 
 def _row(s: StagePlan) -> tuple[str, ...]:
@@ -157,7 +157,7 @@ def _row(s: StagePlan) -> tuple[str, ...]:
         f"{s.compute_share:.1%}",
         f"{s.param_count:,}",
         _fmt(s.state_bytes),
-        f"{_fmt(s.activation_bytes // max(s.in_flight, 1))} x{s.in_flight}",
+        f"{_fmt(s.activation_bytes)} ({_count(s.in_flight, 'microbatch')})",
         _fmt(s.memory_bytes),
         s.binding,
     )
@@ -167,10 +167,11 @@ def render(plan: Plan) -> str:
     """The plan as the table ``mpar plan`` prints."""
     tp, ep = plan.tensor_parallel_degree, plan.expert_parallel_degree
     head = (
-        f"pipeline plan: {plan.num_ranks} ranks x {plan.virtual_stages} virtual stages, "
+        f"pipeline plan: {_count(plan.num_ranks, 'rank')} x "
+        f"{_count(plan.virtual_stages, 'virtual stage')}, "
         f"{f'tensor parallel x{tp}, ' if tp > 1 else ''}"
         f"{f'expert parallel x{ep}, ' if ep > 1 else ''}"
-        f"{plan.microbatches} microbatches, {plan.pipeline}, method={plan.method}, "
+        f"{_count(plan.microbatches, 'microbatch')}, {_schedule(plan)}, method={plan.method}, "
         f"memory_weight={plan.memory_weight:g}"
     )
     rows = [_COLUMNS, *(_row(s) for s in plan.stages)]
@@ -198,10 +199,23 @@ def _summary(plan: Plan) -> str:
     return (
         f"predicted step time {plan.step_time_s * 1e3:.4g} ms, bubble {plan.bubble:.1%} ({source}); "
         f"{_microbatch_note(plan)}busiest rank memory {_fmt(peak)} on the "
-        f"{plan.layout.device} device (process {_fmt(plan.process_bytes)} included; "
+        f"{plan.layout.device} device (incl. {_fmt(plan.process_bytes)} assumed for the "
+        "process besides tensors: runtime, allocator; set it with --process-memory; "
         f"cap {cap}); bound by {plan.binding}; "
         f"links {link}"
     )
+
+
+def _count(n: int, noun: str) -> str:
+    """``n`` and the noun, plural unless one ("1 sample", "4 microbatches")."""
+    return f"{n} {noun if n == 1 else noun + ('es' if noun.endswith('ch') else 's')}"
+
+
+def _schedule(plan: Plan) -> str:
+    """The schedule as it runs: interleaved with one virtual stage is 1F1B."""
+    if plan.pipeline == "interleaved" and plan.virtual_stages == 1:
+        return "1F1B (interleaved with 1 virtual stage)"
+    return plan.pipeline
 
 
 def _gather_note(layout: MemoryLayout, pipeline: str) -> list[str]:
@@ -247,7 +261,7 @@ def _microbatch_note(plan: Plan) -> str:
     scale = plan.layout.microbatch_scale
     if plan.microbatch_size is None:
         return f"microbatch: the profiled one x{scale:g}; "
-    return f"microbatch: {plan.microbatch_size} samples (profile x{scale:g}); "
+    return f"microbatch: {_count(plan.microbatch_size, 'sample')} (profile x{scale:g}); "
 
 
 def _host_note(plan: Plan) -> list[str]:

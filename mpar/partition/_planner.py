@@ -52,6 +52,7 @@ from mpar.partition._memory_model import (
     boundary_bytes,
     loss_bytes,
     optimizer_step_bytes,
+    recompute_peak_bytes,
     stage_extra_bytes,
     unit_held_bytes,
     unit_host_bytes,
@@ -81,6 +82,7 @@ __all__ = [
     "process_bytes",
     "rank_overheads",
     "unit_memory",
+    "unit_time",
 ]
 
 Method = Literal["profile", "uniform", "parameters"]
@@ -238,7 +240,7 @@ def lay_out(
         tp_comm_s(u, scale, cost.tp_bandwidth) + ep_comm_s(u, scale, cost.ep_bandwidth)
         for u in units
     ]
-    compute = [_unit_time(u, layout, cost) + t for u, t in zip(units, tp)]
+    compute = [unit_time(u, layout, cost) + t for u, t in zip(units, tp)]
     try:
         starts = _boundaries(profile, method, p * v, memory, weight, cap, comm, compute)
     except PartitionError as exc:
@@ -259,7 +261,7 @@ def lay_out(
     return Laid(starts, stages, layout, weight, memory, comm, compute, rank_memory, host, step)
 
 
-def _unit_time(unit: UnitProfile, layout: MemoryLayout, cost: CostModel) -> float:
+def unit_time(unit: UnitProfile, layout: MemoryLayout, cost: CostModel) -> float:
     """Seconds of one microbatch of the layout's size: the per-sample part scales."""
     k, speed = layout.microbatch_scale, cost.mixed_speedup if layout.mixed else 1.0
     return (unit.fixed_time_s + (unit.time_s - unit.fixed_time_s) * k) / speed
@@ -350,10 +352,13 @@ class Reserve:
     """A gradient bucket under data parallelism."""
     working: float
     """The ZeRO-2/3 working set by unit or group."""
+    recompute: float = 0.0
+    """Per-block checkpointing: the largest block's activations while it is recomputed."""
 
     @property
     def total(self) -> float:
-        return self.widest * (self.kept + self.messages) + self.bucket + self.working
+        parts = self.widest * (self.kept + self.messages) + self.bucket + self.working
+        return parts + self.recompute
 
     def describe(self) -> str:
         w = _fmt(self.widest)
@@ -367,6 +372,7 @@ class Reserve:
             ),
             ("a gradient bucket", self.bucket),
             ("the ZeRO-2/3 working set", self.working),
+            ("the largest block recomputed (per-block checkpointing)", self.recompute),
         ]
         return "; ".join(f"{what} {_fmt(b)}" for what, b in parts if b) or "nothing"
 
@@ -396,7 +402,8 @@ def _reserve(
     )  # fmt: skip
     kept = in_flight * (2 if layout.activation_checkpointing else 1)
     bucket = layout.bucket_bytes if layout.data_parallel_degree > 1 else 0.0
-    return Reserve(widest, kept, messages, bucket, working)
+    recompute = recompute_peak_bytes(units, layout)  # the largest block, wherever it lands
+    return Reserve(widest, kept, messages, bucket, working, recompute)
 
 
 def _cap_note(device: float, process: float, v: int, reserve: Reserve) -> str:
@@ -535,6 +542,7 @@ def _stage_plans(
         # backward, holding what the forward saved
         held = layout if s > 0 else dataclasses.replace(layout, weight_work=False)
         act = int(sum(unit_held_bytes(u, held, flight) for u in group))
+        act += int(recompute_peak_bytes(group, layout))
         moved = transfers[s] if s < len(transfers) else None
         extra = int(stage_extra_bytes(units, a, b, flight, layout, moved))
         seconds = math.fsum(compute[a:b])

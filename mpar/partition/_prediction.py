@@ -197,7 +197,7 @@ def split_backward_gain(
     try:
         if not splits_backward(s.pipeline, p, s.virtual_stages, s.microbatches):
             return None
-        fwd, bwd = phase_times(stages, inputs.activation_checkpointing, cost)
+        fwd, bwd = phase_times(stages, bool(inputs.activation_checkpointing), cost)
         mine = _simulate(_key(inputs), tuple(fwd), tuple(bwd), _split_costs(cost))[0]
         plain = _simulate(_key(inputs, "interleaved"), tuple(fwd), tuple(bwd))[0]
     except ScheduleError:
@@ -209,7 +209,7 @@ def predict(
     stages: Sequence[StagePlan], inputs: PlanInputs, cost: CostModel
 ) -> tuple[float, float]:
     """(pipeline makespan, bubble fraction): the schedule simulated on the stages' times."""
-    fwd, bwd = phase_times(stages, inputs.activation_checkpointing, cost)
+    fwd, bwd = phase_times(stages, bool(inputs.activation_checkpointing), cost)
     return _simulate(_key(inputs), tuple(fwd), tuple(bwd), _split_costs(cost))
 
 

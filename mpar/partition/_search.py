@@ -38,19 +38,22 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import math
 from collections import Counter
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 from mpar._size import parse_bytes
+from mpar.config._schema import CheckpointingKind
 from mpar.errors import PartitionError
 from mpar.partition._cost import CostModel
-from mpar.partition._ep_share import EPSplits, ep_share
+from mpar.partition._ep_share import EPSplits, ep_comm_s, ep_share
+from mpar.partition._memory_model import Checkpointing, unit_state_bytes
 from mpar.partition._plan_inputs import ConfigDict, PlanInputs, config_dict
-from mpar.partition._planner import lay_out, rank_overheads
+from mpar.partition._planner import lay_out, process_bytes, rank_overheads, unit_time
 from mpar.partition._prediction import lower_bound_s, predict
-from mpar.partition._tp_share import TPSplits, tp_share
+from mpar.partition._tp_share import TPSplits, tp_comm_s, tp_share
 from mpar.schedule import least_active_microbatches
 from mpar.topology import GridShape
 
@@ -59,6 +62,8 @@ if TYPE_CHECKING:
     from mpar.profile import ModelProfile
 
 __all__ = [
+    "CHECKPOINTING",
+    "HEADROOM",
     "Candidate",
     "SearchResult",
     "SearchSpace",
@@ -68,6 +73,17 @@ __all__ = [
     "space_around",
 ]
 
+CHECKPOINTING: tuple[Checkpointing, ...] = (
+    (False, True, "block") if "block" in get_args(CheckpointingKind) else (False, True)
+)
+"""What the search tries by default: "block" once the config (the runtime) takes it."""
+
+HEADROOM = 0.1
+"""The share of the memory cap the search keeps free. The memory model's error on the
+CPU, measured (docs/planning.md): a 23M-parameter model picked at 4 ranks under 200 MiB
+was predicted at 190 MiB and peaked at 207 MiB (9% over its prediction); at 250 and 300
+MiB, 205 vs 191 and 204 vs 214."""
+
 OVER_CAP = "over memory cap"
 BATCH = "global batch not divisible by the data-parallel degree"
 UNITS = "more stages than units"
@@ -76,6 +92,7 @@ ZBV = "zbv needs exactly 2 virtual stages"
 SEARCHABLE = ("interleaved", "simple", "zero_bubble", "zbv")
 NO_DP = "ZeRO without data parallelism or offload shards nothing"
 SLOWER = "slower than the top candidates (not simulated)"
+UNLAID = "slower than the top candidates by their work alone (not laid out)"
 OVER_HOST = "over host memory cap"
 CPU_OFFLOAD = "offload on a CPU device (the host is the device: it saves nothing)"
 TP_REFUSED = "tensor-parallel degree the model's plan refuses (heads or sizes not divisible)"
@@ -86,7 +103,7 @@ EP_REFUSED = "expert-parallel degree that does not divide dp or the experts per 
 
 Shape = tuple[int, int, int, str, int]
 """(pp, dp, microbatches, pipeline, virtual stages) of a candidate."""
-Knobs = tuple[int, bool, bool, bool, "PrecisionKind"]
+Knobs = tuple[int, bool, bool, Checkpointing, "PrecisionKind"]
 """(ZeRO stage, offload optimizer, offload params, checkpointing, precision)."""
 
 
@@ -101,7 +118,8 @@ class SearchSpace:
     max_microbatches: int | None = None
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     offload: bool = True
-    checkpointing: tuple[bool, ...] = (False, True)
+    checkpointing: tuple[Checkpointing, ...] = field(default_factory=lambda: CHECKPOINTING)
+    """Of False, True (by stage chunk) and "block" (each unit recomputed alone)."""
     precisions: tuple[PrecisionKind, ...] = ("fp32", "bf16")
     virtual_stage_choices: tuple[int, ...] | None = None
     """Only these virtual-stage counts (None: 1 to ``max_virtual_stages``)."""
@@ -127,6 +145,10 @@ class SearchSpace:
             raise PartitionError(f"max_virtual_stages must be >= 1, got {self.max_virtual_stages}")
         if not set(self.zero_stages) <= {0, 1, 2, 3} or not self.zero_stages:
             raise PartitionError(f"zero_stages must be within 0-3, got {self.zero_stages}")
+        if not set(self.checkpointing) <= {False, True, "block"} or not self.checkpointing:
+            raise PartitionError(
+                f"checkpointing must be within False, True, 'block'; got {self.checkpointing}"
+            )
         if not set(self.precisions) <= {"fp32", "bf16", "fp16"} or not self.precisions:
             raise PartitionError(
                 f"precisions must be within fp32, bf16, fp16; got {self.precisions}"
@@ -196,7 +218,7 @@ class Candidate:
         return self.inputs.zero.offload_params
 
     @property
-    def activation_checkpointing(self) -> bool:
+    def activation_checkpointing(self) -> Checkpointing:
         return self.inputs.activation_checkpointing
 
     @property
@@ -264,6 +286,43 @@ class SearchResult:
     """The TP degrees searched."""
     ep_degrees: tuple[int, ...] = (1,)
     """The ep degrees searched."""
+    headroom: float = 0.0
+    """The share of ``device_memory`` kept free: candidates fit ``device_memory x (1 -
+    headroom)``."""
+    alternatives: list[Candidate] = field(default_factory=list)
+    """The fastest fitting layout of each (tp, pp, ZeRO-3 or not) family that is not
+    in ``ranked``, fastest first."""
+    tokens_per_sample: int | None = None
+    """Tokens in one sample (the sequence length), for tokens/s; None: not known."""
+    peak_flops: float | None = None
+    """The device's bf16 peak FLOP/s, for the model FLOPs utilisation; None: not known."""
+    flops_per_sample: float = 0.0
+    """The model's forward and backward FLOPs per sample (no recomputation)."""
+
+    def _candidate_dicts(self) -> list[dict[str, object]]:
+        """The ranked candidates, then each family's fastest outside them."""
+        return [
+            {
+                **c.to_dict(),
+                "family_best": i >= len(self.ranked),
+                "tokens_per_s_per_device": self.tokens_per_s_per_device(c),
+                "mfu": self.mfu(c),
+            }
+            for i, c in enumerate([*self.ranked, *self.alternatives])
+        ]
+
+    def tokens_per_s_per_device(self, c: Candidate) -> float | None:
+        """Tokens a second per device at ``c``'s predicted step time."""
+        if self.tokens_per_sample is None or not c.step_time_s:
+            return None
+        return self.global_batch * self.tokens_per_sample / c.step_time_s / self.world_size
+
+    def mfu(self, c: Candidate) -> float | None:
+        """Model FLOPs utilisation of the bf16 peak at ``c``'s predicted step time."""
+        if self.peak_flops is None or not c.step_time_s or not self.flops_per_sample:
+            return None
+        per_device = self.global_batch * self.flops_per_sample / self.world_size
+        return per_device / c.step_time_s / self.peak_flops
 
     @property
     def best(self) -> Candidate:
@@ -292,8 +351,10 @@ class SearchResult:
                 "microbatch_size": best.microbatch_size,
             },
             "device": self.device,
+            "device_memory": self.device_memory,
+            "headroom": self.headroom,
             "host_memory": self.host_memory,
-            "candidates": [c.to_dict() for c in self.ranked],
+            "candidates": self._candidate_dicts(),
             "rejected": dict(self.rejected),
             "evaluated": self.evaluated,
             "fitting": self.fitting,
@@ -432,7 +493,7 @@ def _evaluate(
     s = inputs.schedule
     bound = (
         lower_bound_s(
-            laid.stages, inputs.grid.pp, s.microbatches, inputs.activation_checkpointing, cost
+            laid.stages, inputs.grid.pp, s.microbatches, bool(inputs.activation_checkpointing), cost
         )
         + overhead
     )
@@ -448,28 +509,74 @@ def _simulate(profile: ModelProfile, c: Candidate, scale: float, cost: CostModel
     c.step_time_s, c.bubble = makespan + c.overhead_s, bubble
 
 
-def _rank(
-    profiles: dict[tuple[int, int], ModelProfile],
-    fitting: list[tuple[Candidate, float]],
-    top: int,
-    cost: CostModel,
-) -> tuple[list[Candidate], int]:
-    """Simulate in lower-bound order until no remaining bound can enter the top ``top``."""
-    fitting.sort(key=lambda cs: (cs[0].lower_bound_s, cs[0].max_rank_memory_bytes))
-    best: list[tuple[float, int, int, Candidate]] = []  # max-heap of (-time, -mem, order)
-    skipped = 0
-    for order, (cand, scale) in enumerate(fitting):
-        if len(best) >= top and cand.lower_bound_s > -best[0][0]:
-            skipped = len(fitting) - order
-            break
-        key_of = (cand.tensor_parallel_degree, cand.expert_parallel_degree)
-        _simulate(profiles[key_of], cand, scale, cost)
+class _Top:
+    """The ``top`` fastest candidates so far (simulated)."""
+
+    def __init__(self, top: int) -> None:
+        self.top = top
+        self.heap: list[tuple[float, int, int, Candidate]] = []  # max-heap of (-time, -mem, -order)
+
+    @property
+    def worst(self) -> float:
+        """The slowest kept step time (infinite until ``top`` are kept): a layout whose
+        lower bound is above it cannot enter."""
+        return -self.heap[0][0] if len(self.heap) >= self.top else math.inf
+
+    def add(self, cand: Candidate, order: int) -> None:
         key = (-(cand.step_time_s or 0.0), -cand.max_rank_memory_bytes, -order, cand)
-        if len(best) < top:
-            heapq.heappush(best, key)
-        elif key[:3] > best[0][:3]:
-            heapq.heapreplace(best, key)
-    return sorted((k[3] for k in best), key=_preference), skipped
+        if len(self.heap) < self.top:
+            heapq.heappush(self.heap, key)
+        elif key[:3] > self.heap[0][:3]:
+            heapq.heapreplace(self.heap, key)
+
+    def ranked(self) -> list[Candidate]:
+        return sorted((k[3] for k in self.heap), key=_preference)
+
+
+Family = tuple[int, int, bool]
+"""(tp, pp, ZeRO-3): the layouts the field compares, e.g. TP=8 with FSDP (pp = 1,
+ZeRO-3) and TP=8 with a pipeline; the search keeps the fastest fitting one of each."""
+
+
+def _family(run: PlanInputs) -> Family:
+    return run.grid.tp, run.grid.pp, run.zero.stage == 3
+
+
+class _Ranking:
+    """The overall top and each family's fastest, fed in lower-bound order."""
+
+    def __init__(self, top: int, todo: Sequence[Layout]) -> None:
+        self.best = _Top(top)
+        self.families = {_family(run): _Top(1) for _b, run, _s, _x in todo}
+        self.skipped = 0
+
+    def limit(self, run: PlanInputs) -> float:
+        """The bound above which ``run`` can enter neither the top nor its family's."""
+        return max(self.best.worst, self.families[_family(run)].worst)
+
+    @property
+    def done(self) -> float:
+        """The bound above which no layout can enter anything."""
+        return max([self.best.worst, *(f.worst for f in self.families.values())])
+
+    def offer(
+        self, profile: ModelProfile, cand: Candidate, scale: float, order: int, cost: CostModel
+    ) -> None:
+        if cand.lower_bound_s > self.limit(cand.inputs):
+            self.skipped += 1
+            return
+        _simulate(profile, cand, scale, cost)
+        self.best.add(cand, order)
+        self.families[_family(cand.inputs)].add(cand, order)
+
+    def alternatives(self) -> list[Candidate]:
+        """Each family's fastest that is not in the top, fastest first."""
+        ranked = {id(c) for c in self.best.ranked()}
+        kept = [c for f in self.families.values() for c in f.ranked() if id(c) not in ranked]
+        return sorted(kept, key=_preference)
+
+
+_CHECKPOINTING_ORDER: dict[Checkpointing, int] = {False: 0, True: 1, "block": 2}
 
 
 def _preference(c: Candidate) -> tuple[float, ...]:
@@ -480,7 +587,7 @@ def _preference(c: Candidate) -> tuple[float, ...]:
         c.expert_parallel_degree,
         c.zero_stage,
         c.offload_optimizer + c.offload_params,
-        c.activation_checkpointing,
+        _CHECKPOINTING_ORDER[c.activation_checkpointing],
     )
     return (time, c.max_rank_memory_bytes, *features, c.virtual_stages)
 
@@ -495,6 +602,7 @@ def search(
     cost: CostModel | None = None,
     top: int = 10,
     host_memory: int | str | None = None,
+    headroom: float = HEADROOM,
 ) -> SearchResult:
     """Search every layout of ``inputs.grid.world_size`` ranks for ``global_batch``
     samples a step.
@@ -512,56 +620,144 @@ def search(
         top: how many fitting candidates to simulate and rank.
         host_memory: bytes (or "64GiB") of host memory per rank for offloaded state on a
             CUDA or XLA device; None: not capped.
+        headroom: the share of ``inputs.device_memory`` kept free for the memory
+            model's error (``HEADROOM``): layouts are laid out under, and their configs
+            carry, ``device_memory x (1 - headroom)``.
 
     Returns a ``SearchResult``; ``result.best`` raises ``PartitionError`` when nothing fits.
     """
     space, cost = space or SearchSpace(), cost or CostModel()
     world_size = inputs.grid.world_size
     _check_inputs(inputs, global_batch, profile_batch, top)
+    if not 0 <= headroom < 1:
+        raise PartitionError(f"headroom must be in [0, 1), got {headroom!r}")
     host_cap = None if host_memory is None else parse_bytes(host_memory)
+    cap = inputs.device_memory or 0
+    inputs = dataclasses.replace(inputs, device_memory=int(cap * (1 - headroom)))
     reject: Counter[str] = Counter()
-    fitting: list[tuple[Candidate, float]] = []
-    evaluated = 0
-    splits = inputs.tp_splits or TPSplits.none()
-    experts = inputs.ep_splits or EPSplits()
     profiles: dict[tuple[int, int], ModelProfile] = {}
-    searched: list[int] = []
+    todo = _layouts(profile, inputs, global_batch, profile_batch, space, cost, reject, profiles)
+    best, evaluated, count = _Ranking(top, todo), 0, 0
+    states: dict[tuple[object, ...], float] = {}
+    for order, (bound, run, size, scale) in enumerate(todo):
+        if bound > best.done:  # this one and every later one is slower than all kept
+            reject[UNLAID] += len(todo) - order
+            break
+        if bound > best.limit(run):
+            reject[UNLAID] += 1
+            continue
+        evaluated += 1
+        if _state_bound(profiles[run.grid.tp, run.grid.ep], run, cost, states) > (
+            run.device_memory or 0
+        ):
+            reject[OVER_CAP] += 1
+            continue
+        cand = _evaluate(profiles[run.grid.tp, run.grid.ep], run, size, scale, cost)
+        if cand is None:
+            reject[OVER_CAP] += 1
+        elif _over_host(cand, host_cap):
+            reject[OVER_HOST] += 1
+        else:
+            count += 1
+            best.offer(profiles[run.grid.tp, run.grid.ep], cand, scale, order, cost)
+    if best.skipped:
+        reject[SLOWER] += best.skipped
+    return SearchResult(
+        best.best.ranked(), dict(reject), evaluated, count, world_size, global_batch,
+        cap, profile_batch, cost, space, device=inputs.device, headroom=headroom,
+        host_memory=host_cap, tp_degrees=tuple(dict.fromkeys(tp for tp, _ in profiles)),
+        ep_degrees=tuple(sorted({ep for _, ep in profiles})) or (1,),
+        notes=_tp_notes(world_size, space, _splits_of(inputs)),
+        alternatives=best.alternatives(),
+    )  # fmt: skip
+
+
+Layout = tuple[float, PlanInputs, int, float]
+"""(lower bound of the step time, the run, samples per microbatch, scale of the profile)."""
+
+
+def _layouts(
+    profile: ModelProfile,
+    inputs: PlanInputs,
+    global_batch: int,
+    profile_batch: int,
+    space: SearchSpace,
+    cost: CostModel,
+    reject: Counter[str],
+    profiles: dict[tuple[int, int], ModelProfile],
+) -> list[Layout]:
+    """Every layout of the space that can run, with a lower bound of its step time
+    (``_work_bound``), cheapest bound first (ties in enumeration order); the others
+    counted in ``reject``. Fills ``profiles`` with one TP and EP rank's profile per
+    (tp, ep)."""
+    world_size, splits = inputs.grid.world_size, _splits_of(inputs)
+    experts = inputs.ep_splits or EPSplits()
+    todo: list[Layout] = []
+    work: dict[tuple[int, int, float, bool], float] = {}  # per-unit costs, summed once per key
     for tp in _tp_degrees(world_size, space, splits, reject):
         tp_space = _space_for(space, world_size // tp, reject)
         if tp_space is None:
             continue
-        searched.append(tp)
         tp_profile = tp_share(profile, splits, tp)
         for shape in _shapes(len(profile.units), world_size // tp, global_batch, tp_space, reject):
             if not _runs(inputs, shape):
                 reject[ACTIVE] += 1
                 continue
             size = global_batch // shape[1] // shape[2]
+            scale = size / profile_batch
             for ep in _ep_degrees(shape[1], space, experts, reject):
                 if (tp, ep) not in profiles:
                     profiles[tp, ep] = ep_share(tp_profile, experts, ep, shape[1])
                 for knobs in _knobs(shape[1], space, reject, inputs.device):
-                    evaluated += 1
-                    scale = size / profile_batch
                     run = _inputs(inputs, shape, knobs, tp, ep)
-                    cand = _evaluate(profiles[tp, ep], run, size, scale, cost)
-                    if cand is None:
-                        reject[OVER_CAP] += 1
-                    elif _over_host(cand, host_cap):
-                        reject[OVER_HOST] += 1
-                    else:
-                        fitting.append((cand, scale))
-    count = len(fitting)
-    ranked, skipped = _rank(profiles, fitting, top, cost)
-    if skipped:
-        reject[SLOWER] += skipped
-    return SearchResult(
-        ranked, dict(reject), evaluated, count, world_size, global_batch,
-        inputs.device_memory or 0, profile_batch, cost, space, device=inputs.device,
-        host_memory=host_cap, tp_degrees=tuple(searched),
-        ep_degrees=tuple(sorted({ep for _, ep in profiles})) or (1,),
-        notes=_tp_notes(world_size, space, splits),
-    )  # fmt: skip
+                    bound = _work_bound(profiles[tp, ep], run, scale, cost, work)
+                    todo.append((bound, run, size, scale))
+    order = sorted(range(len(todo)), key=lambda i: todo[i][0])  # stable: ties keep their order
+    return [todo[i] for i in order]
+
+
+def _state_bound(
+    profile: ModelProfile, run: PlanInputs, cost: CostModel, states: dict[tuple[object, ...], float]
+) -> float:
+    """A lower bound of ``run``'s busiest rank before laying it out: its process and
+    the ranks' average state (parameters, gradients, optimizer; ``unit_state_bytes``).
+    ``states`` caches the units' summed state per (tp, ep, dp, ZeRO, offload, precision)."""
+    z = run.zero
+    g = run.grid
+    key = (g.tp, g.ep, g.dp, z.stage, z.offload_optimizer, z.offload_params, run.precision)
+    layout = run.memory_layout(1.0)
+    if key not in states:
+        states[key] = math.fsum(unit_state_bytes(u, layout) for u in profile.units)
+    return process_bytes(g.pp, cost, layout) + states[key] / g.pp * (1 - 1e-9)
+
+
+def _work_bound(
+    profile: ModelProfile,
+    run: PlanInputs,
+    scale: float,
+    cost: CostModel,
+    work: dict[tuple[int, int, float, bool], float],
+) -> float:
+    """A lower bound of ``run``'s step time before laying it out: its ranks' average
+    work, ``m`` microbatches of every unit's forward and backward (and recomputation)
+    over ``pp`` ranks; the busiest rank's work (``lower_bound_s``) is at least that.
+    ``work`` caches the units' summed seconds per (tp, ep, microbatch scale, mixed)."""
+    key = (run.grid.tp, run.grid.ep, scale, run.precision != "fp32")
+    if key not in work:
+        layout = run.memory_layout(scale)
+        s = scale * layout.dtype_factor
+        comm = [
+            tp_comm_s(u, s, cost.tp_bandwidth) + ep_comm_s(u, s, cost.ep_bandwidth)
+            for u in profile.units
+        ]
+        work[key] = math.fsum(unit_time(u, layout, cost) + t for u, t in zip(profile.units, comm))
+    recompute = cost.recompute_fraction if run.activation_checkpointing else 0.0
+    per_rank = run.schedule.microbatches * (1 + recompute) * work[key] / run.grid.pp
+    return per_rank * (1 - 1e-9)  # below the stages' own sums whatever their rounding
+
+
+def _splits_of(inputs: PlanInputs) -> TPSplits:
+    return inputs.tp_splits or TPSplits.none()
 
 
 def _over_host(cand: Candidate, host_cap: int | None) -> bool:
@@ -666,36 +862,72 @@ def _nothing_fits(result: SearchResult) -> str:
     reasons = ", ".join(f"{n} {r}" for r, n in sorted(result.rejected.items(), key=lambda x: -x[1]))
     return (
         f"no layout of {result.world_size} ranks fits {result.device_memory / 2**30:.2f} GiB per "
-        f"rank for a global batch of {result.global_batch} ({result.evaluated} layouts tried; "
-        f"rejected: {reasons}); use more or larger devices, a smaller batch or sequence, or "
-        "allow offload and activation checkpointing"
+        f"rank (less {result.headroom:.0%} headroom) for a global batch of {result.global_batch} ({result.evaluated} layouts tried; "
+        f"rejected: {reasons}); {_advice(result)}"
     )
+
+
+def _advice(result: SearchResult) -> str:
+    """What to try, from what the search did not: the savers it left out, then the
+    sizes."""
+    space, untried = result.space, []
+    if result.device == "cpu" and result.rejected.get(CPU_OFFLOAD):
+        untried.append(
+            "plan for the GPUs it will run on (--cluster or --device cuda: offload frees device memory there)"
+        )
+    elif not space.offload and space.offload_choices is None:
+        untried.append("allow offload to the host")
+    if not any(space.checkpointing):
+        untried.append("allow activation checkpointing")
+    elif "block" not in space.checkpointing:
+        untried.append("allow per-block activation checkpointing")
+    if "bf16" not in space.precisions:
+        untried.append("allow bf16")
+    if 3 not in space.zero_stages:
+        untried.append("allow ZeRO-3")
+    sizes = "use more or larger devices, or a smaller global batch or sequence"
+    if not untried:
+        return f"every layout had offload, checkpointing, bf16 and ZeRO-3 to choose from: {sizes}"
+    return "; ".join(untried) + f"; or {sizes}"
 
 
 def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.2f}"
 
 
-def _row(rank: int, c: Candidate) -> tuple[str, ...]:
+def _row(rank: str, c: Candidate, result: SearchResult) -> tuple[str, ...]:
     offload = "+".join(
         n for n, on in (("opt", c.offload_optimizer), ("param", c.offload_params)) if on
     )
     ep = f" ep{c.expert_parallel_degree}" if c.expert_parallel_degree > 1 else ""
+    tokens, mfu = result.tokens_per_s_per_device(c), result.mfu(c)
     return (
-        str(rank),
+        rank,
         f"{c.pipeline_parallel_degree}x{c.data_parallel_degree}x{c.tensor_parallel_degree}{ep}",
         str(c.virtual_stages),
         f"{c.microbatches}x{c.microbatch_size}",
-        c.pipeline,
+        _schedule_name(c),
         str(c.zero_stage),
         offload or "-",
-        "yes" if c.activation_checkpointing else "-",
+        {False: "-", True: "chunk", "block": "block"}[c.activation_checkpointing],
         c.precision,
         f"{(c.step_time_s or 0.0) * 1e3:.4g}",
         f"{(c.bubble or 0.0):.1%}",
         _gib(c.max_rank_memory_bytes),
         _gib(c.max_host_memory_bytes) if c.max_host_memory_bytes else "-",
+        "-" if tokens is None else f"{tokens:.4g}",
+        "-" if mfu is None else f"{mfu:.1%}",
     )
+
+
+def _schedule_name(c: Candidate) -> str:
+    """The schedule as it runs: interleaved with one virtual stage is 1F1B, one stage
+    has no pipeline."""
+    if c.pipeline_parallel_degree == 1:
+        return "none"
+    if c.pipeline == "interleaved" and c.virtual_stages == 1:
+        return "1f1b"
+    return c.pipeline
 
 
 def render(result: SearchResult) -> str:
@@ -703,19 +935,25 @@ def render(result: SearchResult) -> str:
     host = "" if result.host_memory is None else f", host {_gib(result.host_memory)} GiB"
     head = (
         f"auto plan: {result.world_size} ranks x {_gib(result.device_memory)} GiB "
-        f"({result.device}{host}), global batch {result.global_batch}; "
-        f"{result.evaluated} layouts evaluated, {result.fitting} fit"
+        f"({result.device}{host}; laid out under {_gib(_usable(result))} GiB, "
+        f"{result.headroom:.0%} headroom), global batch {result.global_batch}; "
+        f"{result.evaluated} layouts laid out, {result.fitting} fit"
     )
     rows = [
         ("#", "pp x dp x tp", "v", "m x size", "schedule", "zero", "offload", "ckpt", "precision",
-         "step ms", "bubble", "peak GiB", "host GiB"),
-        *(_row(i + 1, c) for i, c in enumerate(result.ranked)),
+         "step ms", "bubble", "peak GiB", "host GiB", "tok/s/dev", "MFU"),
+        *(_row(str(i + 1), c, result) for i, c in enumerate(result.ranked)),
+        *(_row("+", c, result) for c in result.alternatives),
     ]  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [head, ""]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     if not result.ranked:
         lines.append("(nothing fits)")
+    if result.alternatives:
+        lines.append(
+            "+: the fastest of its family (tp and pp degrees, ZeRO-3 or not) outside the top"
+        )
     lines += result.notes
     lines += ["", "rejected:"]
     lines += [f"  {n:>6}  {r}" for r, n in sorted(result.rejected.items(), key=lambda x: -x[1])]
@@ -734,6 +972,10 @@ def render(result: SearchResult) -> str:
 def _ep_bandwidth(result: SearchResult) -> str:
     """The all-to-alls' bandwidth, where expert parallelism was searched."""
     return f"ep {result.cost.ep_bandwidth}, " if max(result.ep_degrees) > 1 else ""
+
+
+def _usable(result: SearchResult) -> int:
+    return int(result.device_memory * (1 - result.headroom))
 
 
 def _where_note(device: str) -> str:

@@ -229,21 +229,23 @@ def solve(
 
 
 class _NoFit(PartitionError):
-    """No split fits the memory cap; the message (which solves again for the least
-    memory that fits) is made only when read: the layout search refuses thousands of
-    candidates this way and reads none of their messages."""
+    """No split fits the cap; the message (which solves again without a cap to say what
+    would fit) is composed only when read: the auto search discards thousands."""
 
     def __init__(
         self, memory: list[float], num_stages: int, cap: float, names: Sequence[str] | None
     ) -> None:
         super().__init__()
-        self._why = (memory, num_stages, cap, names)
+        self._inputs = (memory, num_stages, cap, names)
+        self._message: str | None = None
 
     def __str__(self) -> str:
-        return _no_fit_message(*self._why)
+        if self._message is None:
+            self._message = _no_fit_message(*self._inputs)
+        return self._message
 
     def __reduce__(self) -> tuple[type[PartitionError], tuple[str]]:
-        return PartitionError, (str(self),)  # crosses processes as its message
+        return PartitionError, (str(self),)  # pickled (sent between ranks) as its message
 
 
 def min_memory_for(memory: Sequence[float], num_stages: int) -> float:

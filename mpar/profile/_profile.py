@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Literal, TypeGuard, TypeVar
@@ -435,6 +436,82 @@ def _profile_unit_inner(
     )
 
 
+def _profile_units(
+    module: nn.Module,
+    names: Sequence[str],
+    calls: Mapping[str, Sequence[Call]],
+    owner_of: dict[int, str],
+    exclude: set[int],
+    opts: _Options,
+) -> list[UnitProfile]:
+    """Every unit's profile. In meta mode a unit identical to one already profiled
+    (``_unit_key``: same modules, settings, parameters and calls, e.g. the 80 decoder
+    blocks of a 70B model) takes that one's figures (FLOPs, bytes and the time derived
+    from them are functions of exactly these) instead of being traced again."""
+    seen: dict[Hashable, UnitProfile] = {}
+    profiles = []
+    for name in names:
+        key = (
+            _unit_key(module, name, calls[name], owner_of, exclude) if opts.mode == "meta" else None
+        )
+        if key is not None and key in seen:
+            profiles.append(dataclasses.replace(seen[key], name=name))
+            continue
+        profiles.append(_profile_unit(module, name, calls[name], owner_of, exclude, opts))
+        if key is not None:
+            seen[key] = profiles[-1]
+    return profiles
+
+
+_SCALARS = (int, float, str, bool, type(None), torch.dtype, torch.device)
+
+
+def _unit_key(
+    module: nn.Module,
+    name: str,
+    calls: Sequence[Call],
+    owner_of: dict[int, str],
+    exclude: set[int],
+) -> Hashable | None:
+    """What a unit's meta profile depends on, or None where that cannot be told.
+
+    Its modules (class, and every scalar setting, but an index: ``layer_idx``), its
+    parameters and buffers (shape, dtype, trainable, and which unit owns each), and
+    each call's arguments (tensors by shape, dtype, strides, whether they need a
+    gradient or alias the model's state; scalars by value) and output bytes. A call
+    argument of any other kind, or parameters held for this unit from outside it,
+    makes the unit its own (None)."""
+    unit = module.get_submodule(name)
+    if any(owner == "@" + name for owner in owner_of.values()):
+        return None
+    parts: list[Hashable] = []
+    for sub_name, sub in unit.named_modules():
+        settings = tuple(
+            (k, v)
+            for k, v in sorted(vars(sub).items())
+            if isinstance(v, _SCALARS) and "idx" not in k and "index" not in k
+        )
+        parts.append((sub_name, type(sub).__module__, type(sub).__qualname__, settings))
+    for n, p in unit.named_parameters():
+        owner = "self" if owner_of[id(p)] == name else owner_of[id(p)]
+        parts.append((n, tuple(p.shape), p.dtype, p.requires_grad, owner))
+    parts += [(n, tuple(b.shape), b.dtype) for n, b in unit.named_buffers()]
+    for a, kw, out in calls:
+        leaves, spec = pytree.tree_flatten((a, kw))
+        described = [_leaf_key(x, exclude) for x in leaves]
+        if any(d is None for d in described):
+            return None
+        parts.append((str(spec), tuple(described), _tensor_bytes(out)))
+    return tuple(parts)
+
+
+def _leaf_key(x: object, exclude: set[int]) -> Hashable | None:
+    if isinstance(x, torch.Tensor):
+        aliased = x.untyped_storage()._cdata in exclude
+        return ("tensor", tuple(x.shape), x.stride(), x.dtype, x.requires_grad, aliased)
+    return ("value", x) if isinstance(x, _SCALARS) else None
+
+
 def _owners(module: nn.Module, units: Sequence[str]) -> dict[int, str]:
     """id(param) → the first unit (in execution order) that holds it."""
     owner: dict[int, str] = {}
@@ -550,7 +627,7 @@ def profile_model(
             owner_of[key] = "@" + consumer.get(n, names[-1])
         exclude = _storage_keys(module) | {t.untyped_storage()._cdata for t in fakes}
         opts = _Options(optimizer, mode, repeats, warmup, flops_per_second)
-        profiles = [_profile_unit(module, n, calls[n], owner_of, exclude, opts) for n in names]
+        profiles = _profile_units(module, names, calls, owner_of, exclude, opts)
     distinct = {id(p): p.numel() for p in module.parameters()}
     unassigned = sum(n for key, n in distinct.items() if key not in owner_of)
     return ModelProfile(profiles, mode, optimizer, sum(distinct.values()), unassigned)

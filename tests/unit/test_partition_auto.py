@@ -190,7 +190,8 @@ def test_search_turns_on_checkpointing_only_when_memory_needs_it():
     space = SearchSpace(precisions=("fp32",), offload=False)
     roomy = search(prof, _run(world=2, device_memory="64GiB"), global_batch=8, space=space)
     assert not roomy.best.activation_checkpointing
-    tight = search(prof, _run(world=2, device_memory="1200MiB"), global_batch=8, space=space)
+    tight_run = _run(world=2, device_memory="1200MiB")  # at the edge: no headroom
+    tight = search(prof, tight_run, global_batch=8, space=space, headroom=0.0)
     assert tight.best.activation_checkpointing
     assert tight.rejected["over memory cap"] > 0
     assert tight.best.step_time_s > roomy.best.step_time_s
@@ -201,10 +202,25 @@ def test_search_pruning_matches_exhaustive_ranking():
     base = _run(world=4, device_memory="2GiB")
     pruned = search(prof, base, global_batch=16, top=3)
     everything = search(prof, base, global_batch=16, top=10_000)
-    assert "slower than the top candidates (not simulated)" in pruned.rejected
-    assert [c.step_time_s for c in pruned.ranked] == pytest.approx(
-        [c.step_time_s for c in everything.ranked[:3]]
-    )
+    assert "slower than the top candidates by their work alone (not laid out)" in pruned.rejected
+    assert pruned.evaluated < everything.evaluated  # the rest could not enter the top 3
+    assert [c.to_dict() for c in pruned.ranked] == [c.to_dict() for c in everything.ranked[:3]]
+
+
+def test_search_lays_out_in_work_order_and_stops_at_the_top():
+    """Each layout's work bound is below its simulated step time, so layouts are laid out
+    cheapest bound first and the search stops once no bound can enter the top."""
+    prof = _profile(8, act=32 * MiB)
+    base = _run(world=8, device_memory="4GiB")
+    everything = search(prof, base, global_batch=32, top=10_000)
+    for c in everything.ranked:
+        m, pp = c.microbatches, c.pipeline_parallel_degree
+        work = m * sum(u.time_s for u in prof.units) * c.microbatch_size / pp
+        work *= (4 / 3 if c.activation_checkpointing else 1) / (2 if c.precision != "fp32" else 1)
+        assert work <= (c.step_time_s or 0) * (1 + 1e-9)
+    pruned = search(prof, base, global_batch=32, top=1)
+    assert pruned.best.to_dict() == everything.best.to_dict()
+    assert pruned.evaluated < everything.evaluated / 2
 
 
 def test_search_rejects_indivisible_batches_and_reports_nothing_fits():
@@ -234,7 +250,7 @@ def test_search_best_config_loads_and_matches_make_plan():
     assert plan.step_time_s == pytest.approx(best.step_time_s)
     assert max(plan.rank_memory_bytes) == best.max_rank_memory_bytes
     data = result.to_dict()
-    assert data["config"]["device_memory"] == 2**30
+    assert data["config"]["device_memory"] == int(2**30 * 0.9)  # less the headroom
     assert data["predicted"]["step_time_s"] == best.step_time_s
 
 

@@ -103,6 +103,28 @@ def test_meta_mode_matches_measure_mode_except_time():
         assert b.time_s == pytest.approx(b.flops / 1e9)
 
 
+def test_meta_mode_traces_each_kind_of_block_once(monkeypatch):
+    """Identical blocks (same modules, parameters and inputs) take the first one's
+    figures; a block that differs (here: a wider MLP) is traced on its own."""
+    from mpar.profile import _profile as module
+
+    cfg = GPTConfig(num_layers=4)
+    with torch.device("meta"):
+        model = TinyGPT(cfg)
+        model.blocks[3].mlp[0] = nn.Linear(cfg.d_model, 8 * cfg.d_model)
+        model.blocks[3].mlp[2] = nn.Linear(8 * cfg.d_model, cfg.d_model)
+    idx = torch.randint(0, 128, (2, 8))
+    traced: list[str] = []
+    real_profile_unit = module._profile_unit
+    monkeypatch.setattr(
+        module, "_profile_unit", lambda m, n, *a: traced.append(n) or real_profile_unit(m, n, *a)
+    )
+    cached = profile_model(model, (idx,), mode="meta")
+    assert [n for n in traced if "blocks" in n] == ["blocks.0", "blocks.3"]
+    monkeypatch.setattr(module, "_unit_key", lambda *a: None)
+    assert cached == profile_model(model, (idx,), mode="meta")
+
+
 def test_meta_mode_on_a_real_model_runs_nothing_and_matches_the_meta_model():
     from torch._subclasses.fake_tensor import FakeTensor
 
