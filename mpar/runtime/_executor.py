@@ -97,6 +97,7 @@ class Sharding(Protocol):
     def bind_grads(self, s: int) -> None: ...
     def reduce_grads_in_backward(self, s: int) -> None: ...
     def after_backward(self, s: int) -> None: ...
+    def fold_grads(self) -> None: ...
     def reduce_grads(self, s: int) -> None: ...
     def finish_grads(self) -> None: ...
 
@@ -132,6 +133,9 @@ class NoSharding:
         pass
 
     def after_backward(self, s: int) -> None:
+        pass
+
+    def fold_grads(self) -> None:
         pass
 
     def reduce_grads(self, s: int) -> None:
@@ -422,6 +426,7 @@ class StepRun:
         if work is None:
             raise StepError(f"internal: {s}W{j} runs before {s}I{j}")
         self._computing(work)
+        self.sharding.fold_grads()  # fp32 gradients: add what W wrote outside autograd
         self.memory.weights_done(s, j)
         _device.after_action(self.st.device)
         self._weights_done(s)

@@ -134,6 +134,10 @@ class ShardedStages:
     ``compute_dtype`` (bf16 or fp16) turns on mixed precision: the stages'
     floating-point parameters and buffers are converted to it, and fp32
     master copies feed the optimizer (fp16 also gets a :class:`LossScaler`).
+    Gradients then accumulate and are reduced in fp32 (``reduce_dtype`` None or
+    ``torch.float32``; each backward's compute-dtype ``.grad`` is added into an fp32
+    buffer); ``reduce_dtype=compute_dtype`` keeps them in the compute dtype (half the
+    gradient bytes and reduction traffic, every sum rounded).
     ``tied`` lists ``(process group, parameter)`` for parameters that other
     pipeline ranks hold a copy of (same data-parallel index): each gets a
     bucket of its own, so every copy has the same layout, and its reduced
@@ -168,6 +172,7 @@ class ShardedStages:
         rank_in_group: int,
         device: torch.device | str,
         compute_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
         tied: Sequence[tuple[ProcessGroup | None, nn.Parameter]] = (),
         units: Mapping[int, Sequence[Sequence[nn.Parameter]]] | None = None,
         materialize: Callable[[torch.Tensor], None] | None = None,
@@ -189,7 +194,14 @@ class ShardedStages:
         self.zero = zero
         self.device = torch.device(device)
         self.comm = GroupInfo(group, tuple(group_ranks), rank_in_group)
+        if reduce_dtype not in (None, torch.float32, compute_dtype):
+            raise ValueError(
+                f"reduce_dtype must be None (fp32), torch.float32 or the compute_dtype "
+                f"({compute_dtype}), got {reduce_dtype}"
+            )
         self.compute_dtype = compute_dtype
+        self.reduce_dtype = reduce_dtype
+        """What gradients accumulate and reduce in; None: the parameters' dtype (fp32)."""
         self.scaler = LossScaler() if compute_dtype == torch.float16 else None
         """fp16 only: the dynamic loss scale the runtime multiplies losses by."""
         owned, self.frozen = _collect(stages)
@@ -316,6 +328,7 @@ class ShardedStages:
                 comm=self.comm,
                 device=self.device,
                 compute_dtype=self.compute_dtype,
+                reduce_dtype=self.reduce_dtype,
                 offload_optimizer=self.zero.offload_optimizer == "cpu",
                 offload_params=self.zero.offload_params == "cpu",
             )
@@ -413,6 +426,12 @@ class ShardedStages:
         units = self.units.get(s)
         if units is not None:
             units.after_backward()
+
+    def fold_grads(self) -> None:
+        """Add the gradients written outside autograd (split backward's W) into the fp32
+        buffers of buckets that fold (see :meth:`BucketGrads.bind_grads`); no-op else."""
+        for bucket in self.buckets:
+            bucket.grads.fold_all()
 
     def sync_from_params(self, s: int) -> None:
         """Stage ``s``'s (gathered) parameters were overwritten in place: update the
