@@ -56,7 +56,7 @@ from mpar.comm._types import Transfer, TransferLabel
 from mpar.errors import StepError
 from mpar.runtime._activations import ActivationMemory, storage_bytes
 from mpar.runtime._microbatch import Microbatches
-from mpar.runtime._output import StepOutput, check_gatherable, detach_to_cpu
+from mpar.runtime._output import StepOutput, check_gatherable, detach, detach_to_cpu
 from mpar.runtime._precision import cast_floats, compute_dtype
 from mpar.runtime._recompute import run_stage
 from mpar.runtime._split_backward import defer_weight_gradients, split_backward
@@ -393,9 +393,9 @@ class StepRun:
         if not self.model_called:
             raise StepError(f"step function {self.name!r} never called the model")
         check_gatherable(result)
-        self.results[j] = detach_to_cpu(result)
+        self.results[j] = detach(result)  # stays on the device until the step's last
         if len(self.results) == len(self.batches):
-            mine = [self.results[j] for j in range(len(self.batches))]
+            mine = detach_to_cpu([self.results[j] for j in range(len(self.batches))])
             self.transfers.send_outputs((mine, list(self.batches.sizes)))
 
     def _prepare_backward(self, s: int, *, arm: bool) -> None:

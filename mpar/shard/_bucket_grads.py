@@ -73,7 +73,7 @@ class BucketGrads(LayoutView):
         self.options = options
         self.phase = GradPhase.IDLE
         self.held = Held.NONE
-        self.grad_factor = 1.0
+        self.grad_factor: float | torch.Tensor = 1.0
         """Mixed precision: factor applied to the reduced gradient when it is converted
         for the optimizer (1 / loss scale, times any clipping coefficient)."""
         self.staging: torch.Tensor | None = None
@@ -350,6 +350,7 @@ class BucketGrads(LayoutView):
         if self.cpu_grad is None:
             self.cpu_grad = _device.host_buffer(reduced.numel(), self.master_dtype, self.device)
         if self.held is Held.HOST and self.zero_stage >= 1:
+            _device.SYNCS.count("offloaded gradient sum")  # a blocking copy to the host
             self.cpu_grad.add_(reduced.to("cpu"))
         else:
             _device.copy_(self.cpu_grad, reduced)
@@ -380,7 +381,10 @@ class BucketGrads(LayoutView):
         if grad is None or grad.dtype == self.master_dtype:
             return grad
         grad = grad.to(self.master_dtype)
-        return grad.mul_(self.grad_factor) if self.grad_factor != 1.0 else grad
+        factor = self.grad_factor
+        if isinstance(factor, float) and factor == 1.0:
+            return grad
+        return grad.mul_(factor.to(grad.device) if isinstance(factor, torch.Tensor) else factor)
 
     def stepped(self) -> None:
         """The optimizer has read the gradient (:meth:`opt_grad`): its factor is spent."""
@@ -401,25 +405,28 @@ class BucketGrads(LayoutView):
         # each copy of a tied (or TP-replicated) parameter counts once overall
         return total / (self.options.tied_size * self.options.norm_copies)
 
-    def grads_finite(self) -> bool:
-        """Whether this rank's slice of the reduced gradient has no inf or NaN."""
+    def nonfinite(self) -> torch.Tensor:
+        """1.0 (float32, on the device) if this rank's slice of the reduced gradient holds
+        an inf or NaN, else 0.0; no host read."""
         grad = self.reduced_grad()
-        return grad is None or bool(torch.isfinite(self._own_slice(grad)).all())
+        if grad is None:
+            return torch.zeros((), dtype=torch.float32, device=self.device)
+        bad = torch.logical_not(torch.isfinite(self._own_slice(grad))).any()
+        return bad.to(device=self.device, dtype=torch.float32)
 
-    def scale_grads(self, factor: float) -> None:
+    def scale_grads(self, factor: float | torch.Tensor) -> None:
         """Multiply every reduced gradient this bucket holds by ``factor``
-        (under mixed precision: ``grad_factor``, or the fp32 CPU copy in place)."""
+        (with compute-dtype gradients: ``grad_factor``, or the fp32 CPU copy in place).
+        A tensor ``factor`` stays on the device, but for the CPU copy of offloaded
+        gradients, which the host optimizer reads anyway."""
         if self.held is Held.NONE:
             return
-        if self.grad_dtype != self.master_dtype:
-            if self.cpu_grad is not None:
-                self.cpu_grad.mul_(factor)
-            else:
-                self.grad_factor *= factor
+        if self.grad_dtype != self.master_dtype and self.cpu_grad is None:
+            self.grad_factor = self.grad_factor * factor
             return
         for grad in (self.grad_full, self.grad_shard, self.cpu_grad):
             if grad is not None:
-                grad.mul_(factor)
+                grad.mul_(_on(factor, grad.device))
 
     def zero_grad(self, set_to_none: bool) -> None:
         self.held = Held.NONE
@@ -452,3 +459,13 @@ class BucketGrads(LayoutView):
         if self.pending is not None:
             grads += [self.pending.out, self.pending.flat]
         return [t for t in grads if t is not None]
+
+
+def _on(factor: float | torch.Tensor, device: torch.device) -> float | torch.Tensor:
+    """``factor`` usable to scale a tensor on ``device``: a device tensor moved to the
+    host for a host tensor (the host optimizer reads it: a counted wait)."""
+    if not isinstance(factor, torch.Tensor) or factor.device == device:
+        return factor
+    if _device.is_host(device) and not _device.on_host(factor):
+        _device.SYNCS.count("scale factor to the host optimizer")
+    return factor.to(device)

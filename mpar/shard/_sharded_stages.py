@@ -193,6 +193,8 @@ class ShardedStages:
             )
         self.zero = zero
         self.device = torch.device(device)
+        self._copies_pending = False
+        """Offload: non-blocking copies to or from the host not yet waited for."""
         self.comm = GroupInfo(group, tuple(group_ranks), rank_in_group)
         if reduce_dtype not in (None, torch.float32, compute_dtype):
             raise ValueError(
@@ -475,7 +477,9 @@ class ShardedStages:
                 bucket.grads.finish_reduce()
         for bucket in self.tied_buckets:
             bucket.grads.finish_reduce()
-        self.synchronize()
+        # offloaded gradients are on their way to the host: the host optimizer (or the
+        # clipping norm) waits for them when it reads them (:meth:`synchronize`)
+        self._copies_pending = self._offloads
 
     # ------------------------------------------------------------ full values
     def full_values(self) -> dict[int, torch.Tensor]:
@@ -527,7 +531,9 @@ class ShardedStages:
         for work in works:
             if work is not None:
                 work.wait()
-        self.synchronize()
+        if self._offloads:  # the host optimizer writes the masters next: copied out first
+            self._copies_pending = True
+            self.synchronize()
 
     def flat_buffers(self) -> list[torch.Tensor]:
         """The flat buffers the parameters are views into now (gathered ones at ZeRO-3)."""
@@ -549,9 +555,16 @@ class ShardedStages:
         for bucket in self.buckets:
             bucket.grads.zero_grad(set_to_none)
 
+    @property
+    def _offloads(self) -> bool:
+        return self.zero.offload_optimizer == "cpu" or self.zero.offload_params == "cpu"
+
     def synchronize(self) -> None:
-        """Wait for non-blocking host/device copies (CUDA offload)."""
-        _device.wait_copies(self.device)
+        """Wait for the non-blocking host/device copies (CUDA offload) issued since the
+        last wait, if any: only the host optimizer's reads and writes need it."""
+        if self._copies_pending:
+            self._copies_pending = False
+            _device.wait_copies(self.device, "offload copies")
 
     # ------------------------------------------------------------ optimizer, report
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
