@@ -18,8 +18,8 @@ tag 0.
 
 Agreement. Each transfer is named by its :class:`~mpar.comm._types.TransferLabel`
 (which stage and microbatch, activations or gradients). The first time a label
-travels within a *step signature* (what its shapes follow from: the step function
-and the shapes and dtypes of its inputs, see ``runtime._transfers``), both ends
+travels within a *step signature* (what its shapes follow from: the model, the step
+function and the shapes and dtypes of its inputs, see ``runtime._transfers``), both ends
 record its *spec*: the nesting, each tensor's shape and dtype, the non-tensor
 leaves. From then on both know each message's size before it is sent
 (:meth:`Links.begin` picks the signature's specs at the start of a step).
@@ -513,8 +513,8 @@ def send_payload(
         raise StepError(
             f"{label.describe()} (to rank {dst}) is {_shown(structure)}, but it was "
             f"{_shown(spec.structure)} in the first step with these inputs: pipeline "
-            "transfers are agreed once per step signature (the step function and its "
-            "inputs' shapes and dtypes), so what a stage sends must follow from those "
+            "transfers are agreed once per step signature (the model, the step function "
+            "and its inputs' shapes and dtypes), so what a stage sends must follow from those "
             "(pad data-dependent shapes to a fixed size)"
         )
     elif links.labelled(device):

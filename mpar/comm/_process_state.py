@@ -20,6 +20,7 @@ before the final barrier
 ``mpar.runtime._activations._SAVED_BYTES``          bytes autograd saved per stage and input
 ``mpar.runtime._activations._HELD_FOR_W``           bytes a split backward's I left for its W
 ``mpar.runtime._split_backward._KEEPING``           the linear layers an I is deferring
+``mpar.runtime._transfers._PLANS``                  each schedule's receive posts (a cache)
 ==================================================  ============================================
 
 ==================================================  ============================================

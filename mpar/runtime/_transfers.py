@@ -17,7 +17,7 @@ once matched), so gloo, the shared-memory rings and NCCL run the same order. Rec
 are posted as early as that allows, so the bytes arrive while this rank computes.
 
 Agreement. The shapes of a step's transfers follow from its *signature*
-(:func:`step_signature`: the step function, whether it trains, and every
+(:func:`step_signature`: the model, the step function, whether it trains, and every
 microbatch's argument shapes and dtypes); the first step with a signature agrees
 them (``mpar.comm._p2p``), later ones send data of known sizes, which device
 transports receive without the host reading anything.
@@ -35,7 +35,7 @@ from collections.abc import Callable, Hashable
 import torch
 
 from mpar import _device
-from mpar.comm import State
+from mpar.comm import State, _process_state
 from mpar.comm._collectives import gather_step_outputs
 from mpar.comm._p2p import Incoming, Links, PendingSends, post_payload, send_payload, take_payload
 from mpar.comm._types import Transfer, TransferLabel
@@ -53,16 +53,39 @@ _PLANS: dict[int, tuple[Schedule, dict[int, list[tuple[TransferLabel, ...]]]]] =
 """id(schedule) -> (the schedule, its receive posts as labels per rank): schedules are
 built once per model and kept, so this stays small."""
 _PLANS_KEPT = 16
+_process_state.register("mpar.runtime._transfers._PLANS", _PLANS.clear, lambda: not _PLANS)
 
 
-def step_signature(fn: Callable[..., object], batches: Microbatches, training: bool) -> Hashable:
-    """What the shapes of a step's transfers follow from: the step function's code,
-    whether it trains, and each microbatch's arguments (tensors by shape, dtype and
-    ``requires_grad``; numbers, strings and None by value; other objects by type).
-    Every rank of a pipeline is given the same batch, so every one computes the same."""
+def step_signature(
+    model: object, fn: Callable[..., object], batches: Microbatches, training: bool
+) -> Hashable:
+    """What the shapes of a step's transfers follow from: the model (by identity: two
+    models trained by one step function on alike batches send different things), the
+    step function's code, whether it trains, and each microbatch's arguments (tensors
+    by shape, dtype and ``requires_grad``; numbers, strings and None by value; other
+    objects by type). Every rank of a pipeline builds its models in the same order and
+    is given the same batch, so every one computes the same.
+
+    ``model`` is held by the signature (not its ``id``): while the agreed specs are
+    kept, no later model can take its place."""
     code = getattr(fn, "__code__", fn)
     parts = [_shapes(args) + _shapes(kwargs) for args, kwargs in zip(batches.args, batches.kwargs)]
-    return (code, training, tuple(batches.sizes), tuple(parts))
+    return (_Identity(model), code, training, tuple(batches.sizes), tuple(parts))
+
+
+class _Identity:
+    """Hashes and compares ``value`` by identity, holding it."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def __hash__(self) -> int:
+        return id(self.value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Identity) and other.value is self.value
 
 
 def _shapes(value: object) -> tuple[object, ...]:
