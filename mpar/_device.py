@@ -37,6 +37,7 @@ torch_xla is imported lazily, inside the functions that need it, so mpar runs
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 from collections.abc import Iterable
@@ -54,12 +55,16 @@ __all__ = [
     "after_action",
     "after_optimizer_step",
     "copy_",
+    "copy_to_host",
     "check_backend",
     "check_ranks_per_device",
     "default_backend",
+    "SYNCS",
+    "SyncLedger",
     "free_storage",
     "group_backends",
     "host_buffer",
+    "host_value",
     "memory_stats",
     "mesh_device_type",
     "move_module",
@@ -85,6 +90,38 @@ _BACKEND_DEVICES = {"gloo": "cpu", "mpi": "cpu", "nccl": "cuda", "xla": "xla"}
 """The device type each backend communicates tensors of (anything else is host-staged)."""
 _XLA_COLLECTIVES = ("TPU", "NEURON")
 """PJRT devices whose XLA process group reduces across processes (not PJRT's CPU)."""
+
+
+# ---------------------------------------------------------------- host reads
+
+
+class SyncLedger:
+    """Counts, by reason, every place mpar makes the host wait for the device: a value
+    read (``.item()``, ``bool(t)``), a wait for copies, a device synchronize. Each goes
+    through :func:`host_value`, :func:`wait_copies` or :func:`synchronize`; on the CPU
+    nothing waits, and the calls are counted all the same, so a test on the CPU pins
+    what a GPU step would wait for."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def count(self, reason: str) -> None:
+        self.counts[reason] += 1
+
+    def take(self) -> dict[str, int]:
+        """The counts since the last :meth:`take` (by reason), and start again."""
+        out, self.counts = dict(self.counts), collections.Counter()
+        return out
+
+
+SYNCS = SyncLedger()
+"""This process's ledger (see :class:`SyncLedger`)."""
+
+
+def host_value(tensor: torch.Tensor, reason: str) -> float | int | bool:
+    """``tensor.item()``, counted in :data:`SYNCS` under ``reason``."""
+    SYNCS.count(reason)
+    return tensor.item()
 
 
 # ---------------------------------------------------------------- placement
@@ -299,8 +336,16 @@ def copy_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     return dst.copy_(src, non_blocking=cuda and host.is_pinned())
 
 
-def wait_copies(device: torch.device) -> None:
-    """Block until non-blocking copies issued for ``device`` have landed in host memory."""
+def copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached host copy of ``tensor``, non-blocking from CUDA: :func:`wait_copies`
+    before reading it."""
+    return tensor.detach().to(_CPU, copy=True, non_blocking=tensor.device.type == "cuda")
+
+
+def wait_copies(device: torch.device, reason: str = "wait for host copies") -> None:
+    """Block until non-blocking copies issued for ``device`` have landed in host memory
+    (counted in :data:`SYNCS`)."""
+    SYNCS.count(reason)
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
 
@@ -390,7 +435,9 @@ def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def synchronize(devices: Iterable[torch.device]) -> None:
-    """Wait until the work queued on ``devices`` has run (for timing)."""
+    """Wait until the work queued on ``devices`` has run (for timing; counted in
+    :data:`SYNCS`)."""
+    SYNCS.count("synchronize")
     kinds = {d.type for d in devices}
     if "cuda" in kinds and torch.cuda.is_available():
         torch.cuda.synchronize()

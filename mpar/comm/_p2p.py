@@ -435,6 +435,7 @@ def _write_control(
 def _read_control(message: torch.Tensor) -> list[int]:
     if _device.on_host(message):  # (numpy: fewer calls, see _Message)
         return list(message.numpy()[:_CONTROL_BYTES].view("<i8").tolist())
+    _device.SYNCS.count("p2p control words")  # read from the device before the body
     return list(message[:_CONTROL_BYTES].view(torch.int64).tolist())
 
 

@@ -36,6 +36,8 @@ BackendKind = Literal["auto", "gloo", "nccl", "xla", "mpi"]
 CheckpointingKind = Literal["none", "each"]
 PrecisionKind = Literal["fp32", "bf16", "fp16"]
 """What ``bf16`` / ``fp16`` choose: fp32, or that mixed precision."""
+GradReduceKind = Literal["fp32", "bf16", "fp16"]
+"""``grad_reduce_dtype``: fp32, or the compute dtype of that mixed precision."""
 
 #: Largest ``timeout_s`` (about 31 years): process-group timeouts must stay representable.
 MAX_TIMEOUT_S = 1e9
@@ -260,6 +262,13 @@ class Config:
     fp16: bool = False
     """float16 mixed precision with dynamic loss scaling."""
 
+    grad_reduce_dtype: GradReduceKind = "fp32"
+    """Under ``bf16`` / ``fp16``: the dtype gradients accumulate (across microbatches and
+    split backwards) and are reduced over data parallelism in. ``"fp32"`` (the default,
+    as FSDP2's ``reduce_dtype`` and Megatron's fp32 gradient buffers) keeps the sums
+    exact to fp32; ``"bf16"`` / ``"fp16"`` (the compute dtype itself) halves the
+    gradient memory and the reduction's bytes at the cost of rounding every sum."""
+
     device: DeviceKind = "auto"
     """``auto`` picks cuda when available, else cpu."""
 
@@ -401,6 +410,7 @@ class Config:
             raise ConfigError(
                 "config keys 'bf16' and 'fp16' are both true; choose one mixed-precision mode"
             )
+        self._check_grad_reduce_dtype()
         if self.default_partition >= self.num_stages:
             raise ConfigError(
                 f"config key 'default_partition' is {self.default_partition} but there are only "
@@ -460,6 +470,22 @@ class Config:
                 "config key 'backend' is 'nccl' but 'device' is 'cpu'; NCCL needs CUDA: "
                 "use backend 'gloo' (or 'auto') on the CPU"
             )
+
+    def _check_grad_reduce_dtype(self) -> None:
+        _fail_choice("grad_reduce_dtype", self.grad_reduce_dtype, ("fp32", "bf16", "fp16"))
+        if self.grad_reduce_dtype not in ("fp32", self.precision):
+            raise ConfigError(
+                f"config key 'grad_reduce_dtype' is {self.grad_reduce_dtype!r} but the "
+                f"precision is {self.precision!r}: gradients reduce in fp32 or in the compute "
+                f"dtype; set 'grad_reduce_dtype' to 'fp32' or {self.precision!r}"
+                + (f", or set '{self.grad_reduce_dtype}': true" if self.precision == "fp32" else "")
+            )
+
+    @property
+    def low_precision_grads(self) -> bool:
+        """Whether gradients accumulate and reduce in the compute dtype (bf16 / fp16)
+        rather than fp32 (``grad_reduce_dtype``)."""
+        return self.grad_reduce_dtype != "fp32"
 
     @property
     def num_stages(self) -> int:

@@ -8,15 +8,16 @@ The functions here turn a profile's per-unit figures into device bytes at the
 
 * parameters in the compute dtype (2 bytes an element under bf16/fp16); ZeRO-3
   keeps a ``1/dp`` shard (on the host with ``offload_params``);
-* gradients: a full-size buffer in the compute dtype from a stage's first
-  backward to its once-per-step reduction at ZeRO-0/1 (microbatches accumulate
-  into it); at ZeRO-2/3 the ``1/dp`` shard;
+* gradients: a full-size buffer from a stage's first backward to its
+  once-per-step reduction at ZeRO-0/1 (microbatches accumulate into it); at
+  ZeRO-2/3 the ``1/dp`` shard; in fp32 (4 bytes an element) under mixed precision
+  unless ``low_precision_grads`` (``grad_reduce_dtype`` bf16 / fp16: 2 bytes);
 * the ZeRO-2/3 working set (:func:`zero_working_set_bytes`), by the gather
   granularity (``MemoryLayout.gather``): by unit or group, two neighbouring units'
   (groups') gathered parameters at ZeRO-3 and, after a unit's backward, its
-  gradients twice (autograd's and the flat buffer they are copied into for the
-  reduce-scatter); by chunk the stage's whole parameters and a full-size
-  gradient buffer;
+  gradients twice (autograd's, in the compute dtype, and the flat buffer they are
+  copied into for the reduce-scatter, in the gradients' dtype); by chunk the
+  stage's whole parameters and a full-size gradient buffer;
 * optimizer state (and the fp32 master copy under mixed precision) divided by
   ``dp`` at ZeRO >= 1, nothing on the device with ``offload_optimizer`` or
   ``offload_params`` (the runtime offloads the optimizer with the parameters);
@@ -133,6 +134,9 @@ class MemoryLayout:
     """Samples per microbatch divided by the samples of the profiled microbatch."""
     bucket_bytes: int = 25 * 2**20
     """One gradient-reduction bucket (``zero.bucket_mb``)."""
+    low_precision_grads: bool = False
+    """Mixed precision only: gradients accumulate and reduce in the compute dtype
+    (``grad_reduce_dtype`` bf16 / fp16) instead of fp32."""
     gather: str | int = "unit"
     """ZeRO 2/3 granularity inside a stage, as the runtime runs it: ``"unit"``, an int
     ``n`` (groups of ``n`` consecutive units) or ``"chunk"`` (the whole stage). Pass
@@ -204,6 +208,12 @@ class MemoryLayout:
         return 0.5 if self.mixed else 1.0
 
     @property
+    def grad_factor(self) -> float:
+        """Bytes of the gradient buffers relative to the fp32 profile: fp32 under mixed
+        precision too, unless ``low_precision_grads``."""
+        return self.dtype_factor if self.low_precision_grads else 1.0
+
+    @property
     def shards(self) -> int:
         """How many ways optimizer state is split."""
         return self.data_parallel_degree if self.zero_stage >= 1 else 1
@@ -237,9 +247,10 @@ def unit_state_bytes(unit: UnitProfile, layout: MemoryLayout) -> float:
             if layout.offload_params
             else layout.sharded(params, c * unit.expert_param_bytes, dp)
         )
-    grads = c * unit.grad_bytes
+    g = layout.grad_factor
+    grads = g * unit.grad_bytes
     if layout.zero_stage >= 2:  # reduce-scattered per unit as produced: only the shard stays
-        grads = layout.sharded(grads, c * unit.expert_grad_bytes, dp)
+        grads = layout.sharded(grads, g * unit.expert_grad_bytes, dp)
     optim = 0.0
     if not layout.offloads_optimizer:
         master = unit.grad_bytes if layout.mixed else 0  # fp32 copy of trainable parameters
@@ -318,8 +329,10 @@ def _group_moment(
     c, sharded = layout.dtype_factor, layout.data_parallel_degree > 1
     extra = 0.0
     if layout.zero_stage >= 2 and sharded:
-        copies = 1 if layout.gather == "chunk" else 2  # by chunk the .grad are views
-        extra += copies * c * sum(u.grad_bytes for u in groups[g])
+        # by chunk the .grad are views of (or folded into) the flat buffer; by unit
+        # autograd's compute-dtype .grad and the flat buffer exist together
+        copies = layout.grad_factor + (0.0 if layout.gather == "chunk" else c)
+        extra += copies * sum(u.grad_bytes for u in groups[g])
     if layout.zero_stage == 3 and (sharded or layout.offload_params):
         # the prefetch skips groups with nothing to gather: neighbours among the others
         before = next((p for p in reversed(params[:g]) if p), 0)
@@ -387,9 +400,9 @@ def boundary_bytes(unit: UnitProfile, layout: MemoryLayout) -> float:
 
 def optimizer_step_bytes(units: Sequence[UnitProfile], layout: MemoryLayout) -> tuple[float, float]:
     """What the optimizer update adds, after the backward (activations gone): the fp32
-    copies of the reduced gradients that mixed precision hands the optimizer
-    (``FlatBucket.opt_grad``, every bucket at once; none with offload, whose host
-    gradient is fp32 already), and the temporaries of one Adam update on the largest
+    copies of the reduced gradients that mixed precision with ``low_precision_grads``
+    hands the optimizer (``BucketGrads.opt_grad``, every bucket at once; none with
+    offload, whose host gradient is fp32 already, nor with fp32 gradients), and the temporaries of one Adam update on the largest
     optimizer segment (``sqrt`` and ``div`` of the second moment: 2 fp32 copies). A
     segment is a bucket's optimizer range: up to ``bucket_bytes`` of compute-dtype
     elements of one unit group (ZeRO-2/3 by unit or group) or of the stage, ``1/dp`` of
@@ -407,7 +420,7 @@ def optimizer_step_bytes(units: Sequence[UnitProfile], layout: MemoryLayout) -> 
     cap = layout.bucket_bytes / (4 * layout.dtype_factor)  # elements of one bucket
     segment = 4 * min(max(groups, default=0.0), cap) / layout.shards
     copies = 0.0
-    if layout.mixed and not layout.offloads_optimizer:
+    if layout.mixed and layout.low_precision_grads and not layout.offloads_optimizer:
         experts = sum(u.expert_grad_bytes for u in units)
         copies = layout.sharded(4 * sum(trainable), experts, layout.shards)
     return copies, 2 * segment
@@ -495,7 +508,7 @@ def stage_extra_bytes(
     group = units[start:end]
     working = zero_working_set_bytes(group, layout)
     if layout.data_parallel_degree > 1 and layout.zero_stage == 0:
-        grads = sum(u.grad_bytes for u in group) * layout.dtype_factor
+        grads = sum(u.grad_bytes for u in group) * layout.grad_factor
         extra += min(layout.bucket_bytes, grads)
     if layout.zero_stage == 1:  # the experts' reduced shards beside their whole gradients
         edp = max(layout.data_parallel_degree // layout.expert_parallel_degree, 1)

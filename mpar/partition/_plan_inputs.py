@@ -122,6 +122,9 @@ class PlanInputs:
     precision: PrecisionKind = "fp32"
     """"fp32", or "bf16" / "fp16" mixed precision (compute-dtype parameters, gradients
     and activations; fp32 master weights with the optimizer state)."""
+    low_precision_grads: bool = False
+    """Mixed precision: gradients accumulate and reduce in the compute dtype (config
+    ``grad_reduce_dtype`` bf16 / fp16), not fp32."""
     activation_checkpointing: Checkpointing = False
     """True: stages keep only their inputs and recompute their chunk in backward;
     "block": every unit (block) keeps only its input and is recomputed alone, one at a
@@ -167,6 +170,7 @@ class PlanInputs:
             zero.offload_params,
             microbatch_scale,
             bucket_bytes=zero.bucket_bytes,
+            low_precision_grads=self.low_precision_grads and self.precision != "fp32",
             gather=effective_gather(s.pipeline, zero.gather),
             device=self.device,
             weight_work=split,
@@ -227,6 +231,7 @@ def plan_inputs(
             int(zero.bucket_mb * 2**20),
         ),
         precision=config.precision,
+        low_precision_grads=config.low_precision_grads,
         activation_checkpointing=config.checkpointing,
         device=device,
         device_memory=None if memory is None else parse_bytes(memory),
@@ -262,6 +267,7 @@ def config_dict(inputs: PlanInputs) -> ConfigDict:
         "activation_checkpointing": inputs.activation_checkpointing,
         "bf16": inputs.precision == "bf16",
         "fp16": inputs.precision == "fp16",
+        "grad_reduce_dtype": inputs.precision if inputs.low_precision_grads else "fp32",
         "memory_weight": inputs.memory_weight,
     }
     if inputs.grid.ep > 1:

@@ -177,9 +177,10 @@ class DistributedOptimizer:
         scale if they are all finite; returns whether they are."""
         if self._finite is None:
             st = self._session.state
-            found = torch.tensor([0.0 if sharded.grads_finite() else 1.0], device=st.device)
+            found = sharded.nonfinite_flag().reshape(1)
             world_all_reduce(found, st.grid)
-            self._finite = found.item() == 0
+            # the one host read of an fp16 step: whether to skip it
+            self._finite = _device.host_value(found[0], "fp16 overflow flag") == 0
             if self._finite:
                 sharded.scale_grads(1.0 / sharded.sharded.loss_scale)
         return self._finite
@@ -260,8 +261,8 @@ class DistributedOptimizer:
         total = sharded.grad_sq_norm().to(torch.float64).reshape(1)
         world_all_reduce(total, self._session.state.grid)  # each rank: a distinct shard
         norm = total[0].sqrt().float()
-        coef = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-        if coef < 1.0 and finite:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # stays on the device
+        if finite:
             sharded.scale_grads(coef)
         return norm
 

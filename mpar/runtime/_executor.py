@@ -57,7 +57,7 @@ from mpar.comm._types import Transfer, TransferLabel
 from mpar.errors import StepError
 from mpar.runtime._activations import ActivationMemory, storage_bytes
 from mpar.runtime._microbatch import Microbatches
-from mpar.runtime._output import StepOutput, check_gatherable, detach_to_cpu
+from mpar.runtime._output import StepOutput, check_gatherable, detach, detach_to_cpu
 from mpar.runtime._precision import cast_floats, compute_dtype
 from mpar.runtime._recompute import run_stage
 from mpar.runtime._split_backward import defer_weight_gradients, split_backward
@@ -107,6 +107,7 @@ class Sharding(Protocol):
     def bind_grads(self, s: int) -> None: ...
     def reduce_grads_in_backward(self, s: int) -> None: ...
     def after_backward(self, s: int) -> None: ...
+    def fold_grads(self) -> None: ...
     def reduce_grads(self, s: int) -> None: ...
     def finish_grads(self) -> None: ...
 
@@ -142,6 +143,9 @@ class NoSharding:
         pass
 
     def after_backward(self, s: int) -> None:
+        pass
+
+    def fold_grads(self) -> None:
         pass
 
     def reduce_grads(self, s: int) -> None:
@@ -224,7 +228,7 @@ class PerMicrobatch:
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     """The loss ``model.backward(loss)`` recorded, until the last stage's backward."""
     results: dict[int, object] = field(default_factory=dict)
-    """What the step function returned (detached, on the CPU)."""
+    """What the step function returned (detached, on the device until the last one)."""
 
 
 @dataclass
@@ -455,9 +459,9 @@ class StepRun:
             raise StepError(f"step function {self.fn.name!r} never called the model")
         check_gatherable(result)
         results = self.per_microbatch.results
-        results[j] = detach_to_cpu(result)
+        results[j] = detach(result)  # stays on the device until the step's last
         if len(results) == self.num_microbatches:
-            mine = [results[j] for j in range(self.num_microbatches)]
+            mine = detach_to_cpu([results[j] for j in range(self.num_microbatches)])
             self.transfers.send_outputs((mine, list(self.batches.sizes)))
 
     def _prepare_backward(self, s: int, *, arm: bool) -> None:
@@ -489,6 +493,7 @@ class StepRun:
         if work is None:
             raise StepError(f"internal: {s}W{j} runs before {s}I{j}")
         self._computing(work)
+        self.sharding.fold_grads()  # fp32 gradients: add what W wrote outside autograd
         self.memory.weights_done(s, j)
         _device.after_action(self.st.device)
         self._weights_done(s)

@@ -105,6 +105,29 @@ class _Steps:
         self.batch_checks = 0
 
 
+@dataclass(frozen=True)
+class _ModelOptions:
+    """What the user chose when wrapping the model."""
+
+    dynamic_axes: tuple[int, ...]
+    """Axes of every tensor input whose size may change between steps in a captured
+    pipeline (``(0,)`` the batch; ``(0, 1)`` also the sequence)."""
+    init_fn: Callable[[nn.Module], None] | None
+    """A meta-built model: called on each module to initialise it (default: its own
+    initialisers; see ``mpar.meta``)."""
+
+
+@dataclass(frozen=True)
+class _Adapted:
+    """What mpar changed on, or noted of, the user's module when wrapping it."""
+
+    caches_disabled: list[str]
+    """Names of the submodules whose ``config.use_cache`` mpar turned off (``runtime._adapt``)."""
+    wrapped_names: dict[int, str]
+    """``id(parameter) -> name`` of the module as wrapped (expert parallelism takes the
+    experts other ranks hold out of this rank's module)."""
+
+
 class DistributedModel:
     """Wraps ``module`` for pipeline and data-parallel execution.
 
@@ -125,23 +148,16 @@ class DistributedModel:
         from mpar.meta import build_module
 
         module = build_module(module)
-        self.dynamic_axes = _check_axes(dynamic_axes)
-        """Axes of every tensor input whose size may change between steps in a
-        captured pipeline (``(0,)`` the batch; ``(0, 1)`` also the sequence)."""
+        self.options = _ModelOptions(_check_axes(dynamic_axes), init_fn)
         process = session()
         self._run = process.state
         self.module = module
         self.state_keys = StateKeys.of(module)
         """The original module's state-dict keys, dtypes and shapes (see :class:`StateKeys`)."""
-        self.init_fn = init_fn
-        """A meta-built model: called on each module to initialise it (default: its own
-        initialisers; see ``mpar.meta``)."""
         self.after_partition: list[Callable[[DistributedModel], None]] = []
         """Run once the model is partitioned (a deferred ``mpar.load_pretrained``). A hook
         with an ``overwrites`` attribute (state-dict keys) overwrites those tensors whole:
         a meta model leaves them uninitialised."""
-        self.caches_disabled = disable_caches(module)
-        """Submodules whose ``config.use_cache`` mpar turned off (see ``runtime._adapt``)."""
         self.stages: LocalStages | None = None
         self.sharded: ShardedStages | None = None
         self.activation_peak_bytes = 0
@@ -149,9 +165,9 @@ class DistributedModel:
         self.active_run: StepRun | None = None
         self._capture = _Capture()
         self._steps = _Steps()
-        self.wrapped_names = {id(p): n for n, p in module.named_parameters()}
-        """``id(parameter) -> name`` of the module as wrapped (expert parallelism takes
-        the experts other ranks hold out of this rank's module)."""
+        self.adapted = _Adapted(
+            disable_caches(module), {id(p): n for n, p in module.named_parameters()}
+        )
         self.tp_layout: TPLayout | None = _tp_layout(module, self.grid, self.config)
         """How tensor parallelism splits this model (None at tensor_parallel_degree 1)."""
         self.ep_layout: EPLayout | None = _ep_layout(module, self.grid, self.config, self.tp_layout)
@@ -209,7 +225,7 @@ class DistributedModel:
             args,
             kwargs,
             st,
-            dynamic_axes=self.dynamic_axes,
+            dynamic_axes=self.options.dynamic_axes,
             tp=self.tp_layout,
             ep=self.ep_layout,
         )
@@ -221,7 +237,7 @@ class DistributedModel:
             self.module,
             self.stages,
             st,
-            self.init_fn,
+            self.options.init_fn,
             self.state_keys.named_shapes,
             overwritten,
             self._cuts(),
@@ -542,7 +558,7 @@ class DistributedModel:
         original module, as wrapped: other ranks' experts included, and of this rank's
         stages)."""
         names = {id(p): n for n, p in self.module.named_parameters()}
-        for ident, name in self.wrapped_names.items():
+        for ident, name in self.adapted.wrapped_names.items():
             names.setdefault(ident, name)
         if self.stages is not None:
             for key, tensor in self.local_tensors().items():

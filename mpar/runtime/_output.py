@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from mpar import _device
 from mpar._tree import tree_map
 from mpar.errors import StepError
 
@@ -42,8 +43,24 @@ def check_gatherable(value: object, where: str = "the step function's return val
 
 
 def detach_to_cpu(value: T) -> T:
-    """A copy of ``value`` with every tensor detached and on the CPU."""
-    return tree_map(lambda t: t.detach().to("cpu", copy=True), value)
+    """A copy of ``value`` with every tensor detached and on the CPU: copies issued
+    together (non-blocking from a CUDA device) and waited for once, a single host
+    synchronization however many tensors (a step's microbatch outputs) it holds."""
+    devices: set[torch.device] = set()
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        devices.add(t.device)  # a CPU one too: counted as the device's wait would be
+        return _device.copy_to_host(t)
+
+    out = tree_map(copy, value)
+    for device in devices:
+        _device.wait_copies(device, "step outputs to the host")
+    return out
+
+
+def detach(value: T) -> T:
+    """``value`` with every tensor detached, where it is (no copy, no host wait)."""
+    return tree_map(lambda t: t.detach(), value)
 
 
 def _zip_apply(values: Sequence[Any], fn: Callable[[list[torch.Tensor]], torch.Tensor]) -> Any:

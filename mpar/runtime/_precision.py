@@ -17,7 +17,7 @@ import torch
 from mpar._tree import tree_map
 from mpar.config import Config
 
-__all__ = ["cast_floats", "compute_dtype"]
+__all__ = ["cast_floats", "compute_dtype", "reduce_dtype"]
 
 T = TypeVar("T")
 
@@ -29,6 +29,13 @@ def compute_dtype(config: Config) -> torch.dtype | None:
     if config.fp16:
         return torch.float16
     return None
+
+
+def reduce_dtype(config: Config) -> torch.dtype | None:
+    """The dtype gradients accumulate and reduce in under mixed precision
+    (``grad_reduce_dtype``): the compute dtype when asked for, else None (fp32, the
+    parameters' own dtype)."""
+    return compute_dtype(config) if config.low_precision_grads else None
 
 
 def cast_floats(value: T, dtype: torch.dtype | None) -> T:

@@ -12,7 +12,7 @@ from mpar import _device
 from mpar.comm import State
 from mpar.partition._memory_model import effective_gather
 from mpar.runtime._local_stages import LocalStages
-from mpar.runtime._precision import compute_dtype
+from mpar.runtime._precision import compute_dtype, reduce_dtype
 from mpar.runtime._split_backward import accumulate_weight_grads, deferred_linear
 from mpar.runtime._unit_hooks import Gate, group_units, install_groups
 from mpar.shard import ShardedStages
@@ -67,6 +67,7 @@ def make_sharded(
         rank_in_group=st.grid.dp_rank,
         device=st.device,
         compute_dtype=dtype,
+        reduce_dtype=reduce_dtype(st.config),
         tied=stages.tied_groups,
         units=owners,
         materialize=materialize,

@@ -52,7 +52,10 @@ with ``offload_optimizer="cpu"``, where the step also runs). Parameters the
 optimizer does not list and parameters of other pipeline ranks are ignored.
 
 Mixed precision (``compute_dtype=torch.bfloat16`` or ``torch.float16``):
-buckets, parameters and gradients hold the compute dtype; the optimizer
+buckets and parameters hold the compute dtype; gradients accumulate and
+reduce in float32 (each backward's ``.grad`` folded into a float32 buffer;
+call ``sharded.fold_grads()`` after writing ``.grad`` outside autograd), or in
+the compute dtype with ``reduce_dtype=compute_dtype``; the optimizer
 updates float32 master copies of this rank's slice and the results are
 rounded back; fp16 adds a :class:`LossScaler` (``sharded.loss_scale``).
 ``tied=[(group, param), ...]`` names parameters that other pipeline ranks

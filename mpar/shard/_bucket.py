@@ -21,8 +21,8 @@ name           what                                     stages
 ``spare_grad`` ``grad_full`` after ``zero_grad``:        0
                reused by the next reduction
 ``staging``    the flat buffer ``.grad`` views point    all, from a stage's
-               into during the backward                 first backward to
-                                                        its reduction
+               into during the backward (or, fp32       first backward to
+               under mixed precision, folded into)      its reduction
 ``grad_shard`` this rank's ``S`` reduced gradients      1, 2, 3
 ``master``     the fp32 elements the optimizer          all (a view unless
                updates (``P`` at stage 0, else ``S``)   offloaded to CPU or
@@ -31,14 +31,18 @@ name           what                                     stages
                (in ``master``'s dtype)
 =============  ======================================  =====================
 
-Mixed precision (``compute_dtype`` bf16 or fp16): ``full``, ``shard`` and the
-gradient buffers hold the compute dtype (2 bytes an element) and the module's
-parameters become views of that type; ``master`` is a separate copy in the
+Mixed precision (``compute_dtype`` bf16 or fp16): ``full`` and ``shard`` hold
+the compute dtype (2 bytes an element) and the module's parameters become views
+of that type; the gradient buffers hold ``grad_dtype``: float32 by default (each
+backward's ``.grad`` is folded into ``staging``, see
+:meth:`~mpar.shard._bucket_grads.BucketGrads.bind_grads`), the compute dtype
+with ``reduce_dtype`` (then ``.grad`` views them); ``master`` is a separate copy in the
 parameters' original dtype (fp32), the only one the optimizer updates, and
 :meth:`FlatBucket.start_publish` rounds it back into the compute-dtype
-parameters. The optimizer reads an fp32 copy of the reduced gradient made at
-step time (:meth:`BucketGrads.opt_grad`), multiplied by ``grad_factor`` (loss
-unscaling and clipping), so low-precision gradients are never rescaled in place.
+parameters. With compute-dtype gradients the optimizer reads an fp32 copy of
+the reduced gradient made at step time (:meth:`BucketGrads.opt_grad`),
+multiplied by ``grad_factor`` (loss unscaling and clipping), so low-precision
+gradients are never rescaled in place; fp32 ones are read and scaled as under fp32.
 
 ZeRO-3 gathers reuse one ``full`` tensor per bucket: releasing it frees its
 storage (and points the parameters at empty tensors), gathering grows the

@@ -73,7 +73,7 @@ class BucketGrads(LayoutView):
         self.options = options
         self.phase = GradPhase.IDLE
         self.held = Held.NONE
-        self.grad_factor = 1.0
+        self.grad_factor: float | torch.Tensor = 1.0
         """Mixed precision: factor applied to the reduced gradient when it is converted
         for the optimizer (1 / loss scale, times any clipping coefficient)."""
         self.staging: torch.Tensor | None = None
@@ -89,6 +89,10 @@ class BucketGrads(LayoutView):
         self.cpu_grad: torch.Tensor | None = None
         self.hooks: list[RemovableHandle] = []
         self.arrived: set[int] = set()
+        self.fold_hooks: list[RemovableHandle] = []
+        """While ``staging`` folds (:attr:`folds_grads`): the parameters' post-accumulate
+        hooks that add each new ``.grad`` into it."""
+        self._slot_of = {id(p): slot for p, slot in zip(self.params, self.spec.slots)}
 
     @property
     def per_unit(self) -> bool:
@@ -118,6 +122,7 @@ class BucketGrads(LayoutView):
             self.phase = GradPhase.IDLE
 
     def _arrive(self, param: torch.Tensor) -> None:
+        self.fold(param)
         self.arrived.add(id(param))
         if len(self.arrived) == len(self.params):
             self.disarm()
@@ -154,13 +159,53 @@ class BucketGrads(LayoutView):
         Gradients that already exist (a parameter shared with a stage whose
         backward ran first) are copied in; the others start at zero.
         """
-        if self.staging is not None or self.pending is not None or self.grad_full is not None:
-            return  # already bound, in flight, or .grad already views grad_full
+        if self.staging is not None or self.pending is not None:
+            return  # already bound or in flight
         if self.zero_stage == 0 and self.has_grad:
             return  # start_reduce raises the error that explains this
+        if self.folds_grads:
+            self._bind_folding()
+            return
+        if self.grad_full is not None:
+            return  # .grad already views grad_full
         self.staging = self._fill_flat(self._flat_grad())
         for slot, p, shape in zip(self.spec.slots, self.params, self.shapes):
             p.grad = self.staging[slot.offset : slot.offset + slot.numel].view(shape)
+
+    def _bind_folding(self) -> None:
+        """:meth:`bind_grads` when ``.grad`` (compute dtype) cannot view the fp32 buffer:
+        ``staging`` starts from the gradients that exist, and a post-accumulate hook on
+        every parameter adds each ``.grad`` autograd produces into it and drops it (as
+        Megatron's fp32 ``main_grad``). Gradients written outside autograd (split
+        backward's W) are added by :meth:`fold_all`, which the runtime calls after W."""
+        self.staging = self._fill_flat(self._flat_grad())
+        for p in self.params:
+            p.grad = None
+        self.fold_hooks = [p.register_post_accumulate_grad_hook(self.fold) for p in self.params]
+
+    def fold(self, param: torch.Tensor) -> None:
+        """Add ``param.grad`` into ``staging`` (when folding, bound and it has one) and
+        drop it: the next backward starts a new compute-dtype gradient."""
+        if self.staging is None or param.grad is None or not self.folds_grads:
+            return
+        slot = self._slot_of[id(param)]
+        self.staging[slot.offset : slot.offset + slot.numel].add_(param.grad.reshape(-1))
+        param.grad = None
+
+    def fold_all(self) -> None:
+        """:meth:`fold` every parameter's gradient (those written outside autograd)."""
+        for p in self.params:
+            self.fold(p)
+
+    def _unbind_folding(self) -> torch.Tensor:
+        """The folded ``staging`` with every remaining gradient added; hooks removed."""
+        self.fold_all()
+        for hook in self.fold_hooks:
+            hook.remove()
+        self.fold_hooks = []
+        if self.staging is None:
+            raise RuntimeError("internal: a folding bucket reduces without its staging buffer")
+        return self.staging
 
     def _fill_flat(self, flat: torch.Tensor) -> torch.Tensor:
         """``flat`` (uninitialised or stale) holding the parameters' current gradients,
@@ -190,7 +235,9 @@ class BucketGrads(LayoutView):
         """Flatten the parameters' gradients and start their (async) reduction."""
         self._check_can_reduce()
         own = self._grad_as_flat() if self.staging is None else None
-        if self.staging is not None:
+        if self.staging is not None and self.folds_grads:
+            flat, self.staging = self._unbind_folding(), None
+        elif self.staging is not None:
             flat, self.staging = self._fill_flat(self.staging), None
         elif own is not None:
             flat = own
@@ -211,7 +258,7 @@ class BucketGrads(LayoutView):
             )
             self.pending = _Reduction(work, out, flat)
         else:
-            out = torch.empty(self.spec.shard_numel, dtype=self.dtype, device=self.device)
+            out = torch.empty(self.spec.shard_numel, dtype=self.grad_dtype, device=self.device)
             work = reduce_scatter_flat(out, flat, group=group, size=size, async_op=True)
             self.pending = _Reduction(work, out, flat)
         self.phase = GradPhase.REDUCING
@@ -227,7 +274,7 @@ class BucketGrads(LayoutView):
         if (
             grad is None
             or grad.numel() != self.spec.padded
-            or grad.dtype != self.dtype
+            or grad.dtype != self.grad_dtype
             or grad.device != self.device
             or not grad.is_contiguous()
             or grad.untyped_storage().nbytes() != grad.numel() * grad.element_size()
@@ -247,7 +294,7 @@ class BucketGrads(LayoutView):
         if self.spare_grad is not None:
             flat, self.spare_grad = self.spare_grad, None
             return flat
-        return torch.empty(self.spec.padded, dtype=self.dtype, device=self.device)
+        return torch.empty(self.spec.padded, dtype=self.grad_dtype, device=self.device)
 
     def finish_reduce(self, *, to_host: bool = True) -> None:
         """Wait for the reduction and store its result (and its CPU copy if offloaded).
@@ -287,6 +334,8 @@ class BucketGrads(LayoutView):
             all_reduce_flat(out, group=tied, size=self.options.tied_size)
         if self.zero_stage == 0:
             self.grad_full = out
+            if self.folds_grads:
+                return out  # .grad cannot view fp32: it stays None, as at ZeRO >= 1
             for slot, p, shape in zip(self.spec.slots, self.params, self.shapes):
                 p.grad = out[slot.offset : slot.offset + slot.numel].view(shape)
             return out
@@ -301,6 +350,7 @@ class BucketGrads(LayoutView):
         if self.cpu_grad is None:
             self.cpu_grad = _device.host_buffer(reduced.numel(), self.master_dtype, self.device)
         if self.held is Held.HOST and self.zero_stage >= 1:
+            _device.SYNCS.count("offloaded gradient sum")  # a blocking copy to the host
             self.cpu_grad.add_(reduced.to("cpu"))
         else:
             _device.copy_(self.cpu_grad, reduced)
@@ -331,7 +381,10 @@ class BucketGrads(LayoutView):
         if grad is None or grad.dtype == self.master_dtype:
             return grad
         grad = grad.to(self.master_dtype)
-        return grad.mul_(self.grad_factor) if self.grad_factor != 1.0 else grad
+        factor = self.grad_factor
+        if isinstance(factor, float) and factor == 1.0:
+            return grad
+        return grad.mul_(factor.to(grad.device) if isinstance(factor, torch.Tensor) else factor)
 
     def stepped(self) -> None:
         """The optimizer has read the gradient (:meth:`opt_grad`): its factor is spent."""
@@ -352,25 +405,28 @@ class BucketGrads(LayoutView):
         # each copy of a tied (or TP-replicated) parameter counts once overall
         return total / (self.options.tied_size * self.options.norm_copies)
 
-    def grads_finite(self) -> bool:
-        """Whether this rank's slice of the reduced gradient has no inf or NaN."""
+    def nonfinite(self) -> torch.Tensor:
+        """1.0 (float32, on the device) if this rank's slice of the reduced gradient holds
+        an inf or NaN, else 0.0; no host read."""
         grad = self.reduced_grad()
-        return grad is None or bool(torch.isfinite(self._own_slice(grad)).all())
+        if grad is None:
+            return torch.zeros((), dtype=torch.float32, device=self.device)
+        bad = torch.logical_not(torch.isfinite(self._own_slice(grad))).any()
+        return bad.to(device=self.device, dtype=torch.float32)
 
-    def scale_grads(self, factor: float) -> None:
+    def scale_grads(self, factor: float | torch.Tensor) -> None:
         """Multiply every reduced gradient this bucket holds by ``factor``
-        (under mixed precision: ``grad_factor``, or the fp32 CPU copy in place)."""
+        (with compute-dtype gradients: ``grad_factor``, or the fp32 CPU copy in place).
+        A tensor ``factor`` stays on the device, but for the CPU copy of offloaded
+        gradients, which the host optimizer reads anyway."""
         if self.held is Held.NONE:
             return
-        if self.dtype != self.master_dtype:
-            if self.cpu_grad is not None:
-                self.cpu_grad.mul_(factor)
-            else:
-                self.grad_factor *= factor
+        if self.grad_dtype != self.master_dtype and self.cpu_grad is None:
+            self.grad_factor = self.grad_factor * factor
             return
         for grad in (self.grad_full, self.grad_shard, self.cpu_grad):
             if grad is not None:
-                grad.mul_(factor)
+                grad.mul_(_on(factor, grad.device))
 
     def zero_grad(self, set_to_none: bool) -> None:
         self.held = Held.NONE
@@ -403,3 +459,13 @@ class BucketGrads(LayoutView):
         if self.pending is not None:
             grads += [self.pending.out, self.pending.flat]
         return [t for t in grads if t is not None]
+
+
+def _on(factor: float | torch.Tensor, device: torch.device) -> float | torch.Tensor:
+    """``factor`` usable to scale a tensor on ``device``: a device tensor moved to the
+    host for a host tensor (the host optimizer reads it: a counted wait)."""
+    if not isinstance(factor, torch.Tensor) or factor.device == device:
+        return factor
+    if _device.is_host(device) and not _device.on_host(factor):
+        _device.SYNCS.count("scale factor to the host optimizer")
+    return factor.to(device)

@@ -51,6 +51,11 @@ class BucketLayout:
     """The dtype of parameters and gradients in compute (lower under mixed precision)."""
     master_dtype: torch.dtype
     """The parameters' original dtype: what the optimizer updates."""
+    grad_dtype: torch.dtype
+    """What gradients accumulate and are reduced in: ``master_dtype`` (fp32) unless a
+    lower ``reduce_dtype`` was asked for. When it differs from ``dtype`` the
+    parameters' ``.grad`` (compute dtype) are folded into an fp32 buffer after each
+    backward instead of being views of it (see :meth:`BucketGrads.bind_grads`)."""
     offload_optimizer: bool
     """``master`` and the optimizer step on the CPU (also with ``offload_params``)."""
     offload_params: bool
@@ -67,6 +72,7 @@ class BucketLayout:
         comm: GroupInfo,
         device: torch.device,
         compute_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
         offload_optimizer: bool = False,
         offload_params: bool = False,
     ) -> BucketLayout:
@@ -80,6 +86,7 @@ class BucketLayout:
             device,
             compute_dtype or master_dtype,
             master_dtype,
+            reduce_dtype or master_dtype,
             offload_optimizer or offload_params,
             offload_params,
             spec.shard_range(comm.rank),
@@ -144,6 +151,16 @@ class LayoutView:
     @property
     def master_dtype(self) -> torch.dtype:
         return self.layout.master_dtype
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return self.layout.grad_dtype
+
+    @property
+    def folds_grads(self) -> bool:
+        """Whether gradients accumulate in a dtype above the parameters' (bf16 / fp16
+        parameters, fp32 gradient buffers): ``.grad`` cannot view them."""
+        return self.layout.grad_dtype != self.layout.dtype
 
     @property
     def offload_optimizer(self) -> bool:

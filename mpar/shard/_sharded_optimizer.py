@@ -156,20 +156,26 @@ class ShardedOptimizer:
 
     def grad_sq_norm(self) -> torch.Tensor:
         """This rank's share of the squared global gradient norm (sum-all-reduce it)."""
+        self.sharded.synchronize()  # offloaded gradients: landed on the host
         total = torch.zeros((), dtype=torch.float32, device=self.sharded.device)
         for bucket in self.sharded.buckets:
             total += bucket.grads.grad_sq_sum()
         return total
 
-    def grads_finite(self) -> bool:
-        """Whether this rank's share of the reduced gradients has no inf or NaN."""
-        return all(bucket.grads.grads_finite() for bucket in self.sharded.buckets)
+    def nonfinite_flag(self) -> torch.Tensor:
+        """1.0 (float32, on the device) when this rank's share of the reduced gradients
+        holds an inf or NaN, else 0.0: one flag for all buckets, read by nobody here."""
+        self.sharded.synchronize()
+        flag = torch.zeros((), dtype=torch.float32, device=self.sharded.device)
+        for bucket in self.sharded.buckets:
+            flag = torch.maximum(flag, bucket.grads.nonfinite())
+        return flag
 
     def scale_grads(self, factor: float | torch.Tensor) -> None:
-        """Multiply the reduced gradients by ``factor`` (gradient clipping)."""
-        value = float(factor)
+        """Multiply the reduced gradients by ``factor`` (gradient clipping); a tensor
+        factor stays on the device (no host read)."""
         for bucket in self.sharded.buckets:
-            bucket.grads.scale_grads(value)
+            bucket.grads.scale_grads(factor)
 
     # ----------------------------------------------------------- state dicts
     def state_dict(self) -> dict[str, Any]:

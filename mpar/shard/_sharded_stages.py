@@ -123,6 +123,36 @@ def _unit_index(
     return out
 
 
+@dataclass
+class Precision:
+    """The dtypes a :class:`ShardedStages` computes and reduces in, and fp16's scaler."""
+
+    compute: torch.dtype | None
+    """bf16 / fp16 under mixed precision; None: fp32."""
+    reduce: torch.dtype | None
+    """What gradients accumulate and reduce in; None: the parameters' dtype (fp32)."""
+    scaler: LossScaler | None
+    """fp16 only: the dynamic loss scale the runtime multiplies losses by."""
+
+
+@dataclass
+class Peaks:
+    """Peaks of a :class:`ShardedStages`' gathered parameters and gradient bytes since
+    the last reset (``memory_report``)."""
+
+    gathered: int = 0
+    grads: int = 0
+
+
+@dataclass(frozen=True)
+class ExpertSharding:
+    """Expert parameters (by ``id``) and the group they are reduced and sharded over
+    (the expert-data-parallel group; the data-parallel one without experts)."""
+
+    ids: frozenset[int]
+    comm: GroupInfo
+
+
 class ShardedStages:
     """ZeRO stages 0-3 (with CPU offload) over one data-parallel group.
 
@@ -134,6 +164,10 @@ class ShardedStages:
     ``compute_dtype`` (bf16 or fp16) turns on mixed precision: the stages'
     floating-point parameters and buffers are converted to it, and fp32
     master copies feed the optimizer (fp16 also gets a :class:`LossScaler`).
+    Gradients then accumulate and are reduced in fp32 (``reduce_dtype`` None or
+    ``torch.float32``; each backward's compute-dtype ``.grad`` is added into an fp32
+    buffer); ``reduce_dtype=compute_dtype`` keeps them in the compute dtype (half the
+    gradient bytes and reduction traffic, every sum rounded).
     ``tied`` lists ``(process group, parameter)`` for parameters that other
     pipeline ranks hold a copy of (same data-parallel index): each gets a
     bucket of its own, so every copy has the same layout, and its reduced
@@ -174,6 +208,7 @@ class ShardedStages:
         rank_in_group: int,
         device: torch.device | str,
         compute_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
         tied: Sequence[tuple[ProcessGroup | None, nn.Parameter]] = (),
         units: Mapping[int, Sequence[Sequence[nn.Parameter]]] | None = None,
         materialize: Callable[[torch.Tensor], None] | None = None,
@@ -196,13 +231,17 @@ class ShardedStages:
             )
         self.zero = zero
         self.device = torch.device(device)
+        self._copies_pending = False
+        """Offload: non-blocking copies to or from the host not yet waited for."""
         self.comm = GroupInfo(group, tuple(group_ranks), rank_in_group)
-        self._experts = frozenset(experts)
-        self.expert_comm = expert_comm or self.comm
-        """The group expert parameters are reduced and sharded over."""
-        self.compute_dtype = compute_dtype
-        self.scaler = LossScaler() if compute_dtype == torch.float16 else None
-        """fp16 only: the dynamic loss scale the runtime multiplies losses by."""
+        if reduce_dtype not in (None, torch.float32, compute_dtype):
+            raise ValueError(
+                f"reduce_dtype must be None (fp32), torch.float32 or the compute_dtype "
+                f"({compute_dtype}), got {reduce_dtype}"
+            )
+        self.experts = ExpertSharding(frozenset(experts), expert_comm or self.comm)
+        scaler = LossScaler() if compute_dtype == torch.float16 else None
+        self.precision = Precision(compute_dtype, reduce_dtype, scaler)
         owned, self.frozen = _collect(stages)
         self.params = [p for s in sorted(owned) for p in owned[s]]
         """Trainable local parameters, each once, in stage then module order."""
@@ -223,12 +262,37 @@ class ShardedStages:
         """Stage -> its unit-granular gathering and reduction (stages with ``units``)."""
         self._stages = self._stage_buckets(stages)
         self.optimizer: ShardedOptimizer | None = None
-        self.peak_gathered_bytes = 0
-        """ZeRO-3: the most bytes of gathered (full) parameters held at once since the
-        last :meth:`reset_peak` (the runtime resets it at the start of each step)."""
-        self.peak_grad_bytes = 0
+        self.peaks = Peaks()
+        """Since the last :meth:`reset_peak` (the runtime resets it at the start of each
+        step)."""
+
+    @property
+    def peak_gathered_bytes(self) -> int:
+        """ZeRO-3: the most bytes of gathered (full) parameters held at once."""
+        return self.peaks.gathered
+
+    @property
+    def peak_grad_bytes(self) -> int:
         """The most bytes of gradient buffers (flat buffers being accumulated into or
-        reduced, reduced shards) held at once since the last :meth:`reset_peak`."""
+        reduced, reduced shards) held at once."""
+        return self.peaks.grads
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        return self.precision.compute
+
+    @property
+    def reduce_dtype(self) -> torch.dtype | None:
+        return self.precision.reduce
+
+    @property
+    def scaler(self) -> LossScaler | None:
+        return self.precision.scaler
+
+    @property
+    def expert_comm(self) -> GroupInfo:
+        """The group expert parameters are reduced and sharded over."""
+        return self.experts.comm
 
     def _stage_buckets(self, stages: Mapping[int, nn.Module]) -> dict[int, _StageBuckets]:
         unit_buckets = {id(b) for u in self.units.values() for g in u.groups for b in g.buckets}
@@ -271,10 +335,10 @@ class ShardedStages:
         return out
 
     def _note_gathered(self) -> None:
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._gathered_bytes())
+        self.peaks.gathered = max(self.peaks.gathered, self._gathered_bytes())
 
     def _note_grads(self) -> None:
-        self.peak_grad_bytes = max(self.peak_grad_bytes, self._grad_bytes())
+        self.peaks.grads = max(self.peaks.grads, self._grad_bytes())
 
     def _grad_bytes(self) -> int:
         """Bytes of the gradient buffers held now (each storage once)."""
@@ -317,7 +381,7 @@ class ShardedStages:
                 s: [
                     (index[id(p)], p.numel(), kind(p))
                     for p in ps
-                    if (id(p) in self._experts) == expert
+                    if (id(p) in self.experts.ids) == expert
                 ]
                 for s, ps in owned.items()
             }
@@ -334,6 +398,7 @@ class ShardedStages:
                 comm=comm,
                 device=self.device,
                 compute_dtype=self.compute_dtype,
+                reduce_dtype=self.reduce_dtype,
                 offload_optimizer=self.zero.offload_optimizer == "cpu",
                 offload_params=self.zero.offload_params == "cpu",
             )
@@ -432,6 +497,12 @@ class ShardedStages:
         if units is not None:
             units.after_backward()
 
+    def fold_grads(self) -> None:
+        """Add the gradients written outside autograd (split backward's W) into the fp32
+        buffers of buckets that fold (see :meth:`BucketGrads.bind_grads`); no-op else."""
+        for bucket in self.buckets:
+            bucket.grads.fold_all()
+
     def sync_from_params(self, s: int) -> None:
         """Stage ``s``'s (gathered) parameters were overwritten in place: update the
         shards and master copies from them."""
@@ -474,7 +545,9 @@ class ShardedStages:
                 bucket.grads.finish_reduce()
         for bucket in self.tied_buckets:
             bucket.grads.finish_reduce()
-        self.synchronize()
+        # offloaded gradients are on their way to the host: the host optimizer (or the
+        # clipping norm) waits for them when it reads them (:meth:`synchronize`)
+        self._copies_pending = self._offloads
 
     # ------------------------------------------------------------ full values
     def full_values(self) -> dict[int, torch.Tensor]:
@@ -526,7 +599,9 @@ class ShardedStages:
         for work in works:
             if work is not None:
                 work.wait()
-        self.synchronize()
+        if self._offloads:  # the host optimizer writes the masters next: copied out first
+            self._copies_pending = True
+            self.synchronize()
 
     def flat_buffers(self) -> list[torch.Tensor]:
         """The flat buffers the parameters are views into now (gathered ones at ZeRO-3)."""
@@ -535,8 +610,7 @@ class ShardedStages:
     def reset_peak(self) -> None:
         """Start counting ``peak_gathered_bytes`` and ``peak_grad_bytes`` afresh
         (from what is held now)."""
-        self.peak_gathered_bytes = self._gathered_bytes()
-        self.peak_grad_bytes = self._grad_bytes()
+        self.peaks = Peaks(self._gathered_bytes(), self._grad_bytes())
 
     def _gathered_bytes(self) -> int:
         """Bytes of the full (gathered) parameter buffers held now (ZeRO-3)."""
@@ -548,9 +622,16 @@ class ShardedStages:
         for bucket in self.buckets:
             bucket.grads.zero_grad(set_to_none)
 
+    @property
+    def _offloads(self) -> bool:
+        return self.zero.offload_optimizer == "cpu" or self.zero.offload_params == "cpu"
+
     def synchronize(self) -> None:
-        """Wait for non-blocking host/device copies (CUDA offload)."""
-        _device.wait_copies(self.device)
+        """Wait for the non-blocking host/device copies (CUDA offload) issued since the
+        last wait, if any: only the host optimizer's reads and writes need it."""
+        if self._copies_pending:
+            self._copies_pending = False
+            _device.wait_copies(self.device, "offload copies")
 
     # ------------------------------------------------------------ optimizer, report
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:

@@ -251,8 +251,30 @@ def hf_train_ranks(config: dict[str, Any], steps: int) -> dict[str, Any]:
     return {"losses": losses, "state": model.state_dict(), "plan": str(model.plan)}
 
 
+def _pieces(
+    x: torch.Tensor, y: torch.Tensor, dp: int, m: int
+) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+    """``(x, y, share)`` of each replica's microbatches, as mpar splits a batch; the
+    share is what mpar multiplies the microbatch's loss by (its size over the replica's,
+    over ``dp``)."""
+    out = []
+    for r in range(dp):
+        shard = slice(r * len(x) // dp, (r + 1) * len(x) // dp)
+        size = shard.stop - shard.start
+        for xc, yc in zip(x[shard].tensor_split(m), y[shard].tensor_split(m)):
+            out.append((xc, yc, len(xc) / size / dp))
+    return out
+
+
 def mixed_reference(
-    model: str, optimizer: str, steps: int, dtype: torch.dtype, clip: float | None = None
+    model: str,
+    optimizer: str,
+    steps: int,
+    dtype: torch.dtype,
+    clip: float | None = None,
+    *,
+    split: tuple[int, int] = (1, 1),
+    accumulate: torch.dtype = torch.float32,
 ) -> dict[str, Any]:
     """One process, whole batch, mpar's mixed-precision recipe written out in plain torch.
 
@@ -262,6 +284,12 @@ def mixed_reference(
     gradients and the module gets the rounded values back. fp16 multiplies the
     loss by 2**16 (mpar's initial dynamic scale) and divides it out again; a
     step with an inf or NaN gradient is skipped and the scale halves.
+
+    ``split=(dp, m)`` cuts each batch as mpar does: ``dp`` replicas' consecutive shards,
+    each in ``m`` microbatches (``torch.tensor_split``), each with its own backward of
+    its loss times its share of the batch; their ``dtype`` gradients are summed in
+    ``accumulate`` (float32: mpar's default ``grad_reduce_dtype``; ``dtype``: the
+    low-precision setting).
     """
     net = MODELS[model]()
     named = list(net.named_parameters())
@@ -272,15 +300,24 @@ def mixed_reference(
     losses, outputs, skipped = [], [], 0
     for s in range(steps):
         x, y = batch(model, s)
-        out = net(x.to(dtype) if x.is_floating_point() else x)
-        logits = (out if isinstance(out, torch.Tensor) else out[0]).float()
-        loss = loss_fn(logits, y)
-        (loss * scale).backward()
-        for master, (_, p) in zip(masters, named):
-            master.grad = None if p.grad is None else p.grad.float() * (1.0 / scale)
-            p.grad = None
-        losses.append(loss.item())
-        outputs.append(logits.detach())
+        sums: list[torch.Tensor | None] = [None] * len(named)
+        step_losses, step_logits = [], []
+        for xc, yc, share in _pieces(x, y, *split):
+            out = net(xc.to(dtype) if xc.is_floating_point() else xc)
+            logits = (out if isinstance(out, torch.Tensor) else out[0]).float()
+            loss = loss_fn(logits, yc)
+            (loss * share * scale if share != 1.0 else loss * scale).backward()
+            for i, (_, p) in enumerate(named):
+                if p.grad is not None:
+                    g = p.grad.to(accumulate)
+                    sums[i] = g if sums[i] is None else sums[i].add_(g)
+                p.grad = None
+            step_losses.append(loss.item() * share)
+            step_logits.append(logits.detach())
+        for master, total in zip(masters, sums):
+            master.grad = None if total is None else total.float() * (1.0 / scale)
+        losses.append(sum(step_losses))
+        outputs.append(torch.cat(step_logits))
         if not all(m.grad is None or bool(torch.isfinite(m.grad).all()) for m in masters):
             scale /= 2  # fp16 overflow: skip the step, lower the scale
             skipped += 1

@@ -64,7 +64,7 @@ def _step_bytes(config, model_fn, make_data, loss_fn, *, steps=3):
     # what exists before the step: parameters (shards), optimizer state and, at ZeRO-0,
     # the gradient buffer kept for the next step; ZeRO-2/3 shards come with the step
     layout = MemoryLayout(dp, cfg.zero.stage, cfg.precision, device="cpu")
-    shards = layout.dtype_factor * sum(u.grad_bytes for u in profile.units) / dp
+    shards = layout.grad_factor * sum(u.grad_bytes for u in profile.units) / dp
     kept = sum(unit_state_bytes(u, layout) for u in profile.units)
     kept -= shards if cfg.zero.stage >= 2 else 0
     predicted = plan.rank_memory_bytes[0] - plan.process_bytes - kept

@@ -309,8 +309,8 @@ def test_the_opt_out_runs_the_whole_backward_in_I():
 
 
 def _run_bf16(pipeline, pp, dp, m, zero):
-    """bf16 against the mixed-precision recipe in plain torch (SGD, clipped), to
-    bf16's rounding: microbatch gradients are summed in bf16 in another order."""
+    """bf16 against the mixed-precision recipe in plain torch (SGD, clipped), its
+    microbatches' gradients summed in fp32 as mpar's (W's included), to bf16's rounding."""
     from tests.multiproc.test_mixed_precision import LOSS_TOL, SUMMED
     from tests.multiproc.test_mixed_precision import _check as check_mixed
 
@@ -319,7 +319,7 @@ def _run_bf16(pipeline, pp, dp, m, zero):
     results = run_distributed(
         train_ranks, pp * dp, args=(config, "gpt", "sgd", STEPS, 0.5), timeout=240
     )
-    ref = mixed_reference("gpt", "sgd", STEPS, torch.bfloat16, clip=0.5)
+    ref = mixed_reference("gpt", "sgd", STEPS, torch.bfloat16, clip=0.5, split=(dp, m))
     check_mixed(results, ref, "bf16", SUMMED["bf16"], LOSS_TOL["bf16"])
 
 

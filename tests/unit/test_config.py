@@ -38,6 +38,7 @@ def test_accepted_keys_are_frozen():
         "timeout_s",
         "shared_memory",
         "nccl_rules",
+        "grad_reduce_dtype",
         "trace",
         "device_memory",
         "shard_optimizer_state",
@@ -231,6 +232,20 @@ def test_mixed_precision_keys_start_mpar(key):
         assert getattr(mpar.init({key: True}), key)
     finally:
         mpar.shutdown()
+
+
+def test_grad_reduce_dtype_is_fp32_or_the_compute_dtype():
+    assert Config().grad_reduce_dtype == "fp32"
+    assert not config_from_dict({"bf16": True}).low_precision_grads
+    low = config_from_dict({"bf16": True, "grad_reduce_dtype": "bf16"})
+    assert low.low_precision_grads
+    assert config_from_dict({"fp16": True, "grad_reduce_dtype": "fp16"}).low_precision_grads
+    with pytest.raises(ConfigError, match="precision is 'bf16'.*'fp32' or 'bf16'"):
+        config_from_dict({"bf16": True, "grad_reduce_dtype": "fp16"})
+    with pytest.raises(ConfigError, match="precision is 'fp32'.*set 'bf16': true"):
+        config_from_dict({"grad_reduce_dtype": "bf16"})
+    with pytest.raises(ConfigError, match="allowed: 'fp32', 'bf16', 'fp16'"):
+        config_from_dict({"bf16": True, "grad_reduce_dtype": "float32"})
 
 
 def test_auto_values_need_device_memory_and_hold_placeholders():

@@ -144,3 +144,18 @@ def test_nccl_with_more_ranks_than_gpus_is_a_config_error(monkeypatch):
     _device.check_ranks_per_device(gpu, "nccl", 1)  # one rank per GPU
     _device.check_ranks_per_device(gpu, "gloo", 2)  # host-staged: any number
     _device.check_ranks_per_device(torch.device("cpu"), "nccl", 2)  # not this check's
+
+
+def test_the_sync_ledger_counts_host_reads_by_reason():
+    import torch
+
+    from mpar import _device
+    from mpar.runtime._output import detach_to_cpu
+
+    _device.SYNCS.take()
+    assert _device.host_value(torch.tensor(3.0), "a read") == 3.0
+    outputs = detach_to_cpu([{"loss": torch.tensor(1.0)} for _ in range(8)])
+    assert len(outputs) == 8
+    # eight microbatch outputs, one wait; nothing counted twice
+    assert _device.SYNCS.take() == {"a read": 1, "step outputs to the host": 1}
+    assert _device.SYNCS.take() == {}

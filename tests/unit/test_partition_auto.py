@@ -68,8 +68,12 @@ def test_unit_state_follows_zero_precision_and_offload():
     # parameter offload takes the optimizer to the host with it (as the runtime does)
     assert unit_state_bytes(u, MemoryLayout(4, 3, offload_params=True)) == 0 + 100
     assert unit_state_bytes(u, MemoryLayout(4, 1, offload_optimizer=True)) == 400 + 400
-    # bf16: half-size parameters and gradients, fp32 master copy sharded with the optimizer
-    assert unit_state_bytes(u, MemoryLayout(4, 1, "bf16")) == 200 + 200 + (800 + 400) / 4
+    # bf16: half-size parameters, fp32 gradients (grad_reduce_dtype's default) and master
+    # copy, the master sharded with the optimizer
+    assert unit_state_bytes(u, MemoryLayout(4, 1, "bf16")) == 200 + 400 + (800 + 400) / 4
+    # ... half-size gradients when they reduce in bf16
+    bf16_grads = MemoryLayout(4, 1, "bf16", low_precision_grads=True)
+    assert unit_state_bytes(u, bf16_grads) == 200 + 200 + (800 + 400) / 4
     with pytest.raises(PartitionError, match="offload_params needs zero_stage 3"):
         MemoryLayout(2, 1, offload_params=True)
     with pytest.raises(PartitionError, match="precision"):
@@ -83,7 +87,11 @@ def test_zero_working_set_is_two_gathered_units_and_one_gradient_bucket():
     assert zero_working_set_bytes(units, MemoryLayout(4, 2)) == 2 * 400
     # ZeRO-3: a unit and its larger neighbour gathered, with its gradients twice
     assert zero_working_set_bytes(units, MemoryLayout(4, 3)) == 2 * 400 + (400 + 300)
-    assert zero_working_set_bytes(units, MemoryLayout(4, 3, "bf16")) == (800 + 700) / 2
+    # bf16: autograd's gradients in bf16, the flat buffer in fp32 (grad_reduce_dtype's
+    # default), the gathered parameters in bf16; all bf16 with low-precision gradients
+    assert zero_working_set_bytes(units, MemoryLayout(4, 3, "bf16")) == 600 + 700 / 2
+    low = MemoryLayout(4, 3, "bf16", low_precision_grads=True)
+    assert zero_working_set_bytes(units, low) == (800 + 700) / 2
     # one rank, parameters on the host: still gathered onto the device, no reduction
     assert zero_working_set_bytes(units, MemoryLayout(1, 3, offload_params=True)) == 700
     # neighbours, not the two largest anywhere: the 400 and 300 units are apart here

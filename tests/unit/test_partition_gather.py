@@ -73,7 +73,8 @@ def test_working_set_grows_from_unit_to_groups_to_chunk():
     assert ws(2, "unit") == 2 * 400
     assert ws(2, "chunk") == 1000
     assert ws(1, "chunk") == 0  # ZeRO-0/1 count the full buffer in the state already
-    assert ws(3, "chunk", precision="bf16") == 1000
+    assert ws(3, "chunk", precision="bf16") == 1000 + 500  # fp32 gradients, bf16 params
+    assert ws(3, "chunk", precision="bf16", low_precision_grads=True) == 1000
     # one rank: nothing gathered or reduce-scattered, unless parameters live on the host
     assert zero_working_set_bytes(units, MemoryLayout(1, 3, gather="chunk")) == 0
     offloaded = MemoryLayout(1, 3, offload_params=True, gather="chunk")

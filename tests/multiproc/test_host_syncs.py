@@ -1,0 +1,65 @@
+"""Host synchronizations per steady-state step, counted by the ledger behind the device
+seam (``mpar._device.SYNCS``): every place that makes the host wait for the device
+goes through it, and on the CPU the calls are counted all the same."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from mpar.testing import run_distributed
+
+
+def _counts(config: dict[str, Any], steps: int) -> dict[str, int]:
+    import mpar
+    from mpar import _device
+    from tests.multiproc._pipeline_cases import MODELS, batch, loss_fn, make_optimizer
+
+    mpar.init(config)
+    model = mpar.DistributedModel(MODELS["mlp"]())
+    opt = mpar.DistributedOptimizer(make_optimizer("sgd", model.parameters()))
+
+    @mpar.step
+    def train_step(m: Any, x: Any, y: Any) -> Any:
+        loss = loss_fn(m(x), y)
+        m.backward(loss)
+        return {"loss": loss}
+
+    counts: dict[str, int] = {}
+    for s in range(steps):
+        x, y = batch("mlp", s, 16)
+        _device.SYNCS.take()
+        train_step(model, x, y)
+        opt.clip_grad_norm_(0.5)
+        opt.step()
+        opt.zero_grad()
+        counts = _device.SYNCS.take()  # the last step's: the steady state
+    mpar.shutdown()
+    return counts
+
+
+CASES = {
+    "fp32": ({}, {}),
+    "bf16": ({"bf16": True}, {}),
+    "fp16": ({"fp16": True}, {"fp16 overflow flag": 1}),
+    "offload": ({"zero": {"stage": 2, "offload_optimizer": "cpu"}}, {"offload copies": 2}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_pipeline_step_waits_for_the_host_a_constant_number_of_times(case):
+    """pp=2 at M=4 and M=8, with clipping: the same few waits, whatever M. The last
+    stage's rank copies the step's outputs to the host once (not per microbatch); the
+    clipping coefficient stays on the device; fp16 reads one overflow flag per step;
+    offload waits for the gradients the host optimizer reads and before it overwrites
+    the masters being copied back."""
+    extra, more = CASES[case]
+    by_m = {}
+    for m in (4, 8):
+        config = {"pipeline_parallel_degree": 2, "microbatches": m, **extra}
+        by_m[m] = run_distributed(_counts, 2, args=(config, 2), timeout=120)
+    first, last = ({**more}, {"step outputs to the host": 1, **more})
+    for m, (rank0, rank1) in by_m.items():
+        assert rank0 == first and rank1 == last, (m, rank0, rank1)
+        assert sum(rank1.values()) <= 4
