@@ -8,6 +8,8 @@ from mpar._data import data_sampler
 from mpar._ranks import (
     barrier,
     config,
+    cp_rank,
+    cp_size,
     dp_rank,
     dp_size,
     local_rank,
@@ -34,6 +36,8 @@ __all__ = [
     "StepOutput",
     "barrier",
     "config",
+    "cp_rank",
+    "cp_size",
     "data_sampler",
     "dp_rank",
     "dp_size",

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from mpar import _device
 from mpar.comm import _abort, _watchdog
 from mpar.comm._consistency import check_same_config
+from mpar.comm._cp_ops import CP_GROUP, clear_cp_groups, register_cp_group
 from mpar.comm._grid import ProcessGrid, build_process_grid
 from mpar.comm._p2p import Links
 from mpar.comm._process_layout import Layout, detect_layout
@@ -175,6 +176,7 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
         resolved.pipeline_parallel_degree,
         resolved.placement_strategy,
         resolved.tensor_parallel_degree,
+        resolved.context_parallel_degree,
     )
     device = _device.pick_device(resolved.device, layout.local_rank)
     backend = _pick_backend(resolved, device)
@@ -186,6 +188,7 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
     _checked_same_config(resolved, layout.world_size, owns)
     grid = build_process_grid(topology, layout.rank, (world_backend, dp_backend), timeout)
     register_tp_group(TP_GROUP, grid.tp_group, grid.tp_size, grid.tp_rank)
+    register_cp_group(CP_GROUP, grid.cp_group, grid.cp_size, grid.cp_rank, grid.cp_ranks)
     torch.manual_seed(resolved.seed)
     PROGRESS.reset(RECENT if resolved.trace is None else 16 * RECENT)
     if layout.world_size > 1:
@@ -284,5 +287,6 @@ def shutdown() -> None:
     _watchdog.stop()
     PROGRESS.reset(RECENT)
     clear_tp_groups()
+    clear_cp_groups()
     if current.owns_process_group and dist.is_initialized():
         dist.destroy_process_group()

@@ -54,7 +54,11 @@ AUTO_KEYS = (
     "zero.stage",
     "activation_checkpointing",
 )
-_ALIASES = {"partitions": "pipeline_parallel_degree", "tp": "tensor_parallel_degree"}
+_ALIASES = {
+    "partitions": "pipeline_parallel_degree",
+    "tp": "tensor_parallel_degree",
+    "cp": "context_parallel_degree",
+}
 _TRANSLATED = ("shard_optimizer_state", "zero_optimization")
 #: Every top-level key ``mpar.init`` accepts (frozen by a test).
 ACCEPTED_KEYS = frozenset(_CANONICAL + tuple(_ALIASES) + _TRANSLATED)

@@ -44,6 +44,9 @@ def test_accepted_keys_are_frozen():
         "tensor_parallel_degree",
         "tp",
         "tp_plan",
+        "context_parallel_degree",
+        "cp",
+        "context_parallel_method",
     }
 
 
