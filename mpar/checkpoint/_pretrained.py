@@ -291,7 +291,7 @@ def _pieces(model: Any) -> list[tuple[str, int, torch.Tensor]]:
             continue
         if share.split is None and model.grid.tp_rank != 0:
             continue  # whole on every TP rank: TP rank 0 writes it
-        start, stop = written_range(share, model.grid.dp_rank)
+        start, stop = written_range(share, model.grid.dp_cp_rank)  # ZeRO shards over dp x cp
         if start < stop:
             values = read_range(share, start, stop)
             out += [(key, a, run) for a, run in full_runs(share, model.grid.tp_rank, start, values)]

@@ -14,6 +14,7 @@ from mpar.comm._progress import Waiting, WatchedWork, watched
 from mpar.comm._types import ProcessGroup
 
 __all__ = [
+    "all_gather_object_cp",
     "all_gather_object_pp",
     "all_reduce_dp",
     "all_reduce_dp_async",
@@ -89,6 +90,11 @@ def all_gather_object_pp(obj: T, grid: ProcessGrid) -> list[T]:
 def all_gather_object_tp(obj: T, grid: ProcessGrid) -> list[T]:
     """Every tensor-parallel rank's ``obj`` (this rank's TP group), in TP rank order."""
     return _all_gather_object(obj, grid.tp_group, grid.tp_size)
+
+
+def all_gather_object_cp(obj: T, grid: ProcessGrid) -> list[T]:
+    """Every context-parallel rank's ``obj`` (this rank's CP group), in CP rank order."""
+    return _all_gather_object(obj, grid.cp_group, grid.cp_size)
 
 
 def all_reduce_tp(tensor: torch.Tensor, grid: ProcessGrid, op: str = "sum") -> torch.Tensor:

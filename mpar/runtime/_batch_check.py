@@ -108,15 +108,23 @@ def mismatches(
 
 def replicas(grid: Grid) -> list[list[int]]:
     """The ranks of each model replica (one data-parallel rank): its pipeline stages
-    and their tensor-parallel ranks, which all read the same batch."""
+    and their tensor- and context-parallel ranks, which all read the same batch."""
     return [
-        sorted(grid.rank_of(p, d, t) for p in range(grid.pp_size) for t in range(grid.tp_size))
+        sorted(
+            grid.rank_of(p, d, t, c)
+            for p in range(grid.pp_size)
+            for t in range(grid.tp_size)
+            for c in range(grid.cp_size)
+        )
         for d in range(grid.dp_size)
     ]
 
 
 def _label(grid: Grid) -> str:
-    return "pipeline" if grid.tp_size == 1 else "model replica (pipeline x tensor parallel)"
+    inner = [n for n, size in (("tensor", grid.tp_size), ("context", grid.cp_size)) if size > 1]
+    if not inner:
+        return "pipeline"
+    return f"model replica (pipeline x {' x '.join(f'{n} parallel' for n in inner)})"
 
 
 def _due(st: State) -> bool:
@@ -130,7 +138,8 @@ def due_fingerprint(
 ) -> list[Print] | None:
     """Before a step: this rank's fingerprint when the step is checked, else None
     (always None when a model replica is one rank)."""
-    if st.grid.topology.pp_size * st.grid.topology.tp_size == 1 or not _due(st):
+    grid = st.grid.topology
+    if grid.pp_size * grid.tp_size * grid.cp_size == 1 or not _due(st):
         return None
     return fingerprint(args, kwargs)
 
@@ -149,7 +158,8 @@ def check_same_batch(st: State, mine: list[Print] | None) -> None:
         shown = first_few(found, 4)
         raise BatchMismatchError(
             f"the ranks of a {_label(grid)} were given different batches: {shown}. Every "
-            "rank of a pipeline (and of a tensor-parallel group) must call the step with the "
+            "rank of a pipeline (and of a tensor- or context-parallel group) must call the "
+            "step with the "
             "same batch (stage 0 reads the inputs, the last stage the targets). Shard the data by data-parallel rank, not by "
             "global rank: DataLoader(dataset, sampler=mpar.data_sampler(dataset)), or "
             "DistributedSampler(dataset, num_replicas=mpar.dp_size(), rank=mpar.dp_rank())"

@@ -47,12 +47,14 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 import torch
 
 from mpar import _device
+from mpar._cp_context import using
 from mpar._tree import tree_leaves, tree_map
 from mpar.comm import State
 from mpar.comm._progress import PROGRESS
 from mpar.comm._types import Transfer, TransferLabel
 from mpar.errors import StepError
 from mpar.runtime._activations import ActivationMemory, storage_bytes
+from mpar.runtime._cp_outputs import combine_over_cp
 from mpar.runtime._microbatch import Microbatches
 from mpar.runtime._output import StepOutput, check_gatherable, detach_to_cpu
 from mpar.runtime._precision import cast_floats, compute_dtype
@@ -350,10 +352,11 @@ class StepRun:
         stage = self.stages.modules[s]
         config, device = self.st.config, self.st.device
         try:
-            if self.training and torch.is_grad_enabled():
-                with self.memory.counting(stage, s, j, (args, tuple(kwargs), kwargs)):
-                    return self._computing(run_stage, stage, args, kwargs, config, device)
-            return self._computing(run_stage, stage, args, kwargs, config, device)
+            with using(self.batches.context(j)):  # context parallelism: j's sequence split
+                if self.training and torch.is_grad_enabled():
+                    with self.memory.counting(stage, s, j, (args, tuple(kwargs), kwargs)):
+                        return self._computing(run_stage, stage, args, kwargs, config, device)
+                return self._computing(run_stage, stage, args, kwargs, config, device)
         finally:
             self.sharding.after_forward(s)
 
@@ -378,7 +381,8 @@ class StepRun:
     def _last_stage_forward(self, j: int) -> None:
         self.microbatch, self.model_called = j, False
         try:
-            result = self._computing(self.call, j)
+            with using(self.batches.context(j)):
+                result = self._computing(self.call, j)
         finally:
             self.microbatch = None
         _device.after_action(self.st.device)
@@ -388,6 +392,8 @@ class StepRun:
         self.results[j] = detach_to_cpu(result)
         if len(self.results) == len(self.batches):
             mine = [self.results[j] for j in range(len(self.batches))]
+            if self.batches.contexts is not None:  # the CP group's pieces, put together
+                mine = combine_over_cp(mine, self.batches.contexts, self.st.grid)
             self.transfers.send_outputs((mine, list(self.batches.sizes)))
 
     def _prepare_backward(self, s: int, *, arm: bool) -> None:
@@ -417,7 +423,8 @@ class StepRun:
         work = self.weight_work.pop((s, j), None)
         if work is None:
             raise StepError(f"internal: {s}W{j} runs before {s}I{j}")
-        self._computing(work)
+        with using(self.batches.context(j)):
+            self._computing(work)
         self.memory.weights_done(s, j)
         _device.after_action(self.st.device)
         self._weights_done(s)
@@ -434,7 +441,9 @@ class StepRun:
             loss = self.losses.pop(j, None)
             if loss is None:
                 return [], None
-            scaled = loss * (self.batches.weights[j] / self.st.grid.dp_size)  # one operation
+            context = self.batches.context(j)  # a CP rank's share of the sequence's loss
+            share = 1.0 if context is None else context.loss_weight
+            scaled = loss * (self.batches.weights[j] * share / self.st.grid.dp_size)
             loss_scale = self.sharding.loss_scale
             if loss_scale != 1.0:  # fp16: dynamic loss scaling
                 scaled = scaled * loss_scale
@@ -443,6 +452,10 @@ class StepRun:
         return ([], None) if out_grads is None else _gradient_pairs(outputs, out_grads)
 
     def _backward_input(self, s: int, j: int, *, split: bool) -> None:
+        with using(self.batches.context(j)):  # a recomputed forward needs j's split
+            self._backward_input_of(s, j, split=split)
+
+    def _backward_input_of(self, s: int, j: int, *, split: bool) -> None:
         inputs, outputs = self.saved.pop((s, j))
         dropped = self.memory.drop(s, j, (inputs, outputs))
         roots, root_grads = self._roots(s, j, outputs)

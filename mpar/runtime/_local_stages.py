@@ -187,14 +187,17 @@ def build_local_stages(
     *,
     dynamic_axes: Sequence[int] = (0,),
     tp: TPLayout | None = None,
+    capture_whole: bool = False,
 ) -> LocalStages:
     """Partition ``module`` (identically on every rank) and keep this rank's stages;
     traced stages accept any size of the ``dynamic_axes`` of their inputs. With a
     tensor-parallel layout ``tp``, the model is profiled and partitioned whole, then
-    made this rank's TP share before it is split into stages."""
+    made this rank's TP share before it is split into stages. ``capture_whole``: one
+    stage is captured as a graph too (context parallelism replaces calls in it), not
+    run as the module itself."""
     num_stages = st.config.num_stages
     meta = _has_meta(module)  # tensors get storage later, on this rank's share only
-    if num_stages == 1:
+    if num_stages == 1 and not capture_whole:
         tp_split = _apply_tp(module, tp, st)
         if not meta:
             _device.move_module(module, st.device)
@@ -219,13 +222,14 @@ def build_local_stages(
     else:
         with torch.no_grad(), preserved_state(module):
             units = find_units(module, args, kwargs)
-    decision: Any = None
-    if st.layout.rank == 0:
+    decision: Any = ("ok", [0], None) if num_stages == 1 else None
+    if decision is None and st.layout.rank == 0:
         try:
             decision = ("ok", *_decide_boundaries(module, args, kwargs, units, st, tp))
         except Exception as exc:  # every rank must learn of the failure, not hang
             decision = ("error", exc, None)
-    decision = broadcast_object_world(decision, st.grid, src=0)
+    if num_stages > 1:
+        decision = broadcast_object_world(decision, st.grid, src=0)
     if decision[0] == "error":
         raise decision[1]
     _, boundaries, plan = decision

@@ -16,9 +16,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from mpar._cp_context import current, using
 from mpar.comm import ProcessGrid, State, state
-from mpar.comm._collectives import all_gather_object_pp, all_gather_object_tp
+from mpar.comm._collectives import all_gather_object_pp, all_gather_object_tp, all_reduce_pp
 from mpar.config import Config
+from mpar.context_parallel import (
+    FOUND,
+    CallPlan,
+    check_found,
+    install_hf,
+    prepare_call,
+    replace_sdpa,
+)
 from mpar.errors import StepError
 from mpar.runtime._adapt import disable_caches
 from mpar.runtime._executor import Captured, StepRun
@@ -96,6 +105,13 @@ class DistributedModel:
         self._placement = MeasuredPlacement()
         self.tp_layout: TPLayout | None = _tp_layout(module, self.grid, self.config)
         """How tensor parallelism splits this model (None at tensor_parallel_degree 1)."""
+        self.cp_calls: CallPlan | None = None
+        """Under context parallelism: how its calls get positions and shifted labels."""
+        self._cp_hf = False
+        self._cp_unchecked = False
+        if self.grid.cp_size > 1:
+            self.cp_calls = CallPlan(module)
+            self._cp_hf = install_hf(module, self.config.context_parallel_method)
         self._st.models.add(self)
         if example_inputs is not None or example_kwargs is not None:
             args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
@@ -117,9 +133,18 @@ class DistributedModel:
         from mpar.meta import start_materialize
 
         st = self.run_state()
+        FOUND["calls"] = 0
         self.stages = build_local_stages(
-            self.module, args, kwargs, st, dynamic_axes=self.dynamic_axes, tp=self.tp_layout
+            self.module,
+            args,
+            kwargs,
+            st,
+            dynamic_axes=self.dynamic_axes,
+            tp=self.tp_layout,
+            capture_whole=self.cp_calls is not None and not self._cp_hf,
         )
+        if self.cp_calls is not None:
+            self._replace_attention(self.stages)
         for stage in self.stages.modules.values():
             stage.train(self.module.training)
         # A meta model gets storage here: this rank's stages only, bucket by bucket.
@@ -140,6 +165,21 @@ class DistributedModel:
         hooks, self.after_partition = self.after_partition, []
         for hook in hooks:
             hook(self)
+
+    def _replace_attention(self, stages: LocalStages) -> None:
+        """Context parallelism: point the stages' attention at the CP operators (Hugging
+        Face's already is, since ``__init__``); every rank of the pipeline learns whether
+        the model had any."""
+        method = self.config.context_parallel_method
+        found = FOUND["calls"]
+        for s, stage in stages.modules.items():
+            found += replace_sdpa(stage, method, f"stage {s} of {type(self.module).__name__}")
+        if stages.num_stages == 1 and not hasattr(stages.modules[0], "programs"):
+            self._cp_unchecked = True  # the model itself: its calls are counted as it runs
+            return
+        total = torch.tensor([found], dtype=torch.long)
+        all_reduce_pp(total, self.grid)
+        check_found(int(total.item()), self.module)
 
     def ensure_partitioned(self, fn: Callable[..., Any], batches: Microbatches) -> None:
         if self.stages is None:
@@ -206,6 +246,9 @@ class DistributedModel:
         finally:
             self.active_run = None
         self.activation_peak_bytes = run.peak_activation_bytes
+        if self._cp_unchecked:  # the first step ran the model's own code: was any attention?
+            self._cp_unchecked = False
+            check_found(FOUND["calls"], self.module)
         placed = self._placement.after_step(self.run_state(), training, run.timeline)
         if placed is not None:  # every rank, at the same step: measured W placement
             self._schedules[False] = self._lowered(placed)
@@ -219,7 +262,8 @@ class DistributedModel:
         """Run the step function for microbatch ``j`` until it calls the model."""
         self._capturing, self._captured = True, None
         try:
-            fn(self, *batches.args[j], **batches.kwargs[j])
+            with using(batches.context(j)):
+                fn(self, *batches.args[j], **batches.kwargs[j])
         except Captured:
             assert self._captured is not None
             return self._captured
@@ -230,6 +274,8 @@ class DistributedModel:
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.cp_calls is not None:
+            kwargs = prepare_call(self.cp_calls, args, kwargs, current())
         if self._capturing:
             self._captured = (args, kwargs)
             raise Captured

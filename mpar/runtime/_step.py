@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -62,6 +64,21 @@ def _prepare(
         _device.to_device(batches.kwargs, st.device),
         batches.sizes,
     )
+
+
+def _shard_sequences(fn: Callable[..., Any], model: Any, batches: Microbatches) -> Microbatches:
+    """Under context parallelism, this CP rank's share of every microbatch's sequences
+    (``mpar.context_parallel``); the batches unchanged otherwise."""
+    grid = model.grid
+    if grid.cp_size == 1:
+        return batches
+    from mpar.context_parallel import shard_batches
+
+    names = list(inspect.signature(fn).parameters)[1:]
+    args, kwargs, contexts = shard_batches(
+        batches.args, batches.kwargs, names, grid.cp_size, grid.cp_rank
+    )
+    return dataclasses.replace(batches, args=args, kwargs=kwargs, contexts=contexts)
 
 
 def _execute(fn: Callable[..., Any], model: DistributedModel, batches: Microbatches) -> StepOutput:
@@ -145,6 +162,7 @@ def step(
     def wrapper(model: Any, *args: Any, **kwargs: Any) -> StepOutput:
         batches = _prepare(fn, model, args, kwargs, non_split_inputs, input_split_axes)
         prints = due_fingerprint(model._st, batches.args, batches.kwargs)
+        batches = _shard_sequences(fn, model, batches)  # after the check: CP ranks agree
         outputs = _execute(fn, model, batches)
         check_same_batch(model._st, prints)
         return outputs

@@ -95,7 +95,7 @@ class Transfers:
 
     def output_ranks(self) -> list[int]:
         """Global rank of each data-parallel replica's last stage (where its outputs are;
-        TP rank 0 of it, which sends them)."""
+        TP and CP rank 0 of it, which sends them)."""
         grid = self.st.grid
         last = self.schedule.stage_to_rank(self.num_stages - 1)
         return [grid.rank_of(last, d) for d in range(grid.dp_size)]
@@ -164,10 +164,11 @@ class Transfers:
 
     def send_outputs(self, outputs: ReplicaOutputs) -> None:
         """Send this replica's outputs to every other rank as soon as the last one exists
-        (TP rank 0 sends for its TP group, whose ranks computed the same outputs)."""
+        (TP and CP rank 0 sends for its TP and CP groups, whose ranks hold the same
+        outputs: the CP group's combined)."""
         st = self.st
         self.own_outputs = outputs
-        if st.grid.tp_rank != 0:
+        if st.grid.tp_rank != 0 or st.grid.cp_rank != 0:
             return
         label = TransferLabel.outputs(st.grid.dp_rank)
         for dst in range(st.layout.world_size):

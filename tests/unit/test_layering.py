@@ -60,6 +60,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("partition", ("mpar.partition",)),
     ("comm", ("mpar.comm",)),
     ("tensor_parallel", ("mpar.tensor_parallel",)),
+    ("context_parallel", ("mpar.context_parallel",)),
     ("shard", ("mpar.shard",)),
     ("meta", ("mpar.meta",)),
     ("runtime", ("mpar.runtime",)),
