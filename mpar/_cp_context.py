@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -230,8 +230,6 @@ class CPContext:
     loss_weight: float = 1.0
     """What this rank's loss is multiplied by before backward; the step's loss is the sum
     of the weighted losses over the CP group (see ``mpar.context_parallel``)."""
-    wholes: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
-    """``id`` of a tensor mpar sharded for this microbatch -> the whole tensor."""
 
     @property
     def masked(self) -> bool:

@@ -17,6 +17,8 @@ operator                       forward                                      back
 ``cp_to_sequence``             the inverse (all-to-all)                     ``cp_to_heads``
 ``cp_local_attention``         attention on the whole sequence in natural   its own blocks, no
                                order, with the microbatch's masks           communication
+``cp_shift_labels``            a causal LM's next-token targets of this     none (integers)
+                               rank's tokens, from the whole sequence
 ``cp_position_ids``            this rank's tokens' global ``position_ids``  none (integers)
 =============================  ===========================================  ===========================
 
@@ -65,6 +67,7 @@ __all__ = [
     "cp_local_attention",
     "cp_position_ids",
     "cp_ring_attention",
+    "cp_shift_labels",
     "cp_to_heads",
     "cp_to_sequence",
     "register_cp_group",
@@ -468,6 +471,42 @@ def _local_backward(ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor) -> tuple[
 
 
 cp_local_attention.register_autograd(_local_backward, setup_context=_setup_attention)
+
+
+# -- labels -------------------------------------------------------------------------------
+
+
+def _gathered(x: torch.Tensor, g: _CPGroup, layout: TokenLayout) -> torch.Tensor:
+    """The whole sequence [B, L] from every CP rank's tokens [B, L / cp]."""
+    x = x.contiguous()
+    pieces = [torch.empty_like(x) for _ in range(g.size)]
+    with Waiting(("collective", "all_gather", g.group)):
+        dist.all_gather(pieces, x, group=g.group)
+    return layout.unshard(pieces, dim=1)
+
+
+@torch.library.custom_op("mpar::cp_shift_labels", mutates_args=())
+def cp_shift_labels(
+    labels: torch.Tensor, ignore_index: int, group: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A causal LM's targets for this rank's tokens [B, S/cp]: each token's *next* label in
+    the whole sequence (``ignore_index`` after the last), and the count of targets that
+    are not ``ignore_index`` in the whole sequence. Without a current context: the same
+    of ``labels`` alone (Hugging Face's own shift)."""
+    active = _active(group)
+    whole = labels if active is None else _gathered(labels, active[0], active[1].layout)
+    pad = torch.full_like(whole[:, :1], ignore_index)
+    shifted = torch.cat([whole[:, 1:], pad], dim=1)
+    count = (shifted != ignore_index).sum()
+    if active is None:
+        return shifted, count
+    g, context = active
+    return context.layout.shard(shifted, g.rank), count
+
+
+@cp_shift_labels.register_fake
+def _(labels: torch.Tensor, ignore_index: int, group: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(labels), labels.new_empty(())
 
 
 # -- positions ----------------------------------------------------------------------------

@@ -19,11 +19,12 @@ batch-first) with the head-tail layout and keeps this rank's tokens:
   token-mean loss is the whole sequence's.
 
 :func:`prepare_call` then adapts the model call on every rank: it passes each rank's
-global ``position_ids`` to a model that takes them, and for a Hugging Face causal LM
-called with ``labels`` it shifts the whole sequence's labels *before* sharding
-(``shift_labels``; the model's own shift would cross the rank boundaries) and passes
-the whole microbatch's count of valid labels (``num_items_in_batch``): each rank's loss
-is then its share of the sum, and the CP group's losses add up.
+global ``position_ids`` to a model that takes them. A Hugging Face causal LM's loss
+shifts ``labels`` by one token, which crosses the ranks' pieces: :class:`CallPlan`
+wraps the model's loss function so that the targets are shifted over the whole
+sequence (``mpar.comm._cp_ops.cp_shift_labels``) and the sum is divided by the whole
+microbatch's count of targets; each rank's loss is then its share of the sum, and the
+CP group's losses add up (loss weight 1).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 from torch import nn
 
 from mpar._cp_context import CPContext, balanced_layout, document_ids
+from mpar.comm._cp_ops import CP_GROUP, cp_shift_labels
 from mpar.errors import ContextParallelError
 
 __all__ = ["CallPlan", "prepare_call", "shard_microbatch"]
@@ -161,9 +163,7 @@ def shard_microbatch(
     def cut(name: str, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.dim() < 2 or tensor.shape[1] != length or tensor.dim() == 4:
             return tensor
-        piece = layout.shard(tensor, rank)
-        context.wholes[id(piece)] = tensor
-        return piece
+        return layout.shard(tensor, rank)
 
     return _map(args, cut, ""), _map(kwargs, cut, ""), context
 
@@ -172,7 +172,8 @@ def shard_microbatch(
 
 
 class CallPlan:
-    """What :func:`prepare_call` does to one model's calls (read once from the model)."""
+    """What :func:`prepare_call` does to one model's calls (read once from the model; a
+    Hugging Face causal LM's loss function is wrapped here, see :func:`_causal_lm_loss`)."""
 
     def __init__(self, module: nn.Module) -> None:
         try:
@@ -182,33 +183,49 @@ class CallPlan:
         self.takes_positions = "position_ids" in params
         """The model's forward takes ``position_ids`` (Hugging Face's convention)."""
         name = type(module).__name__
-        loss_type = getattr(module, "loss_type", None)
-        self.causal_lm = hasattr(module, "loss_function") and (
-            loss_type == "ForCausalLM" or name.endswith(("ForCausalLM", "LMHeadModel"))
+        self.causal_lm = getattr(module, "loss_type", None) == "ForCausalLM" or (
+            hasattr(module, "loss_function") and name.endswith(("ForCausalLM", "LMHeadModel"))
         )
         """A Hugging Face causal LM: its loss shifts ``labels`` along the sequence."""
+        if self.causal_lm:
+            wrapped = _causal_lm_loss(getattr(module, "loss_function"))  # noqa: B009
+            setattr(module, "loss_function", wrapped)  # noqa: B010 - Hugging Face's setter
+
+
+def _causal_lm_loss(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """Hugging Face's causal-LM loss with the labels shifted over the whole sequence
+    (``cp_shift_labels``: the next token may be on another CP rank) and divided by the
+    whole microbatch's count of targets: each rank's loss is its share of the sum."""
+
+    def loss(
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        vocab_size: int,
+        num_items_in_batch: torch.Tensor | None = None,
+        ignore_index: int = IGNORE_INDEX,
+        shift_labels: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if shift_labels is None:
+            shift_labels, count = cp_shift_labels(labels, ignore_index, CP_GROUP)
+            num_items_in_batch = count if num_items_in_batch is None else num_items_in_batch
+        return original(
+            logits,
+            labels,
+            vocab_size,
+            num_items_in_batch=num_items_in_batch,
+            ignore_index=ignore_index,
+            shift_labels=shift_labels,
+            **kwargs,
+        )
+
+    return loss
 
 
 def _batch_size(kwargs: dict[str, object], args: tuple[object, ...]) -> int:
     leaves: list[Leaf] = []
     _leaves((args, kwargs), "", leaves)
     return next((int(t.shape[0]) for _, t in leaves if t.dim() >= 2), 1)
-
-
-def _shifted(context: CPContext, labels: object) -> tuple[torch.Tensor, torch.Tensor]:
-    """(this rank's ``shift_labels``, the whole microbatch's count of valid labels)."""
-    whole = context.wholes.get(id(labels)) if isinstance(labels, torch.Tensor) else None
-    if whole is None:
-        raise ContextParallelError(
-            "a Hugging Face causal LM is called with labels that are not a tensor of the "
-            "step's batch: under context parallelism mpar shifts the labels of the whole "
-            "sequence before sharding them, so pass the batch's labels tensor unchanged "
-            "(e.g. model(input_ids=batch['input_ids'], labels=batch['labels']))"
-        )
-    pad = torch.full_like(whole[:, :1], IGNORE_INDEX)
-    shifted = torch.cat([whole[:, 1:], pad], dim=1)
-    count = (shifted != IGNORE_INDEX).sum()
-    return context.layout.shard(shifted, context.rank), count
 
 
 def prepare_call(
@@ -225,9 +242,6 @@ def prepare_call(
         b = _batch_size(kwargs, args)
         local = context.local_positions()
         out["position_ids"] = local.expand(b, local.shape[1]).contiguous()
-    if plan.causal_lm and out.get("labels") is not None and "shift_labels" not in out:
-        out["shift_labels"], count = _shifted(context, out["labels"])
-        if out.get("num_items_in_batch") is None:
-            out["num_items_in_batch"] = count
+    if plan.causal_lm and out.get("labels") is not None:
         context.loss_weight = 1.0  # each rank's loss is its share of the sum already
     return out
