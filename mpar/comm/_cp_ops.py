@@ -125,19 +125,21 @@ def _active(key: str) -> tuple[_CPGroup, CPContext] | None:
 
 
 class _Exchange:
-    """One ring step's transfer: ``send`` to the next CP rank and a tensor like it from
-    the previous, posted together as one group (:meth:`wait` returns the received one)."""
+    """One ring step's transfer: ``send`` (tensors) to the next CP rank and tensors like
+    them from the previous, posted together as one group (:meth:`wait` returns the
+    received ones)."""
 
-    def __init__(self, send: torch.Tensor, g: _CPGroup) -> None:
-        self.received = torch.empty_like(send)
+    def __init__(self, send: tuple[torch.Tensor, ...], g: _CPGroup) -> None:
+        self.received = tuple(
+            torch.empty_like(t, memory_format=torch.contiguous_format) for t in send
+        )
         self.group = g.group
-        ops = [
-            dist.P2POp(dist.isend, send, g.ranks[(g.rank + 1) % g.size], g.group),
-            dist.P2POp(dist.irecv, self.received, g.ranks[(g.rank - 1) % g.size], g.group),
-        ]
+        after, before = g.ranks[(g.rank + 1) % g.size], g.ranks[(g.rank - 1) % g.size]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), after, g.group) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, before, g.group) for t in self.received]
         self.works = dist.batch_isend_irecv(ops)
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> tuple[torch.Tensor, ...]:
         with Waiting(("collective", "context-parallel ring exchange", self.group)):
             for work in self.works:
                 work.wait()
@@ -190,18 +192,6 @@ def _empty_acc(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return out, torch.full((b, h, s), -math.inf, dtype=torch.float32, device=q.device)
 
 
-def _stacked(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return torch.stack([k, v]) if k.shape == v.shape else torch.cat([k.flatten(), v.flatten()])
-
-
-def _unstacked(
-    kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if kv.dim() == k.dim() + 1:
-        return kv[0], kv[1]
-    return kv[: k.numel()].view(k.shape), kv[k.numel() :].view(v.shape)
-
-
 def _local_pieces(q: torch.Tensor) -> list[Piece]:
     return natural_pieces(q.shape[2], masked=False)
 
@@ -224,12 +214,11 @@ def _ring_forward(
     g, context = active
     layout = context.layout
     queries = layout.pieces(g.rank)
-    kv = _stacked(k.detach(), v.detach()).contiguous()
+    kv: tuple[torch.Tensor, ...] = (k.detach(), v.detach())
     for step in range(g.size):
         pending = _Exchange(kv, g) if step < g.size - 1 else None
         keys = layout.pieces((g.rank - step) % g.size)
-        k_now, v_now = _unstacked(kv, k, v)
-        _attend(q, k_now, v_now, _pairs(context, queries, keys, causal, window), scale, acc)
+        _attend(q, kv[0], kv[1], _pairs(context, queries, keys, causal, window), scale, acc)
         if pending is not None:
             kv = pending.wait()
     return acc[0].to(q.dtype), acc[1]
@@ -320,19 +309,17 @@ def _ring_backward(ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor) -> tuple[A
     assert context is not None
     layout = context.layout
     queries = layout.pieces(g.rank)
-    kv = _stacked(k, v).contiguous()
-    dkv = _stacked(dk, dv)
+    kv: tuple[torch.Tensor, ...] = (k, v)
+    dkv: tuple[torch.Tensor, ...] = (dk, dv)
     for step in range(g.size):
         pending = _Exchange(kv, g) if step < g.size - 1 else None
         keys = layout.pieces((g.rank - step) % g.size)
         pairs = _pairs(context, queries, keys, causal, window)
-        d_k, d_v = _unstacked(dkv, dk, dv)
-        _block_grads(dout, saved, _unstacked(kv, k, v), pairs, scale, (dq, d_k, d_v))
+        _block_grads(dout, saved, (kv[0], kv[1]), pairs, scale, (dq, dkv[0], dkv[1]))
         dkv = _Exchange(dkv, g).wait()  # the accumulated dK/dV travel on with their K/V
         if pending is not None:
             kv = pending.wait()
-    d_k, d_v = _unstacked(dkv, dk, dv)
-    return dq.to(q.dtype), d_k.to(k.dtype), d_v.to(v.dtype), None, None, None, None
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 cp_ring_attention.register_autograd(_ring_backward, setup_context=_setup_attention)

@@ -217,3 +217,85 @@ def check(results: list[dict[str, Any]], ref: dict[str, Any], tol: dict[str, flo
         for step, out in enumerate(r["logits"]):
             assert_close(out, ref["logits"][step], **tol)
         assert all(math.isfinite(x) for x in r["losses"])
+
+
+def _small_mmap_threshold() -> None:
+    """``MALLOC_MMAP_THRESHOLD_=65536`` for this (already started) process: tensors above
+    64 KiB are mapped on their own and leave the RSS as soon as they are freed."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD
+
+
+class _RssPeak:
+    """This process's RSS sampled every 2 ms on a thread (DESIGN.md's peak on the CPU)."""
+
+    def __init__(self) -> None:
+        import os
+        import threading
+
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.peak = self.baseline = self.current()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def current(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self.page
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.current())
+            self._stop.wait(0.002)
+
+    def __enter__(self) -> _RssPeak:
+        self.peak = self.baseline = self.current()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.current())
+
+
+def peak_memory(config: dict[str, Any], seq: int, steps: int = 2) -> dict[str, int]:
+    """Rank body: this rank's peak RSS above the RSS before the timed steps while a
+    Llama with a long sequence trains (after one warm-up step), and mpar's count of the
+    activation bytes kept for backward."""
+    import mpar
+
+    _small_mmap_threshold()
+    mpar.init(config)
+    model = mpar.DistributedModel(build("llama", layers=4, hidden=64, heads=4))
+    opt = mpar.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+
+    @mpar.step
+    def train_step(m: Any, inputs: dict[str, Any]) -> torch.Tensor:
+        loss = m(**inputs).loss
+        m.backward(loss)
+        return loss
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (1, seq), generator=g)
+    inputs = {"input_ids": ids, "labels": ids}
+
+    def one() -> None:
+        train_step(model, inputs)
+        opt.step()
+        opt.zero_grad()
+
+    one()
+    import gc
+
+    gc.collect()
+    mpar.barrier()
+    with _RssPeak() as rss:
+        for _ in range(steps):
+            one()
+    report = mpar.memory_report()
+    mpar.barrier()
+    return {
+        "peak_above_baseline": rss.peak - rss.baseline,
+        "activations": sum(row["activations"] for row in report.values()),
+    }
