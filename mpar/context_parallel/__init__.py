@@ -19,7 +19,7 @@ from torch import nn
 
 from mpar._cp_context import CPContext
 from mpar.comm._cp_ops import cp_position_ids
-from mpar.context_parallel._attention import FOUND, install_hf, replace_sdpa
+from mpar.context_parallel._attention import FOUND, check_heads, install_hf, replace_sdpa
 from mpar.context_parallel._combine import combine
 from mpar.context_parallel._shard import CallPlan, prepare_call, shard_microbatch
 from mpar.errors import ContextParallelError
@@ -29,6 +29,7 @@ __all__ = [
     "CallPlan",
     "ContextParallelError",
     "check_found",
+    "check_heads",
     "combine",
     "install_hf",
     "position_ids",

@@ -41,6 +41,7 @@ __all__ = [
     "FOUND",
     "HF_NAMES",
     "attend",
+    "check_heads",
     "install_hf",
     "replace_sdpa",
     "sdpa_all_to_all",
@@ -84,17 +85,34 @@ def attend(
         out, _ = cp_ring_attention(q, k, v, scale, causal, window, CP_GROUP)
         return out
     if heads % cp:
-        raise ContextParallelError(
-            f"context_parallel_method 'all_to_all' splits the attention heads over the "
-            f"context_parallel_degree {cp} ranks, but this attention has {heads} heads (per "
-            "tensor-parallel rank); use a cp that divides the heads, or method 'ring'"
-        )
+        raise ContextParallelError(_heads_message(f"this attention has {heads} heads", cp))
     if kv_heads % cp:  # fewer key/value heads than ranks: each rank takes its queries' copy
         k = k.repeat_interleave(heads // kv_heads, dim=1)
         v = v.repeat_interleave(heads // kv_heads, dim=1)
     q, k, v = (cp_to_heads(t.contiguous(), CP_GROUP) for t in (q, k, v))
     out, _ = cp_local_attention(q, k, v, scale, causal, window)
     return cp_to_sequence(out, CP_GROUP)
+
+
+def _heads_message(found: str, cp: int) -> str:
+    return (
+        f"context_parallel_method 'all_to_all' splits the attention heads over the "
+        f"context_parallel_degree {cp} ranks, but {found} (per tensor-parallel rank); use a "
+        "cp that divides the heads, or method 'ring'"
+    )
+
+
+def check_heads(module: nn.Module, cp: int, tp: int, method: str) -> None:
+    """Refuse, when the model is wrapped, a Hugging Face model whose attention heads (per
+    TP rank) the all-to-all cannot split over ``cp`` ranks (other models are checked at
+    their first attention)."""
+    if method != "all_to_all":
+        return
+    for config in _configs(module):
+        heads = getattr(config, "num_attention_heads", None)
+        if isinstance(heads, int) and (heads // tp) % cp:
+            found = f"{type(module).__name__} has {heads // tp} attention heads"
+            raise ContextParallelError(_heads_message(found, cp))
 
 
 # -- Hugging Face ----------------------------------------------------------------------

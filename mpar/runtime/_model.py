@@ -24,6 +24,7 @@ from mpar.context_parallel import (
     FOUND,
     CallPlan,
     check_found,
+    check_heads,
     install_hf,
     prepare_call,
     replace_sdpa,
@@ -110,8 +111,10 @@ class DistributedModel:
         self._cp_hf = False
         self._cp_unchecked = False
         if self.grid.cp_size > 1:
+            method = self.config.context_parallel_method
+            check_heads(module, self.grid.cp_size, self.grid.tp_size, method)
             self.cp_calls = CallPlan(module)
-            self._cp_hf = install_hf(module, self.config.context_parallel_method)
+            self._cp_hf = install_hf(module, method)
         self._st.models.add(self)
         if example_inputs is not None or example_kwargs is not None:
             args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)

@@ -182,8 +182,7 @@ def train(
             outs.append(result["logits"].concat())
             result = result["loss"]
         losses.append(float(result.reduce_mean()))
-    report = mpar.memory_report()
-    return {
+    out = {
         "losses": losses,
         "grads": grads,
         "state": model.state_dict(),
@@ -191,8 +190,15 @@ def train(
         "cp": (mpar.cp_rank(), mpar.cp_size()),
         "tp_shards": {} if model.tp_layout is None else dict(model.tp_layout.shards),
         "tp_rank": mpar.tp_rank(),
-        "activations": sum(row["activations"] for row in report.values()),
     }
+    mpar.shutdown()
+    return out
+
+
+def train_each(jobs: list[tuple[dict[str, Any], str, str]], steps: int) -> list[dict[str, Any]]:
+    """Rank body: :func:`train` each ``(config, family, kind)`` in turn (one set of
+    processes, ``mpar.init`` and ``shutdown`` around each; the logits gathered)."""
+    return [train(c, f, steps, kind=k, logits=True) for c, f, k in jobs]
 
 
 TOL = {"rtol": 1e-4, "atol": 2e-5}
@@ -299,3 +305,43 @@ def peak_memory(config: dict[str, Any], seq: int, steps: int = 2) -> dict[str, i
         "peak_above_baseline": rss.peak - rss.baseline,
         "activations": sum(row["activations"] for row in report.values()),
     }
+
+
+def resume(
+    config: dict[str, Any], root: str, steps: list[int], *, load: bool, save_after: int = -1
+) -> dict[str, Any]:
+    """Rank body: Llama with SGD + momentum (optimizer state to carry); load ``root``
+    first if ``load``; train ``steps``, saving a checkpoint after step ``save_after``."""
+    import mpar
+
+    mpar.init(config)
+    model = mpar.DistributedModel(build("llama"))
+    opt = mpar.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9))
+
+    @mpar.step
+    def train_step(m: Any, inputs: dict[str, Any]) -> torch.Tensor:
+        loss = m(**inputs).loss
+        m.backward(loss)
+        return loss
+
+    if load:
+        mpar.load_checkpoint(root, model, opt)
+    mpar.barrier()  # every rank has read the checkpoint before any writes one
+    dp, rank = mpar.dp_size(), mpar.dp_rank()
+    shard = slice(rank * BATCH // dp, (rank + 1) * BATCH // dp)
+    losses = []
+    for s in steps:
+        inputs = {k: v[shard] for k, v in batch("llama", s).items()}
+        losses.append(float(train_step(model, inputs).reduce_mean()))
+        opt.step()
+        opt.zero_grad()
+        if s == save_after:
+            mpar.save_checkpoint(root, model, opt)
+    out = {"losses": losses, "state": model.state_dict()}
+    mpar.shutdown()
+    return out
+
+
+def resume_each(root: str, runs: list[tuple[dict[str, Any], list[int], bool, int]]) -> list[Any]:
+    """Rank body: :func:`resume` each ``(config, steps, load, save_after)`` in turn."""
+    return [resume(c, root, steps, load=load, save_after=at) for c, steps, load, at in runs]
