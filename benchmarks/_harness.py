@@ -101,12 +101,13 @@ def job_env(threads: int, mmap_threshold: bool = True) -> dict[str, str]:
     return env
 
 
-def launcher(framework: str, nproc: int) -> list[str]:
-    """``mpar launch`` for mpar, ``torchrun --standalone`` for the peers."""
+def launcher(framework: str, nproc: int, python: str = sys.executable) -> list[str]:
+    """``mpar launch`` for mpar, ``torchrun --standalone`` for the peers (``python``: the
+    interpreter of the job, a peers' virtual environment, say)."""
     if framework == "mpar":
-        return [sys.executable, "-m", "mpar", "launch", "--nproc-per-node", str(nproc)]
+        return [python, "-m", "mpar", "launch", "--nproc-per-node", str(nproc)]
     return [
-        sys.executable,
+        python,
         "-m",
         "torch.distributed.run",
         "--standalone",
@@ -135,12 +136,14 @@ def launch_job(
     threads: int,
     timeout: float,
     mmap_threshold: bool = True,
+    python: str = sys.executable,
 ) -> dict[str, Any]:
     """Run ``script`` as one job; its rank 0 writes the result to ``--result FILE``
-    (``mmap_threshold``: see :func:`job_env`)."""
+    (``mmap_threshold``: see :func:`job_env`; ``python``: see :func:`launcher`)."""
     with tempfile.TemporaryDirectory(prefix="mpar-bench-") as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [*launcher(framework, nproc), str(script), *worker_args, "--result", str(out)]
+        cmd = [*launcher(framework, nproc, python), str(script), *worker_args]
+        cmd += ["--result", str(out)]
         start = time.perf_counter()
         try:
             proc = subprocess.run(
