@@ -101,13 +101,13 @@ def job_env(threads: int, mmap_threshold: bool = True) -> dict[str, str]:
     return env
 
 
-def launcher(framework: str, nproc: int, python: str = sys.executable) -> list[str]:
-    """``mpar launch`` for mpar, ``torchrun --standalone`` for the peers (``python``: the
-    interpreter of the job, a peers' virtual environment, say)."""
+def launcher(framework: str, nproc: int, python: str | None = None) -> list[str]:
+    """``mpar launch`` for mpar, ``torchrun --standalone`` for the peers (run by
+    ``python``: a peer installed in an environment of its own; default this one)."""
     if framework == "mpar":
-        return [python, "-m", "mpar", "launch", "--nproc-per-node", str(nproc)]
+        return [sys.executable, "-m", "mpar", "launch", "--nproc-per-node", str(nproc)]
     return [
-        python,
+        python or sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
@@ -136,14 +136,14 @@ def launch_job(
     threads: int,
     timeout: float,
     mmap_threshold: bool = True,
-    python: str = sys.executable,
+    python: str | None = None,
 ) -> dict[str, Any]:
     """Run ``script`` as one job; its rank 0 writes the result to ``--result FILE``
     (``mmap_threshold``: see :func:`job_env`; ``python``: see :func:`launcher`)."""
     with tempfile.TemporaryDirectory(prefix="mpar-bench-") as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [*launcher(framework, nproc, python), str(script), *worker_args]
-        cmd += ["--result", str(out)]
+        start_cmd = launcher(framework, nproc, python)
+        cmd = [*start_cmd, str(script), *worker_args, "--result", str(out)]
         start = time.perf_counter()
         try:
             proc = subprocess.run(

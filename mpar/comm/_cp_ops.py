@@ -177,13 +177,23 @@ def _attend(
     pairs: Pairs,
     scale: float,
     acc: tuple[torch.Tensor, torch.Tensor],
+    *,
+    fresh: bool = False,
 ) -> None:
-    """Merge the blocks ``pairs`` of ``q`` on ``k``, ``v`` into ``acc`` (out, lse)."""
+    """Merge the blocks ``pairs`` of ``q`` on ``k``, ``v`` into ``acc`` (out, lse);
+    ``fresh``: ``acc`` holds nothing yet (rows no block sees must then be set by the
+    caller: :func:`_empty_acc` gives zeros and -inf)."""
     out, lse = acc
+    seen: set[int] = set()
     for qp, kp, mask in pairs:
         rows, cols = qp.local, kp.local
         o, l_ = block_forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], mask, scale)
-        merge_into(out[:, :, rows], lse[:, :, rows], o, l_)
+        if qp.offset in seen or not fresh:
+            merge_into(out[:, :, rows], lse[:, :, rows], o, l_)
+        else:  # the first block of these queries: nothing to merge with yet
+            out[:, :, rows] = o
+            lse[:, :, rows] = l_
+            seen.add(qp.offset)
 
 
 def _empty_acc(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,7 +219,8 @@ def _ring_forward(
     active = _active(group)
     if active is None:
         pieces = _local_pieces(q)
-        _attend(q, k, v, _pairs(current(), pieces, pieces, causal, window), scale, acc)
+        pairs = _pairs(current(), pieces, pieces, causal, window)
+        _attend(q, k, v, pairs, scale, acc, fresh=True)
         return acc[0].to(q.dtype), acc[1]
     g, context = active
     layout = context.layout
@@ -218,7 +229,8 @@ def _ring_forward(
     for step in range(g.size):
         pending = _Exchange(kv, g) if step < g.size - 1 else None
         keys = layout.pieces((g.rank - step) % g.size)
-        _attend(q, kv[0], kv[1], _pairs(context, queries, keys, causal, window), scale, acc)
+        pairs = _pairs(context, queries, keys, causal, window)
+        _attend(q, kv[0], kv[1], pairs, scale, acc, fresh=step == 0)
         if pending is not None:
             kv = pending.wait()
     return acc[0].to(q.dtype), acc[1]
@@ -434,7 +446,7 @@ def cp_local_attention(
     in natural order (between ``cp_to_heads`` and ``cp_to_sequence``), masked as the
     current context says: ``(out, lse)``."""
     acc = _empty_acc(q, v)
-    _attend(q, k, v, _natural_pairs(q.shape[2], causal, window), scale, acc)
+    _attend(q, k, v, _natural_pairs(q.shape[2], causal, window), scale, acc, fresh=True)
     return acc[0].to(q.dtype), acc[1]
 
 

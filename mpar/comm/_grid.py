@@ -51,15 +51,15 @@ class ProcessGrid:
     """The ranks that hold the same stage (same pp and tp coordinates)."""
     tp_group: dist.ProcessGroup
     """The ranks that split the same layers (same pp, dp and cp coordinates)."""
+    mesh: DeviceMesh | None
+    """torch's mesh over :data:`~mpar.topology.AXES`, or None (MPI, XLA; see the module)."""
+    timeout: datetime.timedelta
+    """The groups' transport timeout (a new group gets the same)."""
     cp_group: dist.ProcessGroup
     """The ranks that split the same sequences (same pp, dp and tp coordinates)."""
     dp_cp_group: dist.ProcessGroup
     """The ranks that hold the same parameters (same pp and tp coordinates): data
     parallel x context parallel. Gradients are summed, and ZeRO shards, over it."""
-    mesh: DeviceMesh | None
-    """torch's mesh over :data:`~mpar.topology.AXES`, or None (MPI, XLA; see the module)."""
-    timeout: datetime.timedelta
-    """The groups' transport timeout (a new group gets the same)."""
 
     @property
     def world_size(self) -> int:
@@ -162,7 +162,7 @@ def _with_mesh(
     )
     pp, dp, cp, tp = (mesh.get_group(axis) for axis in AXES)
     dp_cp = _dp_cp_group(topology, rank, dp, data, timeout)
-    return ProcessGrid(topology, rank, pp, dp, tp, cp, dp_cp, mesh, timeout)
+    return ProcessGrid(topology, rank, pp, dp, tp, mesh, timeout, cp, dp_cp)
 
 
 def _dp_cp_group(
@@ -210,7 +210,7 @@ def _with_new_groups(
             raise ValueError(f"rank {rank} is in no group of {topology}")
         mine.append(found)
     dp_cp = _dp_cp_group(topology, rank, mine[1], backends[1], timeout)
-    return ProcessGrid(topology, rank, mine[0], mine[1], mine[2], mine[3], dp_cp, None, timeout)
+    return ProcessGrid(topology, rank, mine[0], mine[1], mine[2], None, timeout, mine[3], dp_cp)
 
 
 def build_process_grid(
