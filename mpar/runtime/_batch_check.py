@@ -9,8 +9,9 @@ each rank takes a fingerprint of its microbatches — per tensor its shape,
 dtype and two sums over a strided sample of at most ~512 elements — and after
 the step (where every rank is at the same point, before the optimizer steps)
 one all-gather compares them within every model replica: the ranks of one
-data-parallel rank, its pipeline stages and (with tensor parallelism) their
-TP ranks. A mismatch raises
+data-parallel rank, its pipeline stages and (with tensor or context parallelism)
+their TP and CP ranks — the fingerprints are taken before the sequences are cut
+for context parallelism. A mismatch raises
 :class:`~mpar.errors.BatchMismatchError` on every rank, naming the ranks and
 the fix (shard by ``dp_rank()``/``dp_size()``, or ``mpar.data_sampler``).
 """

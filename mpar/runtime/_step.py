@@ -150,6 +150,11 @@ def step(
     the microbatch) to train; without ``model.backward`` the step is
     forward-only. Gradients accumulated over the microbatches equal those of
     the whole batch. Returns a :class:`StepOutput`, the same on every rank.
+
+    Under context parallelism (``context_parallel_degree`` > 1) each microbatch's
+    sequences (axis 1) are then cut among the CP group's ranks, which were given the
+    same batch; see ``docs/context_parallel.md`` for what is cut and read by name
+    (``input_ids``, ``position_ids``, ``attention_mask``, ``labels``).
     """
     if fn is None:
         return functools.partial(
