@@ -251,3 +251,13 @@ def test_peak_activation_memory_halves_at_cp2():
     for r in two:
         assert r["peak_above_baseline"] <= 0.55 * one["peak_above_baseline"], (r, one)
         assert r["activations"] <= 0.55 * one["activations"], (r, one)
+
+
+@SLOW
+def test_pretrained_files_load_and_save_unchanged_under_cp(tmp_path):
+    """save_pretrained / meta build / load_pretrained / train / save_pretrained at cp 2 x
+    dp 2 with ZeRO-3 (shards over dp x cp): the same losses and parameters as
+    ``from_pretrained`` in one process, and files that hold the gathered state."""
+    from tests.multiproc.test_pretrained import _run as pretrained_round_trip
+
+    pretrained_round_trip("llama", 4, {"cp": 2, "zero": {"stage": 3}}, tmp_path)
