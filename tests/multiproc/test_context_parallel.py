@@ -209,15 +209,20 @@ def _refusals() -> dict[str, str]:
         out["heads"] = str(exc)
     mine = ids + mpar.cp_rank()  # the CP ranks given different batches
     attempt("batch", cases.build("llama"), {"input_ids": mine, "labels": mine})
+    sampler = mpar.data_sampler(list(range(8)))  # shards by replica: CP ranks share one
+    out["sampler"] = (sampler.num_replicas, sampler.rank, list(sampler))
     mpar.shutdown()
     return out
 
 
 def test_what_cannot_split_is_refused_with_the_reason():
-    for out in run_distributed(_refusals, 2, timeout=300):
+    results = run_distributed(_refusals, 2, timeout=300)
+    for out in results:
         assert "sequence length 14" in out["length"] and "Pad the sequences to 16" in out["length"]
         assert "3 attention heads" in out["heads"] and "method 'ring'" in out["heads"]
         assert out["batch"].startswith("BatchMismatchError") and "context" in out["batch"]
+        assert out["sampler"][:2] == (1, 0)  # world 2 at cp 2: one replica
+    assert results[0]["sampler"] == results[1]["sampler"]
 
 
 def _no_attention() -> None:
