@@ -119,16 +119,20 @@ class TokenLayout:
 
     def pieces(self, rank: int) -> list[Piece]:
         """Rank ``rank``'s tokens as contiguous runs, at most four blocks (adjacent runs
-        joined when there are more)."""
-        runs = self.runs(rank)
-        per = -(-len(runs) // 4)
-        out, offset = [], 0
-        for i in range(0, len(runs), per):
-            group = runs[i : i + per]
-            index = torch.cat([torch.arange(a, a + n) for a, n in group])
-            out.append(Piece(offset, len(index), index))
-            offset += len(index)
-        return out
+        joined when there are more); computed once per layout and rank."""
+        return _pieces(self, rank)
+
+
+@functools.lru_cache(maxsize=256)
+def _pieces(layout: TokenLayout, rank: int) -> list[Piece]:
+    runs = layout.runs(rank)
+    per = -(-len(runs) // 4)
+    out, offset = [], 0
+    for i in range(0, len(runs), per):
+        index = torch.cat([torch.arange(a, a + n) for a, n in runs[i : i + per]])
+        out.append(Piece(offset, len(index), index))
+        offset += len(index)
+    return out
 
 
 @dataclass(frozen=True)
