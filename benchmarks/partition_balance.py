@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from mpar.partition import make_plan, solve, split_module
+from mpar.config import config_from_dict
+from mpar.partition import make_plan, plan_inputs, solve, split_module
 from mpar.profile import profile_model
 from mpar.testing.models import GPTConfig, TinyGPT
 
@@ -117,10 +118,10 @@ def main() -> None:
     profile = profile_model(model, (idx,), repeats=args.repeats, warmup=1)
     profile_s = time.perf_counter() - start
     unit_times = [u.time_s for u in profile.units]
+    config = {"pipeline_parallel_degree": NUM_STAGES, "memory_weight": args.memory_weight}
+    inputs = plan_inputs(config_from_dict(config), NUM_STAGES, device="cuda")
     plans = {
-        method: make_plan(
-            profile, num_ranks=NUM_STAGES, method=method, memory_weight=args.memory_weight
-        ).boundaries
+        method: make_plan(profile, inputs, method=method).boundaries
         for method in ("profile", "uniform", "parameters")
     }
     plans["best"] = _brute_force(unit_times, NUM_STAGES)

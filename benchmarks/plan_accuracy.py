@@ -258,18 +258,15 @@ def _pp1_plan(spec: Spec, layout: Layout, x: Any) -> Any:
     resolved config, profiled at ``layout.profile_batch`` samples (default: the
     microbatch's) and scaled to the microbatch."""
     import mpar
-    from mpar.cli._plan import _plan_options
-    from mpar.partition import make_plan
+    from mpar.partition import make_plan, plan_inputs
     from mpar.profile import profile_model
 
     config = mpar.config()
-    options = _plan_options(config, mpar.size())
-    mb = spec.batch // options["data_parallel_degree"] // config.microbatches
+    inputs = plan_inputs(config, mpar.size(), device="cpu")
+    mb = spec.batch // inputs.grid.dp // config.microbatches
     profiled = layout.profile_batch or mb
     profile = profile_model(_model(spec), (x[:profiled],), repeats=3, warmup=1)
-    return make_plan(
-        profile, device="cpu", microbatch_scale=mb / profiled, microbatch_size=mb, **options
-    )
+    return make_plan(profile, inputs, microbatch_scale=mb / profiled, microbatch_size=mb)
 
 
 def _warm_imports() -> None:
@@ -348,7 +345,7 @@ def _train(spec: Spec, layout: Layout, args: argparse.Namespace) -> dict[str, An
         "rest_tensor_bytes": rest_tensors,
         "predicted_peak_bytes": plan.rank_memory_bytes[mpar.pp_rank()],
         "predicted_host_bytes": (plan.host_memory_bytes or [0] * 8)[mpar.pp_rank()],
-        "predicted_gather": plan.layout.get("gather", "unit"),
+        "predicted_gather": plan.layout.gather,
         "measured_step_s": statistics.median(times[args.warmup :]),
         "predicted_step_s": plan.step_time_s,
         "boundaries": list(plan.boundaries),

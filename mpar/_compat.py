@@ -26,7 +26,8 @@ refuses a tensor that has any, so a traced model could not move to an XLA device
 from __future__ import annotations
 
 import datetime
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -44,11 +45,23 @@ from torch.distributed.checkpoint.metadata import (
     MetadataIndex,
     StorageMeta,
     TensorProperties,
+    TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import ReadItem, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.device_mesh import DeviceMesh
 from torch.export import Dim, ExportedProgram, ShapesCollection
 from torch.utils.flop_counter import FlopCounterMode
+
+if TYPE_CHECKING:
+    from torch.distributed.launcher.api import LaunchConfig
 
 __all__ = [
     "backend_options",
@@ -66,12 +79,16 @@ __all__ = [
     "Metadata",
     "MetadataIndex",
     "ReadItem",
+    "SavePlan",
+    "SavePlanner",
     "ShapesCollection",
     "StorageMeta",
     "TensorProperties",
+    "TensorStorageMetadata",
     "TensorWriteData",
     "WriteItem",
     "WriteItemType",
+    "WriteResult",
     "dcp",
     "export",
     "flatten_state_dict",
@@ -102,7 +119,9 @@ def spec_child(spec: pytree.TreeSpec, index: int) -> pytree.TreeSpec:
     return child(index) if child is not None else spec.children_specs[index]
 
 
-def top_saved_tensors_hooks() -> tuple[Any, Any] | None:
+def top_saved_tensors_hooks() -> (
+    tuple[Callable[[torch.Tensor], object], Callable[[object], torch.Tensor]] | None
+):
     """The innermost ``saved_tensors_hooks`` pair active now, or ``None`` (none active,
     or a torch build without the accessor)."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
@@ -110,7 +129,10 @@ def top_saved_tensors_hooks() -> tuple[Any, Any] | None:
 
 
 def export(
-    module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], **options: Any
+    module: torch.nn.Module,
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
+    **options: Any,  # torch.export.export's keywords, passed on
 ) -> ExportedProgram:
     """``torch.export.export``, then its fake mode forgets the real tensors it converted.
 
@@ -133,7 +155,7 @@ def export(
     return program
 
 
-def _fake_modes(program: ExportedProgram) -> list[Any]:
+def _fake_modes(program: ExportedProgram) -> list[FakeTensorMode]:
     values = (node.meta.get("val") for node in program.graph.nodes)
     return [v.fake_mode for v in values if isinstance(v, torch.Tensor) and hasattr(v, "fake_mode")]
 
@@ -142,7 +164,7 @@ _NEWER_LAUNCH_FIELDS = {"shutdown_timeout"}
 """``LaunchConfig`` fields that older torch in the supported range lacks."""
 
 
-def launch_config(**fields: Any) -> Any:
+def launch_config(**fields: Any) -> LaunchConfig:
     """torch's elastic ``LaunchConfig`` from ``fields``, leaving out a newer field the
     installed torch does not know (``shutdown_timeout`` before torch 2.10: its agent's
     default grace applies)."""

@@ -44,6 +44,7 @@ __all__ = [
     "balanced_layout",
     "current",
     "natural_pieces",
+    "reset_current",
     "unmasked_block",
     "using",
 ]
@@ -313,6 +314,11 @@ _CURRENT: list[CPContext | None] = [None]
 def current() -> CPContext | None:
     """The context of the microbatch being computed, or None."""
     return _CURRENT[0]
+
+
+def reset_current() -> None:
+    """No context current (``mpar.shutdown``: a step that failed inside ``using``)."""
+    _CURRENT[0] = None
 
 
 @contextmanager

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from mpar.comm import state
 
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset, DistributedSampler
+
 __all__ = ["data_sampler"]
 
+T = TypeVar("T")
 
-def data_sampler(dataset: Any, **kwargs: Any) -> Any:
+
+def data_sampler(dataset: Dataset[T], **kwargs: Any) -> DistributedSampler[T]:
     """A ``torch.utils.data.DistributedSampler`` over ``dataset`` for this rank's
     data-parallel replica: ``num_replicas=mpar.dp_size()``, ``rank=mpar.dp_rank()``.
 

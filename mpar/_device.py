@@ -40,7 +40,8 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterable
-from typing import Any
+from types import ModuleType
+from typing import TypeVar
 
 import torch
 
@@ -76,6 +77,8 @@ __all__ = [
     "xla_runtime",
 ]
 
+T = TypeVar("T")
+
 _CPU = torch.device("cpu")
 _BACKEND_DEVICES = {"gloo": "cpu", "mpi": "cpu", "nccl": "cuda", "xla": "xla"}
 """The device type each backend communicates tensors of (anything else is host-staged)."""
@@ -86,7 +89,7 @@ _XLA_COLLECTIVES = ("TPU", "NEURON")
 # ---------------------------------------------------------------- placement
 
 
-def _xla() -> Any:
+def _xla() -> ModuleType:
     """``torch_xla``, or a ConfigError that says how to get it."""
     try:
         import torch_xla
@@ -150,7 +153,7 @@ def host_cores() -> int:
         return os.cpu_count() or 1
 
 
-def to_device(value: Any, device: torch.device) -> Any:
+def to_device(value: T, device: torch.device) -> T:
     """``value`` (tensors nested in tuples, lists, dicts) with every tensor on ``device``.
 
     Host-to-CUDA copies are non-blocking (they are ordered on the current stream
@@ -302,7 +305,7 @@ class _XlaRandom:
     _initialized = True
 
     @staticmethod
-    def device(index: Any) -> contextlib.AbstractContextManager[Any]:
+    def device(index: object) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
     @staticmethod
@@ -310,13 +313,13 @@ class _XlaRandom:
         return 1
 
     @staticmethod
-    def get_rng_state(device: Any = None) -> int:
+    def get_rng_state(device: object = None) -> int:
         import torch_xla.core.xla_model as xm
 
         return int(xm.get_rng_state())
 
     @staticmethod
-    def set_rng_state(state: int, device: Any = None) -> None:
+    def set_rng_state(state: int, device: object = None) -> None:
         import torch_xla.core.xla_model as xm
 
         xm.set_rng_state(int(state))
@@ -329,7 +332,7 @@ def prepare_recompute(device: torch.device) -> None:
         torch._register_device_module("xla", _XlaRandom)
 
 
-def activation_offload(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+def activation_offload(device: torch.device) -> contextlib.AbstractContextManager[None]:
     """A context keeping the tensors autograd saves in host memory (pinned on CUDA);
     nothing to do when ``device`` is the CPU."""
     if device.type == "cpu":

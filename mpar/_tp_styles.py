@@ -8,7 +8,6 @@ A style is spelled as Hugging Face spells it (``"colwise"``, ``"rowwise"``, ...)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from mpar.errors import ConfigError
 
@@ -50,7 +49,7 @@ STYLES: dict[str, Style] = {
 """The style names a plan may use; ``"packed_colwise:k"`` packs ``k`` blocks."""
 
 
-def parse_style(name: Any, where: str) -> Style:
+def parse_style(name: object, where: str) -> Style:
     """The :class:`Style` spelled ``name`` (``where`` names the plan entry in errors)."""
     if not isinstance(name, str):
         raise TPPlanError(f"{where}: a style must be a string, got {name!r}")

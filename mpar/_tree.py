@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 __all__ = ["tree_leaves", "tree_map"]
 
+T = TypeVar("T")
 
-def tree_map(fn: Callable[[Any], Any], value: Any, *, leaf: type = torch.Tensor) -> Any:
+
+def tree_map(fn: Callable[[Any], Any], value: T, *, leaf: type = torch.Tensor) -> T:
     """``value`` with every ``leaf`` instance ``t`` (a tensor by default) replaced by
     ``fn(t)``, visited depth first in order; other leaves are kept."""
     if isinstance(value, leaf):
@@ -25,7 +27,7 @@ def tree_map(fn: Callable[[Any], Any], value: Any, *, leaf: type = torch.Tensor)
     return value
 
 
-def tree_leaves(value: Any) -> Iterator[Any]:
+def tree_leaves(value: object) -> Iterator[Any]:
     """Every leaf (tensor or not) of ``value``, depth first."""
     if isinstance(value, tuple | list):
         for item in value:

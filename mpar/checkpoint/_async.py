@@ -1,15 +1,26 @@
-"""Saves that finish in the background: one at a time, each with a handle."""
+"""Saves that finish in the background: one at a time, each with a handle.
+
+The checkpoint thread and the pending save are process state
+(:mod:`mpar.comm._process_state`): ``mpar.shutdown`` waits for the save (warning,
+not raising, if it failed) and ends the thread.
+"""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from mpar.checkpoint._common import CheckpointError
+from mpar.comm import _process_state
+
 __all__ = ["CheckpointHandle", "finished", "pending", "submit", "wait_checkpoint"]
 
 _EXECUTOR: ThreadPoolExecutor | None = None
+"""The checkpoint thread, started by the first asynchronous save."""
 _PENDING: CheckpointHandle | None = None
+"""The latest save not waited for yet."""
 
 
 class CheckpointHandle:
@@ -78,3 +89,21 @@ def wait_checkpoint() -> Path | None:
     if handle._reported:
         return handle.path if handle._future.exception() is None else None
     return handle.wait()
+
+
+def _finish() -> None:
+    """At ``shutdown``: finish a pending save (report, not raise, its failure) and end
+    the checkpoint thread."""
+    global _EXECUTOR
+    try:
+        wait_checkpoint()
+    except CheckpointError as exc:
+        warnings.warn(f"the last asynchronous checkpoint failed: {exc}", stacklevel=2)
+    executor, _EXECUTOR = _EXECUTOR, None
+    if executor is not None:
+        executor.shutdown(wait=True)
+
+
+_process_state.register(
+    "mpar.checkpoint._async", _finish, lambda: _EXECUTOR is None and _PENDING is None
+)

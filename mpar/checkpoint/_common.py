@@ -5,7 +5,6 @@ from __future__ import annotations
 import errno
 import shutil
 from pathlib import Path
-from typing import Any
 
 from mpar._compat import CheckpointException
 from mpar.comm._checkpoint_comm import all_gather_object_in
@@ -29,7 +28,7 @@ def agree(error: str | None, group: ProcessGroup | None, what: str) -> None:
         raise CheckpointError(f"{what} failed on rank {rank}: {text}")
 
 
-def check_model(model: Any, optimizer: Any) -> None:
+def check_model(model: object, optimizer: object) -> None:
     from mpar.runtime import DistributedModel, DistributedOptimizer
 
     if not isinstance(model, DistributedModel):

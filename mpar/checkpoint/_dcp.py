@@ -24,9 +24,9 @@ import pickle
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from queue import Queue
-from typing import Any
 
 import torch
+from torch.futures import Future
 
 from mpar._compat import (
     ChunkStorageMetadata,
@@ -37,11 +37,14 @@ from mpar._compat import (
     Metadata,
     MetadataIndex,
     ReadItem,
+    SavePlan,
+    SavePlanner,
     StorageMeta,
     TensorProperties,
     TensorWriteData,
     WriteItem,
     WriteItemType,
+    WriteResult,
     flatten_state_dict,
     set_element,
 )
@@ -136,7 +139,7 @@ class Pieces:
         raise KeyError(f"no box at offsets {wanted} in a piece of shape {tuple(self.shape)}")
 
     # -- DCP's checkpointable protocol ------------------------------------------------
-    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+    def __create_write_items__(self, fqn: str, obj: object) -> list[WriteItem]:
         return [
             WriteItem(
                 index=MetadataIndex(fqn, torch.Size(box.offsets)),
@@ -161,7 +164,7 @@ def _chunk(box: Box) -> ChunkStorageMetadata:
     return ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes))
 
 
-def _lookup(state_dict: dict[str, Any], index: MetadataIndex) -> Any:
+def _lookup(state_dict: dict[str, object], index: MetadataIndex) -> torch.Tensor | None:
     value = state_dict[index.fqn]
     if isinstance(value, Pieces):
         return value.part(index.offset)
@@ -172,7 +175,7 @@ class SavePlannerWithPieces(DefaultSavePlanner):
     """DCP's default save planner (flattening, deduplication of replicated
     entries), which also finds the boxes of :class:`Pieces`."""
 
-    def lookup_object(self, index: MetadataIndex) -> Any:
+    def lookup_object(self, index: MetadataIndex) -> object:
         found = _lookup(self.state_dict, index)
         return super().lookup_object(index) if found is None else found
 
@@ -183,7 +186,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     def set_up_planner(
         self,
-        state_dict: dict[str, Any],
+        state_dict: dict[str, object],
         metadata: Metadata | None = None,
         is_coordinator: bool = False,
     ) -> None:
@@ -228,12 +231,12 @@ class BoundedWriter(FileSystemWriter):
         super().__init__(path, single_file_per_rank=True, sync_files=True, overwrite=False)
         self.buffer_bytes = buffer_bytes
 
-    def write_data(self, plan: Any, planner: Any) -> Any:
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         write = getattr(self, "_write_data", None)
         if write is None:  # another torch: its own file split
             return super().write_data(plan, planner)
         prefix = plan.storage_data.prefix
-        queue: Queue[tuple[Any, str, list[WriteItem]]] = Queue()
+        queue: Queue[tuple[object, str, list[WriteItem]]] = Queue()
         for n, items in enumerate(_files(plan.items, self.buffer_bytes)):
             name = f"{prefix}{n}{DEFAULT_SUFFIX}"
             queue.put((self.fs.concat_path(self.path, name), name, items))
@@ -263,7 +266,7 @@ _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 class _MetadataUnpickler(pickle.Unpickler):
     """Only DCP's metadata classes, torch sizes, dtypes and layouts."""
 
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> object:
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
@@ -281,7 +284,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 class SafeReader(FileSystemReader):
     """DCP's file-system reader; ``.metadata`` is unpickled with an allow-list."""
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
         path = self.fs.concat_path(self.path, ".metadata")
         with self.fs.create_stream(path, "rb") as stream:
             metadata = _MetadataUnpickler(stream).load()

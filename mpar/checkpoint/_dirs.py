@@ -21,8 +21,11 @@ These are local file operations, run on global rank 0 only.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
+import platform
 import re
 import shutil
 import uuid
@@ -36,11 +39,14 @@ __all__ = [
     "MARKER",
     "commit",
     "complete_dirs",
+    "fsync_dir",
+    "replace_dir",
     "is_complete",
     "new_tmp_dir",
     "read_marker",
     "remove_stale",
     "resolve",
+    "write_file",
 ]
 
 LATEST = "latest"
@@ -53,7 +59,7 @@ def _number(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -61,7 +67,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_file(path: Path, text: str) -> None:
+def write_file(path: Path, text: str) -> None:
     """``path`` holds ``text`` at once or not at all (temporary file, fsync, rename)."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     with open(tmp, "w") as handle:
@@ -69,7 +75,7 @@ def _write_file(path: Path, text: str) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def is_complete(directory: Path) -> bool:
@@ -121,13 +127,13 @@ def remove_stale(root: Path) -> list[str]:
 def commit(tmp: Path, name: str, marker: dict[str, Any], keep_last: int | None) -> Path:
     """Mark ``tmp`` complete, rename it to ``name``, point ``latest`` at it; then
     delete all but the ``keep_last`` newest complete checkpoints."""
-    _write_file(tmp / MARKER, json.dumps(marker, indent=1))
+    write_file(tmp / MARKER, json.dumps(marker, indent=1))
     final = tmp.parent / name
     if final.exists():
         raise FileExistsError(f"{str(final)!r} exists already (written by another job?)")
     os.rename(tmp, final)
-    _fsync_dir(tmp.parent)
-    _write_file(tmp.parent / LATEST, name + "\n")
+    fsync_dir(tmp.parent)
+    write_file(tmp.parent / LATEST, name + "\n")
     if keep_last is not None:
         for old in complete_dirs(tmp.parent)[:-keep_last]:
             if old != final:
@@ -177,3 +183,64 @@ def _latest(root: Path) -> Path:
             "directory with a completion marker); was the first save interrupted?"
         )
     return complete[-1]
+
+
+# ------------------------------------------------------------ replacing a directory
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_SYS_RENAMEAT2 = {"x86_64": 316, "amd64": 316, "aarch64": 276, "arm64": 276}
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the directories ``a`` and ``b`` in one step (Linux ``renameat2`` with
+    ``RENAME_EXCHANGE``); False where the system or the file system cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return False
+    args = (_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    call = getattr(libc, "renameat2", None)
+    number = _SYS_RENAMEAT2.get(platform.machine().lower())
+    if call is not None:
+        result = call(*args)
+    elif number is not None and platform.system() == "Linux":
+        result = libc.syscall(number, *args)
+    else:
+        return False
+    if result == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False  # (NFS, some FUSE file systems)
+    raise OSError(code, f"exchanging {str(a)!r} and {str(b)!r}: {os.strerror(code)}")
+
+
+def replace_dir(tmp: Path, final: Path, old: Path) -> None:
+    """Put the directory ``tmp`` at ``final`` in one step, whatever ``final`` held, and
+    remove what it held. Where the file system cannot swap two directories in one step
+    (:func:`_exchange`), ``final`` is moved to ``old`` (a name beside it) and ``tmp``
+    renamed in its place: a crash between the two renames leaves the earlier content
+    at ``old``, which :func:`restore_dir` puts back."""
+    leftover = None
+    if not final.exists():
+        os.rename(tmp, final)
+    elif _exchange(tmp, final):
+        leftover = tmp  # (now the earlier content, under a name nothing loads)
+    else:
+        os.rename(final, old)
+        os.rename(tmp, final)
+        leftover = old
+    fsync_dir(final.parent)
+    if leftover is not None:
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def restore_dir(final: Path, old: Path) -> bool:
+    """After a crash inside :func:`replace_dir` that left ``final`` missing: put the
+    earlier content (at ``old``) back; whether it did."""
+    if final.exists() or not old.is_dir():
+        return False
+    os.rename(old, final)
+    fsync_dir(final.parent)
+    return True

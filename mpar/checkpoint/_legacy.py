@@ -11,16 +11,21 @@ To convert one to the directory format, load it and save again::
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from mpar.runtime import DistributedModel, DistributedOptimizer
 
 __all__ = ["GATHERED_FORMAT", "load_gathered"]
 
 GATHERED_FORMAT = "mpar-gathered-v1"
 
 
-def load_gathered(path: Path, model: Any, optimizer: Any) -> Any:
+def load_gathered(
+    path: Path, model: DistributedModel, optimizer: DistributedOptimizer | None
+) -> object:
     """Load a single-file checkpoint; returns its ``user_content``. Raises ValueError
     naming the file when it is not one."""
     try:

@@ -15,17 +15,25 @@ from __future__ import annotations
 import io
 import os
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-from mpar._compat import CheckpointException, dcp, set_element
+from mpar._compat import CheckpointException, Metadata, TensorStorageMetadata, dcp, set_element
 from mpar.checkpoint import _dirs
 from mpar.checkpoint._async import wait_checkpoint
 from mpar.checkpoint._common import FORMAT, CheckpointError, agree, check_model, describe_failure
-from mpar.checkpoint._dcp import Pieces, SafeLoadPlanner, SafeReader
+from mpar.checkpoint._dcp import SafeLoadPlanner, SafeReader
 from mpar.checkpoint._legacy import load_gathered
-from mpar.checkpoint._state import load_model_targets, load_optimizer_targets, publish_masters
+from mpar.checkpoint._state import (
+    Entry,
+    Install,
+    OptimSection,
+    Sections,
+    load_model_targets,
+    load_optimizer_targets,
+    publish_masters,
+)
 from mpar.checkpoint._verify import check_files, read_metadata
 from mpar.comm._checkpoint_comm import (
     all_gather_object_in,
@@ -33,12 +41,13 @@ from mpar.comm._checkpoint_comm import (
     checkpoint_group,
 )
 from mpar.comm._types import ProcessGroup
+from mpar.runtime import DistributedModel, DistributedOptimizer
 
 __all__ = ["PartialLoad", "load_checkpoint"]
 
 
 def _resolve(path: Path, group: ProcessGroup | None, rank: int) -> tuple[str, Path]:
-    decision: Any = None
+    decision: tuple[str, Path] | str | None = None
     if rank == 0:
         try:
             decision = _dirs.resolve(path)
@@ -50,23 +59,29 @@ def _resolve(path: Path, group: ProcessGroup | None, rank: int) -> tuple[str, Pa
         except (OSError, ValueError) as exc:
             decision = str(exc)
     decision = broadcast_object_in(decision, group)
-    if isinstance(decision, str):
-        raise CheckpointError(decision)
+    if not isinstance(decision, tuple):
+        raise CheckpointError(str(decision))
     return decision[0], decision[1]
 
 
-def _saved_shapes(metadata: Any) -> dict[tuple[str, ...], Any]:
-    return {
-        tuple(str(p) for p in path): metadata.state_dict_metadata[flat]
-        for flat, path in (metadata.planner_data or {}).items()
-    }
+Saved = dict[tuple[str, ...], TensorStorageMetadata | None]
+"""Every entry of a checkpoint by its path in the state dict: its tensor metadata, or
+None for a non-tensor value."""
+
+
+def _saved_shapes(metadata: Metadata) -> Saved:
+    out: Saved = {}
+    for flat, path in (metadata.planner_data or {}).items():
+        md = metadata.state_dict_metadata[flat]
+        out[tuple(str(p) for p in path)] = md if isinstance(md, TensorStorageMetadata) else None
+    return out
 
 
 class PartialLoad(NamedTuple):
     """What ``load_checkpoint(..., strict=False)`` returns: the ``user_content`` and
     the model entries it skipped (the same on every rank)."""
 
-    user_content: Any
+    user_content: object
     missing_keys: list[str]
     """Model keys the checkpoint has no entry for (left as they were)."""
     unexpected_keys: list[str]
@@ -75,29 +90,30 @@ class PartialLoad(NamedTuple):
     """``(key, saved shape, model shape)`` of entries whose shapes differ (not read)."""
 
 
-def _shape_of(target: Any) -> torch.Size | None:
-    return target.shape if isinstance(target, Pieces | torch.Tensor) else None
+Mismatch = tuple[str, tuple[int, ...], tuple[int, ...]]
+"""``(key, saved shape, model shape)``."""
+Skipped = tuple[list[str], list[str], list[Mismatch]]
+"""``(missing, unexpected, mismatched)`` model entries."""
 
 
 def _match_targets(
-    targets: dict[str, Any],
-    saved: dict[tuple[str, ...], Any],
-    model: Any,
+    targets: dict[str, Entry],
+    saved: Saved,
+    model: DistributedModel,
     where: Path,
     strict: bool,
-) -> tuple[list[str], list[str], list[Any]]:
+) -> Skipped:
     """Compare this rank's ``targets`` and the model's keys with the checkpoint:
     strict, raise naming every difference; else drop the targets that cannot be
     read and return (missing, unexpected, mismatched) as seen from this rank."""
     missing = [k for k in targets if ("model", k) not in saved]
-    keys = set(model._key_order)
+    keys = set(model.state_keys.order)
     unexpected = sorted(p[1] for p in saved if p[0] == "model" and len(p) == 2 and p[1] not in keys)
-    mismatched = []
+    mismatched: list[Mismatch] = []
     for key, target in targets.items():
-        size = getattr(saved.get(("model", key)), "size", None)
-        shape = _shape_of(target)
-        if size is not None and shape is not None and torch.Size(size) != shape:
-            mismatched.append((key, tuple(size), tuple(shape)))
+        md = saved.get(("model", key))
+        if md is not None and torch.Size(md.size) != target.shape:
+            mismatched.append((key, tuple(md.size), tuple(target.shape)))
     if strict and (missing or unexpected or mismatched):
         raise CheckpointError(_difference_text(where, missing, unexpected, mismatched))
     for key in missing + [m[0] for m in mismatched]:
@@ -106,7 +122,7 @@ def _match_targets(
 
 
 def _difference_text(
-    where: Path, missing: list[str], unexpected: list[str], shapes: list[Any]
+    where: Path, missing: list[str], unexpected: list[str], shapes: list[Mismatch]
 ) -> str:
     parts = []
     if missing:
@@ -124,31 +140,34 @@ def _difference_text(
 
 
 def _union_skipped(
-    skipped: tuple[list[str], list[str], list[Any]], group: ProcessGroup | None, model: Any
-) -> tuple[list[str], list[str], list[Any]]:
+    skipped: Skipped, group: ProcessGroup | None, model: DistributedModel
+) -> Skipped:
     """Every rank's skipped entries, merged, in the model's key order."""
     every = all_gather_object_in(skipped, group)
-    position = {k: i for i, k in enumerate(model._key_order)}
+    position = {k: i for i, k in enumerate(model.state_keys.order)}
     missing = sorted({k for s in every for k in s[0]}, key=lambda k: position.get(k, 0))
     mismatched = sorted({m for s in every for m in s[2]}, key=lambda m: position.get(m[0], 0))
     return missing, skipped[1], mismatched
 
 
-def _group_placeholders(saved: dict[tuple[str, ...], Any]) -> list[Any]:
-    holder: dict[str, Any] = {}
+def _group_placeholders(saved: Saved) -> list[dict[str, object]]:
+    """Where DCP puts the saved ``param_groups`` (empty tensors for tensor values)."""
+    holder: dict[str, object] = {}
     for path, md in saved.items():
         if path[:2] == ("optim", "param_groups"):
-            size = getattr(md, "size", None)
-            value = None if size is None else torch.empty(size, dtype=md.properties.dtype)
+            value = None if md is None else torch.empty(md.size, dtype=md.properties.dtype)
             key_path = tuple(int(p) if p.isdigit() else p for p in path)
             set_element(holder, key_path, value)
-    return list(holder.get("optim", {}).get("param_groups", []))
+    optim = holder.get("optim", {})
+    assert isinstance(optim, dict)
+    return list(optim.get("param_groups", []))
 
 
-def _read(directory: Path, group: ProcessGroup | None, sections: dict[str, Any]) -> None:
+def _read(directory: Path, group: ProcessGroup | None, sections: Sections) -> None:
+    """DCP fills ``sections`` in place (its tensors, and ``mpar.extras``)."""
     try:
         dcp.load(
-            sections,
+            sections,  # filled in place
             storage_reader=SafeReader(str(directory)),
             planner=SafeLoadPlanner(),
             process_group=group,
@@ -159,11 +178,22 @@ def _read(directory: Path, group: ProcessGroup | None, sections: dict[str, Any])
         ) from None
 
 
-def _extras(raw: Any) -> dict[str, Any]:
-    return dict(torch.load(io.BytesIO(raw), weights_only=True))
+class Extras(NamedTuple):
+    """What rank 0 saved beside the tensors (``mpar.extras``)."""
+
+    user_content: object
+    loss_scaler: dict[str, float] | None
 
 
-def _check_has_optimizer(saved: dict[tuple[str, ...], Any], directory: Path) -> None:
+def _extras(sections: Sections) -> Extras:
+    raw = sections.get("mpar", {}).get("extras")
+    if not isinstance(raw, bytes):
+        raise CheckpointError("the checkpoint holds no mpar extras (user_content, loss scale)")
+    loaded = torch.load(io.BytesIO(raw), weights_only=True)
+    return Extras(loaded.get("user_content"), loaded.get("loss_scaler"))
+
+
+def _check_has_optimizer(saved: Saved, directory: Path) -> None:
     if not any(path[0] == "optim" for path in saved):
         raise CheckpointError(
             f"checkpoint {str(directory)!r} holds no optimizer state (it was saved without "
@@ -172,20 +202,22 @@ def _check_has_optimizer(saved: dict[tuple[str, ...], Any], directory: Path) -> 
 
 
 def _optimizer_sections(
-    optimizer: Any, model: Any, directory: Path, metadata: Any
-) -> tuple[dict[str, Any], Any]:
+    optimizer: DistributedOptimizer, model: DistributedModel, directory: Path, metadata: Metadata
+) -> tuple[OptimSection, Install]:
     saved = _saved_shapes(metadata)
     _check_has_optimizer(saved, directory)
     targets, install = load_optimizer_targets(optimizer, model, metadata)
     return {"state": targets, "param_groups": _group_placeholders(saved)}, install
 
 
-def _load_optimizer(directory: Path, model: Any, optimizer: Any) -> None:
+def _load_optimizer(
+    directory: Path, model: DistributedModel, optimizer: DistributedOptimizer
+) -> None:
     """Read and install this rank's optimizer state (collective)."""
-    group = checkpoint_group(model._st)
+    group = checkpoint_group(model.grid)
     error: str | None = None
-    sections: dict[str, Any] = {}
-    install: Any = None
+    sections: Sections = {}
+    install: Install | None = None
     try:
         metadata = read_metadata(directory)
         optim, install = _optimizer_sections(optimizer, model, directory, metadata)
@@ -198,28 +230,38 @@ def _load_optimizer(directory: Path, model: Any, optimizer: Any) -> None:
 
 
 def _install(
-    install: Any, sections: dict[str, Any], optimizer: Any, where: Path, group: ProcessGroup | None
+    install: Install | None,
+    sections: Sections,
+    optimizer: DistributedOptimizer,
+    where: Path,
+    group: ProcessGroup | None,
 ) -> None:
     """Hand the optimizer its loaded state (every rank learns of any rank's failure)."""
     error = None
     try:
+        if install is None or "optim" not in sections:
+            raise KeyError("this rank listed no optimizer state")
         install(sections["optim"])
-        _load_scaler(optimizer, _extras(sections["mpar"]["extras"]))
+        _load_scaler(optimizer, _extras(sections))
     except (KeyError, ValueError, RuntimeError) as exc:
         error = f"{type(exc).__name__}: {exc}"
     agree(error, group, f"loading the optimizer state of {str(where)!r}")
 
 
-def _load_scaler(optimizer: Any, extras: dict[str, Any]) -> None:
+def _load_scaler(optimizer: DistributedOptimizer, extras: Extras) -> None:
     sharded = optimizer.sharded_optimizer()
     scaler = None if sharded is None else sharded.sharded.scaler
-    if scaler is not None and extras.get("loss_scaler") is not None:
-        scaler.load_state_dict(extras["loss_scaler"])
+    if scaler is not None and extras.loss_scaler is not None:
+        scaler.load_state_dict(extras.loss_scaler)
 
 
 def load_checkpoint(
-    path: str | os.PathLike[str], model: Any, optimizer: Any = None, *, strict: bool = True
-) -> Any:
+    path: str | os.PathLike[str],
+    model: DistributedModel,
+    optimizer: DistributedOptimizer | None = None,
+    *,
+    strict: bool = True,
+) -> object:
     """Load a checkpoint into ``model`` (and ``optimizer``); returns its ``user_content``.
 
     ``path`` is a checkpoint root (its ``latest`` is loaded), one checkpoint
@@ -239,7 +281,7 @@ def load_checkpoint(
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be True or False, got {strict!r}")
     wait_checkpoint()
-    group = checkpoint_group(model._st)
+    group = checkpoint_group(model.grid)
     kind, directory = _resolve(Path(path), group, model.grid.rank)
     if kind == "file":
         try:
@@ -247,9 +289,9 @@ def load_checkpoint(
         except (KeyError, ValueError) as exc:
             raise CheckpointError(str(exc)) from None
     error: str | None = None
-    sections: dict[str, Any] = {}
-    install: Any = None
-    skipped: tuple[list[str], list[str], list[Any]] = ([], [], [])
+    sections: Sections = {}
+    install: Install | None = None
+    skipped: Skipped = ([], [], [])
     try:
         metadata = read_metadata(directory)
         targets = load_model_targets(model)
@@ -264,11 +306,11 @@ def load_checkpoint(
     agree(error, group, f"loading checkpoint {str(directory)!r}")
     _read(directory, group, sections)
     publish_masters(model)
-    extras = _extras(sections["mpar"]["extras"])
-    if install is not None:
+    extras = _extras(sections)
+    if optimizer is not None and install is not None:
         _install(install, sections, optimizer, directory, group)
     elif optimizer is not None:
         optimizer.defer_load(lambda: _load_optimizer(directory, model, optimizer))
     if strict:
-        return extras.get("user_content")
-    return PartialLoad(extras.get("user_content"), *_union_skipped(skipped, group, model))
+        return extras.user_content
+    return PartialLoad(extras.user_content, *_union_skipped(skipped, group, model))

@@ -3,7 +3,8 @@
 Two jobs saving into one root must not destroy each other's work. A save
 holds the root's lock (``root/.mpar-save.lock``, an exclusive ``fcntl.flock``
 taken by global rank 0) from the moment it clears interrupted saves until its
-commit, so a second live writer is refused with the first one's identity. The
+commit, so a second live writer is refused with the first one's identity.
+``save_pretrained`` locks its folder the same way, with a file beside it. The
 lock file and every temporary directory name their owner (host, pid, process
 start time): an interrupted save is one whose owner is gone — a dead pid on
 this host — and only those are cleared. A directory owned by another host
@@ -135,25 +136,44 @@ class RootLock:
     """The exclusive save lock of a checkpoint ``root``, held until :meth:`release`.
 
     Raises :class:`SaveInProgressError` naming the holder when another live
-    process holds it.
+    process holds it. ``path``: the lock file, when not ``root/.mpar-save.lock``
+    (``save_pretrained`` locks a folder with a file beside it, since the folder
+    itself is replaced); ``target`` names what is saved in the message. With
+    ``remove=True`` the file is deleted at :meth:`release`: a process that opened
+    it just before sees, once it holds the lock, that the name now refers to
+    another file (or none), and takes the lock again.
     """
 
-    def __init__(self, root: Path, owner: Owner) -> None:
+    def __init__(
+        self,
+        root: Path,
+        owner: Owner,
+        *,
+        path: Path | None = None,
+        target: str = "a checkpoint into",
+        remove: bool = False,
+    ) -> None:
         root.mkdir(parents=True, exist_ok=True)
-        self.path = root / LOCK
-        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = Owner.parse(os.pread(self._fd, 4096, 0).decode(errors="replace"))
-            os.close(self._fd)
-            self._fd = None
-            raise SaveInProgressError(
-                f"another job is saving a checkpoint into {str(root)!r} "
-                f"({holder or 'owner unknown'}): two jobs saving into one root would "
-                "destroy each other's checkpoints. Wait for it to finish, stop it, or "
-                "save into another directory"
-            ) from None
+        self.path = path if path is not None else root / LOCK
+        self.remove = remove
+        self._fd: int | None = None
+        while self._fd is None:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _holder_of(fd)
+                os.close(fd)
+                raise SaveInProgressError(
+                    f"another job is saving {target} {str(root)!r} "
+                    f"({holder or 'owner unknown'}): two jobs saving into one place would "
+                    "destroy each other's work. Wait for it to finish, stop it, or "
+                    "save into another directory"
+                ) from None
+            if _same_file(fd, self.path):
+                self._fd = fd
+            else:  # removed by the holder that released it: take the new one
+                os.close(fd)
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, owner.to_json().encode(), 0)
 
@@ -161,7 +181,29 @@ class RootLock:
         if self._fd is None:
             return
         with contextlib.suppress(OSError):
-            os.ftruncate(self._fd, 0)
+            if self.remove:
+                os.unlink(self.path)
+            else:
+                os.ftruncate(self._fd, 0)
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd = None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _holder_of(fd: int, wait_s: float = 2.0) -> Owner | None:
+    """Who holds the lock file ``fd``: the holder writes its name just after it takes the
+    lock, so an empty file is read again for up to ``wait_s`` before giving up."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        holder = Owner.parse(os.pread(fd, 4096, 0).decode(errors="replace"))
+        if holder is not None or time.monotonic() > deadline:
+            return holder
+        time.sleep(0.02)

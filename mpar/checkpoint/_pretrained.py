@@ -8,33 +8,33 @@ then, on a partitioned model, every rank reads exactly the elements it stores
 meta device, the read waits until the model is partitioned (the first step);
 on a real model not yet partitioned, the whole module is loaded.
 
-Saving lays the tensors out in files the same way on every rank, rank 0 writes
-the headers, then every rank writes the elements it owns straight into the
+Saving (:mod:`mpar.checkpoint._hf_save`) lays the tensors out in files the same
+way on every rank, then every rank writes the elements it owns straight into the
 files (a ZeRO-3 shard, a part of a replicated tensor): the model is never
-gathered. Rank 0 adds the index and, for a Hugging Face model, ``config.json``.
+gathered. The files are written beside the target folder and replace it in one
+step once every rank has written and checked its part.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Callable, Mapping
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
-from mpar.checkpoint._safetensors import (
-    Checkpoint,
-    create_files,
-    parse_size,
-    plan_files,
-    write_index,
-    write_range,
-)
-from mpar.comm import state
-from mpar.comm._collectives import all_gather_object_pp, barrier
+from mpar.checkpoint._common import CheckpointError
+from mpar.checkpoint._hf_save import check_model, save_pretrained
+from mpar.checkpoint._safetensors import Checkpoint
 from mpar.errors import MparError
+
+if TYPE_CHECKING:
+    from mpar.meta._owned import Share
+    from mpar.runtime import DistributedModel
+    from mpar.shard._bucket import FlatBucket
 
 __all__ = ["PretrainedKeyError", "load_pretrained", "save_pretrained"]
 
@@ -46,13 +46,6 @@ class PretrainedKeyError(MparError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
-
-
-def _check_model(model: Any, fn: str) -> None:
-    from mpar.runtime import DistributedModel
-
-    if not isinstance(model, DistributedModel):
-        raise TypeError(f"mpar.{fn} takes an mpar.DistributedModel, got {type(model).__name__}")
 
 
 def _mapper(key_mapping: KeyMapping) -> Callable[[str], str]:
@@ -75,17 +68,19 @@ def _mapper(key_mapping: KeyMapping) -> Callable[[str], str]:
     return apply
 
 
-def _ignored(module: Any) -> list[re.Pattern[str]]:
+def _ignored(module: nn.Module) -> list[re.Pattern[str]]:
     patterns = getattr(module, "_keys_to_ignore_on_load_unexpected", None) or []
     return [re.compile(p) for p in patterns]
 
 
-def _match(model: Any, ckpt: Checkpoint, key_mapping: KeyMapping, strict: bool) -> dict[str, str]:
+def _match(
+    model: DistributedModel, ckpt: Checkpoint, key_mapping: KeyMapping, strict: bool
+) -> dict[str, str]:
     """Model key (canonical, one per tensor) -> checkpoint key; raises on a mismatch."""
     to_model = _mapper(key_mapping)
     by_model: dict[str, str] = {}
     unexpected: list[str] = []
-    known = set(model._key_order)
+    known = set(model.state_keys.order)
     ignored = _ignored(model.module)
     for ckey in ckpt.shapes:
         mkey = to_model(ckey)
@@ -97,16 +92,16 @@ def _match(model: Any, ckpt: Checkpoint, key_mapping: KeyMapping, strict: bool) 
     missing: list[str] = []
     mismatched: list[str] = []
     seen: set[str] = set()
-    for key in model._key_order:
+    for key in model.state_keys.order:
         if key in seen:
             continue
-        names = [key, *model._aliases.get(key, ())]
+        names = list(model.state_keys.names_of(key))
         seen.update(names)
         found = next((by_model[n] for n in names if n in by_model), None)
         if found is None:
             missing.append(key)
             continue
-        want, got = model._shapes[key], ckpt.shapes[found]
+        want, got = model.state_keys.shapes[key], ckpt.shapes[found]
         if want != got:
             mismatched.append(
                 f"{found!r}: checkpoint {tuple(got)}, model {tuple(want)} (model key {key!r})"
@@ -123,15 +118,67 @@ def _match(model: Any, ckpt: Checkpoint, key_mapping: KeyMapping, strict: bool) 
             + "; ".join(problems)
             + hint
         )
+    if not strict:
+        _report_partial(model, ckpt, len(out), missing, unexpected)
     return out
 
 
+def _report_partial(
+    model: DistributedModel,
+    ckpt: Checkpoint,
+    loaded: int,
+    missing: list[str],
+    unexpected: list[str],
+) -> None:
+    """``strict=False``: raise when nothing matched, else warn (rank 0) with the counts."""
+    total = loaded + len(missing)
+    if loaded == 0:
+        raise PretrainedKeyError(
+            f"checkpoint {ckpt.root} shares no tensor with {type(model.module).__name__} "
+            f"(0 of its {len(ckpt.shapes)} tensors match the model's {total}): checkpoint keys "
+            f"look like {sorted(ckpt.shapes)[:3]}, model keys like {list(model.state_keys.order[:3])}. "
+            "Is it another architecture? Rename keys with key_mapping={regex: replacement}"
+        )
+    if (missing or unexpected) and model.grid.rank == 0:
+        warnings.warn(
+            f"mpar.load_pretrained(strict=False) from {ckpt.root}: loaded {loaded} of the "
+            f"model's {total} tensors; {len(missing)} missing kept their values "
+            f"{missing[:5]}; {len(unexpected)} checkpoint tensors unused {unexpected[:5]}",
+            stacklevel=4,
+        )
+
+
+def _kind(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_floating_point:
+        return "floating point"
+    return "complex" if dtype.is_complex else "integer"
+
+
+def _check_casts(model: DistributedModel, ckpt: Checkpoint, matched: Mapping[str, str]) -> None:
+    """Refuse casts between dtype kinds (integer or bool to floating point, floating point
+    to bool or integer): they lose values, and usually mean a key matched the wrong tensor."""
+    lossy = []
+    for key, ckey in matched.items():
+        have, want = ckpt.dtype(ckey), model.state_keys.dtypes[key]
+        if _kind(have) != _kind(want):
+            lossy.append(f"{ckey!r} ({str(have).removeprefix('torch.')} -> {want})")
+    if lossy:
+        raise CheckpointError(
+            f"checkpoint {ckpt.root}: {len(lossy)} tensors would be cast to another kind of "
+            f"dtype, which loses values: {lossy[:5]}. Check the key mapping, or pass "
+            "allow_lossy_casts=True to mpar.load_pretrained to cast them anyway"
+        )
+
+
 def load_pretrained(
-    model: Any,
+    model: DistributedModel,
     path: str | os.PathLike[str],
     *,
     key_mapping: KeyMapping = None,
     strict: bool = True,
+    allow_lossy_casts: bool = False,
 ) -> None:
     """Load a Hugging Face safetensors checkpoint into ``model`` (a DistributedModel).
 
@@ -143,16 +190,23 @@ def load_pretrained(
     model's: ``{regex: replacement}`` applied in order, or a callable. With
     ``strict`` (default) a missing or unexpected key is an error; a shape
     mismatch always is (:class:`PretrainedKeyError`, naming the keys and both
-    shapes). Before the model is partitioned, a model built on the meta device
-    is loaded when it is (at its first step). Collective: call it on every rank.
+    shapes). ``strict=False`` loads what matches, warns with the counts of what
+    did not, and raises when nothing matched. A cast between kinds of dtype
+    (integer or bool into floating point, floating point into bool or integer)
+    raises :class:`CheckpointError` unless ``allow_lossy_casts=True``; casts within
+    a kind (bf16 into fp32) are made. Before the model is partitioned, a model
+    built on the meta device is loaded when it is (at its first step).
+    Collective: call it on every rank.
     """
-    _check_model(model, "load_pretrained")
+    check_model(model, "load_pretrained")
     ckpt = Checkpoint(path)
     matched = _match(model, ckpt, key_mapping, strict)
+    if not allow_lossy_casts:
+        _check_casts(model, ckpt, matched)
     if model.partitioned:
         _load_partitioned(model, ckpt, matched)
     elif any(t.is_meta for t in model.module.state_dict().values()):
-        model.after_partition.append(_DeferredLoad(ckpt, matched, model._aliases))
+        model.after_partition.append(_DeferredLoad(ckpt, matched, model.state_keys.aliases))
     else:
         _load_whole(model, ckpt, matched)
 
@@ -162,16 +216,16 @@ class _DeferredLoad:
     names every tensor it writes whole, so that materializing skips their init."""
 
     def __init__(
-        self, ckpt: Checkpoint, matched: Mapping[str, str], aliases: Mapping[str, Any]
+        self, ckpt: Checkpoint, matched: Mapping[str, str], aliases: Mapping[str, tuple[str, ...]]
     ) -> None:
         self.ckpt, self.matched = ckpt, matched
         self.overwrites = {n for key in matched for n in [key, *aliases.get(key, ())]}
 
-    def __call__(self, model: Any) -> None:
+    def __call__(self, model: DistributedModel) -> None:
         _load_partitioned(model, self.ckpt, self.matched)
 
 
-def _load_whole(model: Any, ckpt: Checkpoint, matched: Mapping[str, str]) -> None:
+def _load_whole(model: DistributedModel, ckpt: Checkpoint, matched: Mapping[str, str]) -> None:
     state = model.module.state_dict()
     with torch.no_grad():
         for key, ckey in matched.items():
@@ -179,10 +233,12 @@ def _load_whole(model: Any, ckpt: Checkpoint, matched: Mapping[str, str]) -> Non
             t.copy_(ckpt.read(ckey, 0, t.numel()).reshape(t.shape))
 
 
-def _load_partitioned(model: Any, ckpt: Checkpoint, matched: Mapping[str, str]) -> None:
+def _load_partitioned(
+    model: DistributedModel, ckpt: Checkpoint, matched: Mapping[str, str]
+) -> None:
     from mpar.meta._owned import fill_bucket, local_shares, stored_range
 
-    per_bucket: dict[int, tuple[Any, dict[int, tuple[int, torch.Tensor]]]] = {}
+    per_bucket: dict[int, tuple[FlatBucket, dict[int, tuple[int, torch.Tensor]]]] = {}
     with torch.no_grad():
         for key, share in local_shares(model).items():
             if key not in matched:
@@ -204,7 +260,7 @@ def _load_partitioned(model: Any, ckpt: Checkpoint, matched: Mapping[str, str]) 
 
 
 def _read(
-    ckpt: Checkpoint, ckey: str, share: Any, tp_rank: int, start: int, stop: int
+    ckpt: Checkpoint, ckey: str, share: Share, tp_rank: int, start: int, stop: int
 ) -> torch.Tensor:
     """Elements ``[start, stop)`` of what this rank holds of ``share``: of the tensor, or
     of its tensor-parallel piece (only the piece's blocks are read)."""
@@ -212,87 +268,3 @@ def _read(
         return ckpt.read(ckey, start, stop)
     boxes = share.split.boxes(share.shape, tp_rank)
     return ckpt.read_piece(ckey, share.split.dim, boxes).reshape(-1)[start:stop]
-
-
-# ---------------------------------------------------------------------------- saving
-
-
-def save_pretrained(
-    model: Any,
-    path: str | os.PathLike[str],
-    *,
-    max_shard_size: int | str = "5GB",
-) -> None:
-    """Write ``model`` as a Hugging Face safetensors checkpoint in directory ``path``.
-
-    Files of at most ``max_shard_size`` (bytes, or ``"5GB"``, ``"200MiB"``) plus
-    ``model.safetensors.index.json`` when there are several, and ``config.json``
-    for a Hugging Face model: ``transformers``' ``from_pretrained`` reads it. The
-    tensors keep the model's dtypes (the optimizer's full-precision values under
-    mixed precision); a tied weight is saved once, under its first name. Each rank
-    writes the elements it owns; nothing is gathered. Collective: call it on every
-    rank.
-    """
-    _check_model(model, "save_pretrained")
-    st = state()
-    limit = parse_size(max_shard_size)
-    root = Path(path)
-    keys = _saved_keys(model)
-    files = plan_files([(k, model._shapes[k], model._dtypes[k]) for k in keys], limit)
-    if st.layout.rank == 0:
-        create_files(root, files)
-    barrier()
-    layout_of = {key: layout for layout in files for key in layout.offsets}
-    for key, start, values in _pieces(model):
-        write_range(root, layout_of[key], key, start, values.to(model._dtypes[key]))
-    barrier()
-    if st.layout.rank == 0:
-        write_index(root, files)
-        config = getattr(model.module, "config", None)
-        if config is not None and hasattr(config, "save_pretrained"):
-            config.save_pretrained(root)
-    barrier()
-
-
-def _saved_keys(model: Any) -> list[str]:
-    """State-dict keys, each tensor once (tied aliases after the first left out)."""
-    out: list[str] = []
-    seen: set[str] = set()
-    for key in model._key_order:
-        if key not in seen:
-            out.append(key)
-            seen.update([key, *model._aliases.get(key, ())])
-    return out
-
-
-def _pieces(model: Any) -> list[tuple[str, int, torch.Tensor]]:
-    """(key, first element, values) this rank writes."""
-    from mpar.meta._owned import full_runs, local_shares, read_range, written_range
-
-    if not model.partitioned:
-        if any(t.is_meta for t in model.module.state_dict().values()):
-            raise ValueError(
-                "mpar.save_pretrained: the model is built on the meta device and has no "
-                "values before its first step (or mpar.materialize)"
-            )
-        if state().layout.rank != 0:
-            return []
-        whole = model.module.state_dict()
-        return [(k, 0, whole[k].reshape(-1)) for k in _saved_keys(model)]
-    shares = local_shares(model)
-    # The pipeline rank with the lowest stage holding a tensor writes it (tied copies).
-    lowest: dict[str, int] = {}
-    for part in all_gather_object_pp({k: s.stage for k, s in shares.items()}, model.grid):
-        for key, stage in part.items():
-            lowest[key] = min(stage, lowest.get(key, stage))
-    out = []
-    for key, share in shares.items():
-        if share.stage != lowest[key]:
-            continue
-        if share.split is None and model.grid.tp_rank != 0:
-            continue  # whole on every TP rank: TP rank 0 writes it
-        start, stop = written_range(share, model.grid.dp_cp_rank)  # ZeRO shards over dp x cp
-        if start < stop:
-            values = read_range(share, start, stop)
-            out += [(key, a, run) for a, run in full_runs(share, model.grid.tp_rank, start, values)]
-    return out

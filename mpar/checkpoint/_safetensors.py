@@ -4,17 +4,21 @@ Reading: :class:`Checkpoint` opens ``model.safetensors`` or the shards named by
 ``model.safetensors.index.json`` and returns any range of a tensor's elements
 (row-major): exactly their bytes are read (``os.preadv``), never the whole
 tensor, and nothing is memory-mapped, so a rank's resident memory holds only
-the elements it keeps.
+the elements it keeps. A folder that ``save_pretrained`` never committed, or
+whose files its marker lists are missing or short, is refused
+(:func:`mpar.checkpoint._hf_dirs.check_committed`).
 
 Writing: :func:`plan_files` lays the tensors out in files of at most
 ``max_shard_size`` bytes, the same on every rank (pure: names, shapes, dtypes);
-:func:`create_files` writes each file's header and sizes it; then any rank
-writes any byte range of a tensor with :func:`write_range` (``os.pwrite``), so
-the ranks of a job each write what they hold, with no gathering.
+:func:`create_files` writes each file's header and reserves its size on disk;
+then any rank writes byte ranges of a file with :func:`write_ranges`
+(``os.pwrite``, flushed to disk and read back), so the ranks of a job each
+write what they hold, with no gathering.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -25,6 +29,10 @@ from typing import Any
 
 import torch
 
+from mpar.checkpoint._common import CheckpointError
+from mpar.checkpoint._dirs import write_file
+from mpar.checkpoint._hf_dirs import check_committed
+
 __all__ = [
     "INDEX",
     "SINGLE",
@@ -34,7 +42,7 @@ __all__ = [
     "parse_size",
     "plan_files",
     "write_index",
-    "write_range",
+    "write_ranges",
 ]
 
 SINGLE = "model.safetensors"
@@ -96,14 +104,14 @@ class Checkpoint:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         root = Path(path)
+        files: dict[str | None, Path]
+        if not root.is_file():
+            check_committed(root)
         if root.is_file():
             files = {None: root}
             root = root.parent
         elif (root / INDEX).is_file():
-            index = json.loads((root / INDEX).read_text())
-            weight_map = index.get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise ValueError(f"{root / INDEX} has no 'weight_map' object")
+            weight_map = _weight_map(root / INDEX)
             files = {k: root / v for k, v in weight_map.items()}
         elif (root / SINGLE).is_file():
             files = {None: root / SINGLE}
@@ -137,6 +145,10 @@ class Checkpoint:
                 raise FileNotFoundError(f"checkpoint shard {file} (named by {INDEX}) is missing")
             self._headers[file] = _read_header(file)
         return self._headers[file]
+
+    def dtype(self, key: str) -> torch.dtype:
+        """The dtype tensor ``key`` is stored in."""
+        return self._header(self.file_of[key])[key].dtype
 
     def read(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Elements ``[start, stop)`` of tensor ``key`` (row-major), 1-D, in the file's
@@ -177,6 +189,24 @@ class Checkpoint:
 
     def close(self) -> None:
         self._headers.clear()
+
+
+def _weight_map(path: Path) -> dict[str, str]:
+    """The ``weight_map`` of an index file; CheckpointError naming the file and what is
+    wrong."""
+    try:
+        index = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(
+            f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}): "
+            "the index is corrupt or was cut short; save the checkpoint again"
+        ) from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path} is not a text (JSON) file: the index is corrupt") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{path} has no 'weight_map' object of tensor name -> file name")
+    return weight_map
 
 
 @dataclass
@@ -283,30 +313,72 @@ def _layout(name: str, group: Sequence[tuple[str, torch.Size, torch.dtype]]) -> 
 
 
 def create_files(root: Path, files: Sequence[FileLayout]) -> None:
-    """Write every file's header and give it its final size (data still zero)."""
+    """Write every file's header and reserve its final size on disk (data still zero):
+    a disk without room fails here, before any rank writes (OSError ENOSPC)."""
     root.mkdir(parents=True, exist_ok=True)
     for layout in files:
-        with open(root / layout.name, "wb") as f:
-            f.write(layout.header)
-            f.truncate(layout.size)
+        fd = os.open(root / layout.name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_all(fd, memoryview(layout.header), 0)
+            os.ftruncate(fd, layout.size)
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, layout.size)
+        finally:
+            os.close(fd)
 
 
-def write_range(root: Path, layout: FileLayout, key: str, start: int, values: torch.Tensor) -> None:
-    """Write ``values`` (1-D, the saved dtype) as elements ``start...`` of ``key``."""
+def _write_all(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        written = os.pwrite(fd, view, offset)
+        if written <= 0:
+            raise OSError(errno.EIO, "a write made no progress")
+        view, offset = view[written:], offset + written
+
+
+_CHECK_BYTES = 16 << 20
+
+
+def _read_back(fd: int, view: memoryview, offset: int) -> bool:
+    """Whether the file holds ``view`` at ``offset`` (compared in bounded pieces)."""
+    for at in range(0, len(view), _CHECK_BYTES):
+        piece = view[at : at + _CHECK_BYTES]
+        if os.pread(fd, len(piece), offset + at) != piece:
+            return False
+    return True
+
+
+def _bytes_at(
+    layout: FileLayout, key: str, start: int, values: torch.Tensor
+) -> tuple[memoryview, int]:
+    """The host bytes of ``values`` (elements ``start...`` of ``key``) and their offset."""
     data = values.detach().to("cpu").contiguous().view(torch.uint8).numpy()
-    offset = layout.offsets[key] + start * values.element_size()
-    fd = os.open(root / layout.name, os.O_WRONLY)
+    return data.data.cast("B"), layout.offsets[key] + start * values.element_size()
+
+
+def write_ranges(
+    root: Path, layout: FileLayout, items: Sequence[tuple[str, int, torch.Tensor]]
+) -> None:
+    """Write each ``(key, first element, values)`` (1-D, the saved dtype) into the file
+    of ``layout``, flush it to disk, and read every range back: CheckpointError naming
+    the file when one does not hold what was written."""
+    path = root / layout.name
+    fd = os.open(path, os.O_RDWR)
     try:
-        view = data.data.cast("B")
-        while view:
-            written = os.pwrite(fd, view, offset)
-            view, offset = view[written:], offset + written
+        for key, start, values in items:
+            _write_all(fd, *_bytes_at(layout, key, start, values))
+        os.fsync(fd)
+        for key, start, values in items:  # (host bytes made again: one piece held at a time)
+            if not _read_back(fd, *_bytes_at(layout, key, start, values)):
+                raise CheckpointError(
+                    f"{path}: the bytes of {key!r} read back differ from those written: the "
+                    "file system lost a write"
+                )
     finally:
         os.close(fd)
 
 
 def write_index(root: Path, files: Sequence[FileLayout]) -> None:
-    """``model.safetensors.index.json`` for several files (nothing for one)."""
+    """``model.safetensors.index.json`` for several files (nothing for one), on disk."""
     if len(files) == 1:
         return
     weight_map = {key: layout.name for layout in files for key in layout.offsets}
@@ -314,4 +386,4 @@ def write_index(root: Path, files: Sequence[FileLayout]) -> None:
     for layout in files:
         total += layout.size - len(layout.header)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (root / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    write_file(root / INDEX, json.dumps(index, indent=2, sort_keys=True) + "\n")

@@ -20,7 +20,6 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -30,18 +29,25 @@ from mpar.checkpoint._async import CheckpointHandle, finished, submit, wait_chec
 from mpar.checkpoint._common import FORMAT, CheckpointError, agree, check_model, describe_failure
 from mpar.checkpoint._dcp import BoundedWriter, SavePlannerWithPieces
 from mpar.checkpoint._owner import Owner, RootLock
-from mpar.checkpoint._state import merge_param_groups, model_entries, optimizer_entries
+from mpar.checkpoint._state import (
+    Copy,
+    Groups,
+    Sections,
+    merge_param_groups,
+    model_entries,
+    optimizer_entries,
+)
 from mpar.checkpoint._verify import check_files
 from mpar.comm._checkpoint_comm import (
     all_gather_object_in,
     broadcast_object_in,
     checkpoint_group,
 )
-from mpar.comm._lifecycle import on_shutdown
 from mpar.comm._types import ProcessGroup
 from mpar.errors import MparError
+from mpar.runtime import DistributedModel, DistributedOptimizer
 
-__all__ = ["WRITE_BUFFER_BYTES", "save_checkpoint"]
+__all__ = ["WRITE_BUFFER_BYTES", "PendingSave", "save_checkpoint"]
 
 WRITE_BUFFER_BYTES = 32 * 2**20
 """Tensor bytes per shard file: DCP keeps copies of one file's tensors until it is
@@ -56,9 +62,10 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
-class _Save:
-    """Where one save writes: its temporary directory, final name, and (on rank 0)
-    the root's lock, held until the save commits or fails."""
+class PendingSave:
+    """Where one save writes: its temporary directory, the final name beside it, and
+    (on rank 0) the lock, held until the save commits or fails. ``save_checkpoint``
+    and ``save_pretrained`` both write through one."""
 
     def __init__(self, tmp: Path, name: str, lock: RootLock | None) -> None:
         self.tmp, self.name, self.lock = tmp, name, lock
@@ -97,10 +104,10 @@ def _claim_root(root: Path) -> tuple[tuple[Path, str], RootLock]:
         raise
 
 
-def _prepare_root(root: Path, group: ProcessGroup | None, rank: int) -> _Save:
+def _prepare_root(root: Path, group: ProcessGroup | None, rank: int) -> PendingSave:
     """Rank 0 claims the root (every rank learns the temporary directory's name,
     or the error)."""
-    decision: Any = None
+    decision: tuple[Path, str] | str | None = None
     lock = None
     if rank == 0:
         try:
@@ -108,15 +115,20 @@ def _prepare_root(root: Path, group: ProcessGroup | None, rank: int) -> _Save:
         except (OSError, MparError) as exc:
             decision = f"{type(exc).__name__}: {exc}"
     decision = broadcast_object_in(decision, group)
-    if isinstance(decision, str):
+    if not isinstance(decision, tuple):
         raise CheckpointError(f"cannot save checkpoint under {str(root)!r}: {decision}")
-    return _Save(decision[0], decision[1], lock)
+    return PendingSave(decision[0], decision[1], lock)
 
 
-def _entries(model: Any, optimizer: Any, user_content: Any, copy: Any) -> dict[str, Any]:
-    entries: dict[str, Any] = {"model": model_entries(model, copy)}
+def _entries(
+    model: DistributedModel,
+    optimizer: DistributedOptimizer | None,
+    user_content: object,
+    copy: Copy,
+) -> Sections:
+    entries: Sections = {"model": model_entries(model, copy)}
     if optimizer is not None:
-        if callable(getattr(optimizer, "_pending", None)):
+        if optimizer.load_deferred:
             raise CheckpointError(
                 "the optimizer state loaded from a checkpoint is read at the first step "
                 "(when the model is partitioned); save after it"
@@ -141,20 +153,27 @@ def _check_loadable(raw: bytes) -> None:
         ) from None
 
 
-def _merge_groups(groups: list[dict[str, Any]], model: Any, group: ProcessGroup | None) -> None:
-    local = [g["params"] for g in groups]
-    merged = merge_param_groups(local, all_gather_object_in(local, group), model._key_order)
+def _merge_groups(groups: Groups, model: DistributedModel, group: ProcessGroup | None) -> None:
+    local = [[str(name) for name in _names(g)] for g in groups]
+    every: list[list[list[str]] | None] = list(all_gather_object_in(local, group))
+    merged = merge_param_groups(local, every, model.state_keys.order)
     for g, names in zip(groups, merged):
         g["params"] = names
 
 
-def _scaler_state(optimizer: Any) -> Any:
+def _names(group: dict[str, object]) -> list[object]:
+    params = group["params"]
+    assert isinstance(params, list)
+    return params
+
+
+def _scaler_state(optimizer: DistributedOptimizer | None) -> dict[str, float] | None:
     sharded = None if optimizer is None else optimizer.sharded_optimizer()
     scaler = None if sharded is None else sharded.sharded.scaler
     return None if scaler is None else scaler.state_dict()
 
 
-def _marker(model: Any) -> dict[str, Any]:
+def _marker(model: DistributedModel) -> dict[str, object]:
     return {
         "format": FORMAT,
         "world_size": model.grid.world_size,
@@ -164,7 +183,7 @@ def _marker(model: Any) -> dict[str, Any]:
     }
 
 
-def _write(entries: dict[str, Any], save: _Save, group: ProcessGroup | None) -> None:
+def _write(entries: Sections, save: PendingSave, group: ProcessGroup | None) -> None:
     try:
         dcp.save(
             entries,
@@ -181,7 +200,7 @@ def _write(entries: dict[str, Any], save: _Save, group: ProcessGroup | None) -> 
         ) from None
 
 
-def _commit(save: _Save, keep_last: int | None, model: Any) -> str | None:
+def _commit(save: PendingSave, keep_last: int | None, model: DistributedModel) -> str | None:
     """Rank 0: check every file, then commit; the error text, or None."""
     try:
         check_files(save.tmp)
@@ -195,11 +214,11 @@ def _commit(save: _Save, keep_last: int | None, model: Any) -> str | None:
 
 
 def _write_and_commit(
-    entries: dict[str, Any],
-    save: _Save,
+    entries: Sections,
+    save: PendingSave,
     group: ProcessGroup | None,
     keep_last: int | None,
-    model: Any,
+    model: DistributedModel,
 ) -> Path:
     _write(entries, save, group)
     error = _commit(save, keep_last, model) if model.grid.rank == 0 else None
@@ -220,9 +239,9 @@ def _write_and_commit(
 
 def save_checkpoint(
     path: str | os.PathLike[str],
-    model: Any,
-    optimizer: Any = None,
-    user_content: Any = None,
+    model: DistributedModel,
+    optimizer: DistributedOptimizer | None = None,
+    user_content: object = None,
     *,
     async_save: bool = False,
     keep_last: int | None = None,
@@ -239,11 +258,10 @@ def save_checkpoint(
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
     wait_checkpoint()
-    on_shutdown(_wait_quietly)
-    group = checkpoint_group(model._st)
+    group = checkpoint_group(model.grid)
     root = Path(path)
     save = _prepare_root(root, group, model.grid.rank)
-    entries: dict[str, Any] = {}
+    entries: Sections = {}
     error = None
     try:
         entries = _entries(model, optimizer, user_content, _cpu_copy if async_save else _same)
@@ -266,16 +284,3 @@ def save_checkpoint(
     if async_save:
         return submit(job, save.final)
     return finished(job, save.final)
-
-
-def _wait_quietly() -> None:
-    """At shutdown: finish a pending save; report (not raise) its failure."""
-    import warnings
-
-    try:
-        wait_checkpoint()
-    except CheckpointError as exc:
-        warnings.warn(f"the last asynchronous checkpoint failed: {exc}", stacklevel=2)
-
-
-# ------------------------------------------------------------------------- load

@@ -13,15 +13,15 @@ at all for a truncated shard until the optimizer steps).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
+from mpar._compat import Metadata
 from mpar.checkpoint._common import CheckpointError
 from mpar.checkpoint._dcp import SafeReader
 
 __all__ = ["check_files", "read_metadata"]
 
 
-def read_metadata(directory: Path) -> Any:
+def read_metadata(directory: Path) -> Metadata:
     """The DCP metadata of ``directory``; CheckpointError naming the file if it is
     missing or unreadable."""
     path = directory / ".metadata"
@@ -36,7 +36,7 @@ def read_metadata(directory: Path) -> Any:
         ) from None
 
 
-def _needed_bytes(metadata: Any) -> dict[str, int]:
+def _needed_bytes(metadata: Metadata) -> dict[str, int]:
     """File name -> bytes it must hold (the end of its last recorded range)."""
     needed: dict[str, int] = {}
     for info in (getattr(metadata, "storage_data", None) or {}).values():
@@ -45,7 +45,7 @@ def _needed_bytes(metadata: Any) -> dict[str, int]:
     return needed
 
 
-def check_files(directory: Path) -> Any:
+def check_files(directory: Path) -> Metadata:
     """Raise CheckpointError naming the first missing or short file of the
     checkpoint in ``directory``; returns its metadata."""
     metadata = read_metadata(directory)

@@ -14,7 +14,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from transformers import PretrainedConfig, PreTrainedModel
 
 __all__ = ["build_hf_model"]
 
@@ -22,7 +27,7 @@ _TOKEN_LABELS = ("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForConditionalGen
 _CLASS_LABELS = ("ForSequenceClassification", "ForImageClassification")
 
 
-def _read_config(path: str | Path) -> Any:
+def _read_config(path: str | Path) -> PretrainedConfig:
     import transformers
 
     path = Path(path)
@@ -45,7 +50,7 @@ def _read_config(path: str | Path) -> Any:
         raise ValueError(f"--hf-config: {exc}".splitlines()[0]) from None
 
 
-def _model_class(config: Any) -> Any:
+def _model_class(config: PretrainedConfig) -> type[PreTrainedModel]:
     import transformers
 
     for name in config.architectures or []:
@@ -53,8 +58,8 @@ def _model_class(config: Any) -> Any:
         if cls is not None:
             return cls
     auto = transformers.AutoModelForCausalLM
-    try:
-        return auto._model_mapping[type(config)]
+    try:  # transformers annotates the mapping's values loosely: they are model classes
+        return cast("type[PreTrainedModel]", auto._model_mapping[type(config)])
     except KeyError:
         raise ValueError(
             f"--hf-config: the config names no architecture this transformers version has "
@@ -63,7 +68,9 @@ def _model_class(config: Any) -> Any:
         ) from None
 
 
-def _inputs(model: Any, config: Any, seq_len: int, batch: int) -> dict[str, Any]:
+def _inputs(
+    model: nn.Module, config: PretrainedConfig, seq_len: int, batch: int
+) -> dict[str, torch.Tensor]:
     import torch
 
     name = type(model).__name__
@@ -82,7 +89,9 @@ def _inputs(model: Any, config: Any, seq_len: int, batch: int) -> dict[str, Any]
     return inputs
 
 
-def build_hf_model(path: str | Path, *, seq_len: int, batch: int) -> tuple[Any, dict[str, Any]]:
+def build_hf_model(
+    path: str | Path, *, seq_len: int, batch: int
+) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """The model of the Hugging Face config at ``path`` on the meta device, and its inputs."""
     import torch
 

@@ -52,18 +52,35 @@ each candidate's microbatch size. ``--json`` prints ``{"config", "predicted",
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
+
+from mpar._size import parse_bandwidth, parse_bytes
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from torch import nn
+
     from mpar.config import Config
+    from mpar.partition import PlanInputs
+    from mpar.profile import ModelProfile
+    from mpar.tensor_parallel import ExampleInputs
+
+    Profiled = tuple[ModelProfile, int, tuple[nn.Module, ExampleInputs]]
+    """A profile, its samples per microbatch, and the module and inputs it profiled."""
 
 __all__ = ["add_parser", "run"]
 
+T = TypeVar("T")
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+
+def add_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     """Register ``mpar plan``."""
     parser = subparsers.add_parser(
         "plan",
@@ -156,7 +173,7 @@ def _add_auto_arguments(parser: argparse.ArgumentParser) -> None:
     auto.add_argument("--top", type=int, default=10, help="candidates to rank (10)")
 
 
-def _load_factory(spec: str) -> Any:
+def _load_factory(spec: str) -> Callable[[], object]:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"--model must look like pkg.module:factory, got {spec!r}")
@@ -167,7 +184,7 @@ def _load_factory(spec: str) -> Any:
     return factory
 
 
-def _split_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _split_inputs(inputs: object) -> tuple[tuple[object, ...], dict[str, object]]:
     import torch
 
     if isinstance(inputs, torch.Tensor):
@@ -182,7 +199,7 @@ def _split_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     )
 
 
-def _build(spec: str, meta: bool) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+def _build(spec: str, meta: bool) -> tuple[nn.Module, tuple[object, ...], dict[str, object]]:
     import torch
 
     factory = _load_factory(spec)
@@ -203,8 +220,6 @@ def _build(spec: str, meta: bool) -> tuple[Any, tuple[Any, ...], dict[str, Any]]
 
 
 def _read_config(path: str | None, world_size: int, tp: int | None = None) -> Config:
-    import dataclasses
-
     from mpar.config import Config, load_config
 
     config = load_config(path, defaults={"pipeline_parallel_degree": world_size})
@@ -223,30 +238,21 @@ def _read_config(path: str | None, world_size: int, tp: int | None = None) -> Co
     return config
 
 
-def _plan_options(config: Config, world_size: int) -> dict[str, Any]:
-    pp, tp = config.pipeline_parallel_degree, config.tensor_parallel_degree
-    return {
-        "num_ranks": pp,
-        "tensor_parallel_degree": tp,
-        "virtual_stages": config.virtual_stages,
-        "microbatches": config.microbatches,
-        "pipeline": config.pipeline,
-        "active_microbatches": config.active_microbatches,
-        "optimize": config.optimize,
-        "memory_weight": config.memory_weight,
-        "data_parallel_degree": world_size // (pp * tp),
-        "zero_stage": config.zero.stage,
-        "precision": "bf16" if config.bf16 else "fp16" if config.fp16 else "fp32",
-        "activation_checkpointing": config.activation_checkpointing not in (False, "none"),
-        "offload_optimizer": config.zero.offload_optimizer == "cpu",
-        "offload_params": config.zero.offload_params == "cpu",
-        "gather": config.zero.gather,
-        "device_memory": config.device_memory,
-        "split_backward": config.split_backward,
-    }
+def plan_inputs_of(args: argparse.Namespace, config: Config) -> PlanInputs:
+    """What ``mpar plan`` plans for: the one translation of ``config`` on ``--world-size``
+    ranks (``mpar.partition.plan_inputs``, as the runtime makes it on its grid), for the
+    ``--device`` kind, capped by ``--device-memory`` where given."""
+    from mpar.partition import plan_inputs
+    from mpar.partition._plan_inputs import plan_device
+
+    kind = plan_device(device_kind(args.device, config.device))
+    inputs = plan_inputs(config, args.world_size, device=kind)
+    if args.device_memory is None:
+        return inputs
+    return dataclasses.replace(inputs, device_memory=parse_bytes(args.device_memory))
 
 
-def _profile(args: argparse.Namespace) -> tuple[Any, int, Any]:
+def _profile(args: argparse.Namespace) -> Profiled:
     """Profile the model; returns the profile, its samples per microbatch and the
     ``(module, (args, kwargs))`` it profiled (for the TP plan).
 
@@ -260,9 +266,11 @@ def _profile(args: argparse.Namespace) -> tuple[Any, int, Any]:
         from mpar.cli._hf_model import build_hf_model
         from mpar.runtime._adapt import disable_caches
 
-        module, ex_kwargs = build_hf_model(args.hf_config, seq_len=args.seq_len, batch=args.batch)
+        module, hf_kwargs = build_hf_model(args.hf_config, seq_len=args.seq_len, batch=args.batch)
         disable_caches(module)  # as DistributedModel does
-        ex_args, meta, batch = (), True, args.batch
+        ex_args: tuple[object, ...] = ()
+        ex_kwargs: dict[str, object] = dict(hf_kwargs)
+        meta, batch = True, int(args.batch)
     else:
         module, ex_args, ex_kwargs = _build(args.model, args.meta)
         meta, batch = args.meta, _batch_of((ex_args, ex_kwargs))
@@ -276,21 +284,22 @@ def _profile(args: argparse.Namespace) -> tuple[Any, int, Any]:
     return profile, batch, (module, (ex_args, ex_kwargs))
 
 
-def _first_samples(inputs: Any, batch: int, keep: int) -> Any:
+def _first_samples(inputs: T, batch: int, keep: int) -> T:
     """The inputs with every tensor whose first dimension is ``batch`` cut to ``keep``."""
     import torch
 
     from mpar._compat import pytree
 
-    def cut(x: Any) -> Any:
+    def cut(x: object) -> object:
         if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch:
             return x[:keep]
         return x
 
-    return pytree.tree_map(cut, inputs)
+    kept: T = pytree.tree_map(cut, inputs)
+    return kept
 
 
-def _batch_of(inputs: Any) -> int:
+def _batch_of(inputs: object) -> int:
     """Samples in the example inputs: the first dimension of their first tensor."""
     import torch
 
@@ -302,8 +311,9 @@ def _batch_of(inputs: Any) -> int:
     return 1
 
 
-def _link(text: str) -> str | None:
-    return None if text.lower() == "none" else text
+def link_bandwidth(text: str) -> float | None:
+    """``--link-bandwidth`` in bytes per second ('none': communication left out)."""
+    return None if text.lower() == "none" else parse_bandwidth(text, "link_bandwidth")
 
 
 def device_kind(requested: str | None, configured: str = "auto") -> str:
@@ -317,8 +327,6 @@ def device_kind(requested: str | None, configured: str = "auto") -> str:
 
 def process_overrides(text: str | None) -> dict[str, int]:
     """``--process-memory``: one figure for every rank, pipelined or not, any precision."""
-    from mpar._size import parse_bytes
-
     if text is None:
         return {}
     return {
@@ -343,46 +351,35 @@ def microbatch_size(global_batch: int | None, dp: int, microbatches: int, profil
 
 def tp_bandwidth(args: argparse.Namespace, link: float | None) -> float | None:
     """``--tp-bandwidth`` in bytes per second (the link bandwidth without it)."""
-    from mpar.partition._planner import _bandwidth
-
     text = args.tp_bandwidth
     if text is None:
         return link
-    return None if text.lower() == "none" else _bandwidth(text, "--tp-bandwidth")
+    return None if text.lower() == "none" else parse_bandwidth(text, "--tp-bandwidth")
 
 
 def _run_plan(args: argparse.Namespace) -> str:
-    from mpar.cli._plan_tp import tp_splits
     from mpar.partition import CostModel, make_plan
-    from mpar.partition._planner import _bandwidth
+    from mpar.tensor_parallel import tp_splits
 
     config = _read_config(args.config, args.world_size, args.tp)
-    options = _plan_options(config, args.world_size)
+    inputs = plan_inputs_of(args, config)
     size = microbatch_size(
-        args.global_batch, options["data_parallel_degree"], config.microbatches, 1
+        args.global_batch, inputs.grid.dp, inputs.schedule.microbatches, 1
     )  # checked before profiling
-    link = _link(args.link_bandwidth)
+    link = link_bandwidth(args.link_bandwidth)
     cost = CostModel(
-        tp_bandwidth=tp_bandwidth(args, None if link is None else _bandwidth(link)),
+        link_bandwidth=link,
+        tp_bandwidth=tp_bandwidth(args, link),
         **process_overrides(args.process_memory),
     )
-    profile, batch, (module, inputs) = _profile(args)
-    tp = config.tensor_parallel_degree
-    splits = None
+    profile, batch, (module, example) = _profile(args)
+    tp = inputs.grid.tp
     if tp > 1:
-        splits = tp_splits(module, profile, inputs, [tp], user_plan=config.tp_plan, required=tp)
+        splits = tp_splits(module, profile, example, [tp], user_plan=config.tp_plan, required=tp)
+        inputs = dataclasses.replace(inputs, tp_splits=splits)
     size = size if args.global_batch is not None else batch
-    if args.device_memory is not None:
-        options["device_memory"] = args.device_memory
     plan = make_plan(
-        profile,
-        link_bandwidth=link,
-        cost=cost,
-        tp_splits=splits,
-        device=device_kind(args.device, config.device),
-        microbatch_scale=size / batch,
-        microbatch_size=size,
-        **options,
+        profile, inputs, cost=cost, microbatch_scale=size / batch, microbatch_size=size
     )
     return json.dumps(plan.to_dict(), indent=2) if args.json else str(plan)
 

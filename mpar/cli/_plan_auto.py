@@ -4,17 +4,23 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
+
+from mpar._size import parse_bandwidth, parse_bytes
+
+if TYPE_CHECKING:
+    from mpar.cli._plan import Profiled
+    from mpar.partition import CostModel, SearchSpace
 
 __all__ = ["run_auto"]
 
 
-def _options(args: argparse.Namespace) -> tuple[Any, Any]:
-    from mpar.cli._plan import device_kind
+def _options(args: argparse.Namespace) -> tuple[SearchSpace, CostModel]:
+    from mpar.cli._plan import device_kind, link_bandwidth, process_overrides, tp_bandwidth
     from mpar.partition import CostModel, SearchSpace
-    from mpar.partition._planner import _bandwidth
 
     if args.device_memory is None:
         raise ValueError("--auto needs --device-memory (bytes per rank, e.g. 80GiB)")
@@ -27,11 +33,9 @@ def _options(args: argparse.Namespace) -> tuple[Any, Any]:
             "--host-memory caps offloaded state on a CUDA or XLA device; on a CPU device the "
             "host is the device and --device-memory is the one cap (or plan with --device cuda)"
         )
-    link = None if args.link_bandwidth.lower() == "none" else _bandwidth(args.link_bandwidth)
-    dp = link if args.dp_bandwidth is None else _bandwidth(args.dp_bandwidth, "--dp-bandwidth")
-    host = _bandwidth(args.host_bandwidth, "--host-bandwidth")
-    from mpar.cli._plan import process_overrides, tp_bandwidth
-
+    link = link_bandwidth(args.link_bandwidth)
+    dp = link if args.dp_bandwidth is None else parse_bandwidth(args.dp_bandwidth, "--dp-bandwidth")
+    host = parse_bandwidth(args.host_bandwidth, "--host-bandwidth")
     process = process_overrides(args.process_memory)
     if args.tp is not None and (args.tp < 1 or args.world_size % args.tp):
         raise ValueError(
@@ -55,63 +59,38 @@ def _options(args: argparse.Namespace) -> tuple[Any, Any]:
     return space, cost
 
 
-def _best_plan(profile: Any, result: Any, scale: float, splits: Any) -> Any:
-    """``make_plan`` of the best candidate: its stages, with the same figures."""
-    from mpar.partition import make_plan
-
-    best = result.best
-    return make_plan(
-        profile,
-        num_ranks=best.pipeline_parallel_degree,
-        virtual_stages=best.virtual_stages,
-        microbatches=best.microbatches,
-        pipeline=best.pipeline,
-        memory_weight=0.0,
-        device_memory=result.device_memory,
-        data_parallel_degree=best.data_parallel_degree,
-        zero_stage=best.zero_stage,
-        link_bandwidth=result.cost.link_bandwidth,
-        precision=best.precision,
-        activation_checkpointing=best.activation_checkpointing,
-        offload_optimizer=best.offload_optimizer,
-        offload_params=best.offload_params,
-        microbatch_scale=scale,
-        cost=result.cost,
-        gather=best.gather,
-        device=best.device,
-        microbatch_size=best.microbatch_size,
-        tensor_parallel_degree=best.tensor_parallel_degree,
-        tp_splits=splits,
-    )
-
-
-def run_auto(args: argparse.Namespace, profile_fn: Callable[[argparse.Namespace], Any]) -> str:
+def run_auto(args: argparse.Namespace, profile_fn: Callable[[argparse.Namespace], Profiled]) -> str:
     """Profile once, search, and format the result (table or JSON)."""
     from mpar.cli._plan import device_kind
-    from mpar.cli._plan_tp import tp_splits
-    from mpar.partition import search
+    from mpar.config import Config
+    from mpar.partition import make_plan, plan_inputs, search
+    from mpar.partition._plan_inputs import plan_device
+    from mpar.tensor_parallel import tp_splits
 
     space, cost = _options(args)
-    device = device_kind(args.device)
+    device = plan_device(device_kind(args.device))
     profile, batch, (module, inputs) = profile_fn(args)
     degrees = space.tensor_parallel_degrees or [
         d for d in range(2, args.world_size + 1) if args.world_size % d == 0
     ]
     splits = tp_splits(module, profile, inputs, degrees, required=args.tp)
+    base = plan_inputs(Config(), args.world_size, device=device, tp_splits=splits)
+    base = dataclasses.replace(base, device_memory=parse_bytes(args.device_memory))
     result = search(
         profile,
-        world_size=args.world_size,
-        device_memory=args.device_memory,
+        base,
         global_batch=args.global_batch,
         profile_batch=batch,
         space=space,
         cost=cost,
         top=args.top,
-        device=device,
         host_memory=args.host_memory,
-        tp_splits=splits,
     )
-    plan = _best_plan(profile, result, result.best.microbatch_size / batch, splits)
+    best = result.best  # the best candidate's stages, with the same figures
+    size = best.microbatch_size
+    plan = make_plan(
+        profile, best.inputs, cost=result.cost, microbatch_scale=size / batch, microbatch_size=size
+    )
     if args.json:
         return json.dumps({**result.to_dict(), "plan": plan.to_dict()}, indent=2)
     return f"{result}\n\nbest layout, stage by stage:\n{plan}"

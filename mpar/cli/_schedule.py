@@ -13,7 +13,6 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from mpar.errors import ScheduleError
 from mpar.schedule import (
@@ -44,7 +43,9 @@ _DESCRIPTION = (
 )
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     """Register ``mpar schedule`` on an ``add_subparsers()`` object."""
     parser = subparsers.add_parser(
         "schedule", help="print, simulate and plot a pipeline schedule", description=_DESCRIPTION
@@ -307,8 +308,8 @@ def _text_report(args: argparse.Namespace, schedule: Schedule, result: Simulatio
 
 def _json_report(
     args: argparse.Namespace, schedule: Schedule, result: SimulationResult
-) -> dict[str, Any]:
-    report: dict[str, Any] = {
+) -> dict[str, object]:
+    report: dict[str, object] = {
         "pipeline": args.pipeline,
         "num_ranks": schedule.num_ranks,
         "virtual_stages": schedule.virtual_stages,

@@ -14,10 +14,21 @@ import datetime
 import os
 import sys
 import threading
+from typing import NoReturn
 
 import torch.distributed as dist
 
-__all__ = ["FAILED", "publish_failure", "silence", "start_watcher", "stop_watcher"]
+from mpar.comm._shared import remove_created
+
+__all__ = [
+    "FAILED",
+    "exit_now",
+    "is_stopped",
+    "publish_failure",
+    "silence",
+    "start_watcher",
+    "stop_watcher",
+]
 
 _KEY = "mpar/failure"
 _stop = threading.Event()
@@ -58,10 +69,17 @@ def _watch(store: dist.TCPStore, rank: int) -> None:
         if source == f"rank {rank}" or _stop.is_set():
             return
         if _quiet.is_set():  # a hang is being reported: that report says it all
-            os._exit(1)
+            exit_now()
         sys.stderr.write(f"mpar: {source} failed; stopping rank {rank}. Its traceback:\n{body}\n")
         sys.stderr.flush()
-        os._exit(1)
+        exit_now()
+
+
+def exit_now() -> NoReturn:
+    """End this process at once (status 1), after removing the shared-memory files it
+    made (nothing else runs: no ``atexit``, no ``finally``)."""
+    remove_created()
+    os._exit(1)
 
 
 def start_watcher(host: str, port: int, rank: int, timeout_s: float) -> None:
@@ -98,8 +116,20 @@ def silence() -> None:
 
 
 def stop_watcher() -> None:
+    """Stop the watcher thread; once it has ended, forget this run (its events too).
+    A thread still running is ending the process (another rank failed)."""
     global _client, _thread
     _stop.set()
     if _thread is not None:
         _thread.join(timeout=2 * _POLL_S + 1)
+        if _thread.is_alive():
+            return
     _client, _thread = None, None
+    for event in (_stop, _quiet, FAILED):
+        event.clear()
+
+
+def is_stopped() -> bool:
+    """Whether no watcher runs and nothing of a run is left (as at import)."""
+    events = (_stop, _quiet, FAILED)
+    return _thread is None and _client is None and not any(e.is_set() for e in events)

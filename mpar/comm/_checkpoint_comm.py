@@ -1,7 +1,8 @@
 """The process group and small collectives that checkpoints use.
 
 Checkpoints get a gloo group of their own over every rank, created at the
-first save or load (a collective call) and kept on the :class:`~mpar.comm.State`:
+first save or load (a collective call) and kept with the
+:class:`~mpar.comm.ProcessGrid` (:meth:`~mpar.comm.ProcessGrid.world_group`):
 an asynchronous save runs its collectives from a background thread while the step
 loop keeps using the training groups, and gloo needs host tensors whatever the
 training backend. Its collectives are watched by the hang watchdog, and time out
@@ -13,33 +14,28 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, TypeVar
+from contextlib import AbstractContextManager
+from typing import TypeVar
 
 import torch.distributed as dist
 
-from mpar.comm._lifecycle import State
+from mpar.comm._grid import ProcessGrid
 from mpar.comm._progress import Waiting
 from mpar.comm._types import ProcessGroup
-from mpar.comm._watchdog import transport_timeout
 
 __all__ = ["all_gather_object_in", "broadcast_object_in", "checkpoint_group"]
 
 T = TypeVar("T")
 
 
-def checkpoint_group(st: State) -> dist.ProcessGroup:
-    """The checkpoint process group of ``st`` (every rank, gloo), created on first use:
+def checkpoint_group(grid: ProcessGrid) -> dist.ProcessGroup:
+    """The checkpoint process group of ``grid`` (every rank, gloo), created on first use:
     the first call is collective."""
-    if st.checkpoint_group is None:
-        timeout = transport_timeout(st.config.timeout_s)
-        with _watched("new_group (checkpoint)"):
-            st.checkpoint_group = dist.new_group(
-                list(range(st.layout.world_size)), timeout=timeout, backend="gloo"
-            )
-    return st.checkpoint_group
+    with _watched("new_group (checkpoint)"):
+        return grid.world_group("gloo")
 
 
-def _watched(name: str) -> Any:
+def _watched(name: str) -> AbstractContextManager[None]:
     """A checkpoint collective in the main thread is a wait the hang watchdog sees
     (a rank that never comes is named); in the asynchronous save's thread it is not
     (the main thread's position is the one reported)."""

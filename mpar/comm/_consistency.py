@@ -8,7 +8,7 @@ naming both ranks and the keys.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch.distributed as dist
 
@@ -24,8 +24,8 @@ _PER_RANK_KEYS = frozenset({"trace"})
 T = TypeVar("T")
 
 
-def _flat(config: Config) -> dict[str, Any]:
-    flat: dict[str, Any] = {}
+def _flat(config: Config) -> dict[str, object]:
+    flat: dict[str, object] = {}
     for key, value in config.to_dict().items():
         if isinstance(value, dict):
             flat.update({f"{key}.{k}": v for k, v in value.items()})
@@ -34,7 +34,7 @@ def _flat(config: Config) -> dict[str, Any]:
     return flat
 
 
-def config_differences(configs: list[dict[str, Any]]) -> list[str]:
+def config_differences(configs: list[dict[str, object]]) -> list[str]:
     """``"rank 1 has microbatches=4 where rank 0 has 2"`` for each key that differs."""
     first = configs[0]
     found = []
@@ -51,7 +51,7 @@ def check_same_config(config: Config, world_size: int) -> None:
     """Raise :class:`ConfigError` on every rank unless all ranks hold the same config."""
     if world_size == 1:
         return
-    gathered: list[dict[str, Any]] = [{}] * world_size  # placeholders, overwritten
+    gathered: list[dict[str, object]] = [{}] * world_size  # placeholders, overwritten
     with Waiting(("collective", "all_gather_object (config check)", None)):
         dist.all_gather_object(gathered, _flat(config))
     differences = config_differences(gathered)

@@ -55,15 +55,18 @@ from mpar._cp_context import (
     TokenLayout,
     current,
     natural_pieces,
+    reset_current,
     unmasked_block,
     using,
 )
+from mpar.comm import _process_state
 from mpar.comm._progress import Waiting
 from mpar.comm._types import ProcessGroup
 
 __all__ = [
     "CP_GROUP",
     "clear_cp_groups",
+    "cp_groups_cleared",
     "cp_local_attention",
     "cp_position_ids",
     "cp_ring_attention",
@@ -100,6 +103,10 @@ def register_cp_group(
 
 def clear_cp_groups() -> None:
     _GROUPS.clear()
+
+
+def cp_groups_cleared() -> bool:
+    return not _GROUPS
 
 
 def _group(key: str) -> _CPGroup:
@@ -526,3 +533,6 @@ def cp_position_ids(like: torch.Tensor) -> torch.Tensor:
 @cp_position_ids.register_fake
 def _(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(tuple(like.shape[:2]), dtype=torch.long)
+
+
+_process_state.register("mpar._cp_context._CURRENT", reset_current, lambda: current() is None)

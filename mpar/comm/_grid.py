@@ -24,7 +24,7 @@ either way: the mesh's groups are new groups inside it.
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -60,6 +60,8 @@ class ProcessGrid:
     dp_cp_group: dist.ProcessGroup
     """The ranks that hold the same parameters (same pp and tp coordinates): data
     parallel x context parallel. Gradients are summed, and ZeRO shards, over it."""
+    _made: dict[str, dist.ProcessGroup] = field(default_factory=dict, compare=False, repr=False)
+    """Groups over every rank made on first use, by backend (:meth:`world_group`)."""
 
     @property
     def world_size(self) -> int:
@@ -135,6 +137,14 @@ class ProcessGrid:
     def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int = 0, cp_rank: int = 0) -> int:
         """Global rank at grid coordinates ``(pp_rank, dp_rank, tp_rank, cp_rank)``."""
         return self.topology.rank_of(pp_rank, dp_rank, tp_rank, cp_rank)
+
+    def world_group(self, backend: str) -> dist.ProcessGroup:
+        """A group of every rank on ``backend``, made at the first call (collective then:
+        every rank calls it) and kept with the grid (checkpoints use a gloo one)."""
+        if backend not in self._made:
+            ranks = list(range(self.world_size))
+            self._made[backend] = dist.new_group(ranks, timeout=self.timeout, backend=backend)
+        return self._made[backend]
 
     def new_group(self, ranks: list[int]) -> dist.ProcessGroup:
         """A process group over ``ranks`` with the grid's timeout (every rank must call

@@ -1,47 +1,67 @@
 """``mpar.init`` / ``mpar.shutdown``: process groups, device, threads.
 
-The single mutable global of mpar is the :class:`State` held here. Only the public
-entry points (``DistributedModel``, ``DistributedOptimizer``, the rank helpers,
-``mpar.barrier``) ask :func:`state` for it; they pass it, or its
-:class:`~mpar.comm.ProcessGrid`, to the code below them.
+What an ``init`` decided is the :class:`Session` held here: the :class:`State` a step
+gets (read-only; a model holds its own, with its resolved config) and what the process
+keeps beside it. Only the public entry points (``DistributedModel``,
+``DistributedOptimizer``, the rank helpers, ``mpar.barrier``) ask :func:`state` or
+:func:`session` for it; they pass the state, or its :class:`~mpar.comm.ProcessGrid`,
+to the code below them. Every other piece of module-level process state is listed
+in :mod:`mpar.comm._process_state`; ``shutdown`` resets them all.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import datetime
 import os
 import sys
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from mpar import _device
-from mpar.comm import _abort, _watchdog
+from mpar.comm import _abort, _process_state, _watchdog
 from mpar.comm._consistency import check_same_config
-from mpar.comm._cp_ops import CP_GROUP, clear_cp_groups, register_cp_group
+from mpar.comm._cp_ops import CP_GROUP, clear_cp_groups, cp_groups_cleared, register_cp_group
 from mpar.comm._grid import ProcessGrid, build_process_grid
 from mpar.comm._p2p import Links
 from mpar.comm._process_layout import Layout, detect_layout
 from mpar.comm._progress import PROGRESS, RECENT, Waiting
-from mpar.comm._shared import SharedMemory, connect
-from mpar.comm._tp_ops import TP_GROUP, clear_tp_groups, register_tp_group
+from mpar.comm._shared import SharedMemory, connect, sweep
+from mpar.comm._tp_ops import TP_GROUP, clear_tp_groups, register_tp_group, tp_groups_cleared
 from mpar.comm._watchdog import transport_timeout
 from mpar.config import Config, load_config
 from mpar.errors import AlreadyInitializedError, ConfigError, NotInitializedError
 from mpar.topology import Grid
 
-__all__ = ["State", "init", "is_initialized", "on_shutdown", "shutdown", "state"]
+__all__ = [
+    "Session",
+    "State",
+    "init",
+    "is_initialized",
+    "session",
+    "shutdown",
+    "state",
+]
 
 
-@dataclass
+@dataclass(frozen=True)
 class State:
-    """Everything ``mpar.init`` decided, for this process."""
+    """What a step needs from ``mpar.init``: one typed, read-only object.
+
+    ``mpar.init`` makes the process's; a model whose ``"auto"`` keys were resolved holds
+    one of its own (:meth:`with_config`), made when its config changes, never per step.
+    Nothing is written on it: what changes while mpar runs lives in objects it refers
+    to (the point-to-point streams in ``p2p_links``, process groups made on first use
+    in ``grid``), shared by every model of the process.
+    """
 
     config: Config
     layout: Layout
@@ -49,42 +69,51 @@ class State:
     """The rank grid and its process groups (passed to whoever needs them)."""
     device: torch.device
     backend: str
-    owns_process_group: bool = True
     p2p_links: Links = field(default_factory=Links)
     """Point-to-point streams kept open across steps (pipeline transfers)."""
-    checkpoint_group: dist.ProcessGroup | None = None
-    """The checkpoints' gloo group over every rank, made at the first save or load."""
-    models: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
+
+    def with_config(self, config: Config) -> State:
+        """This state with another config (a model's, its ``"auto"`` keys resolved)."""
+        return self if config is self.config else dataclasses.replace(self, config=config)
+
+
+@dataclass(eq=False)
+class Session:
+    """One ``mpar.init`` of this process: its :class:`State` and what the process keeps
+    beside it until ``mpar.shutdown``."""
+
+    state: State
+    owns_process_group: bool = True
+    """Whether ``init`` created the default process group (``shutdown`` destroys it)."""
+    models: weakref.WeakSet[object] = field(default_factory=weakref.WeakSet)
     """The ``DistributedModel`` objects of this ``init`` (``memory_report`` sums them)."""
-    optimizers: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
+    optimizers: weakref.WeakSet[object] = field(default_factory=weakref.WeakSet)
     """The ``DistributedOptimizer`` objects of this ``init`` (``memory_report``)."""
-    batch_checks: int = 0
-    """Steps so far that were due for the same-batch check (``runtime/_batch_check``)."""
 
 
-_STATE: State | None = None
-_SHUTDOWN_HOOKS: list[Callable[[], None]] = []
-_STORE: tuple[Any, dist.Store] | None = None
+_SESSION: Session | None = None
+_STORE: tuple[tuple[str, str, int, int], dist.Store] | None = None
 """(what identifies the rendezvous, the store) kept for the process's lifetime."""
 _GENERATION = 0
+"""``init`` calls so far in this process (kept: see :func:`_rendezvous_store`)."""
+_EXIT_HOOKED = False
+"""Whether ``shutdown`` runs at exit and uncaught exceptions mark this rank failed."""
 
 
-def on_shutdown(hook: Callable[[], None]) -> None:
-    """Run ``hook()`` at the start of every ``shutdown`` while the process groups still
-    exist (a pending asynchronous checkpoint finishes there). Registered once."""
-    if hook not in _SHUTDOWN_HOOKS:
-        _SHUTDOWN_HOOKS.append(hook)
+def session() -> Session:
+    """The current ``mpar.init``; a clear error before it."""
+    if _SESSION is None:
+        raise NotInitializedError("mpar is not initialised: call mpar.init(config) first")
+    return _SESSION
 
 
 def state() -> State:
     """The state of the current ``mpar.init``; a clear error before it."""
-    if _STATE is None:
-        raise NotInitializedError("mpar is not initialised: call mpar.init(config) first")
-    return _STATE
+    return session().state
 
 
 def is_initialized() -> bool:
-    return _STATE is not None
+    return _SESSION is not None
 
 
 def _pick_backend(config: Config, device: torch.device) -> str:
@@ -94,7 +123,9 @@ def _pick_backend(config: Config, device: torch.device) -> str:
     return config.backend
 
 
-def _init_process_group(layout: Layout, backend: str, timeout: datetime.timedelta) -> bool:
+def _init_process_group(
+    layout: Layout, backend: str, timeout: datetime.timedelta, generation: int
+) -> bool:
     if dist.is_initialized():
         if dist.get_world_size() != layout.world_size:
             raise ConfigError(
@@ -102,7 +133,7 @@ def _init_process_group(layout: Layout, backend: str, timeout: datetime.timedelt
                 f"but the launcher reports {layout.world_size} processes"
             )
         return False
-    store, generation = _rendezvous_store(layout, timeout)
+    store = _rendezvous_store(layout, timeout)
     dist.init_process_group(
         backend,
         store=dist.PrefixStore(f"mpar/{generation}", store),
@@ -113,16 +144,16 @@ def _init_process_group(layout: Layout, backend: str, timeout: datetime.timedelt
     return True
 
 
-def _rendezvous_store(layout: Layout, timeout: datetime.timedelta) -> tuple[dist.Store, int]:
-    """The job's key-value store, made once per process, and this ``init``'s generation.
+def _rendezvous_store(layout: Layout, timeout: datetime.timedelta) -> dist.Store:
+    """The job's key-value store, made once per process.
 
     ``init`` after ``shutdown`` (same processes, a new config) rendezvouses in
-    the same store under a fresh prefix. A new store on the same port would
-    race: a rank that starts its next ``init`` early could reach the previous
+    the same store under a fresh prefix, its generation. A new store on the same port
+    would race: a rank that starts its next ``init`` early could reach the previous
     store (still served by a slower rank 0) or read its stale addresses.
     Every rank calls ``init`` the same number of times, so generations agree.
     """
-    global _STORE, _GENERATION
+    global _STORE
     key = (layout.source, layout.master_addr, layout.master_port, layout.world_size)
     if _STORE is None or _STORE[0] != key:
         if layout.source == "single":
@@ -140,9 +171,8 @@ def _rendezvous_store(layout: Layout, timeout: datetime.timedelta) -> tuple[dist
                 timeout=timeout,
                 wait_for_workers=False,
             )
-        _STORE, _GENERATION = (key, store), 0
-    _GENERATION += 1
-    return _STORE[1], _GENERATION
+        _STORE = (key, store)
+    return _STORE[1]
 
 
 def _checked_same_config(config: Config, world_size: int, owns: bool) -> None:
@@ -162,8 +192,8 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
     (mpi4py) or SLURM; with none of them mpar runs as a single process. The
     whole configuration is checked before any process group is created.
     """
-    global _STATE, _EXIT_HOOKED
-    if _STATE is not None:
+    global _SESSION, _EXIT_HOOKED, _GENERATION
+    if _SESSION is not None:
         raise AlreadyInitializedError(
             "mpar.init() was already called in this process; call mpar.shutdown() before "
             "initialising again"
@@ -184,7 +214,8 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
     _device.set_threads(layout.local_size)
     timeout = transport_timeout(resolved.timeout_s)  # the hang watchdog reports first
     world_backend, dp_backend = _device.group_backends(backend)
-    owns = _init_process_group(layout, world_backend, timeout)
+    _GENERATION += 1
+    owns = _init_process_group(layout, world_backend, timeout, _GENERATION)
     _checked_same_config(resolved, layout.world_size, owns)
     grid = build_process_grid(topology, layout.rank, (world_backend, dp_backend), timeout)
     register_tp_group(TP_GROUP, grid.tp_group, grid.tp_size, grid.tp_rank)
@@ -195,16 +226,10 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
         _abort.start_watcher(
             layout.master_addr, layout.master_port, layout.rank, resolved.timeout_s
         )
-        _watchdog.start(layout, resolved.timeout_s, resolved.trace)
-    _STATE = State(
-        config=resolved,
-        layout=layout,
-        grid=grid,
-        device=device,
-        backend=backend,
-        owns_process_group=owns,
-    )
-    _STATE.p2p_links.shared = _shared_memory(_STATE, world_backend)
+        _watchdog.start(layout, resolved.timeout_s, resolved.trace, _GENERATION)
+    st = State(config=resolved, layout=layout, grid=grid, device=device, backend=backend)
+    st.p2p_links.shared = _shared_memory(st, world_backend)
+    _SESSION = Session(st, owns_process_group=owns)
     if not _EXIT_HOOKED:
         atexit.register(_shutdown_at_exit)
         sys.excepthook = _mark_failed
@@ -212,12 +237,12 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
     return resolved
 
 
-_EXIT_HOOKED = False
-
-
 def _shared_memory(st: State, world_backend: str) -> SharedMemory | None:
     """Shared-memory rings for the pipeline transfers between ranks of one host, when
-    the transfers travel through host memory over gloo and the config allows them."""
+    the transfers travel through host memory over gloo and the config allows them.
+    First, on each host, the ring files that killed jobs left behind are removed."""
+    if st.layout.local_rank == 0:
+        sweep()  # the files of killed jobs on this host
     wire = _device.p2p_device(st.device, st.backend)
     if not (
         st.config.shared_memory
@@ -235,6 +260,8 @@ def _shutdown_at_exit() -> None:
     must stop before the interpreter's static destructors run, or the process aborts
     at exit ("terminate called without an active exception", SIGABRT) after its work
     is done."""
+    global _EXIT_HOOKED
+    _EXIT_HOOKED = False  # running now: nothing to unregister
     with contextlib.suppress(BaseException):  # nothing may fail at exit
         shutdown()
 
@@ -257,7 +284,7 @@ def _final_barrier(current: State) -> None:
             sys.stderr.write(f"mpar: shutdown's final barrier failed ({exc}); tearing down\n")
 
 
-def _mark_failed(kind: Any, value: Any, tb: Any) -> None:
+def _mark_failed(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
     """``sys.excepthook`` while mpar runs: an uncaught exception is a failure."""
     _abort.FAILED.set()
     _ORIGINAL_EXCEPTHOOK(kind, value, tb)
@@ -269,24 +296,62 @@ _ORIGINAL_EXCEPTHOOK = sys.excepthook
 def shutdown() -> None:
     """Tear down what ``init`` created; ``init`` may then be called again.
 
-    The hooks of :func:`on_shutdown` run first: a pending checkpoint finishes, and
-    every module-level cache of a run is cleared (the timeline's steps, saved-bytes
-    counts). What stays is what a process keeps on purpose: the rendezvous store and
-    its generation (see :func:`_rendezvous_store`), and the annotations on the user's
-    modules (``mpar.partition(i)`` placements, layers patched for the split backward).
+    Every piece of process state of :mod:`mpar.comm._process_state` is reset: first,
+    while the process groups are usable, a pending checkpoint finishes and the caches
+    of the run are cleared; then, after a final barrier, this session, the watcher
+    and watchdog threads, the flight recorder, the tensor-parallel groups and the exit
+    hooks; last the default process group, when ``init`` created it. What stays is
+    listed there too (the rendezvous store, marks on the user's modules).
     """
-    global _STATE
-    if _STATE is None:
+    if _SESSION is None:
         return
-    for hook in list(_SHUTDOWN_HOOKS):
-        hook()
-    _final_barrier(_STATE)
-    current, _STATE = _STATE, None
-    current.p2p_links.close()
-    _abort.stop_watcher()
-    _watchdog.stop()
-    PROGRESS.reset(RECENT)
-    clear_tp_groups()
-    clear_cp_groups()
-    if current.owns_process_group and dist.is_initialized():
+    _process_state.reset_pieces(teardown=False)
+    _final_barrier(_SESSION.state)
+    owns = _SESSION.owns_process_group
+    _process_state.reset_pieces(teardown=True)
+    if owns and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _end_session() -> None:
+    global _SESSION
+    current, _SESSION = _SESSION, None
+    if current is not None:
+        current.state.p2p_links.close()
+
+
+def _unhook_exit() -> None:
+    """``shutdown`` ran: no need to run it at exit; uncaught exceptions are the user's."""
+    global _EXIT_HOOKED
+    if _EXIT_HOOKED:
+        atexit.unregister(_shutdown_at_exit)
+        _EXIT_HOOKED = False
+    if sys.excepthook is _mark_failed:
+        sys.excepthook = _ORIGINAL_EXCEPTHOOK
+
+
+def _exit_unhooked() -> bool:
+    return not _EXIT_HOOKED and sys.excepthook is not _mark_failed
+
+
+def _fresh_progress() -> None:
+    PROGRESS.reset(RECENT)
+
+
+_process_state.register(
+    "mpar.comm._lifecycle._SESSION", _end_session, lambda: _SESSION is None, teardown=True
+)
+_process_state.register("mpar.comm._abort", _abort.stop_watcher, _abort.is_stopped, teardown=True)
+_process_state.register("mpar.comm._watchdog", _watchdog.stop, _watchdog.is_stopped, teardown=True)
+_process_state.register(
+    "mpar.comm._progress.PROGRESS", _fresh_progress, PROGRESS.is_fresh, teardown=True
+)
+_process_state.register(
+    "mpar.comm._tp_ops._GROUPS", clear_tp_groups, tp_groups_cleared, teardown=True
+)
+_process_state.register(
+    "mpar.comm._cp_ops._GROUPS", clear_cp_groups, cp_groups_cleared, teardown=True
+)
+_process_state.register(
+    "mpar.comm._lifecycle._EXIT_HOOKED", _unhook_exit, _exit_unhooked, teardown=True
+)

@@ -93,6 +93,17 @@ class Progress:
         self.wait = None
         self.last = time.time()
 
+    def is_fresh(self) -> bool:
+        """Whether nothing was recorded since a reset to the default capacity."""
+        return (
+            self.capacity == RECENT
+            and self.count == 0
+            and self.step == -1
+            and not self.in_step
+            and self.action is None
+            and self.wait is None
+        )
+
     def recent(self) -> list[Event]:
         """The flight recorder, oldest first."""
         count, ring = self.count, self.ring[:]  # the main thread may record meanwhile:

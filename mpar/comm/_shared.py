@@ -30,21 +30,34 @@ keeps stores in order and loads in order, which is all this needs; on other
 machines mpar uses the backend (see :func:`available`).
 
 Files: each rank makes its flag and its bell at ``mpar.init``; the peers open
-them, and the owner removes the names once every peer has (so a killed job leaves
-nothing behind in the common case). A ring is made by its sender at the stream's
-first message and removed by its receiver once opened.
+them, and the owner removes the names once every peer has. A ring is made by its
+sender at the stream's first message and removed by its receiver once opened. No
+file outlives its job (:func:`remove_created`, :func:`sweep`): every file is named
+``mpar-shm-…`` and held, from the moment it is made until its maker exits, under a
+shared ``flock`` that the kernel drops whatever ends the process. Its maker removes
+the names it still has at ``mpar.shutdown`` and before the watchdog or a peer's
+failure ends the process; whatever a killed job leaves is removed by the next
+``mpar.init`` on the host, which takes each such file's lock exclusively (only
+possible once no live process holds it) before deleting it. And every file's memory
+is reserved before it is mapped (``posix_fallocate``): a ``/dev/shm`` without room
+makes a rank run without rings at ``mpar.init``, or one stream go through the
+backend (its ring is an empty file, which needs no room), never a SIGBUS when a page
+is first touched.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import platform
 import select
 import socket
+import stat
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -52,11 +65,14 @@ import torch
 import torch.distributed as dist
 
 from mpar._device import host_cores
+from mpar.comm import _process_state
 from mpar.errors import CommError
 
-__all__ = ["SharedMemory", "available", "connect"]
+__all__ = ["PREFIX", "SharedMemory", "available", "connect", "remove_created", "sweep"]
 
 ROOT = "/dev/shm"
+PREFIX = "mpar-shm-"
+"""Every file of the rings starts with this (and only theirs: :func:`sweep` looks at no other)."""
 RING_BYTES = 4 << 20
 """Data area of one stream's ring."""
 SMALL_RING_BYTES = 64 << 10
@@ -87,41 +103,141 @@ def available() -> bool:
     return platform.machine().lower() in _ORDERED_MACHINES and os.access(ROOT, os.W_OK)
 
 
-def _make_ring(path: str) -> mmap.mmap:
-    """A new ring at ``path``, its memory reserved (a ``/dev/shm`` that runs out of room
-    while a ring's pages are first written kills the process with SIGBUS): made under
-    a temporary name and renamed, so its receiver never maps it half made."""
-    temporary = path + ".new"
-    fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+_CREATED: set[str] = set()
+"""Files this process made and has not removed yet (:func:`remove_created`)."""
+
+
+def _same(fd: int, path: str) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
     try:
-        for capacity in (RING_BYTES, SMALL_RING_BYTES):
-            try:
-                os.ftruncate(fd, _HEAD + capacity)
-                if hasattr(os, "posix_fallocate"):
-                    os.posix_fallocate(fd, 0, _HEAD + capacity)
-                memory = mmap.mmap(fd, _HEAD + capacity)
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _remove(path: str) -> None:
+    _CREATED.discard(path)
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def _open_new(path: str, fifo: bool) -> int:
+    if fifo:
+        os.mkfifo(path, 0o600)
+        return os.open(path, os.O_RDWR | os.O_NONBLOCK)
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+
+
+def _create(path: str, size: int = 0, *, fifo: bool = False) -> int:
+    """Make the file (or FIFO) ``path`` with ``size`` bytes reserved; its descriptor, which
+    holds a shared lock on it while open (see the module docstring). OSError when
+    there is no room."""
+    for _ in range(100):
+        try:
+            fd = _open_new(path, fifo)
+        except FileExistsError:  # a sweeper has not removed our first try yet
+            time.sleep(1e-3)
+            continue
+        _CREATED.add(path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            if _same(fd, path):
                 break
-            except OSError:
-                continue
-        else:
-            _remove(temporary)
-            raise CommError(
-                f"no room in {ROOT} for a pipeline transfer ring of {SMALL_RING_BYTES} bytes; "
-                f"enlarge {ROOT} (docker: --shm-size) or set the config key 'shared_memory' "
-                "to false"
-            )
-    finally:
+        except BlockingIOError:  # a sweeper opened it between the two calls: it goes
+            pass
         os.close(fd)
-    os.rename(temporary, path)
-    return memory
-
-
-def _map(path: str, size: int, create: bool) -> mmap.mmap:
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(path, flags, 0o600)
+        time.sleep(1e-3)
+    else:
+        raise CommError(f"could not make {path}: another process removes it as it is made")
     try:
-        if create:
+        if size:
             os.ftruncate(fd, size)
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, size)
+    except OSError:
+        os.close(fd)
+        _remove(path)
+        raise
+    return fd
+
+
+def remove_created() -> None:
+    """Remove every file this process made and still has (before the process ends at
+    once: a watchdog ending, a peer's failure). Safe from any thread."""
+    for path in list(_CREATED):
+        _remove(path)
+
+
+_process_state.register(
+    "mpar.comm._shared._CREATED", remove_created, lambda: not _CREATED, teardown=True
+)
+
+
+def sweep(root: str | None = None) -> list[str]:
+    """Remove the ring files under ``root`` (``ROOT``) whose every maker is gone: the
+    files of jobs that were killed. Returns their names."""
+    root = ROOT if root is None else root
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(PREFIX)]
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        path = f"{root}/{name}"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        except OSError:
+            continue  # gone already, or another user's
+        try:
+            mode = os.fstat(fd).st_mode
+            if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its maker runs
+            if _same(fd, path):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                removed.append(name)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _make_ring(path: str) -> tuple[int, mmap.mmap | None]:
+    """A new ring at ``path``, its memory reserved (``posix_fallocate``): made under a
+    temporary name and renamed, so its receiver never maps it half made. Where
+    ``/dev/shm`` has room for neither size, the ring is an empty file: the stream goes
+    through the backend (None)."""
+    temporary = path + ".new"
+    memory = None
+    fd, error = -1, None
+    for capacity in (RING_BYTES, SMALL_RING_BYTES, 0):
+        try:
+            fd = _create(temporary, _HEAD + capacity if capacity else 0)
+        except OSError as exc:
+            error = exc
+            continue
+        if capacity:
+            memory = mmap.mmap(fd, _HEAD + capacity)
+        break
+    else:
+        raise CommError(
+            f"cannot make a pipeline transfer ring in {ROOT}, not even an empty file "
+            f"({error}); enlarge {ROOT} (docker: --shm-size) or set the config key "
+            "'shared_memory' to false"
+        )
+    os.rename(temporary, path)
+    _CREATED.discard(temporary)
+    _CREATED.add(path)
+    return fd, memory
+
+
+def _map(path: str, size: int) -> mmap.mmap:
+    """Map the existing file ``path`` (made, and reserved, by its owner)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
         return mmap.mmap(fd, size)
     finally:
         os.close(fd)
@@ -176,12 +292,20 @@ class SharedMemory:
         self.token, self.rank, self.spin_s = token, rank, spin_s
         self.peers = frozenset(peers)
         """Global ranks this rank exchanges pipeline messages with through shared memory."""
-        self._rings_out: dict[tuple[int, int], _Ring] = {}
-        self._rings_in: dict[tuple[int, int], _Ring] = {}
-        self._flag = _map(self._path(rank, "flag"), 64, create=True)
+        self._rings_out: dict[tuple[int, int], _Ring | None] = {}
+        """Stream -> its ring (None: the stream goes through the backend)."""
+        self._rings_in: dict[tuple[int, int], _Ring | None] = {}
+        self._held: list[int] = []
+        """Descriptors of the files this rank made: each holds its file's lock."""
+        self._held.append(_create(self._path(rank, "flag"), 64))
+        try:
+            self._flag = mmap.mmap(self._held[0], 64)
+            self._held.append(_create(self._path(rank, "bell"), fifo=True))
+        except BaseException:
+            self._release_files()
+            raise
+        self._bell = self._held[1]
         self._asleep = _word(self._flag)
-        os.mkfifo(self._path(rank, "bell"), 0o600)
-        self._bell = os.open(self._path(rank, "bell"), os.O_RDWR | os.O_NONBLOCK)
         self._peer_flags: dict[int, np.ndarray] = {}
         self._peer_bells: dict[int, int] = {}
         self._maps: list[mmap.mmap] = []
@@ -189,14 +313,14 @@ class SharedMemory:
         self._route_bytes = self._route.view(np.uint8)
 
     def _path(self, rank: int, what: str, tag: int | None = None) -> str:
-        return f"{ROOT}/mpar-{self.token}-{rank}-{what}" + ("" if tag is None else f"-{tag}")
+        return f"{ROOT}/{PREFIX}{self.token}-{rank}-{what}" + ("" if tag is None else f"-{tag}")
 
     def open_peers(self, candidates: Iterable[int]) -> set[int]:
         """Open the flag and bell of each candidate peer; the ones that could be opened."""
         opened = set()
         for peer in candidates:
             try:
-                memory = _map(self._path(peer, "flag"), 64, create=False)
+                memory = _map(self._path(peer, "flag"), 64)
                 bell = os.open(self._path(peer, "bell"), os.O_RDWR | os.O_NONBLOCK)
             except OSError:
                 continue
@@ -223,10 +347,14 @@ class SharedMemory:
         it now, and say so (True); else put a note in the ring that this message goes
         through the backend (False), which the caller then sends it with."""
         key = (dst, tag)
-        ring = self._rings_out.get(key)
-        if ring is None:
+        if key not in self._rings_out:
             path = self._path(dst, "ring", tag=self._stream(self.rank, tag))
-            ring = self._rings_out[key] = _Ring(_make_ring(path), dst)
+            fd, memory = _make_ring(path)
+            self._held.append(fd)
+            self._rings_out[key] = None if memory is None else _Ring(memory, dst)
+        ring = self._rings_out[key]
+        if ring is None:
+            return False
         source = buffer.numpy().reshape(-1)
         size = source.nbytes
         position = ring.mine
@@ -251,6 +379,8 @@ class SharedMemory:
         """Receive the next message of stream (``src``, ``tag``) into ``buffer`` when it
         came through the ring (True); False when it comes through the backend."""
         ring = self._ring_in(src, tag)
+        if ring is None:
+            return False
         if int(ring.write[0]) == ring.mine:
             self.wait_until(lambda: int(ring.write[0]) != ring.mine)
         position = ring.take(self._route_bytes, ring.mine)
@@ -267,21 +397,22 @@ class SharedMemory:
         ring.read[0] = position
         return size != _ELSEWHERE
 
-    def _ring_in(self, src: int, tag: int) -> _Ring:
+    def _ring_in(self, src: int, tag: int) -> _Ring | None:
         key = (src, tag)
-        ring = self._rings_in.get(key)
-        if ring is None:
+        if key not in self._rings_in:
             path = self._path(self.rank, "ring", tag=self._stream(src, tag))
             memory = self._wait_for_file(path)
             _remove(path)
-            ring = self._rings_in[key] = _Ring(memory, src)
-        return ring
+            self._rings_in[key] = None if memory is None else _Ring(memory, src)
+        return self._rings_in[key]
 
-    def _wait_for_file(self, path: str) -> mmap.mmap:
-        """The ring at ``path`` once its sender has made it (at its first message)."""
+    def _wait_for_file(self, path: str) -> mmap.mmap | None:
+        """The ring at ``path`` once its sender has made it (at its first message); None
+        for an empty file (no room for a ring: the stream goes through the backend)."""
         while True:
             with contextlib.suppress(FileNotFoundError):
-                return _map(path, os.stat(path).st_size, create=False)
+                size = os.stat(path).st_size
+                return _map(path, size) if size else None
             time.sleep(1e-4)
 
     def wait_until(self, done: Callable[[], bool]) -> None:
@@ -305,25 +436,28 @@ class SharedMemory:
                 self._asleep[0] = 0
 
     def close(self) -> None:
-        """Release the maps and the bells (the ring names are gone already)."""
+        """Release the maps and the bells, and remove the files this rank made."""
         for ring in (*self._rings_out.values(), *self._rings_in.values()):
-            del ring.write, ring.read, ring.data
-            ring.memory.close()
+            if ring is not None:
+                del ring.write, ring.read, ring.data
+                ring.memory.close()
         for bell in self._peer_bells.values():
             os.close(bell)
         self._peer_flags.clear()
         del self._asleep
         for memory in (*self._maps, self._flag):
             memory.close()
-        os.close(self._bell)
-        self._remove_names()
         for dst, tag in self._rings_out:  # a ring its receiver never opened
             _remove(self._path(dst, "ring", tag=self._stream(self.rank, tag)))
+        self._release_files()
 
-
-def _remove(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)
+    def _release_files(self) -> None:
+        """Remove this rank's own names; close the descriptors that hold the locks."""
+        self._remove_names()
+        for fd in self._held:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._held.clear()
 
 
 def connect(
@@ -342,7 +476,7 @@ def connect(
     token = first[0][0]  # type: ignore[index]
     local = [p for p in peers if p != rank and host is not None and first[p][1] == host]  # type: ignore[index]
     spin_s = SPIN_S if ranks_on_host <= host_cores() else SHARED_CORE_SPIN_S
-    mine = SharedMemory(str(token), rank, (), spin_s) if host is not None else None
+    mine = _own_files(str(token), rank, spin_s) if host is not None else None
     opened: set[int] = set()
     second: list[object] = [None] * dist.get_world_size()
     dist.all_gather_object(second, mine is not None, group=group)  # every rank's files exist
@@ -358,6 +492,20 @@ def connect(
         mine.close()
         return None
     return mine
+
+
+def _own_files(token: str, rank: int, spin_s: float) -> SharedMemory | None:
+    """This rank's flag and bell; None (with a warning) where ``ROOT`` has no room."""
+    try:
+        return SharedMemory(token, rank, (), spin_s)
+    except OSError as exc:
+        warnings.warn(
+            f"mpar: no room in {ROOT} for rank {rank}'s shared-memory files ({exc.strerror}); "
+            "its pipeline transfers go through the backend. Enlarge it (docker: --shm-size)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
 
 
 def _boot_id() -> str:

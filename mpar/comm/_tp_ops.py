@@ -49,6 +49,7 @@ __all__ = [
     "TP_GROUP",
     "clear_tp_groups",
     "register_tp_group",
+    "tp_groups_cleared",
     "tp_copy",
     "tp_gather",
     "tp_reduce",
@@ -79,6 +80,10 @@ def register_tp_group(key: str, group: ProcessGroup, size: int, rank: int) -> st
 
 def clear_tp_groups() -> None:
     _GROUPS.clear()
+
+
+def tp_groups_cleared() -> bool:
+    return not _GROUPS
 
 
 def _group(key: str) -> _TPGroup:

@@ -27,10 +27,10 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -41,8 +41,16 @@ from mpar.comm._hang import diagnose, format_report
 from mpar.comm._process_layout import Layout
 from mpar.comm._progress import PROGRESS
 from mpar.comm._snapshot import snapshot, wait_info, write_trace
+from mpar.comm._types import Wait
 
-__all__ = ["HANG_REPORTED", "exit_if_reported", "start", "stop", "transport_timeout"]
+__all__ = [
+    "HANG_REPORTED",
+    "exit_if_reported",
+    "is_stopped",
+    "start",
+    "stop",
+    "transport_timeout",
+]
 
 HANG_REPORTED = threading.Event()
 """Set once a hang verdict is out: this rank's own later errors (connections closed
@@ -52,7 +60,6 @@ _POLL_S = 0.25
 _ANSWER_WINDOW_S = 5.0
 _EXIT_WAIT_S = 5.0
 _TRANSPORT_MARGIN_S = 60.0
-_generation = 0
 _stop = threading.Event()
 _thread: threading.Thread | None = None
 
@@ -69,12 +76,17 @@ class _Watchdog:
     """One rank's side of the protocol (runs in the watchdog thread)."""
 
     def __init__(
-        self, store: dist.Store, layout: Layout, timeout_s: float, trace: str | None
+        self,
+        store: dist.Store,
+        layout: Layout,
+        timeout_s: float,
+        trace: str | None,
+        generation: int,
     ) -> None:
         self.store, self.layout = store, layout
         self.rank, self.world = layout.rank, layout.world_size
         self.timeout_s, self.trace = timeout_s, trace
-        self.prefix = f"mpar/hang/{layout.restart}/{_generation}"
+        self.prefix = f"mpar/hang/{layout.restart}/{generation}"
         self.answered = False
 
     def key(self, name: str) -> str:
@@ -86,7 +98,7 @@ class _Watchdog:
     def get(self, name: str) -> Any:
         return json.loads(self.store.get(self.key(name)).decode())
 
-    def put(self, name: str, value: Any) -> None:
+    def put(self, name: str, value: object) -> None:
         self.store.set(self.key(name), json.dumps(value))
 
     def poll(self) -> None:
@@ -102,7 +114,7 @@ class _Watchdog:
         if self.answered and self.has("verdict"):
             self.act(self.get("verdict"))
 
-    def coordinate(self, wait: tuple[str, Any, Any], since: float) -> None:
+    def coordinate(self, wait: Wait, since: float) -> None:
         request = {"rank": self.rank, "wait": wait_info(wait, since, self.rank)}
         self.put("request", request)
         self.put(f"snap/{self.rank}", snapshot(self.rank))
@@ -147,7 +159,7 @@ class _Watchdog:
             self.wait_until(lambda: self.has(f"gone/{writer}"))
         with contextlib.suppress(Exception):
             self.put(f"gone/{self.rank}", 1)
-        os._exit(1)
+        _abort.exit_now()
 
     def everyone(self, name: str) -> bool:
         """Whether every other rank that answered has set ``name/<rank>``."""
@@ -155,7 +167,7 @@ class _Watchdog:
         return all(self.has(f"{name}/{r}") or not self.has(f"snap/{r}") for r in others)
 
     @staticmethod
-    def wait_until(done: Any) -> None:
+    def wait_until(done: Callable[[], bool]) -> None:
         """Poll ``done()`` for a few seconds; a store that went away ends the wait."""
         deadline = time.monotonic() + _EXIT_WAIT_S
         try:
@@ -169,7 +181,7 @@ def exit_if_reported() -> None:
     """End this process now if a hang report is under way: an error in the main
     thread is then the report's consequence (a peer left), not news."""
     if HANG_REPORTED.is_set():
-        os._exit(1)
+        _abort.exit_now()
 
 
 def _report(message: str, report: str, layout: Layout) -> None:
@@ -195,10 +207,10 @@ def _run(dog: _Watchdog) -> None:
                 return
 
 
-def start(layout: Layout, timeout_s: float, trace: str | None) -> None:
-    """Start this rank's watchdog thread (multi-process jobs only; best effort)."""
-    global _thread, _generation
-    _generation += 1
+def start(layout: Layout, timeout_s: float, trace: str | None, generation: int) -> None:
+    """Start this rank's watchdog thread (multi-process jobs only; best effort).
+    ``generation`` (the count of ``mpar.init`` calls) keeps each run's keys apart."""
+    global _thread
     _stop.clear()
     HANG_REPORTED.clear()
     try:
@@ -211,14 +223,25 @@ def start(layout: Layout, timeout_s: float, trace: str | None) -> None:
         )
     except Exception:
         return
-    dog = _Watchdog(store, layout, timeout_s, trace)
+    dog = _Watchdog(store, layout, timeout_s, trace, generation)
     _thread = threading.Thread(target=_run, args=(dog,), name="mpar-watchdog", daemon=True)
     _thread.start()
 
 
 def stop() -> None:
+    """Stop the watchdog thread; once it has ended, forget this run (its events too).
+    A thread still running is acting on a hang verdict: it ends the process."""
     global _thread
     _stop.set()
     if _thread is not None:
         _thread.join(timeout=2 * _POLL_S + 1)
+        if _thread.is_alive():
+            return
     _thread = None
+    _stop.clear()
+    HANG_REPORTED.clear()
+
+
+def is_stopped() -> bool:
+    """Whether no watchdog runs and nothing of a run is left (as at import)."""
+    return _thread is None and not _stop.is_set() and not HANG_REPORTED.is_set()

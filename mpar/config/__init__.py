@@ -10,6 +10,7 @@ from mpar.config._boundary import (
 from mpar.config._schema import (
     MEMORY_WEIGHT_FOR,
     Config,
+    PrecisionKind,
     ZeroConfig,
 )
 
@@ -19,6 +20,7 @@ __all__ = [
     "MEMORY_WEIGHT_FOR",
     "TRACE_ENV_VAR",
     "Config",
+    "PrecisionKind",
     "ZeroConfig",
     "config_from_dict",
     "load_config",

@@ -88,7 +88,7 @@ def _unknown_key(key: str, where: str, valid: tuple[str, ...] | frozenset[str]) 
     return ConfigError(f"unknown config key {key!r}{where}{hint} (valid keys: {options})")
 
 
-def _require_mapping(value: object, key: str) -> Mapping[str, Any]:
+def _require_mapping(value: object, key: str) -> Mapping[str, object]:
     if not isinstance(value, Mapping):
         raise ConfigTypeError(
             f"config key {key!r} must be a mapping (dict), got {type(value).__name__} {value!r}"
@@ -112,12 +112,12 @@ def _offload_device(section: object, key: str) -> str:
     return str(device)
 
 
-def _translate_deepspeed_zero(section: object) -> dict[str, Any]:
+def _translate_deepspeed_zero(section: object) -> dict[str, object]:
     section = _require_mapping(section, "zero_optimization")
     for key in section:
         if key not in _DEEPSPEED_ZERO_KEYS:
             raise _unknown_key(key, " in 'zero_optimization'", _DEEPSPEED_ZERO_KEYS)
-    zero: dict[str, Any] = {"stage": section.get("stage", 0)}
+    zero: dict[str, object] = {"stage": section.get("stage", 0)}
     zero["offload_optimizer"] = _offload_device(
         section.get("offload_optimizer"), "zero_optimization.offload_optimizer"
     )
@@ -135,8 +135,8 @@ def _translate_deepspeed_zero(section: object) -> dict[str, Any]:
     return zero
 
 
-def _zero_from(raw: Mapping[str, Any]) -> ZeroConfig:
-    sources: list[tuple[str, dict[str, Any]]] = []
+def _zero_from(raw: Mapping[str, object]) -> ZeroConfig:
+    sources: list[tuple[str, dict[str, object]]] = []
     if "zero" in raw:
         zero = dict(_require_mapping(raw["zero"], "zero"))
         for key in zero:
@@ -160,7 +160,7 @@ def _zero_from(raw: Mapping[str, Any]) -> ZeroConfig:
                 f"conflicting ZeRO settings {stages}; give the ZeRO stage in one place "
                 "('zero', 'zero_optimization' or 'shard_optimizer_state')"
             )
-    merged: dict[str, Any] = {}
+    merged: dict[str, Any] = {}  # user values: ZeroConfig checks each field's type
     for _, values in sources:
         merged.update(values)
     if merged.get("stage") == "auto":  # a placeholder the offload settings allow
@@ -169,7 +169,7 @@ def _zero_from(raw: Mapping[str, Any]) -> ZeroConfig:
     return ZeroConfig(**merged)
 
 
-def _auto_requests(raw: Mapping[str, Any], values: dict[str, Any]) -> tuple[str, ...]:
+def _auto_requests(raw: Mapping[str, object], values: dict[str, object]) -> tuple[str, ...]:
     """Keys given as "auto"; their values become placeholders until the planner runs."""
     zero = raw.get("zero")
     found = [k for k in AUTO_KEYS if "." not in k and values.get(k) == "auto"]
@@ -186,12 +186,12 @@ def _auto_requests(raw: Mapping[str, Any], values: dict[str, Any]) -> tuple[str,
     return tuple(found)
 
 
-def config_from_dict(raw: Mapping[str, Any] | None) -> Config:
+def config_from_dict(raw: Mapping[str, object] | None) -> Config:
     """Build a :class:`Config` from user keys (canonical, aliases, smp, DeepSpeed)."""
     if raw is None:
         return Config()
     raw = _require_mapping(raw, "config")
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = {}  # user values: Config checks each field's type
     for key, value in raw.items():
         if not isinstance(key, str):
             raise ConfigTypeError(f"config keys must be strings, got {key!r}")
@@ -213,7 +213,7 @@ def config_from_dict(raw: Mapping[str, Any] | None) -> Config:
     return Config(**values, auto_keys=auto)
 
 
-def _read_file(path: Path) -> Any:
+def _read_file(path: Path) -> object:
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     text = path.read_text()
@@ -230,7 +230,7 @@ def _read_file(path: Path) -> Any:
         raise ConfigError(f"config file {str(path)!r} is not valid JSON: {exc}") from None
 
 
-def _from_env() -> Any:
+def _from_env() -> object:
     text = os.environ.get(ENV_VAR, "").strip()
     if not text:
         return None
@@ -244,25 +244,23 @@ def _from_env() -> Any:
 
 def _with_env_overrides(config: Config) -> Config:
     """``config`` with the overrides of ``MPAR_TRACE`` and ``MPAR_SPLIT_BACKWARD``."""
-    changes: dict[str, Any] = {}
-    trace = os.environ.get(TRACE_ENV_VAR, "")
-    if config.trace is None and trace:
-        changes["trace"] = trace
+    trace = config.trace if config.trace is not None else os.environ.get(TRACE_ENV_VAR) or None
     split = os.environ.get(SPLIT_BACKWARD_ENV_VAR, "").strip().lower()
-    if split:
-        if split not in _TRUE + _FALSE:
-            raise ConfigError(
-                f"{SPLIT_BACKWARD_ENV_VAR}={split!r} is not a switch; set it to 0 or 1 "
-                "(or unset it and use the config key 'split_backward')"
-            )
-        changes["split_backward"] = split in _TRUE
-    return dataclasses.replace(config, **changes) if changes else config
+    if split and split not in _TRUE + _FALSE:
+        raise ConfigError(
+            f"{SPLIT_BACKWARD_ENV_VAR}={split!r} is not a switch; set it to 0 or 1 "
+            "(or unset it and use the config key 'split_backward')"
+        )
+    split_backward = split in _TRUE if split else config.split_backward
+    if (trace, split_backward) == (config.trace, config.split_backward):
+        return config
+    return dataclasses.replace(config, trace=trace, split_backward=split_backward)
 
 
 def load_config(
-    config: Config | Mapping[str, Any] | str | os.PathLike[str] | None,
+    config: Config | Mapping[str, object] | str | os.PathLike[str] | None,
     *,
-    defaults: Mapping[str, Any] | None = None,
+    defaults: Mapping[str, object] | None = None,
 ) -> Config:
     """Resolve what ``mpar.init`` was given into a :class:`Config`.
 
@@ -275,9 +273,12 @@ def load_config(
         return _with_env_overrides(config)
     if config is None:
         raw = _from_env()
-        return _with_env_overrides(config_from_dict(defaults if raw is None else raw))
+        given = defaults if raw is None else _require_mapping(raw, "config")
+        return _with_env_overrides(config_from_dict(given))
     if isinstance(config, str | os.PathLike):
-        return _with_env_overrides(config_from_dict(_read_file(Path(config))))
+        read = _read_file(Path(config))  # an empty file: the defaults
+        given = None if read is None else _require_mapping(read, "config")
+        return _with_env_overrides(config_from_dict(given))
     if isinstance(config, Mapping):
         return _with_env_overrides(config_from_dict(config))
     raise ConfigTypeError(

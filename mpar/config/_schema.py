@@ -13,16 +13,16 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from mpar._size import parse_bytes
 from mpar.errors import ConfigError, ConfigTypeError
 from mpar.schedule._csv import is_csv_path
 from mpar.schedule._generators import least_active_microbatches
 from mpar.schedule._registry import PIPELINES, check_csv_schedule
-from mpar.topology import placement_axes
+from mpar.topology import GridShape, placement_axes
 
-__all__ = ["Config", "ZeroConfig"]
+__all__ = ["Config", "PrecisionKind", "ZeroConfig"]
 
 PipelineKind = str
 """A name in ``mpar.schedule.PIPELINES`` or the path of a schedule CSV file."""
@@ -35,6 +35,8 @@ DeviceKind = Literal["auto", "cpu", "cuda", "xla"]
 BackendKind = Literal["auto", "gloo", "nccl", "xla", "mpi"]
 CheckpointingKind = Literal["none", "each"]
 ContextParallelMethod = Literal["ring", "all_to_all"]
+PrecisionKind = Literal["fp32", "bf16", "fp16"]
+"""What ``bf16`` / ``fp16`` choose: fp32, or that mixed precision."""
 
 #: Largest ``timeout_s`` (about 31 years): process-group timeouts must stay representable.
 MAX_TIMEOUT_S = 1e9
@@ -44,7 +46,7 @@ MAX_TIMEOUT_S = 1e9
 MEMORY_WEIGHT_FOR = {"speed": 0.2, "memory": 0.8}
 
 
-def _fail_choice(key: str, value: object, allowed: tuple[Any, ...]) -> None:
+def _fail_choice(key: str, value: object, allowed: tuple[object, ...]) -> None:
     if value not in allowed:
         options = ", ".join(repr(a) for a in allowed)
         raise ConfigError(f"config key {key!r} has value {value!r}; allowed: {options}")
@@ -391,7 +393,7 @@ class Config:
                 f"{self.num_stages} stages (pipeline_parallel_degree x virtual_stages); "
                 f"use a value below {self.num_stages}"
             )
-        if self.offload_activations and self.activation_checkpointing in (False, "none"):
+        if self.offload_activations and not self.checkpointing:
             raise ConfigError(
                 "config key 'offload_activations' is true but 'activation_checkpointing' is off; "
                 "offloading keeps checkpointed activations, so turn checkpointing on"
@@ -456,6 +458,28 @@ class Config:
         return self.pipeline_parallel_degree * self.virtual_stages
 
     @property
+    def precision(self) -> PrecisionKind:
+        """``"bf16"`` or ``"fp16"`` under that mixed precision, else ``"fp32"``."""
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
+
+    @property
+    def checkpointing(self) -> bool:
+        """Whether activations are recomputed in backward (``activation_checkpointing``
+        true or ``"each"``)."""
+        return self.activation_checkpointing not in (False, "none")
+
+    def grid_shape(self, world_size: int) -> GridShape:
+        """The rank grid of this layout on ``world_size`` ranks (checked against it):
+        data parallelism takes what the other axes leave."""
+        self.check_world_size(world_size)
+        return GridShape.for_world(
+            world_size,
+            pp=self.pipeline_parallel_degree,
+            tp=self.tensor_parallel_degree,
+            cp=self.context_parallel_degree,
+        )
+
+    @property
     def resolved_memory_weight(self) -> float:
         """``memory_weight``, or the default of the ``optimize`` objective."""
         if self.memory_weight is not None:
@@ -504,7 +528,7 @@ class Config:
                 f"pipeline_parallel_degree to {world_size}"
             )
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """The configuration as canonical keys (JSON-able); unresolved keys read "auto"."""
         data = dataclasses.asdict(self)
         auto = data.pop("auto_keys")
@@ -514,7 +538,7 @@ class Config:
         return data
 
 
-def _check_tp_plan(plan: Any) -> None:
+def _check_tp_plan(plan: object) -> None:
     if plan is None:
         return
     if not isinstance(plan, Mapping) or not all(

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mpar.comm import _process_state
 from mpar.comm._cp_ops import (
     CP_GROUP,
     cp_local_attention,
@@ -256,3 +257,12 @@ def replace_sdpa(stage: nn.Module, method: str, where: str) -> int:
             if node.op == "call_function" and node.target == target:
                 _check_sdpa_node(node, where)
     return int(replace(target, sdpa_ring if method == "ring" else sdpa_all_to_all))
+
+
+def _reset_found() -> None:
+    FOUND["calls"] = 0
+
+
+_process_state.register(
+    "mpar.context_parallel._attention.FOUND", _reset_found, lambda: FOUND["calls"] == 0
+)

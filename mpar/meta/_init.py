@@ -7,22 +7,24 @@ holds tensors itself is a group of its own tensors. A tensor belongs to the
 group of its canonical (first registered) name, so a tied weight is
 initialised once, by the module that owns it first.
 
-A group is initialised alone: its tensors get fresh storage filled with NaN
-(integers with their minimum), every other tensor the initialisers could reach
-is presented as meta (writes to it are no-ops, it draws no random numbers),
-and the group's modules run their own initialisers children first (the order
-of ``nn.Module.apply``), each under ``torch.manual_seed`` of a stable hash of
+A group is initialised alone: its tensors get fresh storage filled with a value
+no initialiser leaves (NaN; an integer's extreme; for bool, a byte that is neither
+0 nor 1), every other tensor the initialisers could reach
+is presented as meta (writes to it are no-ops, it draws no random numbers), and
+the group's modules run their own initialisers children first (the order of
+``nn.Module.apply``), each under ``torch.manual_seed`` of a stable hash of
 ``(seed, module name)``. So a tensor's value depends only on the seed and its
 name, never on which rank builds it, in what order, or what else exists there:
 pipeline, data-parallel, ZeRO and virtual-stage layouts all give the same
-values, and so does :func:`materialize` in one process. A tensor still NaN
-afterwards had no initialiser: an error names it.
+values, and so does :func:`materialize` in one process. A tensor still holding
+the fill afterwards had no initialiser (a bool causal mask computed in
+``__init__``, say): an error names it and the fix.
 
-Initialisers, per module: a user ``init_fn(module)``; else, inside a Hugging
-Face ``PreTrainedModel``, its ``_init_weights(module)`` (which in transformers
-5 also recomputes buffers such as rotary ``inv_freq`` and BERT's
-``position_ids``), then ``reset_parameters()`` where that left a tensor unset;
-else ``reset_parameters()``.
+Initialisers, per module: a user ``init_fn(module)`` first; then, when there is
+none or it set none of the module's tensors, inside a Hugging Face
+``PreTrainedModel`` its ``_init_weights(module)`` (which in transformers 5 also
+recomputes buffers such as rotary ``inv_freq`` and BERT's ``position_ids``), then
+``reset_parameters()`` where that left a tensor unset; else ``reset_parameters()``.
 """
 
 from __future__ import annotations
@@ -139,13 +141,27 @@ def _owner_prefix(
 # ---------------------------------------------------------------------------- storage
 
 
+_UNSET_BOOL = 0xFF
+"""The byte a fresh bool tensor holds: never a bool value (0 or 1), so any write shows."""
+
+
+def _sentinel(dtype: torch.dtype) -> int:
+    """The fill of fresh integer storage: the minimum (the maximum for unsigned types,
+    whose minimum 0 is a common initial value)."""
+    info = torch.iinfo(dtype)
+    return info.max if info.min == 0 else info.min
+
+
 def _fresh(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """New CPU storage for ``t`` filled with a value no initialiser leaves behind."""
+    """New CPU storage for ``t`` filled with a value no initialiser leaves behind: NaN,
+    an integer's extreme, a byte that is no bool (:data:`_UNSET_BOOL`)."""
     data = torch.empty(shape, dtype=t.dtype, device="cpu")
     if data.is_floating_point() or data.is_complex():
         data.fill_(float("nan"))
-    elif data.dtype != torch.bool:
-        data.fill_(torch.iinfo(data.dtype).min)
+    elif data.dtype == torch.bool:
+        data.view(torch.uint8).fill_(_UNSET_BOOL)
+    else:
+        data.fill_(_sentinel(data.dtype))
     return data
 
 
@@ -154,8 +170,8 @@ def unset(t: torch.Tensor) -> bool:
     if t.is_floating_point() or t.is_complex():
         return bool(torch.isnan(t).any())
     if t.dtype == torch.bool:
-        return False
-    return bool((t == torch.iinfo(t.dtype).min).any())
+        return bool((t.view(torch.uint8) > 1).any())
+    return bool((t == _sentinel(t.dtype)).any())
 
 
 @contextmanager
@@ -204,10 +220,10 @@ def _hf_guard() -> contextlib.AbstractContextManager[Any]:
     return initialization.guard_torch_init_functions()
 
 
-def module_initializer(root: nn.Module, init_fn: InitFn | None) -> Callable[[nn.Module], None]:
-    """The function that initialises one module of ``root`` with its own initialisers."""
-    if init_fn is not None:
-        return init_fn
+def _own_initialisers(root: nn.Module) -> Callable[[nn.Module], None]:
+    """A module's own initialisers: Hugging Face ``_init_weights`` inside a
+    ``PreTrainedModel`` (then ``reset_parameters()`` where that left a tensor unset),
+    else ``reset_parameters()``."""
     owners = _hf_owners(root)
 
     def run(m: nn.Module) -> None:
@@ -220,6 +236,25 @@ def module_initializer(root: nn.Module, init_fn: InitFn | None) -> Callable[[nn.
         reset = getattr(m, "reset_parameters", None)
         if callable(reset):
             reset()
+
+    return run
+
+
+def module_initializer(root: nn.Module, init_fn: InitFn | None) -> Callable[[nn.Module], None]:
+    """The function that initialises one module of ``root``: ``init_fn(module)`` first
+    when given; the module's own initialisers (:func:`_own_initialisers`) when there is
+    no ``init_fn`` or it set none of the module's tensors. So an ``init_fn`` only needs
+    to cover the modules the model's initialisers miss (a buffer computed in
+    ``__init__``)."""
+    own = _own_initialisers(root)
+    if init_fn is None:
+        return own
+
+    def run(m: nn.Module) -> None:
+        fresh = [t for t in _direct(m) if not t.is_meta and unset(t)]
+        init_fn(m)
+        if fresh and all(unset(t) for t in fresh):
+            own(m)
 
     return run
 
@@ -247,11 +282,23 @@ def initialize_group(
             run(m)
     for name, t in fresh:
         if unset(t):
-            raise InitError(
-                f"{name} ({tuple(t.shape)}, {t.dtype}) of a model built on the meta device was "
-                "not set by any initialiser (Hugging Face _init_weights, reset_parameters); "
-                "pass init_fn=callable(module) to mpar.DistributedModel / mpar.materialize to "
-                "initialise it"
-            )
+            raise InitError(_not_set(name, t, group))
         if not keep(t):
             replace_storage(t, torch.empty(t.shape, dtype=t.dtype, device="meta"))
+
+
+def _not_set(name: str, t: torch.Tensor, group: InitGroup) -> str:
+    """The error for tensor ``name`` that no initialiser set, with the fix."""
+    owner = name.rpartition(".")[0]
+    module = dict(group.modules).get(owner)
+    kind = type(module).__name__ if module is not None else "its module"
+    what = "buffer" if not isinstance(t, nn.Parameter) else "parameter"
+    return (
+        f"{name} ({tuple(t.shape)}, {t.dtype}), a {what} of a model built on the meta "
+        "device, was not set by any initialiser (Hugging Face _init_weights, "
+        "reset_parameters): a value computed in __init__ (a causal mask, a lookup table) "
+        "is lost on the meta device. Pass init_fn=callable(module) to "
+        "mpar.DistributedModel / mpar.materialize that sets it, e.g. for modules of type "
+        f"{kind}: module.{name.rpartition('.')[2]}.copy_(<the value __init__ computes>); "
+        "modules init_fn leaves untouched keep their own initialisers"
+    )

@@ -72,21 +72,22 @@ def local_shares(model: Any) -> dict[str, Share]:
     for s in sorted(model.stages.modules, reverse=True):
         for original in model.stages.qualnames[s].values():
             stage_of[original] = s
-    tensors = model._local_tensors()
+    tensors = model.local_tensors()
+    keys = model.state_keys
     out: dict[str, Share] = {}
     seen: set[int] = set()
-    for key in model._key_order:
+    for key in keys.order:
         t = tensors.get(key)
         if t is None or id(t) in seen:
             continue
         seen.add(id(t))
         stage = min(
-            [stage_of[k] for k in [key, *model._aliases.get(key, ())] if k in stage_of],
+            [stage_of[k] for k in keys.names_of(key) if k in stage_of],
             default=0,
         )
         bucket, slot = where.get(id(t), (None, None))
         split = model.tp_shard_of(key)
-        out[key] = Share(key, t, model._shapes[key], stage, bucket, slot, split)
+        out[key] = Share(key, t, keys.shapes[key], stage, bucket, slot, split)
     return out
 
 

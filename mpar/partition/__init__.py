@@ -12,12 +12,22 @@ import sys
 import types
 from contextlib import AbstractContextManager
 
+from mpar._size import parse_bytes
 from mpar.partition._cost import CostModel
 from mpar.partition._manual import assigned_stage, manual_boundaries, partition
-from mpar.partition._memory_model import Layout
+from mpar.partition._memory_model import MemoryLayout
 from mpar.partition._methods import parameter_boundaries, uniform_boundaries
-from mpar.partition._planner import Plan, StagePlan, make_plan, parse_bytes
-from mpar.partition._search import Candidate, SearchResult, SearchSpace, fit_fixed_times, search
+from mpar.partition._plan_inputs import PlanInputs, ScheduleSetup, ZeroSetup, plan_inputs
+from mpar.partition._plan_report import Plan, StagePlan
+from mpar.partition._planner import make_plan
+from mpar.partition._search import (
+    Candidate,
+    SearchResult,
+    SearchSpace,
+    fit_fixed_times,
+    search,
+    space_around,
+)
 from mpar.partition._solver import (
     memory_weight_for,
     min_memory_for,
@@ -31,12 +41,15 @@ from mpar.profile._units import find_units, unit_modules
 __all__ = [
     "Candidate",
     "CostModel",
-    "Layout",
+    "MemoryLayout",
     "Plan",
+    "PlanInputs",
+    "ScheduleSetup",
     "SearchResult",
     "SearchSpace",
     "SplitModel",
     "StagePlan",
+    "ZeroSetup",
     "assigned_stage",
     "find_units",
     "fit_fixed_times",
@@ -48,8 +61,10 @@ __all__ = [
     "parameter_boundaries",
     "parse_bytes",
     "partition",
+    "plan_inputs",
     "search",
     "solve",
+    "space_around",
     "split_module",
     "stage_costs",
     "uniform_boundaries",

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 from torch import nn
@@ -52,11 +51,11 @@ def _enlarged(x: torch.Tensor, axes: Sequence[int]) -> torch.Tensor:
 
 
 def _dynamic_inputs(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], axes: Sequence[int]
-) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+    module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object], axes: Sequence[int]
+) -> tuple[tuple[object, ...], dict[str, object], object]:
     """Example inputs safe to export dynamically, and their ``dynamic_shapes``."""
 
-    def enlarge(leaf: Any) -> Any:
+    def enlarge(leaf: object) -> object:
         if not isinstance(leaf, torch.Tensor):
             return leaf
         if leaf._base is not None or not leaf.is_contiguous():
@@ -74,8 +73,8 @@ def _dynamic_inputs(
 
 def capture(
     module: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
     *,
     training: bool,
     dynamic_axes: Sequence[int],

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from mpar.errors import PartitionError
 
 if TYPE_CHECKING:
-    from mpar.partition._memory_model import Layout
+    from mpar.partition._memory_model import MemoryLayout
     from mpar.profile import UnitProfile
 
 __all__ = ["CostModel", "step_overhead_s", "zero3_gathers_per_step"]
@@ -112,7 +112,7 @@ class CostModel:
 
 def zero3_gathers_per_step(microbatches: int, gather: str | int = "unit") -> int:
     """ZeRO-3 all-gathers of each parameter per step, by gather granularity
-    (``Layout.gather``, as ``_memory.zero_working_set_bytes`` models it).
+    (``MemoryLayout.gather``, as ``_memory.zero_working_set_bytes`` models it).
 
     By unit or group (at most two gathered at once) a stage cannot keep its
     parameters between its actions, so every forward and every backward of every
@@ -125,7 +125,7 @@ def zero3_gathers_per_step(microbatches: int, gather: str | int = "unit") -> int
 
 def step_overhead_s(
     groups: Sequence[Sequence[UnitProfile]],
-    layout: Layout,
+    layout: MemoryLayout,
     cost: CostModel,
     *,
     pipeline: str = "interleaved",

@@ -35,8 +35,8 @@ the whole stage).
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -45,6 +45,7 @@ from mpar.partition._graph import _node_unit_stage, is_symbolic
 
 __all__ = [
     "GATE_ATTR",
+    "UnitGate",
     "enter",
     "gate_graph",
     "leave",
@@ -56,23 +57,36 @@ __all__ = [
 
 GATE_ATTR = "mpar_unit_gate"
 
+Hook = Callable[[int], None]
+"""Called with a group's index."""
+
+
+class UnitGate(Protocol):
+    """What the generated code calls at the edges of a group (``mpar.shard``'s unit
+    gather); ``linear(g, x, weight, bias)`` too where the gate has it."""
+
+    def pre_forward(self, g: int) -> None: ...
+    def post_forward(self, g: int) -> None: ...
+    def pre_backward(self, g: int) -> None: ...
+    def post_backward(self, g: int) -> None: ...
+
 
 class _BackwardHook(torch.autograd.Function):
     """Identity; its backward calls ``hook(g)`` (a gate's ``pre_backward`` or
     ``post_backward``) before passing the gradients on."""
 
     @staticmethod
-    def forward(ctx: Any, hook: Any, g: int, *tensors: torch.Tensor) -> Any:
-        ctx.hook, ctx.g = hook, g
+    def forward(ctx: Any, hook: Hook, g: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.hook, ctx.g = hook, g  # ctx: autograd's context object, attributes set freely
         return tensors
 
     @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         ctx.hook(ctx.g)
         return (None, None, *grads)
 
 
-def _through(hook: Any, g: int, tensors: tuple[Any, ...]) -> tuple[Any, ...]:
+def _through(hook: Hook, g: int, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """``tensors``, those that take part in autograd passed through a :class:`_BackwardHook`."""
     picked = [i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not picked or not torch.is_grad_enabled():
@@ -83,25 +97,25 @@ def _through(hook: Any, g: int, tensors: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def enter(gate: Any, g: int, *tensors: Any) -> tuple[Any, ...]:
+def enter(gate: UnitGate, g: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Before group ``g`` (called from the generated code)."""
     gate.pre_forward(g)
     return _through(gate.post_backward, g, tensors)
 
 
-def leave(gate: Any, g: int, *tensors: Any) -> tuple[Any, ...]:
+def leave(gate: UnitGate, g: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """After group ``g`` (called from the generated code)."""
     gate.post_forward(g)
     return _through(gate.pre_backward, g, tensors)
 
 
-def mark(gate: Any, g: int, *tensors: Any) -> tuple[Any, ...]:
+def mark(gate: UnitGate, g: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """An output of group ``g`` read before the group ends (called from the generated code)."""
     return _through(gate.pre_backward, g, tensors)
 
 
 def linear(
-    gate: Any, g: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    gate: UnitGate, g: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``aten.linear`` in group ``g`` on a weight nothing else reads (called from the
     generated code): ``gate.linear(g, x, weight, bias)`` when the gate has it."""

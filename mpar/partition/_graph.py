@@ -24,12 +24,16 @@ from __future__ import annotations
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from mpar._compat import fx
 from mpar.errors import PartitionError
+
+if TYPE_CHECKING:
+    from sympy import Expr
+    from torch.fx.node import Argument
 
 __all__ = ["StageGraph", "cut_graph", "is_symbolic"]
 
@@ -44,11 +48,11 @@ def is_symbolic(node: fx.Node) -> bool:
     )
 
 
-def _expr(node: fx.Node) -> Any:
+def _expr(node: fx.Node) -> Expr:
     return node.meta["val"].node.expr
 
 
-def _dim_exprs(node: fx.Node) -> list[Any]:
+def _dim_exprs(node: fx.Node) -> list[Expr | None]:
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return []
@@ -87,7 +91,7 @@ class _Symbols:
 
     def __init__(self, graph: fx.Graph) -> None:
         self.placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-        self.global_exprs: dict[Any, tuple[fx.Node, int]] = {}
+        self.global_exprs: dict[Expr, tuple[fx.Node, int]] = {}
         for p in self.placeholders:
             for d, e in enumerate(_dim_exprs(p)):
                 if e is not None and e.is_symbol:
@@ -237,7 +241,7 @@ class _SizePlan:
             self.missing.append((t, k))
 
 
-def _find_dim(tensors: Sequence[fx.Node], expr: Any) -> tuple[fx.Node, int] | None:
+def _find_dim(tensors: Sequence[fx.Node], expr: Expr) -> tuple[fx.Node, int] | None:
     for t in tensors:
         for d, e in enumerate(_dim_exprs(t)):
             if e is not None and e == expr:
@@ -250,7 +254,7 @@ class StageGraph:
     """One stage of a cut graph."""
 
     graph: fx.Graph
-    attrs: dict[str, Any]
+    attrs: dict[str, object]
     """get_attr target → object (parameters, buffers, constants, submodules)."""
     inputs: list[fx.Node]
     """The original graph's nodes this stage takes, in order (placeholders for stage 0)."""
@@ -263,8 +267,8 @@ def _device_of(tensor: torch.Tensor) -> torch.device:
     return tensor.device
 
 
-def _get_attr(root: torch.nn.Module, target: str) -> Any:
-    obj: Any = root
+def _get_attr(root: torch.nn.Module, target: str) -> object:
+    obj: object = root
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
@@ -285,7 +289,7 @@ class _StageBuilder:
         self.gm, self.sources = gm, sources
         self.graph = fx.Graph()
         self.env: dict[fx.Node, fx.Node] = {}
-        self.attrs: dict[str, Any] = {}
+        self.attrs: dict[str, object] = {}
         for v in inputs:
             self.env[v] = self.graph.placeholder(v.name)
             self.env[v].meta = dict(v.meta)
@@ -311,7 +315,7 @@ class _StageBuilder:
             with self.graph.inserting_after(self.first_input):
                 self.device_node = self.graph.call_function(_device_of, (self.first_input,))
 
-        def swap(a: Any) -> Any:
+        def swap(a: Argument) -> Argument:
             return self.device_node if isinstance(a, torch.device) and a == self.device else a
 
         node.args = tuple(swap(a) for a in node.args)

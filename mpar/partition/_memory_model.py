@@ -1,6 +1,6 @@
 """The per-rank peak memory model and the time knobs of a layout (pure, no torch).
 
-A :class:`Layout` names everything besides the partition that changes what a
+A :class:`MemoryLayout` names everything besides the partition that changes what a
 rank holds: data-parallel degree and ZeRO stage, offload, precision,
 activation checkpointing and the microbatch size relative to the profiled one.
 The functions here turn a profile's per-unit figures into device bytes at the
@@ -12,7 +12,7 @@ The functions here turn a profile's per-unit figures into device bytes at the
   backward to its once-per-step reduction at ZeRO-0/1 (microbatches accumulate
   into it); at ZeRO-2/3 the ``1/dp`` shard;
 * the ZeRO-2/3 working set (:func:`zero_working_set_bytes`), by the gather
-  granularity (``Layout.gather``): by unit or group, two neighbouring units'
+  granularity (``MemoryLayout.gather``): by unit or group, two neighbouring units'
   (groups') gathered parameters at ZeRO-3 and, after a unit's backward, its
   gradients twice (autograd's and the flat buffer they are copied into for the
   reduce-scatter); by chunk the stage's whole parameters and a full-size
@@ -25,11 +25,11 @@ The functions here turn a profile's per-unit figures into device bytes at the
   input and output per microbatch in flight, plus one microbatch's full
   activations while it is recomputed;
 * the last stage's loss (:func:`loss_bytes`);
-* pipeline messages (:class:`Transfers`): sends kept until the step ends and
+* pipeline messages (:class:`MessageCounts`): sends kept until the step ends and
   one posted receive per incoming stream; one gradient bucket at ZeRO-0 when
   ``dp > 1``.
 
-Where the memory is (``Layout.device``): offloaded state lives on the host
+Where the memory is (``MemoryLayout.device``): offloaded state lives on the host
 (:func:`unit_host_bytes`: the optimizer state, its fp32 master copy, the fp32
 gradient the host optimizer reads, and the parameter shard with
 ``offload_params``). On a CUDA or XLA device that is another memory, reported
@@ -48,21 +48,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from mpar.errors import PartitionError
 from mpar.schedule._csv import is_csv_path
 
 if TYPE_CHECKING:
+    from mpar.config import PrecisionKind
     from mpar.profile import UnitProfile
 
 __all__ = [
-    "Layout",
-    "Transfers",
+    "DEVICES",
+    "MemoryLayout",
+    "MessageCounts",
+    "PlanDevice",
     "effective_gather",
     "loss_bytes",
+    "may_split_backward",
     "optimizer_step_bytes",
-    "splits_backward",
     "stage_extra_bytes",
     "transfer_bytes",
     "unit_activation_bytes",
@@ -73,12 +76,13 @@ __all__ = [
     "zero_working_set_bytes",
 ]
 
-_PRECISIONS = ("fp32", "bf16", "fp16")
-DEVICES = ("cuda", "xla", "cpu")
-"""Device kinds a layout can name; on ``"cpu"`` host memory is the device's memory."""
+_PRECISIONS: tuple[PrecisionKind, ...] = ("fp32", "bf16", "fp16")
+PlanDevice = Literal["cuda", "xla", "cpu"]
+"""A device kind the ranks compute on; on ``"cpu"`` host memory is the device's memory."""
+DEVICES: tuple[PlanDevice, ...] = ("cuda", "xla", "cpu")
 
 
-def splits_backward(pipeline: str) -> bool:
+def may_split_backward(pipeline: str) -> bool:
     """Whether ``pipeline`` may split the backward into input (I) and weight (W) actions:
     ``zero_bubble``, ``zbv`` and schedule CSVs."""
     return pipeline in ("zero_bubble", "zbv") or is_csv_path(pipeline)
@@ -88,12 +92,12 @@ def effective_gather(pipeline: str, gather: str | int = "unit") -> str | int:
     """How ZeRO 2 and 3 gather and reduce inside a stage under ``pipeline``.
 
     ``gather`` (the config's ``zero.gather``: ``"unit"``, ``"chunk"`` or an int ``n``),
-    except ``"chunk"`` for schedules that split the backward (:func:`splits_backward`):
+    except ``"chunk"`` for schedules that split the backward (:func:`may_split_backward`):
     their weight gradients are computed after the input gradients, outside the order
     the unit hooks follow. The runtime (``mpar.runtime._sharding``) and the planner
     both ask this function, so what is predicted and what runs cannot drift apart.
     """
-    return "chunk" if splits_backward(pipeline) else gather
+    return "chunk" if may_split_backward(pipeline) else gather
 
 
 def _check_gather(gather: object) -> None:
@@ -107,12 +111,12 @@ def _check_gather(gather: object) -> None:
 
 
 @dataclass(frozen=True)
-class Layout:
+class MemoryLayout:
     """The memory- and time-relevant knobs of one layout, apart from the partition."""
 
     data_parallel_degree: int = 1
     zero_stage: int = 0
-    precision: str = "fp32"
+    precision: PrecisionKind = "fp32"
     """"fp32", or "bf16" / "fp16" mixed precision (compute dtype, fp32 master weights)."""
     activation_checkpointing: bool = False
     offload_optimizer: bool = False
@@ -125,12 +129,12 @@ class Layout:
     """ZeRO 2/3 granularity inside a stage, as the runtime runs it: ``"unit"``, an int
     ``n`` (groups of ``n`` consecutive units) or ``"chunk"`` (the whole stage). Pass
     :func:`effective_gather` of the pipeline and ``zero.gather``."""
-    device: str = "cuda"
+    device: PlanDevice = "cuda"
     """The device kind the ranks compute on: ``"cuda"`` / ``"xla"`` (offloaded state
     leaves the device for the host) or ``"cpu"`` (the host *is* the device: offloaded
     state counts in the same memory)."""
     weight_work: bool = False
-    """Whether the schedule splits the backward (:func:`splits_backward`, with the
+    """Whether the schedule splits the backward (:func:`may_split_backward`, with the
     config's ``split_backward`` on): a microbatch whose W waits holds its linear layers'
     inputs and output gradients (``UnitProfile.weight_work_bytes``), which may exceed
     what its forward saved."""
@@ -185,7 +189,7 @@ class Layout:
         return self.data_parallel_degree if self.zero_stage >= 1 else 1
 
 
-def unit_state_bytes(unit: UnitProfile, layout: Layout) -> float:
+def unit_state_bytes(unit: UnitProfile, layout: MemoryLayout) -> float:
     """Device bytes of a unit's parameters, gradients and optimizer state between steps
     and while other units run (what is gathered or staged only while the unit itself
     computes is in :func:`zero_working_set_bytes`). On a CPU device the offloaded
@@ -205,7 +209,7 @@ def unit_state_bytes(unit: UnitProfile, layout: Layout) -> float:
     return params + grads + optim + host
 
 
-def unit_host_bytes(unit: UnitProfile, layout: Layout) -> float:
+def unit_host_bytes(unit: UnitProfile, layout: MemoryLayout) -> float:
     """Host bytes a rank keeps for a unit when it offloads (``FlatBucket`` on the host):
     the optimizer state and the fp32 master copy it updates (the parameter shard itself
     in fp32 with ``offload_params``, else a copy), the fp32 gradient the host optimizer
@@ -231,7 +235,7 @@ def _gather_groups(units: Sequence[UnitProfile], gather: str | int) -> list[list
     return [list(units[i : i + size]) for i in range(0, len(units), max(size, 1))]
 
 
-def zero_working_set_bytes(units: Sequence[UnitProfile], layout: Layout) -> float:
+def zero_working_set_bytes(units: Sequence[UnitProfile], layout: MemoryLayout) -> float:
     """ZeRO-2/3 bytes a stage of ``units`` holds only while it computes.
 
     By ``layout.gather`` (``mpar.shard._unit_gather``; the groups of :func:`_gather_groups`):
@@ -258,7 +262,7 @@ def zero_working_set_bytes(units: Sequence[UnitProfile], layout: Layout) -> floa
     return max((_group_moment(units, layout, i) for i in range(len(units))), default=0.0)
 
 
-def _group_moment(units: Sequence[UnitProfile], layout: Layout, index: int) -> float:
+def _group_moment(units: Sequence[UnitProfile], layout: MemoryLayout, index: int) -> float:
     """The working set while the group holding ``units[index]`` is differentiated: its
     parameters and a neighbour's gathered (ZeRO-3), and its gradients (ZeRO-2/3)."""
     c, sharded = layout.dtype_factor, layout.data_parallel_degree > 1
@@ -283,7 +287,7 @@ def _group_moment(units: Sequence[UnitProfile], layout: Layout, index: int) -> f
 
 
 def working_set_for_solver(
-    units: Sequence[UnitProfile], layout: Layout
+    units: Sequence[UnitProfile], layout: MemoryLayout
 ) -> tuple[list[float], float]:
     """The working set as the partition solver takes it: per-unit bytes, and a reserve.
 
@@ -300,16 +304,16 @@ def working_set_for_solver(
     return [0.0] * len(units), reserve
 
 
-def unit_activation_bytes(unit: UnitProfile, layout: Layout) -> float:
+def unit_activation_bytes(unit: UnitProfile, layout: MemoryLayout) -> float:
     """Bytes a unit saves for backward for one microbatch of the layout's size."""
     return unit.activation_bytes * layout.microbatch_scale * layout.dtype_factor
 
 
-def unit_held_bytes(unit: UnitProfile, layout: Layout, in_flight: int) -> float:
+def unit_held_bytes(unit: UnitProfile, layout: MemoryLayout, in_flight: int) -> float:
     """Bytes a unit holds for backward with ``in_flight`` microbatches in flight.
 
     Each holds what its forward saved (one microbatch's, recomputed, under activation
-    checkpointing). Under a split backward (``Layout.weight_work``) a microbatch whose
+    checkpointing). Under a split backward (``MemoryLayout.weight_work``) a microbatch whose
     I ran holds what its W keeps instead, which may be more: counted as the larger of
     the two for each microbatch in flight (and, with checkpointing, on top of the one
     recomputed).
@@ -323,12 +327,12 @@ def unit_held_bytes(unit: UnitProfile, layout: Layout, in_flight: int) -> float:
     return max(saved, kept) * in_flight
 
 
-def boundary_bytes(unit: UnitProfile, layout: Layout) -> float:
+def boundary_bytes(unit: UnitProfile, layout: MemoryLayout) -> float:
     """Bytes of a unit's output at the layout's microbatch size and dtype."""
     return unit.output_bytes * layout.microbatch_scale * layout.dtype_factor
 
 
-def optimizer_step_bytes(units: Sequence[UnitProfile], layout: Layout) -> tuple[float, float]:
+def optimizer_step_bytes(units: Sequence[UnitProfile], layout: MemoryLayout) -> tuple[float, float]:
     """What the optimizer update adds, after the backward (activations gone): the fp32
     copies of the reduced gradients that mixed precision hands the optimizer
     (``FlatBucket.opt_grad``, every bucket at once; none with offload, whose host
@@ -355,7 +359,7 @@ def optimizer_step_bytes(units: Sequence[UnitProfile], layout: Layout) -> tuple[
     return copies, 2 * segment
 
 
-def loss_bytes(last: UnitProfile, layout: Layout, in_flight: int) -> float:
+def loss_bytes(last: UnitProfile, layout: MemoryLayout, in_flight: int) -> float:
     """The loss outside the model on the last stage, at its peak (the backward of the
     loss of one microbatch): the fp32 log-probabilities cross-entropy saves for every
     microbatch in flight, plus :func:`loss_backward_bytes`. The same in every
@@ -364,19 +368,19 @@ def loss_bytes(last: UnitProfile, layout: Layout, in_flight: int) -> float:
     return loss_saved_bytes(last, layout, in_flight) + loss_backward_bytes(last, layout)
 
 
-def loss_saved_bytes(last: UnitProfile, layout: Layout, in_flight: int) -> float:
+def loss_saved_bytes(last: UnitProfile, layout: MemoryLayout, in_flight: int) -> float:
     """The fp32 log-probabilities cross-entropy saves, per microbatch in flight."""
     return last.output_bytes * layout.microbatch_scale * in_flight  # fp32
 
 
-def loss_backward_bytes(last: UnitProfile, layout: Layout) -> float:
+def loss_backward_bytes(last: UnitProfile, layout: MemoryLayout) -> float:
     """During the loss's backward: the log-probabilities' gradient and the logits', two
     fp32 logits-sized tensors (freed before the last unit's backward runs)."""
     return 2 * last.output_bytes * layout.microbatch_scale  # fp32
 
 
 @dataclass(frozen=True)
-class Transfers:
+class MessageCounts:
     """The pipeline messages a stage's rank holds at the rank's peak (``mpar.comm._p2p``).
 
     A send packs the payload into a new message buffer that the runtime keeps until
@@ -397,7 +401,7 @@ class Transfers:
     """Posted receives of the output's gradient (0 when the next stage is local or absent)."""
 
 
-def transfer_bytes(inp: float, out: float, transfers: Transfers) -> float:
+def transfer_bytes(inp: float, out: float, transfers: MessageCounts) -> float:
     """Bytes of held send and posted receive buffers for boundaries of ``inp``/``out`` bytes."""
     t = transfers
     return (t.sends_forward + t.receives_backward) * out + (
@@ -410,8 +414,8 @@ def stage_extra_bytes(
     start: int,
     end: int,
     in_flight: int,
-    layout: Layout,
-    transfers: Transfers | None = None,
+    layout: MemoryLayout,
+    transfers: MessageCounts | None = None,
 ) -> float:
     """Bytes of stage ``[start, end)`` beyond states and saved activations.
 
@@ -426,7 +430,7 @@ def stage_extra_bytes(
     out = 0.0 if last else boundary_bytes(units[end - 1], layout)
     inp = boundary_bytes(units[start - 1], layout) if start > 0 else 0.0
     kept = out + (inp if layout.activation_checkpointing else 0.0)
-    extra = kept * in_flight + transfer_bytes(inp, out, transfers or Transfers())
+    extra = kept * in_flight + transfer_bytes(inp, out, transfers or MessageCounts())
     group = units[start:end]
     working = zero_working_set_bytes(group, layout)
     if layout.data_parallel_degree > 1 and layout.zero_stage == 0:

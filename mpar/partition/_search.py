@@ -34,26 +34,33 @@ import dataclasses
 import heapq
 import itertools
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from mpar._size import parse_bytes
 from mpar.errors import PartitionError
 from mpar.partition._cost import CostModel
-from mpar.partition._memory_model import Layout, _check_gather, effective_gather, splits_backward
-from mpar.partition._planner import (
-    _predict,
-    lay_out,
-    lower_bound_s,
-    rank_overheads,
-)
+from mpar.partition._plan_inputs import ConfigDict, PlanInputs, config_dict
+from mpar.partition._planner import lay_out, rank_overheads
+from mpar.partition._prediction import lower_bound_s, predict
 from mpar.partition._tp_share import TPSplits, tp_share
+from mpar.schedule import least_active_microbatches
+from mpar.topology import GridShape
 
 if TYPE_CHECKING:
+    from mpar.config import PrecisionKind
     from mpar.profile import ModelProfile
 
-__all__ = ["Candidate", "SearchResult", "SearchSpace", "fit_fixed_times", "render", "search"]
+__all__ = [
+    "Candidate",
+    "SearchResult",
+    "SearchSpace",
+    "fit_fixed_times",
+    "render",
+    "search",
+    "space_around",
+]
 
 OVER_CAP = "over memory cap"
 BATCH = "global batch not divisible by the data-parallel degree"
@@ -68,6 +75,12 @@ CPU_OFFLOAD = "offload on a CPU device (the host is the device: it saves nothing
 TP_REFUSED = "tensor-parallel degree the model's plan refuses (heads or sizes not divisible)"
 NO_TP_PLAN = "tensor-parallel degree > 1 for a model without a TP plan"
 TP_PP = "pipeline degree that does not divide world / tp"
+ACTIVE = "active_microbatches the schedule cannot run with (above m, or below its least)"
+
+Shape = tuple[int, int, int, str, int]
+"""(pp, dp, microbatches, pipeline, virtual stages) of a candidate."""
+Knobs = tuple[int, bool, bool, bool, "PrecisionKind"]
+"""(ZeRO stage, offload optimizer, offload params, checkpointing, precision)."""
 
 
 @dataclass(frozen=True)
@@ -82,15 +95,13 @@ class SearchSpace:
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     offload: bool = True
     checkpointing: tuple[bool, ...] = (False, True)
-    precisions: tuple[str, ...] = ("fp32", "bf16")
+    precisions: tuple[PrecisionKind, ...] = ("fp32", "bf16")
     virtual_stage_choices: tuple[int, ...] | None = None
     """Only these virtual-stage counts (None: 1 to ``max_virtual_stages``)."""
     microbatch_choices: tuple[int, ...] | None = None
     """Only these microbatch counts (None: every divisor of the per-replica batch)."""
     offload_choices: tuple[tuple[bool, bool], ...] | None = None
     """Only these (offload optimizer, offload params) pairs (None: what ``offload`` allows)."""
-    gather: str | int = "unit"
-    """``zero.gather`` of every candidate (split-backward schedules gather by chunk anyway)."""
     tensor_parallel_degrees: tuple[int, ...] | None = None
     """Only these TP degrees (None: every divisor of the world size the model's plan
     accepts; 1 without a plan)."""
@@ -102,7 +113,6 @@ class SearchSpace:
                 f"pipelines must be a non-empty subset of {', '.join(SEARCHABLE)}; got "
                 f"{self.pipelines} (a schedule CSV fixes the layout: plan it with make_plan)"
             )
-        _check_gather(self.gather)
         if self.max_virtual_stages < 1:
             raise PartitionError(f"max_virtual_stages must be >= 1, got {self.max_virtual_stages}")
         if not set(self.zero_stages) <= {0, 1, 2, 3} or not self.zero_stages:
@@ -115,19 +125,13 @@ class SearchSpace:
 
 @dataclass
 class Candidate:
-    """One layout with its predicted cost (``step_time_s`` None until simulated)."""
+    """One layout, as the run it describes (``inputs``), with its predicted cost
+    (``step_time_s`` None until simulated)."""
 
-    pipeline_parallel_degree: int
-    data_parallel_degree: int
-    virtual_stages: int
-    microbatches: int
+    inputs: PlanInputs
+    """The run: grid, schedule, ZeRO, precision, checkpointing, device (``make_plan``
+    plans it; ``config()`` is its config)."""
     microbatch_size: int
-    pipeline: str
-    zero_stage: int
-    offload_optimizer: bool
-    offload_params: bool
-    activation_checkpointing: bool
-    precision: str
     max_rank_memory_bytes: int
     rank_memory_bytes: list[int]
     boundaries: list[int]
@@ -135,65 +139,91 @@ class Candidate:
     overhead_s: float
     step_time_s: float | None = None
     bubble: float | None = None
-    gather: str | int = "unit"
-    """``zero.gather`` (the runtime gathers by chunk under a split-backward schedule)."""
-    device: str = "cuda"
-    """The device kind the layout runs on (``Layout.device``)."""
     host_memory_bytes: list[int] = field(default_factory=list)
     """Per pipeline rank: host bytes of offloaded state (inside ``rank_memory_bytes`` on a
     CPU device, beside it elsewhere)."""
-    tensor_parallel_degree: int = 1
-    """Ranks splitting each layer; the memory figures are one TP rank's."""
+
+    @property
+    def pipeline_parallel_degree(self) -> int:
+        return self.inputs.grid.pp
+
+    @property
+    def data_parallel_degree(self) -> int:
+        return self.inputs.grid.dp
+
+    @property
+    def tensor_parallel_degree(self) -> int:
+        """Ranks splitting each layer; the memory figures are one TP rank's."""
+        return self.inputs.grid.tp
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.inputs.schedule.virtual_stages
+
+    @property
+    def microbatches(self) -> int:
+        return self.inputs.schedule.microbatches
+
+    @property
+    def pipeline(self) -> str:
+        return self.inputs.schedule.pipeline
+
+    @property
+    def zero_stage(self) -> int:
+        return self.inputs.zero.stage
+
+    @property
+    def offload_optimizer(self) -> bool:
+        return self.inputs.zero.offload_optimizer
+
+    @property
+    def offload_params(self) -> bool:
+        return self.inputs.zero.offload_params
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        return self.inputs.activation_checkpointing
+
+    @property
+    def precision(self) -> PrecisionKind:
+        return self.inputs.precision
 
     @property
     def max_host_memory_bytes(self) -> int:
         return max(self.host_memory_bytes, default=0)
 
-    @property
-    def layout(self) -> Layout:
-        return Layout(
-            self.data_parallel_degree,
-            self.zero_stage,
-            self.precision,
-            self.activation_checkpointing,
-            self.offload_optimizer,
-            self.offload_params,
-            gather=effective_gather(self.pipeline, self.gather),
-            device=self.device,
-            weight_work=splits_backward(self.pipeline),
-        )
+    def config(self) -> ConfigDict:
+        """The candidate as an mpar config dict (``mpar.config.load_config`` reads it;
+        ``mpar.partition.plan_inputs`` turns it back into ``inputs``)."""
+        return config_dict(self.inputs)
 
-    def config(self, device_memory: int | None = None) -> dict[str, Any]:
-        """The candidate as an mpar config dict (``mpar.config.load_config`` reads it).
-
-        ``device`` is left to the runtime's ``"auto"`` (the plan's kind is
-        ``Candidate.device``): a plan made for CUDA on a laptop runs as is on the GPUs."""
-        zero: dict[str, Any] = {"stage": self.zero_stage}
-        if self.offload_optimizer:
-            zero["offload_optimizer"] = "cpu"
-        if self.offload_params:
-            zero["offload_params"] = "cpu"
-        if self.gather != "unit":
-            zero["gather"] = self.gather
-        config: dict[str, Any] = {
-            "pipeline_parallel_degree": self.pipeline_parallel_degree,
-            "tensor_parallel_degree": self.tensor_parallel_degree,
-            "microbatches": self.microbatches,
-            "pipeline": self.pipeline,
-            "virtual_stages": self.virtual_stages,
-            "ddp": True,
-            "zero": zero,
-            "activation_checkpointing": self.activation_checkpointing,
-            "bf16": self.precision == "bf16",
-            "fp16": self.precision == "fp16",
-            "memory_weight": 0.0,
+    def to_dict(self) -> dict[str, object]:
+        i = self.inputs
+        return {
+            "pipeline_parallel_degree": i.grid.pp,
+            "data_parallel_degree": i.grid.dp,
+            "virtual_stages": i.schedule.virtual_stages,
+            "microbatches": i.schedule.microbatches,
+            "microbatch_size": self.microbatch_size,
+            "pipeline": i.schedule.pipeline,
+            "zero_stage": i.zero.stage,
+            "offload_optimizer": i.zero.offload_optimizer,
+            "offload_params": i.zero.offload_params,
+            "activation_checkpointing": i.activation_checkpointing,
+            "precision": i.precision,
+            "max_rank_memory_bytes": self.max_rank_memory_bytes,
+            "rank_memory_bytes": list(self.rank_memory_bytes),
+            "boundaries": list(self.boundaries),
+            "lower_bound_s": self.lower_bound_s,
+            "overhead_s": self.overhead_s,
+            "step_time_s": self.step_time_s,
+            "bubble": self.bubble,
+            "gather": i.zero.gather,
+            "device": i.device,
+            "host_memory_bytes": list(self.host_memory_bytes),
+            "tensor_parallel_degree": i.grid.tp,
+            "max_host_memory_bytes": self.max_host_memory_bytes,
         }
-        if device_memory is not None:
-            config["device_memory"] = device_memory
-        return config
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "max_host_memory_bytes": self.max_host_memory_bytes}
 
 
 @dataclass
@@ -226,10 +256,10 @@ class SearchResult:
     def __str__(self) -> str:
         return render(self)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         best = self.best
         return {
-            "config": best.config(self.device_memory),
+            "config": best.config(),
             "tensor_parallel_degree": best.tensor_parallel_degree,
             "tp_degrees": list(self.tp_degrees),
             "predicted": {
@@ -278,7 +308,7 @@ def _divisors(n: int) -> list[int]:
 
 def _knobs(
     dp: int, space: SearchSpace, reject: Counter[str], device: str = "cuda"
-) -> Iterator[tuple[int, bool, bool, bool, str]]:
+) -> Iterator[Knobs]:
     """(zero stage, offload optimizer, offload params, checkpointing, precision) to try.
 
     On a CPU device offload is only tried where ``space.offload_choices`` asks for it
@@ -307,7 +337,7 @@ def _knobs(
 
 def _shapes(
     units: int, world: int, batch: int, space: SearchSpace, reject: Counter[str]
-) -> Iterator[tuple[int, int, int, str, int]]:
+) -> Iterator[Shape]:
     """(pp, dp, m, pipeline, v) to try; the rest counted in ``reject``."""
     for pp in space.pipeline_degrees or _divisors(world):
         if world % pp:
@@ -340,49 +370,61 @@ def _virtual_choices(pp: int, space: SearchSpace) -> list[int]:
     return list(range(1, (space.max_virtual_stages if pp > 1 else 1) + 1))
 
 
-def _evaluate(
-    profile: ModelProfile,
-    shape: tuple[int, int, int, str, int],
-    knobs: tuple[int, bool, bool, bool, str],
-    scale: float,
-    cap: int,
-    cost: CostModel,
-    gather: str | int = "unit",
-    device: str = "cuda",
-    tp: int = 1,
-) -> Candidate | None:
-    """Lay out one candidate (``profile``: one TP rank's); None when it does not fit."""
+def _runs(base: PlanInputs, shape: Shape) -> bool:
+    """Whether the schedule of ``shape`` runs with the cap ``base`` keeps (if any)."""
+    pp, _dp, m, pipeline, v = shape
+    cap = base.schedule.active_microbatches
+    return cap is None or least_active_microbatches(pipeline, pp, v) <= cap <= m
+
+
+def _inputs(base: PlanInputs, shape: Shape, knobs: Knobs, tp: int) -> PlanInputs:
+    """The run of one candidate: ``base`` (device, its memory, the TP splits, the ZeRO
+    gather and bucket, the cap and split backward) with the candidate's knobs, laid
+    out for speed under the cap (memory weight 0)."""
     pp, dp, m, pipeline, v = shape
     zero, opt, par, ckpt, precision = knobs
-    gathered = effective_gather(pipeline, gather)
-    layout = Layout(
-        dp, zero, precision, ckpt, opt, par, scale, gather=gathered, device=device,
-        weight_work=splits_backward(pipeline),
-    )  # fmt: skip
+    return dataclasses.replace(
+        base,
+        grid=GridShape(pp=pp, dp=dp, tp=tp),
+        schedule=dataclasses.replace(
+            base.schedule, pipeline=pipeline, virtual_stages=v, microbatches=m
+        ),
+        zero=dataclasses.replace(base.zero, stage=zero, offload_optimizer=opt, offload_params=par),
+        precision=precision,
+        activation_checkpointing=ckpt,
+        optimize="speed",
+        memory_weight=0.0,
+    )
+
+
+def _evaluate(
+    profile: ModelProfile, inputs: PlanInputs, size: int, scale: float, cost: CostModel
+) -> Candidate | None:
+    """Lay out one candidate (``profile``: one TP rank's); None when it does not fit."""
+    cap = inputs.device_memory or 0
     try:
-        laid = lay_out(profile, pp, v, m, pipeline, layout=layout, cost=cost, cap_rank=cap)
+        laid = lay_out(profile, inputs, cost=cost, microbatch_scale=scale)
     except PartitionError:
         return None
     if max(laid.rank_memory) > cap:
         return None
-    overhead = max(
-        rank_overheads(laid.stages, pp, v, pipeline, layout, cost, profile.units, microbatches=m)
+    overhead = max(rank_overheads(laid.stages, inputs, laid.layout, cost, profile.units))
+    s = inputs.schedule
+    bound = (
+        lower_bound_s(
+            laid.stages, inputs.grid.pp, s.microbatches, inputs.activation_checkpointing, cost
+        )
+        + overhead
     )
-    bound = lower_bound_s(laid.stages, pp, m, ckpt, cost) + overhead
     return Candidate(
-        pp, dp, v, m, 0, pipeline, zero, opt, par, ckpt, precision,
-        max(laid.rank_memory), laid.rank_memory, laid.starts, bound, overhead, gather=gather,
-        device=device, host_memory_bytes=laid.host_memory, tensor_parallel_degree=tp,
+        inputs, size, max(laid.rank_memory), laid.rank_memory, laid.starts, bound, overhead,
+        host_memory_bytes=laid.host_memory,
     )  # fmt: skip
 
 
-def _simulate(profile: ModelProfile, c: Candidate, scale: float, cap: int, cost: CostModel) -> None:
-    layout = dataclasses.replace(c.layout, microbatch_scale=scale)
-    p, v, m = c.pipeline_parallel_degree, c.virtual_stages, c.microbatches
-    laid = lay_out(profile, p, v, m, c.pipeline, layout=layout, cost=cost, cap_rank=cap)
-    makespan, bubble, _ = _predict(
-        laid.stages, p, v, m, c.pipeline, laid.sched, c.activation_checkpointing, cost
-    )
+def _simulate(profile: ModelProfile, c: Candidate, scale: float, cost: CostModel) -> None:
+    laid = lay_out(profile, c.inputs, cost=cost, microbatch_scale=scale)
+    makespan, bubble = predict(laid.stages, c.inputs, cost)
     c.step_time_s, c.bubble = makespan + c.overhead_s, bubble
 
 
@@ -390,7 +432,6 @@ def _rank(
     profiles: dict[int, ModelProfile],
     fitting: list[tuple[Candidate, float]],
     top: int,
-    cap: int,
     cost: CostModel,
 ) -> tuple[list[Candidate], int]:
     """Simulate in lower-bound order until no remaining bound can enter the top ``top``."""
@@ -401,7 +442,7 @@ def _rank(
         if len(best) >= top and cand.lower_bound_s > -best[0][0]:
             skipped = len(fitting) - order
             break
-        _simulate(profiles[cand.tensor_parallel_degree], cand, scale, cap, cost)
+        _simulate(profiles[cand.tensor_parallel_degree], cand, scale, cost)
         key = (-(cand.step_time_s or 0.0), -cand.max_rank_memory_bytes, -order, cand)
         if len(best) < top:
             heapq.heappush(best, key)
@@ -424,81 +465,106 @@ def _preference(c: Candidate) -> tuple[float, ...]:
 
 def search(
     profile: ModelProfile,
+    inputs: PlanInputs,
     *,
-    world_size: int,
-    device_memory: int | str,
     global_batch: int,
     profile_batch: int = 1,
     space: SearchSpace | None = None,
     cost: CostModel | None = None,
     top: int = 10,
-    device: str = "cuda",
     host_memory: int | str | None = None,
-    tp_splits: TPSplits | None = None,
 ) -> SearchResult:
-    """Search every layout of ``world_size`` ranks for ``global_batch`` samples a step.
+    """Search every layout of ``inputs.grid.world_size`` ranks for ``global_batch``
+    samples a step.
 
     Args:
         profile: one profile of the model at ``profile_batch`` samples per microbatch.
-        device_memory: bytes (or "80GiB") per rank.
+        inputs: what stays fixed (``PlanInputs``): the world size (its grid's), the cap
+            ``device_memory`` (required), the device kind (on "cpu" offloaded state
+            counts in the rank's memory and offload is not tried unless
+            ``space.offload_choices`` names it), the model's ``tp_splits`` (None: no
+            plan, ``tp = 1`` only), ZeRO's gather and bucket, ``active_microbatches``
+            and ``split_backward``. Each candidate is ``inputs`` with its own grid,
+            schedule, ZeRO stage, offload, checkpointing and precision.
         space: the knobs' ranges (``SearchSpace``); cost: bandwidths and speed factors.
         top: how many fitting candidates to simulate and rank.
-        device: the kind the ranks compute on ("cuda", "xla", "cpu"); on "cpu" offloaded
-            state counts in the rank's memory and offload is not tried (unless
-            ``space.offload_choices`` names it).
         host_memory: bytes (or "64GiB") of host memory per rank for offloaded state on a
             CUDA or XLA device; None: not capped.
-        tp_splits: what the model's TP plan splits and the degrees it accepts
-            (``mpar.partition._tp_share``); None: no plan, ``tp = 1`` only.
 
     Returns a ``SearchResult``; ``result.best`` raises ``PartitionError`` when nothing fits.
     """
     space, cost = space or SearchSpace(), cost or CostModel()
-    _check_inputs(world_size, global_batch, profile_batch, top)
-    cap = parse_bytes(device_memory)
+    world_size = inputs.grid.world_size
+    _check_inputs(inputs, global_batch, profile_batch, top)
     host_cap = None if host_memory is None else parse_bytes(host_memory)
-    Layout(device=device)  # validates the device kind
     reject: Counter[str] = Counter()
     fitting: list[tuple[Candidate, float]] = []
     evaluated = 0
-    splits = tp_splits or TPSplits.none()
+    splits = inputs.tp_splits or TPSplits.none()
     profiles: dict[int, ModelProfile] = {}
     for tp in _tp_degrees(world_size, space, splits, reject):
         tp_space = _space_for(space, world_size // tp, reject)
         if tp_space is None:
             continue
         profiles[tp] = tp_profile = tp_share(profile, splits, tp)
-        world = world_size // tp
-        for shape in _shapes(len(profile.units), world, global_batch, tp_space, reject):
-            _pp, dp, m, _pipeline, _v = shape
-            size = global_batch // dp // m
-            for knobs in _knobs(dp, space, reject, device):
+        for shape in _shapes(len(profile.units), world_size // tp, global_batch, tp_space, reject):
+            if not _runs(inputs, shape):
+                reject[ACTIVE] += 1
+                continue
+            size = global_batch // shape[1] // shape[2]
+            for knobs in _knobs(shape[1], space, reject, inputs.device):
                 evaluated += 1
                 scale = size / profile_batch
-                cand = _evaluate(
-                    tp_profile, shape, knobs, scale, cap, cost, space.gather, device, tp
-                )
+                run = _inputs(inputs, shape, knobs, tp)
+                cand = _evaluate(tp_profile, run, size, scale, cost)
                 if cand is None:
                     reject[OVER_CAP] += 1
-                    continue
-                if (
-                    host_cap is not None
-                    and device != "cpu"
-                    and cand.max_host_memory_bytes > host_cap
-                ):
+                elif _over_host(cand, host_cap):
                     reject[OVER_HOST] += 1
-                    continue
-                cand.microbatch_size = size
-                fitting.append((cand, size / profile_batch))
+                else:
+                    fitting.append((cand, scale))
     count = len(fitting)
-    ranked, skipped = _rank(profiles, fitting, top, cap, cost)
+    ranked, skipped = _rank(profiles, fitting, top, cost)
     if skipped:
         reject[SLOWER] += skipped
     return SearchResult(
-        ranked, dict(reject), evaluated, count, world_size, global_batch, cap,
-        profile_batch, cost, space, device=device, host_memory=host_cap,
-        tp_degrees=tuple(profiles), notes=_tp_notes(world_size, space, splits),
+        ranked, dict(reject), evaluated, count, world_size, global_batch,
+        inputs.device_memory or 0, profile_batch, cost, space, device=inputs.device,
+        host_memory=host_cap, tp_degrees=tuple(profiles),
+        notes=_tp_notes(world_size, space, splits),
     )  # fmt: skip
+
+
+def _over_host(cand: Candidate, host_cap: int | None) -> bool:
+    """Over the host-memory cap (on a CUDA or XLA device: on a CPU one the host is the
+    device, capped by ``device_memory``)."""
+    on_host = cand.inputs.device != "cpu"
+    return host_cap is not None and on_host and cand.max_host_memory_bytes > host_cap
+
+
+def space_around(inputs: PlanInputs, auto: Collection[str]) -> SearchSpace:
+    """The search space of a run whose config gives ``inputs`` except the keys ``auto``
+    (``microbatches``, ``virtual_stages``, ``zero.stage``, ``activation_checkpointing``):
+    every other knob fixed to its value, the grid included."""
+    zero = inputs.zero
+    offload = (zero.offload_optimizer, zero.offload_params)
+    if "zero.stage" not in auto:
+        stages: tuple[int, ...] = (zero.stage,)
+    else:
+        stages = (3,) if offload[1] else (1, 2, 3) if offload[0] else (0, 1, 2, 3)
+    checkpointing = inputs.activation_checkpointing
+    s = inputs.schedule
+    return SearchSpace(
+        pipelines=(s.pipeline,),
+        pipeline_degrees=(inputs.grid.pp,),
+        zero_stages=stages,
+        offload_choices=(offload,),
+        checkpointing=(False, True) if "activation_checkpointing" in auto else (checkpointing,),
+        precisions=(inputs.precision,),
+        virtual_stage_choices=None if "virtual_stages" in auto else (s.virtual_stages,),
+        microbatch_choices=None if "microbatches" in auto else (s.microbatches,),
+        tensor_parallel_degrees=(inputs.grid.tp,),
+    )
 
 
 def _tp_degrees(
@@ -540,9 +606,12 @@ def _tp_notes(world: int, space: SearchSpace, splits: TPSplits) -> list[str]:
     return lines
 
 
-def _check_inputs(world_size: int, global_batch: int, profile_batch: int, top: int) -> None:
+def _check_inputs(inputs: PlanInputs, global_batch: int, profile_batch: int, top: int) -> None:
+    if inputs.device_memory is None:
+        raise PartitionError(
+            "the search needs inputs.device_memory (bytes per rank): the cap it lays out under"
+        )
     for name, value in (
-        ("world_size", world_size),
         ("global_batch", global_batch),
         ("profile_batch", profile_batch),
         ("top", top),

@@ -45,7 +45,6 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -78,7 +77,7 @@ class SplitModel:
     def num_stages(self) -> int:
         return len(self.stages)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> object:
         """Run all stages in a chain in this process (for tests and debugging)."""
         out = self.stages[0](*args, **kwargs)
         for stage in self.stages[1:]:
@@ -164,7 +163,7 @@ class _SequentialStage(nn.Sequential):
         super().__init__(children)
         self.last = last
 
-    def forward(self, *inputs: Any) -> Any:
+    def forward(self, *inputs: object) -> object:
         if len(inputs) != 1:
             raise TypeError(
                 f"a Sequential stage takes one input (what the previous child returned), "
@@ -208,8 +207,8 @@ def _orphans(
 
 def _split_graph(
     module: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
     units: Sequence[str],
     starts: list[int],
     dynamic_axes: Sequence[int],
@@ -228,8 +227,8 @@ def _split_graph(
 
 def split_module(
     module: nn.Module,
-    example_args: Sequence[Any],
-    example_kwargs: Mapping[str, Any] | None,
+    example_args: Sequence[object],
+    example_kwargs: Mapping[str, object] | None,
     boundaries: Sequence[int],
     *,
     units: Sequence[str] | None = None,

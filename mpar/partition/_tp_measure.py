@@ -24,10 +24,10 @@ communication package), so the caller builds the layout and hands its contents h
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -37,13 +37,15 @@ from mpar.partition._tp_share import UnitSplit
 from mpar.profile import OPTIMIZER_BYTES_PER_PARAM, preserved_state
 
 if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
     from mpar._tp_styles import Style
     from mpar.profile import UnitProfile
 
 __all__ = ["measure_splits", "param_splits"]
 
 
-def _nbytes(tree: Any) -> int:
+def _nbytes(tree: object) -> int:
     return sum(
         t.numel() * t.element_size()
         for t in pytree.tree_leaves(tree)
@@ -109,7 +111,7 @@ class _Recorder:
     def leave_unit(self) -> None:
         self.unit, self.in_split = None, False
 
-    def before(self, module: nn.Module, style: Style, inputs: Any) -> None:
+    def before(self, module: nn.Module, style: Style, inputs: tuple[object, ...]) -> None:
         tally = self.tally()
         if style.kind == "rowwise":
             self.in_split = True  # the rowwise module saves its local input piece
@@ -118,7 +120,7 @@ class _Recorder:
         elif style.kind == "colwise" and not isinstance(module, nn.Embedding) and tally is not None:
             tally.allreduce += _nbytes(inputs)  # tp_copy: the gradient is all-reduced
 
-    def after(self, style: Style, output: Any) -> None:
+    def after(self, style: Style, output: object) -> None:
         tally = self.tally()
         nbytes = _nbytes(output)
         if style.kind in ("rowwise", "embedding_rowwise"):
@@ -133,7 +135,7 @@ class _Recorder:
 
 def _hooks(
     module: nn.Module, units: Sequence[str], styles: Mapping[str, Style], rec: _Recorder
-) -> list[Any]:
+) -> list[RemovableHandle]:
     handles = []
     for name in units:
         sub = module.get_submodule(name)
@@ -142,10 +144,12 @@ def _hooks(
     for name, style in styles.items():
         sub = module.get_submodule(name)
 
-        def pre(mod: nn.Module, inputs: Any, style: Style = style) -> None:
+        def pre(mod: nn.Module, inputs: tuple[object, ...], style: Style = style) -> None:
             rec.before(mod, style, inputs)
 
-        def post(_mod: nn.Module, _inputs: Any, out: Any, style: Style = style) -> None:
+        def post(
+            _mod: nn.Module, _inputs: tuple[object, ...], out: object, style: Style = style
+        ) -> None:
             rec.after(style, out)
 
         handles += [sub.register_forward_pre_hook(pre), sub.register_forward_hook(post)]
@@ -158,7 +162,7 @@ def _state_bytes(p: torch.Tensor, per_param: int) -> int:
 
 
 def param_splits(
-    module: nn.Module, units: Sequence[UnitProfile], shards: Mapping[str, Any], optimizer: str
+    module: nn.Module, units: Sequence[UnitProfile], shards: Collection[str], optimizer: str
 ) -> dict[str, UnitSplit]:
     """Per unit: its own split parameters and the split ones it shares with an earlier unit
     (nothing runs: parameters only; no activations nor communication)."""
@@ -189,23 +193,23 @@ def param_splits(
 
 @contextmanager
 def _running(
-    module: nn.Module, args: Any, kwargs: Any, fake_run: bool
-) -> Iterator[tuple[Any, Any, set[int]]]:
+    module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object], fake_run: bool
+) -> Iterator[tuple[tuple[object, ...], dict[str, object], set[int]]]:
     """The inputs to run with (fake ones for a meta model, or with ``fake_run``: meta
     ones for a meta model, a real one's faked in place) and storages to exclude."""
     state = [*module.parameters(), *module.buffers()]
     meta = any(t.is_meta for t in state)
     faking = meta or fake_run
-    fake: Any = FakeTensorMode(allow_non_fake_inputs=True) if faking else contextlib.nullcontext()
-    if faking:
+    fake = FakeTensorMode(allow_non_fake_inputs=True) if faking else None
+    if fake is not None:
         args, kwargs = pytree.tree_map(
             lambda x: (
                 fake.from_tensor(x.to("meta") if meta else x) if isinstance(x, torch.Tensor) else x
             ),
             (args, kwargs),
         )
-    with preserved_state(module), fake:
-        fakes = [fake.from_tensor(t) for t in state] if faking else []
+    with preserved_state(module), fake if fake is not None else contextlib.nullcontext():
+        fakes = [fake.from_tensor(t) for t in state] if fake is not None else []
         exclude = {t.untyped_storage()._cdata for t in [*state, *fakes]}
         yield args, kwargs, exclude
 
@@ -214,9 +218,9 @@ def measure_splits(
     module: nn.Module,
     units: Sequence[UnitProfile],
     styles: Mapping[str, Style],
-    shards: Mapping[str, Any],
-    args: Sequence[Any],
-    kwargs: Mapping[str, Any] | None = None,
+    shards: Collection[str],
+    args: Sequence[object],
+    kwargs: Mapping[str, object] | None = None,
     *,
     optimizer: str = "adam",
     fake: bool = False,

@@ -20,7 +20,7 @@ import math
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -29,6 +29,11 @@ from mpar._compat import ExportedProgram, fx, pytree, spec_child
 from mpar.errors import PartitionError
 from mpar.partition._capture import capture
 from mpar.partition._graph import StageGraph, cut_graph
+
+if TYPE_CHECKING:
+    from sympy import Expr
+
+    from mpar.partition._gates import UnitGate
 
 __all__ = ["TracedStage", "traced_stages"]
 
@@ -42,9 +47,9 @@ class _InputSpec:
 
     in_spec: pytree.TreeSpec
     keys: list[str]
-    dims: list[list[Any] | None]
+    dims: list[list[int | Expr] | None]
     """Per flat input: per axis an int, a sympy expression, or None for a non-tensor."""
-    ranges: dict[Any, tuple[int, float]]
+    ranges: dict[Expr, tuple[int, float]]
     names: list[str]
 
 
@@ -52,7 +57,8 @@ class _InputSpec:
 class _Program:
     """One mode of one stage: a generated ``forward(self, *inputs)`` and its interface."""
 
-    fn: Callable[..., Any]
+    fn: Callable[..., Sequence[object]]
+    """``forward(stage, *inputs)``: the stage's outputs, flat."""
     source: str
     num_inputs: int
     inputs: _InputSpec | None = None
@@ -63,7 +69,7 @@ class _Program:
     """The graph ``fn`` was generated from (without unit gates)."""
 
 
-def _compile(graph: fx.Graph, name: str) -> tuple[Callable[..., Any], str]:
+def _compile(graph: fx.Graph, name: str) -> tuple[Callable[..., Sequence[object]], str]:
     code = graph.python_code(root_module="self")
     key = f"<mpar {name} #{next(_compiled)}>"
     linecache.cache[key] = (len(code.src), None, code.src.splitlines(True), key)
@@ -76,7 +82,7 @@ def _input_spec(ep: ExportedProgram, placeholders: Sequence[fx.Node]) -> _InputS
     in_spec = ep.call_spec.in_spec
     assert in_spec is not None
     keys = list(spec_child(in_spec, 1).context or [])
-    dims: list[list[Any] | None] = []
+    dims: list[list[int | Expr] | None] = []
     for p in placeholders:
         val = p.meta.get("val")
         if isinstance(val, torch.Tensor):
@@ -90,10 +96,10 @@ def _input_spec(ep: ExportedProgram, placeholders: Sequence[fx.Node]) -> _InputS
     return _InputSpec(in_spec, keys, dims, ranges, [p.name for p in placeholders])
 
 
-def _check_dims(spec: _InputSpec, leaves: Sequence[Any]) -> None:
+def _check_dims(spec: _InputSpec, leaves: Sequence[object]) -> None:
     """Raise ValueError when an input's shape is not one the graph was captured for."""
-    bound: dict[Any, int] = {}
-    later: list[tuple[int, int, Any]] = []
+    bound: dict[Expr, int] = {}
+    later: list[tuple[int, int, Expr, int]] = []
     for i, (leaf, dims) in enumerate(zip(leaves, spec.dims)):
         if dims is None:
             continue
@@ -110,12 +116,12 @@ def _check_dims(spec: _InputSpec, leaves: Sequence[Any]) -> None:
                 bound[want] = int(size)
                 _check_range(spec, spec.names[i], axis, want, int(size))
             else:
-                later.append((i, axis, want))
-    for i, axis, want in later:
+                later.append((i, axis, want, int(size)))
+    for i, axis, want, size in later:
         expected = want.subs(bound) if want.free_symbols <= set(bound) else None
-        if expected is not None and int(leaves[i].shape[axis]) != int(expected):
+        if expected is not None and size != int(expected):
             raise ValueError(
-                f"input {spec.names[i]!r} axis {axis} has size {leaves[i].shape[axis]} but "
+                f"input {spec.names[i]!r} axis {axis} has size {size} but "
                 f"the model needs {want} = {expected} here (from the other inputs' sizes)"
             )
 
@@ -130,7 +136,7 @@ def _fixed_axis(name: str, axis: int, size: int, want: int) -> str:
     )
 
 
-def _check_range(spec: _InputSpec, name: str, axis: int, sym: Any, size: int) -> None:
+def _check_range(spec: _InputSpec, name: str, axis: int, sym: Expr, size: int) -> None:
     low, high = spec.ranges.get(sym, (0, math.inf))
     if (low > 2 and size < low) or size > high:  # sizes 0 and 1 are fine, as in torch.export
         raise ValueError(
@@ -155,7 +161,7 @@ class TracedStage(nn.Module):
         self.training = root.training
 
     def install_unit_gates(
-        self, groups: Sequence[Sequence[str]], gate: Any
+        self, groups: Sequence[Sequence[str]], gate: UnitGate | None
     ) -> dict[int, int | None]:
         """Regenerate every mode's code with unit gates (:mod:`mpar.partition._gates`)
         calling ``gate`` at the edges of ``groups`` (unit names per group, in
@@ -183,7 +189,7 @@ class TracedStage(nn.Module):
         self.unread_in_backward = frozenset(unread or ())
         return found
 
-    def replace_calls(self, target: Any, replacement: Callable[..., Any]) -> int:
+    def replace_calls(self, target: object, replacement: Callable[..., object]) -> int:
         """Call ``replacement`` (same arguments) wherever every mode's graph calls
         ``target``, and regenerate the code; returns how many calls were replaced.
         Nothing is replaced in a stage that has unit gates (they were generated from
@@ -224,23 +230,26 @@ class TracedStage(nn.Module):
             )
         return program
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> object:
         program = self._program()
+        inputs: Sequence[object] = args
         if program.inputs is not None:
-            args = self._flatten(program.inputs, args, kwargs)
+            inputs = self._flatten(program.inputs, args, kwargs)
         elif kwargs or len(args) != program.num_inputs:
             raise TypeError(
                 f"stage {self.index} takes the {program.num_inputs} outputs of stage "
                 f"{self.index - 1} as positional arguments, got {len(args)} positional "
                 f"and {len(kwargs)} keyword arguments"
             )
-        out = program.fn(self, *args)
+        out = program.fn(self, *inputs)
         if program.out_spec is not None:
             return pytree.tree_unflatten(list(out), program.out_spec)
         return out
 
     @staticmethod
-    def _flatten(spec: _InputSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _flatten(
+        spec: _InputSpec, args: tuple[object, ...], kwargs: dict[str, object]
+    ) -> list[object]:
         if set(kwargs) != set(spec.keys):
             raise TypeError(
                 f"stage 0 was traced with keyword arguments {spec.keys}, got {sorted(kwargs)}"
@@ -251,10 +260,10 @@ class TracedStage(nn.Module):
                 f"stage 0 was traced with inputs structured as {spec.in_spec}, got {tree}"
             )
         _check_dims(spec, leaves)
-        return leaves
+        return list(leaves)
 
 
-def _set_attr(root: nn.Module, target: str, obj: Any, persistent: bool = True) -> None:
+def _set_attr(root: nn.Module, target: str, obj: object, persistent: bool = True) -> None:
     *path, leaf = target.split(".")
     parent = root
     for part in path:
@@ -271,8 +280,8 @@ def _set_attr(root: nn.Module, target: str, obj: Any, persistent: bool = True) -
         setattr(parent, leaf, obj)
 
 
-def _lookup(root: nn.Module, target: str) -> Any:
-    obj: Any = root
+def _lookup(root: nn.Module, target: str) -> object:
+    obj: object = root
     for part in target.split("."):
         obj = getattr(obj, part, None)
         if obj is None:
@@ -309,7 +318,7 @@ def _install(stage: TracedStage, part: StageGraph, mode: str, persistent: set[in
                     node.target = renamed
 
 
-def _interface(parts: Sequence[StageGraph]) -> list[list[tuple[Any, int]]]:
+def _interface(parts: Sequence[StageGraph]) -> list[list[tuple[torch.dtype, int]]]:
     """Per stage boundary: (dtype, rank) of every carried tensor."""
     out = []
     for part in parts[:-1]:
@@ -320,8 +329,8 @@ def _interface(parts: Sequence[StageGraph]) -> list[list[tuple[Any, int]]]:
 
 def _cut(
     module: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
     unit_stage: Mapping[str, int],
     last: int,
     training: bool,
@@ -336,7 +345,7 @@ def _cut(
 
 
 def _check_leaves(
-    ep: ExportedProgram, args: tuple[Any, ...], kwargs: dict[str, Any], count: int
+    ep: ExportedProgram, args: tuple[object, ...], kwargs: dict[str, object], count: int
 ) -> None:
     keys = list(spec_child(ep.call_spec.in_spec, 1).context or [])
     leaves = pytree.tree_leaves((args, {k: kwargs[k] for k in keys}))
@@ -349,8 +358,8 @@ def _check_leaves(
 
 def traced_stages(
     module: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
     unit_stage: Mapping[str, int],
     last: int,
     dynamic_axes: Sequence[int],

@@ -26,10 +26,10 @@ import contextlib
 import copy
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Literal, TypeGuard, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -49,9 +49,18 @@ __all__ = [
     "profile_model",
 ]
 
+Args = tuple[object, ...]
+"""Positional arguments of a call (any values)."""
+Kwargs = dict[str, object]
+"""Keyword arguments of a call (any values)."""
+Call = tuple[Args, Kwargs, object]
+"""One call of a unit as the model made it: (arguments, keyword arguments, output)."""
+
 #: Bytes of fp32 optimizer state per parameter: Adam keeps two moments, SGD with
 #: momentum one buffer.
 OPTIMIZER_BYTES_PER_PARAM = {"adam": 8, "sgd": 4, "none": 0}
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -111,23 +120,23 @@ class ModelProfile:
     def names(self) -> list[str]:
         return [u.name for u in self.units]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
 # ---------------------------------------------------------------------------
 
 
-def _is_float(t: Any) -> bool:
+def _is_float(t: object) -> TypeGuard[torch.Tensor]:
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
 
 
-def _tensor_bytes(tree: Any) -> int:
+def _tensor_bytes(tree: object) -> int:
     leaves = pytree.tree_leaves(tree)
     return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
 
-def _snapshot(tree: Any) -> Any:
+def _snapshot(tree: T) -> T:
     """A private copy of one unit call's inputs, taken before the call runs.
 
     Models pass mutable state between units (a Hugging Face ``DynamicCache`` that
@@ -151,7 +160,7 @@ class _Lineage(TorchFunctionMode):
         self.sources: dict[int, frozenset[str]] = {}
         self.alive: list[torch.Tensor] = []  # ids stay unique while the mode is in use
 
-    def of(self, tree: Any) -> frozenset[str]:
+    def of(self, tree: object) -> frozenset[str]:
         found: set[str] = set()
         for t in pytree.tree_leaves(tree):
             if isinstance(t, torch.Tensor):
@@ -160,7 +169,13 @@ class _Lineage(TorchFunctionMode):
                     found.add(self.roots[id(t)])
         return frozenset(found)
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_function__(
+        self,
+        func: Callable[..., object],
+        types: Collection[type],
+        args: Sequence[object] = (),
+        kwargs: Mapping[str, object] | None = None,
+    ) -> object:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         found = self.of((args, kwargs))
@@ -175,10 +190,10 @@ class _Lineage(TorchFunctionMode):
 def _capture_calls(
     module: nn.Module,
     units: Sequence[str],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    args: Args,
+    kwargs: Kwargs,
     roots: dict[int, str] | None = None,
-) -> tuple[dict[str, list[tuple[tuple[Any, ...], dict[str, Any], Any]]], dict[str, str]]:
+) -> tuple[dict[str, list[Call]], dict[str, str]]:
     """Run the model once without autograd; record (args, kwargs, output) of each unit call.
 
     Also returns where each of ``roots`` (``id(parameter) -> name``: parameters
@@ -186,19 +201,19 @@ def _capture_calls(
     needed: the first unit whose inputs derive from it, else the last unit when
     the model's output does (a scale applied after the head); unused ones are absent.
     """
-    calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any], Any]]] = {u: [] for u in units}
-    pending: dict[str, list[Any]] = {u: [] for u in units}
+    calls: dict[str, list[Call]] = {u: [] for u in units}
+    pending: dict[str, list[tuple[Args, Kwargs]]] = {u: [] for u in units}
     lineage = _Lineage(roots or {})
     consumer: dict[str, str] = {}
     handles = []
     for name in units:
 
-        def pre(_m: nn.Module, a: Any, kw: Any, name: str = name) -> None:
+        def pre(_m: nn.Module, a: Args, kw: Kwargs, name: str = name) -> None:
             for root in lineage.of((a, kw)):
                 consumer.setdefault(root, name)
             pending[name].append(_snapshot((a, kw)))
 
-        def hook(_m: nn.Module, _a: Any, _kw: Any, out: Any, name: str = name) -> None:
+        def hook(_m: nn.Module, _a: Args, _kw: Kwargs, out: object, name: str = name) -> None:
             a, kw = pending[name].pop()
             calls[name].append((a, kw, out))
 
@@ -216,21 +231,22 @@ def _capture_calls(
     return calls, consumer
 
 
-def _leafify(tree: Any) -> tuple[Any, list[torch.Tensor]]:
+def _leafify(tree: T) -> tuple[T, list[torch.Tensor]]:
     """Detached copy of the input tree; floating tensors become grad-requiring leaves."""
     leaves: list[torch.Tensor] = []
 
-    def convert(x: Any) -> Any:
+    def convert(x: object) -> object:
         if _is_float(x):
             y = x.detach().requires_grad_(True)
             leaves.append(y)
             return y
         return x
 
-    return pytree.tree_map(convert, tree), leaves
+    converted: T = pytree.tree_map(convert, tree)
+    return converted, leaves
 
 
-def _fwd_bwd(unit: nn.Module, a: Any, kw: Any, params: list[nn.Parameter]) -> Any:
+def _fwd_bwd(unit: nn.Module, a: Args, kw: Kwargs, params: list[nn.Parameter]) -> object:
     (a, kw), inputs = _leafify(_snapshot((a, kw)))
     out = unit(*a, **kw)
     outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -256,8 +272,12 @@ class _WeightWorkCounter(TorchFunctionMode):
         return self.inputs.bytes + self.outputs
 
     def __torch_function__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
+        self,
+        func: Callable[..., object],
+        types: Collection[type],
+        args: Sequence[object] = (),
+        kwargs: Mapping[str, object] | None = None,
+    ) -> object:
         out = func(*args, **(kwargs or {}))
         if func is F.linear and torch.is_grad_enabled():
             kwargs = kwargs or {}
@@ -306,7 +326,7 @@ def _synchronizer(module: nn.Module) -> Callable[[], None]:
 
 
 def _time_calls(
-    unit: nn.Module, calls: Sequence[Any], params: list[nn.Parameter], repeats: int, warmup: int
+    unit: nn.Module, calls: Sequence[Call], params: list[nn.Parameter], repeats: int, warmup: int
 ) -> float:
     sync = _synchronizer(unit)
     for _ in range(warmup):
@@ -335,7 +355,7 @@ class _Options:
 def _profile_unit(
     module: nn.Module,
     name: str,
-    calls: Sequence[Any],
+    calls: Sequence[Call],
     owner_of: dict[int, str],
     exclude: set[int],
     opts: _Options,
@@ -353,7 +373,7 @@ def _profile_unit(
 def _profile_unit_inner(
     module: nn.Module,
     name: str,
-    calls: Sequence[Any],
+    calls: Sequence[Call],
     owner_of: dict[int, str],
     exclude: set[int],
     opts: _Options,
@@ -425,8 +445,9 @@ def profile_mode(module: nn.Module, device_memory: int | str | None) -> Literal[
     return "meta" if need > parse_bytes(device_memory) else "measure"
 
 
-def _to_meta(tree: Any) -> Any:
-    return pytree.tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, tree)
+def _to_meta(tree: T) -> T:
+    meta: T = pytree.tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, tree)
+    return meta
 
 
 def _check_options(module: nn.Module, optimizer: str, mode: str, repeats: int) -> None:
@@ -465,8 +486,8 @@ def preserved_state(module: nn.Module) -> Iterator[None]:
 
 def profile_model(
     module: nn.Module,
-    example_args: Sequence[Any],
-    example_kwargs: Mapping[str, Any] | None = None,
+    example_args: Sequence[object],
+    example_kwargs: Mapping[str, object] | None = None,
     *,
     units: Sequence[str] | None = None,
     optimizer: Literal["adam", "sgd", "none"] = "adam",
@@ -488,21 +509,21 @@ def profile_model(
             for partitioning; absolute predicted times scale with it).
     """
     _check_options(module, optimizer, mode, repeats)
-    args, kwargs = tuple(example_args), dict(example_kwargs or {})
-    fake: Any = contextlib.nullcontext()
-    if mode == "meta":
+    args: Args = tuple(example_args)
+    kwargs: Kwargs = dict(example_kwargs or {})
+    fake = FakeTensorMode(allow_non_fake_inputs=True) if mode == "meta" else None
+    if fake is not None:
         # Fake tensors: models that check values where they can (Hugging Face masks:
         # "is this mask all ones?") skip the check when tracing. Inputs go where the
         # model is: meta for a meta model; a real model's tensors are faked in place.
-        fake = FakeTensorMode(allow_non_fake_inputs=True)
         on_meta = any(t.is_meta for t in _state(module))
         args, kwargs = pytree.tree_map(
             lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x,
             _to_meta((args, kwargs)) if on_meta else (args, kwargs),
         )
-    with preserved_state(module), fake:
+    with preserved_state(module), fake if fake is not None else contextlib.nullcontext():
         # The fake copies of parameters that ops make, kept alive so every op gets the same.
-        fakes = [fake.from_tensor(t) for t in _state(module)] if mode == "meta" else []
+        fakes = [fake.from_tensor(t) for t in _state(module)] if fake is not None else []
         names = list(units) if units is not None else find_units(module, args, kwargs)
         owner_of = _owners(module, names)
         outer = {id(p): n for n, p in module.named_parameters() if id(p) not in owner_of}

@@ -27,7 +27,6 @@ every model.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 from torch import nn
@@ -71,14 +70,14 @@ def _collect(module: nn.Module, prefix: str, is_root: bool, out: list[str]) -> N
 def _execution_order(
     module: nn.Module,
     names: Sequence[str],
-    example_args: Sequence[Any],
-    example_kwargs: Mapping[str, Any] | None,
+    example_args: Sequence[object],
+    example_kwargs: Mapping[str, object] | None,
 ) -> list[str]:
     order: dict[str, None] = {}
     handles = []
     for name in names:
 
-        def hook(_mod: nn.Module, _args: Any, name: str = name) -> None:
+        def hook(_mod: nn.Module, _args: tuple[object, ...], name: str = name) -> None:
             order.setdefault(name, None)
 
         handles.append(module.get_submodule(name).register_forward_pre_hook(hook))
@@ -93,8 +92,8 @@ def _execution_order(
 
 def find_units(
     module: nn.Module,
-    example_args: Sequence[Any] | None = None,
-    example_kwargs: Mapping[str, Any] | None = None,
+    example_args: Sequence[object] | None = None,
+    example_kwargs: Mapping[str, object] | None = None,
 ) -> list[str]:
     """The execution-ordered qualified names of ``module``'s partitionable units.
 

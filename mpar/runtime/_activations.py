@@ -19,7 +19,7 @@ from torch import nn
 from mpar import _device
 from mpar._compat import top_saved_tensors_hooks
 from mpar._tree import tree_leaves
-from mpar.comm._lifecycle import on_shutdown
+from mpar.comm import _process_state
 
 __all__ = ["ActivationMemory", "counting_only", "storage_bytes", "tensor_bytes"]
 
@@ -27,12 +27,16 @@ _SAVED_BYTES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[object, ...], int]
     weakref.WeakKeyDictionary()
 )
 """Stage -> {input signature: bytes autograd saved inside its forward}."""
-on_shutdown(_SAVED_BYTES.clear)
+_process_state.register(
+    "mpar.runtime._activations._SAVED_BYTES", _SAVED_BYTES.clear, lambda: not _SAVED_BYTES
+)
 _HELD_FOR_W: weakref.WeakKeyDictionary[nn.Module, dict[tuple[object, ...], int]] = (
     weakref.WeakKeyDictionary()
 )
 """Stage -> {input signature: bytes a split backward's I leaves for the W}."""
-on_shutdown(_HELD_FOR_W.clear)
+_process_state.register(
+    "mpar.runtime._activations._HELD_FOR_W", _HELD_FOR_W.clear, lambda: not _HELD_FOR_W
+)
 _SIGNATURES_KEPT = 64
 
 

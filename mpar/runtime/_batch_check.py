@@ -18,19 +18,19 @@ the fix (shard by ``dp_rank()``/``dp_size()``, or ``mpar.data_sampler``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
 
 import torch
 
+from mpar.comm import ProcessGrid
 from mpar.comm._consistency import first_few, gather_from_every_rank
-from mpar.comm._lifecycle import State
 from mpar.errors import BatchMismatchError
 from mpar.topology import Grid
 
 __all__ = [
     "EVERY",
     "FIRST_STEPS",
+    "batch_check_due",
     "check_same_batch",
     "due_fingerprint",
     "fingerprint",
@@ -47,7 +47,7 @@ Print = tuple[str, tuple[int, ...], str, float, float]
 """(where, shape, dtype, sum, position-weighted sum) of one tensor."""
 
 
-def _tensors(value: Any, where: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _tensors(value: object, where: str) -> Iterator[tuple[str, torch.Tensor]]:
     if isinstance(value, torch.Tensor):
         yield where, value
     elif isinstance(value, list | tuple):
@@ -69,7 +69,7 @@ def _sums(t: torch.Tensor) -> tuple[float, float]:
     return float(both[0]), float(both[1])
 
 
-def fingerprint(args: list[tuple[Any, ...]], kwargs: list[dict[str, Any]]) -> list[Print]:
+def fingerprint(args: list[tuple[object, ...]], kwargs: list[dict[str, object]]) -> list[Print]:
     """The fingerprint of every tensor of every microbatch (a small list)."""
     out: list[Print] = []
     for m, (a, k) in enumerate(zip(args, kwargs)):
@@ -128,37 +128,40 @@ def _label(grid: Grid) -> str:
     return f"model replica (pipeline x {' x '.join(f'{n} parallel' for n in inner)})"
 
 
-def _due(st: State) -> bool:
-    calls = st.batch_checks
-    st.batch_checks = calls + 1
+def batch_check_due(calls: int) -> bool:
+    """Whether the step after ``calls`` counted ones is checked: the first
+    :data:`FIRST_STEPS`, then every :data:`EVERY`."""
     return calls < FIRST_STEPS or calls % EVERY == 0
 
 
 def due_fingerprint(
-    st: State, args: list[tuple[Any, ...]], kwargs: list[dict[str, Any]]
+    grid: ProcessGrid,
+    due: Callable[[], bool],
+    args: list[tuple[object, ...]],
+    kwargs: list[dict[str, object]],
 ) -> list[Print] | None:
-    """Before a step: this rank's fingerprint when the step is checked, else None
-    (always None when a model replica is one rank)."""
-    grid = st.grid.topology
-    if grid.pp_size * grid.tp_size * grid.cp_size == 1 or not _due(st):
+    """Before a step: this rank's fingerprint when the step is checked (``due()``
+    counts the step and says whether), else None (always None, and nothing counted,
+    when a model replica is one rank)."""
+    if grid.pp_size * grid.tp_size * grid.cp_size == 1 or not due():
         return None
     return fingerprint(args, kwargs)
 
 
-def check_same_batch(st: State, mine: list[Print] | None) -> None:
+def check_same_batch(grid: ProcessGrid, mine: list[Print] | None) -> None:
     """After a checked step (every rank at the same point: no other collective can
     cross it), compare the fingerprints within every pipeline; raise
     BatchMismatchError on every rank if they differ. The optimizer has not
     stepped yet: the parameters are untouched."""
     if mine is None:
         return
-    grid = st.grid.topology
-    prints = gather_from_every_rank(mine, st.layout.world_size, "same-batch check")
-    found = mismatches(prints, replicas(grid), _label(grid))
+    layout = grid.topology
+    prints = gather_from_every_rank(mine, grid.world_size, "same-batch check")
+    found = mismatches(prints, replicas(layout), _label(layout))
     if found:
         shown = first_few(found, 4)
         raise BatchMismatchError(
-            f"the ranks of a {_label(grid)} were given different batches: {shown}. Every "
+            f"the ranks of a {_label(layout)} were given different batches: {shown}. Every "
             "rank of a pipeline (and of a tensor- or context-parallel group) must call the "
             "step with the "
             "same batch (stage 0 reads the inputs, the last stage the targets). Shard the data by data-parallel rank, not by "

@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from mpar import _device
-from mpar.comm import state
 from mpar.comm._collectives import (
     all_gather_object_pp,
     all_reduce_pp,
@@ -36,8 +35,10 @@ from mpar.comm._collectives import (
     group_size,
     world_all_reduce,
 )
+from mpar.comm._lifecycle import session
 from mpar.errors import StepError
 from mpar.runtime._model import DistributedModel
+from mpar.shard import ShardedOptimizer
 
 __all__ = ["DistributedOptimizer"]
 
@@ -70,15 +71,15 @@ class DistributedOptimizer:
                 f"DistributedOptimizer(model=...) takes an mpar.DistributedModel, got "
                 f"{type(model).__name__}"
             )
-        self._st = state()
+        self._session = session()
         self.optimizer = optimizer
         self._model = model if model is not None else self._find_model()
-        self._sharded: Any = None
+        self._sharded: ShardedOptimizer | None = None
         self._pending: dict[str, Any] | Callable[[], None] | None = None
         """A state loaded before the model was partitioned, applied right after."""
         self._finite: bool | None = None
         """fp16: whether this step's gradients are finite everywhere (None: not checked yet)."""
-        self._st.optimizers.add(self)
+        self._session.optimizers.add(self)
 
     def _apply_pending(self) -> None:
         if self._pending is not None and self._local_ids() is not None:
@@ -94,6 +95,17 @@ class DistributedOptimizer:
         self._pending = load
 
     @property
+    def load_deferred(self) -> bool:
+        """Whether a checkpoint load waits for the model's partition (:meth:`defer_load`)."""
+        return callable(self._pending)
+
+    @property
+    def pending_state(self) -> dict[str, Any] | None:
+        """A full (torch-format) state loaded before the model was partitioned, kept to
+        be applied right after (None when there is none)."""
+        return self._pending if isinstance(self._pending, dict) else None
+
+    @property
     def model(self) -> DistributedModel | None:
         """The model this optimizer updates: the one given as ``model=``, else the one
         whose module holds the optimizer's parameters (None while there is none)."""
@@ -105,8 +117,9 @@ class DistributedOptimizer:
         mine = {id(p) for p in self._all_params()}
         found = [
             m
-            for m in list(self._st.models)
-            if not mine.isdisjoint(id(p) for p in m.module.parameters())
+            for m in list(self._session.models)
+            if isinstance(m, DistributedModel)
+            and not mine.isdisjoint(id(p) for p in m.module.parameters())
         ]
         if len(found) > 1:
             raise ValueError(
@@ -115,7 +128,7 @@ class DistributedOptimizer:
             )
         return found[0] if found else None
 
-    def sharded_optimizer(self) -> Any:
+    def sharded_optimizer(self) -> ShardedOptimizer | None:
         """The ZeRO optimizer over this rank's shards, once a sharded model is partitioned."""
         model = self.model
         if self._sharded is None and model is not None and model.sharded is not None:
@@ -136,7 +149,7 @@ class DistributedOptimizer:
             return None
         return {id(p) for p in model.local_parameters()}
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Update this rank's parameters (those of other stages have no gradient here)."""
         self._apply_pending()
         sharded = self.sharded_optimizer()
@@ -152,21 +165,23 @@ class DistributedOptimizer:
                 scaler.update(found_inf=not finite)
                 if not finite:
                     return None  # skipped on every rank; the loss scale was lowered
-            result = sharded.step()
+            sharded.step()
+            result = None
         else:
             result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
-        _device.after_optimizer_step(self._st.device)
+        _device.after_optimizer_step(self._session.state.device)
         return result
 
-    def _unscale(self, sharded: Any) -> bool:
+    def _unscale(self, sharded: ShardedOptimizer) -> bool:
         """fp16: once per step, check every rank's gradients and divide out the loss
         scale if they are all finite; returns whether they are."""
         if self._finite is None:
-            found = torch.tensor([0.0 if sharded.grads_finite() else 1.0], device=self._st.device)
-            world_all_reduce(found, self._st.grid)
+            st = self._session.state
+            found = torch.tensor([0.0 if sharded.grads_finite() else 1.0], device=st.device)
+            world_all_reduce(found, st.grid)
             self._finite = found.item() == 0
             if self._finite:
-                sharded.scale_grads(1.0 / sharded.sharded.scaler.scale)
+                sharded.scale_grads(1.0 / sharded.sharded.loss_scale)
         return self._finite
 
     @property
@@ -215,17 +230,18 @@ class DistributedOptimizer:
         ]
         shares = self._tied_shares()
         device = grads[0][1].device if grads else torch.device("cpu")
+        grid = self._session.state.grid
         if math.isinf(norm_type):
             local_value = max((g.detach().abs().max().double() for _, g in grads), default=None)
             total = torch.zeros(1, dtype=torch.float64, device=device)
             if local_value is not None:
                 total[0] = local_value
-            all_reduce_tp(all_reduce_pp(total, self._st.grid, op="max"), self._st.grid, op="max")
+            all_reduce_tp(all_reduce_pp(total, grid, op="max"), grid, op="max")
         else:
             total = torch.zeros(1, dtype=torch.float64, device=device)
             for p, g in grads:
                 total += g.detach().double().norm(norm_type) ** norm_type / shares.get(id(p), 1)
-            all_reduce_tp(all_reduce_pp(total, self._st.grid), self._st.grid)
+            all_reduce_tp(all_reduce_pp(total, grid), grid)
             total = total ** (1.0 / norm_type)
         norm = total[0].float()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -233,14 +249,16 @@ class DistributedOptimizer:
             g.detach().mul_(coef.to(g.dtype))
         return norm
 
-    def _clip_sharded(self, sharded: Any, max_norm: float, norm_type: float) -> torch.Tensor:
+    def _clip_sharded(
+        self, sharded: ShardedOptimizer, max_norm: float, norm_type: float
+    ) -> torch.Tensor:
         if norm_type != 2.0:
             raise ValueError(
                 f"clip_grad_norm_ with ZeRO sharding supports norm_type 2, got {norm_type}"
             )
         finite = sharded.sharded.scaler is None or self._unscale(sharded)
         total = sharded.grad_sq_norm().to(torch.float64).reshape(1)
-        world_all_reduce(total, self._st.grid)  # every rank holds a distinct shard of its stages
+        world_all_reduce(total, self._session.state.grid)  # each rank: a distinct shard
         norm = total[0].sqrt().float()
         coef = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
         if coef < 1.0 and finite:
@@ -269,7 +287,7 @@ class DistributedOptimizer:
         else:
             local = self.optimizer.state_dict()
         merged: dict[int, Any] = {}
-        for part in all_gather_object_pp(_to_cpu(local["state"]), self._st.grid):
+        for part in all_gather_object_pp(_to_cpu(local["state"]), self._session.state.grid):
             merged.update(part)
         out = {"state": dict(sorted(merged.items())), "param_groups": local["param_groups"]}
         if sharded is not None and sharded.sharded.scaler is not None:

@@ -5,11 +5,16 @@ partition (or reads the manual placement); the boundaries are broadcast so
 every rank splits the model identically, keeps the stages it owns, and frees
 the parameters of the others.
 
+What the partition plans for is :func:`planner_inputs`: the one translation of the
+run's config (``mpar.partition.plan_inputs``) on this job's grid and device, the
+record ``mpar plan`` and the ``"auto"`` search read too.
+
 Under tensor parallelism the profile is of the whole model (the layout is applied
 after the partition, before the split) and the partition is solved on one TP rank's
 share of it (``mpar.partition._tp_share.tp_share``): what the layout splits in each unit is
 read from the checked layout and one forward of the whole model, as ``mpar plan --tp``
-reads it (:func:`tp_splits_of`); nothing of the layout runs before the split.
+reads it (``mpar.tensor_parallel.measure_tp_splits``); nothing of the layout runs before
+the split.
 """
 
 from __future__ import annotations
@@ -31,10 +36,12 @@ from mpar.runtime._precision import cast_floats, compute_dtype
 from mpar.tensor_parallel import TPLayout, apply_layout
 
 if TYPE_CHECKING:
+    from mpar.config import Config
+    from mpar.partition import Plan, PlanInputs
     from mpar.partition._tp_share import TPSplits
-    from mpar.profile import ModelProfile
+    from mpar.topology import Grid
 
-__all__ = ["LocalStages", "build_local_stages", "tp_splits_of"]
+__all__ = ["LocalStages", "build_local_stages", "planner_inputs"]
 
 
 @dataclass
@@ -47,7 +54,7 @@ class LocalStages:
     qualnames: dict[int, dict[str, str]]
     """Stage index -> (local name -> original name), only for stages on this rank."""
     tied: list[list[tuple[int, str]]] = field(default_factory=list)
-    plan: Any = None
+    plan: Plan | None = None
     unit_names: list[list[str]] = field(default_factory=list)
     tied_groups: list[tuple[Any, nn.Parameter]] = field(default_factory=list)
     """(process group, local parameter) for tied parameters whose copies live on other ranks."""
@@ -57,21 +64,15 @@ class LocalStages:
     """``id`` of every parameter tensor parallelism split (the rest are replicated over TP)."""
 
 
-def tp_splits_of(
-    module: nn.Module, profile: ModelProfile, layout: TPLayout, args: Any, kwargs: Any
-) -> TPSplits:
-    """``TPSplits`` of the whole ``module`` under ``layout`` for its ``profile``, as
-    ``mpar plan --tp`` measures them: split parameters (exact, from ``layout.shards``),
-    and from one forward of the whole model (on fake tensors for a meta profile) the
-    activations saved in split regions and the TP collectives' bytes."""
-    from mpar.partition._tp_measure import measure_splits
-    from mpar.partition._tp_share import TPSplits
+def planner_inputs(
+    config: Config, grid: Grid, device: torch.device, tp_splits: TPSplits | None = None
+) -> PlanInputs:
+    """What the partition and the ``"auto"`` search plan for: ``config`` on this job's
+    ``grid`` (``ProcessGrid.topology``) and ``device``, with the model's TP splits."""
+    from mpar.partition import plan_inputs
+    from mpar.partition._plan_inputs import plan_device
 
-    units = measure_splits(
-        module, profile.units, layout.modules, layout.shards, args, kwargs,
-        optimizer=profile.optimizer, fake=profile.mode == "meta",
-    )  # fmt: skip
-    return TPSplits(units, (1, layout.size), {}, layout.source)
+    return plan_inputs(config, grid.shape, device=plan_device(device.type), tp_splits=tp_splits)
 
 
 def _decide_boundaries(
@@ -81,9 +82,10 @@ def _decide_boundaries(
     units: list[str],
     st: State,
     tp: TPLayout | None = None,
-) -> tuple[list[int], Any]:
+) -> tuple[list[int], Plan | None]:
     from mpar.partition import make_plan, manual_boundaries
     from mpar.profile import profile_mode, profile_model
+    from mpar.tensor_parallel import measure_tp_splits
 
     cfg = st.config
     num_stages = cfg.num_stages
@@ -110,29 +112,8 @@ def _decide_boundaries(
     mode = profile_mode(module, cfg.device_memory)
     profile = profile_model(module, args, kwargs, units=units, repeats=3, warmup=1, mode=mode)
     module.zero_grad(set_to_none=True)
-    splits = None if tp is None else tp_splits_of(module, profile, tp, args, kwargs)
-    plan = make_plan(
-        profile,
-        num_ranks=cfg.pipeline_parallel_degree,
-        virtual_stages=cfg.virtual_stages,
-        microbatches=cfg.microbatches,
-        pipeline=cfg.pipeline,
-        active_microbatches=cfg.active_microbatches,
-        split_backward=cfg.split_backward,
-        memory_weight=cfg.memory_weight,
-        optimize=cfg.optimize,
-        data_parallel_degree=st.grid.dp_size,
-        zero_stage=cfg.zero.stage,
-        device_memory=cfg.device_memory,
-        precision="bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32",
-        activation_checkpointing=cfg.activation_checkpointing not in (False, "none"),
-        offload_optimizer=cfg.zero.offload_optimizer == "cpu",
-        offload_params=cfg.zero.offload_params == "cpu",
-        gather=cfg.zero.gather,
-        device=st.device.type,
-        tensor_parallel_degree=1 if tp is None else tp.size,
-        tp_splits=splits,
-    )
+    splits = None if tp is None else measure_tp_splits(module, profile, tp, (args, kwargs))
+    plan = make_plan(profile, planner_inputs(cfg, st.grid.topology, st.device, splits))
     return list(plan.boundaries), plan
 
 

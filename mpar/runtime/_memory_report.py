@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from mpar import _device
-from mpar.comm import State, state
+from mpar.comm._lifecycle import Session, session
 from mpar.runtime._distributed_optimizer import DistributedOptimizer
 from mpar.runtime._model import DistributedModel
 from mpar.shard._byte_count import count_bytes
@@ -22,10 +22,12 @@ _CATEGORIES = (
 )
 
 
-def _plain_groups(local: list[torch.nn.Parameter], st: State) -> dict[str, list[torch.Tensor]]:
+def _plain_groups(
+    local: list[torch.nn.Parameter], process: Session
+) -> dict[str, list[torch.Tensor]]:
     ids = {id(p) for p in local}
     optimizer: list[torch.Tensor] = []
-    for opt in [o for o in list(st.optimizers) if isinstance(o, DistributedOptimizer)]:
+    for opt in [o for o in list(process.optimizers) if isinstance(o, DistributedOptimizer)]:
         if opt.sharded_optimizer() is None:
             for param, values in opt.optimizer.state.items():
                 if id(param) in ids:
@@ -57,13 +59,14 @@ def memory_report() -> dict[str, dict[str, int]]:
     also has ``device_allocated`` and ``device_peak``: the allocator's current
     and peak bytes, everything included (not reset by mpar).
     """
-    st = state()
+    process = session()
+    st = process.state
     report: dict[str, dict[str, int]] = {}
-    for model in [m for m in list(st.models) if isinstance(m, DistributedModel)]:
+    for model in [m for m in list(process.models) if isinstance(m, DistributedModel)]:
         if model.sharded is not None:
             part = model.sharded.memory_report()
         else:
-            part = count_bytes(_plain_groups(model.local_parameters(), st))
+            part = count_bytes(_plain_groups(model.local_parameters(), process))
         for device, row in part.items():
             mine = report.setdefault(device, dict.fromkeys(_CATEGORIES, 0))
             for key, value in row.items():

@@ -8,17 +8,17 @@ its own stages and frees the parameters of the others.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from mpar._cp_context import current, using
-from mpar.comm import ProcessGrid, State, state
+from mpar.comm import ProcessGrid, State
 from mpar.comm._collectives import all_gather_object_pp, all_gather_object_tp, all_reduce_pp
+from mpar.comm._lifecycle import session
 from mpar.config import Config
 from mpar.context_parallel import (
     FOUND,
@@ -30,24 +30,87 @@ from mpar.context_parallel import (
     replace_sdpa,
 )
 from mpar.errors import StepError
+from mpar.partition import Plan
 from mpar.runtime._adapt import disable_caches
-from mpar.runtime._executor import Captured, StepRun
+from mpar.runtime._batch_check import batch_check_due
+from mpar.runtime._executor import Args, Captured, Kwargs, StepRun
 from mpar.runtime._local_stages import LocalStages, build_local_stages
 from mpar.runtime._microbatch import Microbatches
 from mpar.runtime._placement import MeasuredPlacement
 from mpar.runtime._sharding import gathered, make_sharded
+from mpar.schedule import Schedule
 from mpar.shard import ShardedStages
 from mpar.tensor_parallel import TPLayout, TPShard
 
-__all__ = ["DistributedModel"]
+__all__ = ["DistributedModel", "StateKeys", "StepFunction"]
+
+StepFunction = Callable[..., object]
+"""A ``@mpar.step`` function: ``fn(model, *args, **kwargs)``, run once per microbatch."""
 
 
-def _check_axes(axes: Any) -> tuple[int, ...]:
+def _check_axes(axes: object) -> tuple[int, ...]:
     if isinstance(axes, int) or not isinstance(axes, Sequence):
         raise TypeError(f"dynamic_axes must be a tuple of axis numbers, got {axes!r}")
     if not all(isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in axes):
         raise ValueError(f"dynamic_axes must hold axis numbers >= 0, got {axes!r}")
     return tuple(axes)
+
+
+@dataclass(frozen=True)
+class StateKeys:
+    """The original module's tensors, recorded before partitioning frees any: what
+    ``state_dict``, checkpoints and pretrained files are keyed and shaped by."""
+
+    order: tuple[str, ...]
+    """The module's state-dict keys, in its order."""
+    dtypes: Mapping[str, torch.dtype]
+    shapes: Mapping[str, torch.Size]
+    """Each state-dict key's full shape (not a tensor-parallel piece)."""
+    aliases: Mapping[str, tuple[str, ...]]
+    """For each key, the other keys naming the same tensor (tied weights)."""
+    named_shapes: Mapping[str, torch.Size]
+    """Every parameter and buffer (non-persistent ones too) under each of its names."""
+
+    @classmethod
+    def of(cls, module: nn.Module) -> StateKeys:
+        from mpar.meta import tensor_shapes
+
+        state = module.state_dict(keep_vars=True)
+        by_tensor: dict[int, list[str]] = {}
+        for key, tensor in state.items():
+            by_tensor.setdefault(id(tensor), []).append(key)
+        return cls(
+            order=tuple(state),
+            dtypes={k: v.dtype for k, v in state.items()},
+            shapes={k: v.shape for k, v in state.items()},
+            aliases={
+                k: tuple(a for a in keys if a != k) for keys in by_tensor.values() for k in keys
+            },
+            named_shapes=tensor_shapes(module),
+        )
+
+    def names_of(self, key: str) -> tuple[str, ...]:
+        """``key`` and its aliases."""
+        return (key, *self.aliases.get(key, ()))
+
+
+@dataclass
+class _Capture:
+    """While the step function runs only up to ``model(...)``: that call's inputs."""
+
+    active: bool = False
+    inputs: tuple[Args, Kwargs] | None = None
+
+
+class _Steps:
+    """What the model keeps from step to step: its lowered schedules (training and
+    forward-only), the measured placement of zero-bubble W actions, and how many steps
+    were due for the same-batch check."""
+
+    def __init__(self) -> None:
+        self.schedules: dict[bool, Schedule] = {}
+        self.placement = MeasuredPlacement()
+        self.batch_checks = 0
 
 
 class DistributedModel:
@@ -62,26 +125,22 @@ class DistributedModel:
         self,
         module: nn.Module | Callable[[], nn.Module],
         *,
-        example_inputs: Any = None,
-        example_kwargs: Mapping[str, Any] | None = None,
+        example_inputs: object = None,
+        example_kwargs: Mapping[str, object] | None = None,
         dynamic_axes: Sequence[int] = (0,),
         init_fn: Callable[[nn.Module], None] | None = None,
     ) -> None:
-        from mpar.meta import build_module, tensor_shapes
+        from mpar.meta import build_module
 
         module = build_module(module)
-        self._tensor_shapes = tensor_shapes(module)
-        """Every parameter's and buffer's shape by name, before partitioning frees any."""
         self.dynamic_axes = _check_axes(dynamic_axes)
         """Axes of every tensor input whose size may change between steps in a
         captured pipeline (``(0,)`` the batch; ``(0, 1)`` also the sequence)."""
-        self._st = state()
-        self.grid: ProcessGrid = self._st.grid
-        """The rank grid and process groups this model runs on."""
-        self.config: Config = self._st.config
-        """The configuration this model runs with: ``mpar.config()``, with its ``"auto"``
-        values resolved at the first step."""
+        process = session()
+        self._run = process.state
         self.module = module
+        self.state_keys = StateKeys.of(module)
+        """The original module's state-dict keys, dtypes and shapes (see :class:`StateKeys`)."""
         self.init_fn = init_fn
         """A meta-built model: called on each module to initialise it (default: its own
         initialisers; see ``mpar.meta``)."""
@@ -96,14 +155,8 @@ class DistributedModel:
         self.activation_peak_bytes = 0
         """Peak bytes of stage inputs/outputs kept for backward during the last step."""
         self.active_run: StepRun | None = None
-        self._capturing = False
-        self._captured: tuple[tuple[Any, ...], dict[str, Any]] | None = None
-        self._dtypes = {k: v.dtype for k, v in module.state_dict().items()}
-        self._shapes = {k: v.shape for k, v in module.state_dict().items()}
-        self._key_order = list(self._dtypes)
-        self._aliases = _tensor_aliases(module)
-        self._schedules: dict[bool, Any] = {}
-        self._placement = MeasuredPlacement()
+        self._capture = _Capture()
+        self._steps = _Steps()
         self.tp_layout: TPLayout | None = _tp_layout(module, self.grid, self.config)
         """How tensor parallelism splits this model (None at tensor_parallel_degree 1)."""
         self.cp_calls: CallPlan | None = None
@@ -115,10 +168,43 @@ class DistributedModel:
             check_heads(module, self.grid.cp_size, self.grid.tp_size, method)
             self.cp_calls = CallPlan(module)
             self._cp_hf = install_hf(module, method)
-        self._st.models.add(self)
+        process.models.add(self)
         if example_inputs is not None or example_kwargs is not None:
             args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
             self._partition(tuple(a for a in args if a is not None), dict(example_kwargs or {}))
+
+    @property
+    def run_state(self) -> State:
+        """What the runtime gets: the state of ``mpar.init`` with this model's config
+        (one object, made again only when :attr:`config` changes)."""
+        return self._run
+
+    @property
+    def grid(self) -> ProcessGrid:
+        """The rank grid and process groups this model runs on."""
+        return self._run.grid
+
+    @property
+    def config(self) -> Config:
+        """The configuration this model runs with: ``mpar.config()``, with its ``"auto"``
+        values resolved at the first step."""
+        return self._run.config
+
+    @config.setter
+    def config(self, config: Config) -> None:
+        self._run = self._run.with_config(config)
+
+    @property
+    def placement(self) -> MeasuredPlacement:
+        """The measured placement of zero-bubble W actions (its costs, ratios, choice)."""
+        return self._steps.placement
+
+    def due_batch_check(self) -> bool:
+        """Count a step; whether it is one whose batch is checked (the first
+        ``FIRST_STEPS`` steps, then every ``EVERY``: ``runtime._batch_check``)."""
+        calls = self._steps.batch_checks
+        self._steps.batch_checks = calls + 1
+        return batch_check_due(calls)
 
     # -- partitioning --------------------------------------------------------------
 
@@ -126,16 +212,10 @@ class DistributedModel:
     def partitioned(self) -> bool:
         return self.stages is not None
 
-    def run_state(self) -> State:
-        """What the runtime gets: the state of ``mpar.init`` with this model's config."""
-        if self.config is self._st.config:
-            return self._st
-        return dataclasses.replace(self._st, config=self.config)
-
-    def _partition(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _partition(self, args: Args, kwargs: Kwargs) -> None:
         from mpar.meta import start_materialize
 
-        st = self.run_state()
+        st = self._run
         FOUND["calls"] = 0
         self.stages = build_local_stages(
             self.module,
@@ -157,7 +237,7 @@ class DistributedModel:
             self.stages,
             st,
             self.init_fn,
-            self._tensor_shapes,
+            self.state_keys.named_shapes,
             overwritten,
             self._tp_cuts(),
         )
@@ -184,26 +264,27 @@ class DistributedModel:
         all_reduce_pp(total, self.grid)
         check_found(int(total.item()), self.module)
 
-    def ensure_partitioned(self, fn: Callable[..., Any], batches: Microbatches) -> None:
+    def ensure_partitioned(self, fn: StepFunction, batches: Microbatches) -> None:
         if self.stages is None:
             args, kwargs = self.capture(fn, batches, 0)
             self._partition(args, kwargs)
 
     @property
-    def plan(self) -> Any:
+    def plan(self) -> Plan | _ManualPlan | None:
         """The partition plan (stages, units, profiled cost and memory, bubble)."""
         if self.stages is None:
             return None
         return self.stages.plan if self.stages.plan is not None else _ManualPlan(self.stages)
 
-    def schedule(self, forward_only: bool) -> Any:
+    def schedule(self, forward_only: bool) -> Schedule:
         """This model's pipeline schedule (training, or forward-only), lowered exactly as
         this rank executes it (``mpar.schedule.executable_schedule``)."""
-        if forward_only not in self._schedules:
+        schedules = self._steps.schedules
+        if forward_only not in schedules:
             from mpar.schedule import executable_schedule
 
             cfg = self.config
-            self._schedules[forward_only] = executable_schedule(
+            schedules[forward_only] = executable_schedule(
                 cfg.pipeline,
                 cfg.pipeline_parallel_degree,
                 cfg.microbatches,
@@ -213,9 +294,9 @@ class DistributedModel:
                 zero_stage=None if self.sharded is None else cfg.zero.stage,
                 reshard_gap=1 if cfg.zero.reshard_after_forward else None,
             )
-        return self._schedules[forward_only]
+        return schedules[forward_only]
 
-    def _lowered(self, schedule: Any) -> Any:
+    def _lowered(self, schedule: Schedule) -> Schedule:
         """``schedule`` lowered as :meth:`schedule` lowers the configured one."""
         from mpar.schedule import lower
 
@@ -226,7 +307,7 @@ class DistributedModel:
             reshard_gap=1 if cfg.zero.reshard_after_forward else None,
         )
 
-    def run_step(self, fn: Callable[..., Any], batches: Microbatches) -> StepRun:
+    def run_step(self, fn: StepFunction, batches: Microbatches) -> StepRun:
         """Run one step of ``fn`` over ``batches`` on this rank; returns the finished run
         (its ``outputs``, ``timeline`` and ``schedule``)."""
         self.ensure_partitioned(fn, batches)
@@ -237,11 +318,11 @@ class DistributedModel:
             self.sharded,
             self.schedule(forward_only=not training),
             batches,
-            self.run_state(),
+            self._run,
             call=lambda j: fn(self, *batches.args[j], **batches.kwargs[j]),
             capture=lambda j: self.capture(fn, batches, j),
             name=getattr(fn, "__name__", repr(fn)),
-            record=self._placement.records(self.run_state(), training),
+            record=self._steps.placement.records(self._run, training),
         )
         self.active_run = run  # model(...) and model.backward(loss) go to it
         try:
@@ -252,35 +333,33 @@ class DistributedModel:
         if self._cp_unchecked:  # the first step ran the model's own code: was any attention?
             self._cp_unchecked = False
             check_found(FOUND["calls"], self.module)
-        placed = self._placement.after_step(self.run_state(), training, run.timeline)
+        placed = self._steps.placement.after_step(self._run, training, run.timeline)
         if placed is not None:  # every rank, at the same step: measured W placement
-            self._schedules[False] = self._lowered(placed)
+            self._steps.schedules[False] = self._lowered(placed)
         return run
 
     # -- calls inside a step ---------------------------------------------------------
 
-    def capture(
-        self, fn: Callable[..., Any], batches: Microbatches, j: int
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def capture(self, fn: StepFunction, batches: Microbatches, j: int) -> tuple[Args, Kwargs]:
         """Run the step function for microbatch ``j`` until it calls the model."""
-        self._capturing, self._captured = True, None
+        self._capture = _Capture(active=True)
         try:
             with using(batches.context(j)):
                 fn(self, *batches.args[j], **batches.kwargs[j])
         except Captured:
-            assert self._captured is not None
-            return self._captured
+            assert self._capture.inputs is not None
+            return self._capture.inputs
         finally:
-            self._capturing = False
+            self._capture = _Capture()
         raise StepError(
             f"step function {getattr(fn, '__name__', fn)!r} returned without calling the model"
         )
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> object:
         if self.cp_calls is not None:
             kwargs = prepare_call(self.cp_calls, args, kwargs, current())
-        if self._capturing:
-            self._captured = (args, kwargs)
+        if self._capture.active:
+            self._capture.inputs = (args, kwargs)
             raise Captured
         if self.active_run is None:
             raise StepError(
@@ -339,12 +418,15 @@ class DistributedModel:
         """This rank's parameters and buffers, under the original module's keys."""
         if self.stages is None:
             return self.module.state_dict()
-        return {key: tensor.detach() for key, tensor in self._local_tensors().items()}
+        return {key: tensor.detach() for key, tensor in self.local_tensors().items()}
 
-    def _local_tensors(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters and buffers themselves, under the original keys."""
-        assert self.stages is not None
-        wanted = set(self._key_order)
+    def local_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers themselves (not detached: the parameter
+        objects, views of ZeRO buffers), under the original keys and their aliases; the
+        whole module's before partitioning."""
+        if self.stages is None:
+            return dict(self.module.state_dict(keep_vars=True))
+        wanted = set(self.state_keys.order)
         out: dict[str, torch.Tensor] = {}
         for s, stage in self.stages.modules.items():
             tensors = dict(stage.named_parameters()) | dict(stage.named_buffers())
@@ -352,7 +434,7 @@ class DistributedModel:
                 if original in wanted and local in tensors:
                     out[original] = tensors[local]
         for key in list(out):
-            for alias in self._aliases.get(key, ()):
+            for alias in self.state_keys.aliases.get(key, ()):
                 out.setdefault(alias, out[key])
         return out
 
@@ -372,15 +454,15 @@ class DistributedModel:
             for key, pid in self._param_ids().items():
                 if pid in masters:
                     local[key] = masters[pid].to("cpu", copy=True)
-            local = {k: v.to(self._dtypes[k]) for k, v in local.items()}
+            local = {k: v.to(self.state_keys.dtypes[k]) for k, v in local.items()}
         local = self._tp_gathered(local)
         merged: dict[str, torch.Tensor] = {}
         for part in all_gather_object_pp(local, self.grid):
             merged.update(part)
-        missing = [k for k in self._key_order if k not in merged]
+        missing = [k for k in self.state_keys.order if k not in merged]
         if missing:
             raise StepError(f"state_dict could not gather {missing[:5]} from any stage")
-        return {k: merged[k] for k in self._key_order}
+        return {k: merged[k] for k in self.state_keys.order}
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         """Load a full state dict (original keys); each rank copies its own part."""
@@ -388,8 +470,9 @@ class DistributedModel:
             self.module.load_state_dict(state_dict, strict=strict)
             return
         if strict:
-            missing = [k for k in self._key_order if k not in state_dict]
-            unexpected = [k for k in state_dict if k not in set(self._key_order)]
+            order = self.state_keys.order
+            missing = [k for k in order if k not in state_dict]
+            unexpected = [k for k in state_dict if k not in set(order)]
             if missing or unexpected:
                 raise KeyError(
                     f"load_state_dict: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}"
@@ -408,7 +491,7 @@ class DistributedModel:
         """How tensor parallelism splits the tensor under ``key`` (None: kept whole)."""
         if self.tp_layout is None:
             return None
-        for name in (key, *self._aliases.get(key, ())):
+        for name in self.state_keys.names_of(key):
             if name in self.tp_layout.shards:
                 return self.tp_layout.shards[name]
         return None
@@ -455,9 +538,19 @@ class DistributedModel:
         """Original key (aliases included) -> ``id`` of this rank's parameter under it."""
         return {
             key: id(tensor)
-            for key, tensor in self._local_tensors().items()
+            for key, tensor in self.local_tensors().items()
             if isinstance(tensor, nn.Parameter)
         }
+
+    def param_names(self) -> dict[int, str]:
+        """``id(parameter) -> name``: the first state-dict key of each parameter (of the
+        original module and of this rank's stages)."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        if self.stages is not None:
+            for key, tensor in self.local_tensors().items():
+                if isinstance(tensor, nn.Parameter):
+                    names.setdefault(id(tensor), key)
+        return names
 
 
 def _tp_layout(module: nn.Module, grid: ProcessGrid, config: Config) -> TPLayout | None:
@@ -471,14 +564,6 @@ def _tp_layout(module: nn.Module, grid: ProcessGrid, config: Config) -> TPLayout
     plan, source = resolve_plan(module, config.tp_plan)
     sequence = sequence_parallel_on(plan, config.optimize)
     return plan_layout(module, plan, grid.tp_size, source, sequence_parallel=sequence)
-
-
-def _tensor_aliases(module: nn.Module) -> dict[str, list[str]]:
-    """For each state-dict key, the other keys naming the same tensor (tied weights)."""
-    by_tensor: dict[int, list[str]] = {}
-    for key, tensor in module.state_dict(keep_vars=True).items():
-        by_tensor.setdefault(id(tensor), []).append(key)
-    return {k: [a for a in keys if a != k] for keys in by_tensor.values() for k in keys}
 
 
 class _ManualPlan:

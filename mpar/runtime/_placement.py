@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import statistics
 import sys
-from typing import Any
+from typing import TypedDict
 
 from mpar.comm import State
 from mpar.comm._collectives import all_gather_object_world
@@ -51,7 +51,7 @@ class MeasuredPlacement:
 
     def __init__(self) -> None:
         self.training_steps = 0
-        self.samples: list[dict[str, Any]] = []
+        self.samples: list[_RankTimes] = []
         """This rank's action times from the measured steps so far."""
         self.costs: StageCosts | None = None
         """The gathered times (seconds) the placement was made from, once it is."""
@@ -134,7 +134,15 @@ def _wanted(st: State) -> bool:
     return allowance is not None
 
 
-def _local_times(timeline: StepTimeline) -> dict[str, Any]:
+class _RankTimes(TypedDict):
+    """One rank's action times of one measured step, in seconds."""
+
+    times: dict[tuple[int, str], list[float]]
+    """(stage, kind) -> each such action's busy time."""
+    sends: list[float]
+
+
+def _local_times(timeline: StepTimeline) -> _RankTimes:
     """This rank's action times in seconds: ``{(stage, kind): [...]}`` and its sends."""
     times: dict[tuple[int, str], list[float]] = {}
     sends: list[float] = []
@@ -148,7 +156,7 @@ def _local_times(timeline: StepTimeline) -> dict[str, Any]:
     return {"times": times, "sends": sends}
 
 
-def _costs(every: list[dict[str, Any]], num_stages: int) -> StageCosts:
+def _costs(every: list[_RankTimes], num_stages: int) -> StageCosts:
     """The shortest time per stage and kind over every rank and measured step that ran
     them (0 where none ran: a W with nothing deferred)."""
     pooled: dict[tuple[int, str], list[float]] = {}

@@ -29,7 +29,7 @@ def run_stage(
     device: torch.device,
 ) -> object:
     """``stage(*args, **kwargs)``, recomputed in backward when checkpointing is on."""
-    if config.activation_checkpointing in (False, "none") or not torch.is_grad_enabled():
+    if not config.checkpointing or not torch.is_grad_enabled():
         return stage(*args, **kwargs)
     _device.prepare_recompute(device)
     offload: contextlib.AbstractContextManager[object] = contextlib.nullcontext()

@@ -4,13 +4,15 @@
 ``activation_checkpointing`` may be "auto" (``device_memory`` set). At the
 first step, before the batch is split, rank 0 profiles the model on this
 replica's whole batch, runs ``mpar.partition.search`` with the other keys
-fixed to their configured values, logs the choice on stderr and broadcasts it;
-every rank then runs the model with the resolved config (``model.config`` shows
-it; ``mpar.config()`` keeps what ``mpar.init`` was given).
+fixed to their configured values (``mpar.partition.space_around`` of the run's
+``PlanInputs``, the record the partition plans for: the grid included), logs the
+choice on stderr and broadcasts it; every rank then runs the model with the
+resolved config (``model.config`` shows it; ``mpar.config()`` keeps what
+``mpar.init`` was given).
 
 Under tensor parallelism the search keeps the configured degree and lays out one TP
 rank's share of the profile (``mpar.partition._tp_share``), read from the model's checked
-TP layout as the partition reads it (``mpar.runtime._local_stages.tp_splits_of``).
+TP layout as the partition reads it (``mpar.tensor_parallel.measure_tp_splits``).
 """
 
 from __future__ import annotations
@@ -29,34 +31,9 @@ from mpar.errors import StepError
 from mpar.runtime._microbatch import split_microbatches
 
 if TYPE_CHECKING:
-    from mpar.partition import SearchSpace
     from mpar.runtime._model import DistributedModel
 
 __all__ = ["resolve_auto"]
-
-
-def _space(cfg: Config, auto: Sequence[str], tp: int = 1) -> SearchSpace:
-    from mpar.partition import SearchSpace
-
-    zero = cfg.zero
-    offload = (zero.offload_optimizer == "cpu", zero.offload_params == "cpu")
-    if "zero.stage" not in auto:
-        stages: tuple[int, ...] = (zero.stage,)
-    else:
-        stages = (3,) if offload[1] else (1, 2, 3) if offload[0] else (0, 1, 2, 3)
-    checkpointing = cfg.activation_checkpointing not in (False, "none")
-    precision = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32"
-    return SearchSpace(
-        pipelines=(cfg.pipeline,),
-        zero_stages=stages,
-        offload_choices=(offload,),
-        checkpointing=(False, True) if "activation_checkpointing" in auto else (checkpointing,),
-        precisions=(precision,),
-        virtual_stage_choices=None if "virtual_stages" in auto else (cfg.virtual_stages,),
-        microbatch_choices=None if "microbatches" in auto else (cfg.microbatches,),
-        gather=zero.gather,
-        tensor_parallel_degrees=(tp,),
-    )
 
 
 def _choose(
@@ -64,9 +41,10 @@ def _choose(
 ) -> dict[str, Any]:
     """Rank 0: profile on the replica's batch and search; returns the resolved values."""
     from mpar.meta import find_units_meta
-    from mpar.partition import find_units, search
+    from mpar.partition import find_units, search, space_around
     from mpar.profile import preserved_state, profile_mode, profile_model
-    from mpar.runtime._local_stages import tp_splits_of
+    from mpar.runtime._local_stages import planner_inputs
+    from mpar.tensor_parallel import measure_tp_splits
 
     cfg = st.config
     args, kwargs = model.capture(fn, whole, 0)
@@ -80,18 +58,16 @@ def _choose(
     profile = profile_model(module, args, kwargs, units=units, repeats=1, warmup=1, mode=mode)
     module.zero_grad(set_to_none=True)
     batch = whole.sizes[0]
-    tp, layout = st.grid.tp_size, model.tp_layout
-    splits = None if layout is None else tp_splits_of(module, profile, layout, args, kwargs)
+    layout = model.tp_layout
+    splits = None if layout is None else measure_tp_splits(module, profile, layout, (args, kwargs))
+    inputs = planner_inputs(cfg, st.grid.topology, st.device, splits)
     result = search(
         profile,
-        world_size=st.grid.pp_size * st.grid.dp_size * tp,
-        device_memory=cfg.device_memory or 0,
-        global_batch=batch * st.grid.dp_size,
+        inputs,
+        global_batch=batch * inputs.grid.dp,
         profile_batch=batch,
-        space=_space(cfg, cfg.auto_keys, tp),
+        space=space_around(inputs, cfg.auto_keys),
         top=3,
-        device=st.device.type,
-        tp_splits=splits,
     )
     best = result.best
     return {

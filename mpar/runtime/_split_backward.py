@@ -56,7 +56,7 @@ from torch import nn
 
 from mpar._compat import top_saved_tensors_hooks
 from mpar._tree import tree_leaves
-from mpar.comm._lifecycle import on_shutdown
+from mpar.comm import _process_state
 from mpar.runtime._activations import counting_only
 
 __all__ = [
@@ -71,16 +71,19 @@ __all__ = [
 
 _Kept = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor, torch.Tensor]
 _KEEPING: list[list[_Kept]] = []
-on_shutdown(_KEEPING.clear)
 """The list the current I adds its linear layers' (weight, bias, input, output gradient)
 to; empty outside I. A plain module-level stack, not thread-local: the autograd engine
 may run a backward on a device thread of its own."""
+_process_state.register(
+    "mpar.runtime._split_backward._KEEPING", _KEEPING.clear, lambda: not _KEEPING
+)
 
 
 _DEFERRING: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 """Modules :func:`defer_weight_gradients` has gone through, and how many layers defer.
-Not reset by ``mpar.shutdown``: it records what was done to the modules themselves
-(their linear layers stay patched), which outlive an ``init``."""
+Not reset by ``mpar.shutdown`` (listed in :mod:`mpar.comm._process_state` as kept): it
+records what was done to the modules themselves (their linear layers stay patched),
+which outlive an ``init``."""
 
 
 class _DeferredLinear(torch.autograd.Function):
@@ -253,7 +256,7 @@ class WeightWork:
 def split_backward(
     roots: list[torch.Tensor],
     root_grads: list[torch.Tensor] | None,
-    inputs: Any,
+    inputs: object,
     *,
     split: bool = True,
 ) -> WeightWork:

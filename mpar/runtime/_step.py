@@ -8,9 +8,10 @@ import inspect
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar, overload
+from typing import TypeVar, overload
 
 from mpar import _device
+from mpar.comm import State
 from mpar.comm._abort import publish_failure
 from mpar.comm._progress import PROGRESS
 from mpar.comm._snapshot import write_trace
@@ -18,20 +19,21 @@ from mpar.comm._watchdog import exit_if_reported
 from mpar.errors import StepError
 from mpar.runtime._batch_check import check_same_batch, due_fingerprint
 from mpar.runtime._microbatch import Microbatches, split_microbatches
-from mpar.runtime._model import DistributedModel
+from mpar.runtime._model import DistributedModel, StepFunction
 from mpar.runtime._output import StepOutput
-from mpar.runtime._timeline import write_timeline
+from mpar.runtime._timeline import TraceLayout, write_timeline
+from mpar.schedule import Schedule
 
 __all__ = ["step"]
 
-F = TypeVar("F", bound=Callable[..., Any])
+F = TypeVar("F", bound=StepFunction)
 
 
 def _prepare(
-    fn: Callable[..., Any],
-    model: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    fn: StepFunction,
+    model: object,
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
     non_split_inputs: Sequence[str],
     input_split_axes: Mapping[str, int] | None,
 ) -> Microbatches:
@@ -47,10 +49,10 @@ def _prepare(
         from mpar.runtime._resolve_auto import resolve_auto
 
         model.config = resolve_auto(
-            fn, model, args, kwargs, model.run_state(),
+            fn, model, args, kwargs, model.run_state,
             non_split_inputs=non_split_inputs, input_split_axes=input_split_axes,
         )  # fmt: skip
-    st = model.run_state()
+    st = model.run_state
     batches = split_microbatches(
         fn,
         (model, *args),
@@ -66,7 +68,7 @@ def _prepare(
     )
 
 
-def _shard_sequences(fn: Callable[..., Any], model: Any, batches: Microbatches) -> Microbatches:
+def _shard_sequences(fn: StepFunction, model: DistributedModel, batches: Microbatches) -> Microbatches:
     """Under context parallelism, this CP rank's share of every microbatch's sequences
     (``mpar.context_parallel``); the batches unchanged otherwise."""
     grid = model.grid
@@ -81,9 +83,9 @@ def _shard_sequences(fn: Callable[..., Any], model: Any, batches: Microbatches) 
     return dataclasses.replace(batches, args=args, kwargs=kwargs, contexts=contexts)
 
 
-def _execute(fn: Callable[..., Any], model: DistributedModel, batches: Microbatches) -> StepOutput:
+def _execute(fn: StepFunction, model: DistributedModel, batches: Microbatches) -> StepOutput:
     """Partition if needed and run this rank's schedule; a failure stops every rank."""
-    st = model.run_state()
+    st = model.run_state
     PROGRESS.begin_step()
     try:
         run = model.run_step(fn, batches)
@@ -103,7 +105,7 @@ def _execute(fn: Callable[..., Any], model: DistributedModel, batches: Microbatc
     return run.outputs
 
 
-def _trace_layout(st: Any, schedule: Any) -> dict[str, Any]:
+def _trace_layout(st: State, schedule: Schedule) -> TraceLayout:
     """What ``mpar schedule --trace`` needs to rebuild and simulate the schedule."""
     cfg = st.config
     return {
@@ -134,11 +136,11 @@ def step(
 
 
 def step(
-    fn: Callable[..., Any] | None = None,
+    fn: StepFunction | None = None,
     *,
     non_split_inputs: Sequence[str] = (),
     input_split_axes: Mapping[str, int] | None = None,
-) -> Any:
+) -> Callable[..., StepOutput] | Callable[[F], Callable[..., StepOutput]]:
     """Decorate a training or evaluation step that runs once per microbatch.
 
     The function's first argument is the :class:`DistributedModel`; every
@@ -164,12 +166,12 @@ def step(
         raise TypeError(f"@mpar.step decorates a function, got {type(fn).__name__}")
 
     @functools.wraps(fn)
-    def wrapper(model: Any, *args: Any, **kwargs: Any) -> StepOutput:
+    def wrapper(model: DistributedModel, *args: object, **kwargs: object) -> StepOutput:
         batches = _prepare(fn, model, args, kwargs, non_split_inputs, input_split_axes)
-        prints = due_fingerprint(model._st, batches.args, batches.kwargs)
+        prints = due_fingerprint(model.grid, model.due_batch_check, batches.args, batches.kwargs)
         batches = _shard_sequences(fn, model, batches)  # after the check: CP ranks agree
         outputs = _execute(fn, model, batches)
-        check_same_batch(model._st, prints)
+        check_same_batch(model.grid, prints)
         return outputs
 
     return wrapper

@@ -14,17 +14,46 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
-from mpar.comm._lifecycle import on_shutdown
+from mpar.comm import _process_state
+from mpar.schedule._ir import ScheduleDict
 
-__all__ = ["KEEP", "StepTimeline", "write_timeline"]
+__all__ = ["KEEP", "StepTimeline", "TimedAction", "TraceLayout", "write_timeline"]
 
 KEEP = 8
 """Steps each rank keeps in its timeline file (the latest ones)."""
 
-_STEPS: list[dict[str, Any]] = []
-on_shutdown(_STEPS.clear)
+TimedAction = tuple[str, float, float, float, float]
+"""An executed action: ``(text, start, end, waited, computed)``."""
+
+
+class TraceLayout(TypedDict):
+    """What ``mpar schedule --trace`` needs to rebuild and simulate a rank's schedule."""
+
+    rank: int
+    pp_rank: int
+    dp_rank: int
+    pipeline: str
+    num_ranks: int
+    virtual_stages: int
+    microbatches: int
+    active_microbatches: int | None
+    forward_only: bool
+    schedule: ScheduleDict
+    """The lowered schedule the ranks executed (``Schedule.to_dict``)."""
+
+
+class _TimedStep(TypedDict):
+    step: int
+    start: float
+    end: float
+    actions: list[TimedAction]
+
+
+_STEPS: list[_TimedStep] = []
+"""This rank's latest :data:`KEEP` timed steps (process state: cleared by ``shutdown``)."""
+_process_state.register("mpar.runtime._timeline._STEPS", _STEPS.clear, lambda: not _STEPS)
 
 
 class StepTimeline:
@@ -46,14 +75,14 @@ class StepTimeline:
         self.end = start
         self.waited = 0.0
         self.computed = 0.0
-        self.actions: list[tuple[str, float, float, float, float]] = []
+        self.actions: list[TimedAction] = []
 
 
 def write_timeline(
     trace_dir: str,
     step: int,
     timeline: StepTimeline,
-    layout: dict[str, Any],
+    layout: TraceLayout,
 ) -> None:
     """Add one step to this rank's file (best effort: tracing never fails a step)."""
     _STEPS.append(

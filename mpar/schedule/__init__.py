@@ -13,7 +13,7 @@ ordered list of ``Action``s such as ``1F3`` (stage 1, forward, microbatch 3)::
 from __future__ import annotations
 
 from mpar.schedule._csv import read_csv, schedule_from_csv, schedule_to_csv, write_csv
-from mpar.schedule._generators import interleaved, simple
+from mpar.schedule._generators import interleaved, least_active_microbatches, simple
 from mpar.schedule._ir import (
     COMMUNICATION_KINDS,
     COMPUTE_KINDS,
@@ -59,6 +59,7 @@ __all__ = [
     "build_schedule",
     "executable_schedule",
     "interleaved",
+    "least_active_microbatches",
     "lower",
     "lower_communication",
     "lower_sharding",

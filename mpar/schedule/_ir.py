@@ -9,10 +9,10 @@ microbatch.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import NotRequired, TypedDict
 
 from mpar.errors import ScheduleError
 from mpar.schedule._text_grid import format_grid
@@ -24,8 +24,21 @@ __all__ = [
     "Action",
     "Kind",
     "Schedule",
+    "ScheduleDict",
     "stage_rank",
 ]
+
+
+class ScheduleDict(TypedDict):
+    """A schedule as JSON (``Schedule.to_dict``): actions in their text form per rank."""
+
+    num_stages: int
+    num_ranks: int
+    num_microbatches: int
+    actions: dict[str, list[str]]
+    name: NotRequired[str]
+    placement: NotRequired[str]
+
 
 PLACEMENTS = ("looped", "v")
 """How stages map to ranks: ``looped`` puts stage ``s`` on rank ``s % p`` (rank ``r``
@@ -212,7 +225,7 @@ class Schedule:
             note=note,
         )
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> ScheduleDict:
         """A JSON-ready dict; actions in their text form."""
         return {
             "name": self.name,
@@ -224,7 +237,7 @@ class Schedule:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Schedule:
+    def from_dict(cls, data: ScheduleDict) -> Schedule:
         """Inverse of ``to_dict``."""
         actions = {int(r): _parse_all(texts) for r, texts in data["actions"].items()}
         return cls(

@@ -30,18 +30,45 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict
 
 from mpar.errors import ScheduleError
 from mpar.schedule._csv import is_csv_path, read_csv
-from mpar.schedule._ir import Action, Schedule
+from mpar.schedule._ir import Action, Schedule, ScheduleDict
 from mpar.schedule._registry import executable_schedule, lower
-from mpar.schedule._render import to_chrome_trace
+from mpar.schedule._render import ChromeTrace, TraceEvent, to_chrome_trace
 from mpar.schedule._simulate import SimulationResult, StageCosts, simulate
 
-__all__ = ["Comparison", "compare", "overhead_by_kind"]
+__all__ = ["Comparison", "Timeline", "compare", "overhead_by_kind"]
 
 _COMPUTE = ("F", "B", "I", "W")
+
+Entry = list[str | float]
+"""One executed action: ``[text, start, end, waited, computed]`` (seconds; files of
+older runs lack the last two)."""
+
+
+class StepRecord(TypedDict):
+    """One step of a rank's timeline."""
+
+    step: int
+    actions: list[Entry]
+
+
+class Timeline(TypedDict, total=False):
+    """One rank's timeline file (``mpar.runtime._timeline`` writes it)."""
+
+    pp_rank: int
+    dp_rank: int
+    steps: list[StepRecord]
+    schedule: ScheduleDict
+    """The lowered schedule the ranks executed (files of older runs: the keys below)."""
+    pipeline: str
+    num_ranks: int
+    microbatches: int
+    virtual_stages: int
+    active_microbatches: int | None
+    forward_only: bool
 
 
 @dataclass
@@ -53,7 +80,7 @@ class Comparison:
     simulated_step_s: float
     measured_busy_s: list[float]
     simulated_busy_s: list[float]
-    trace: dict[str, Any] = field(repr=False)
+    trace: ChromeTrace = field(repr=False)
     overhead_us: dict[str, tuple[int, float]] = field(default_factory=dict)
     """Action kind -> (actions of that kind in the step, median overhead in µs)."""
 
@@ -81,7 +108,7 @@ class Comparison:
         return "\n".join(lines)
 
 
-def compare(files: list[dict[str, Any]]) -> Comparison:
+def compare(files: list[Timeline]) -> Comparison:
     """Merge the ranks' timeline files of one run (see the module docstring)."""
     ranks = _replica(files)
     step = _common_step(ranks)
@@ -93,8 +120,8 @@ def compare(files: list[dict[str, Any]]) -> Comparison:
             f"expected 0..{schedule.num_ranks - 1}: was every rank's file written?"
         )
     result = simulate(schedule, _costs(steps, schedule.num_stages))
-    t0 = min(a[1] for s in steps.values() for a in s["actions"])
-    t1 = max(a[2] for s in steps.values() for a in s["actions"])
+    t0 = min(float(a[1]) for s in steps.values() for a in s["actions"])
+    t1 = max(float(a[2]) for s in steps.values() for a in s["actions"])
     measured_busy = [_busy(steps[r]["actions"]) for r in range(schedule.num_ranks)]
     simulated_busy = [float(b) for b in result.busy]
     trace = _trace(steps, t0, result)
@@ -104,21 +131,21 @@ def compare(files: list[dict[str, Any]]) -> Comparison:
     )
 
 
-def _replica(files: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _replica(files: list[Timeline]) -> list[Timeline]:
     ranks = [f for f in files if f.get("dp_rank", 0) == 0]
     if not ranks:
         raise ScheduleError("no timeline of data-parallel replica 0 in the trace directory")
     return sorted(ranks, key=lambda f: f["pp_rank"])
 
 
-def _common_step(ranks: list[dict[str, Any]]) -> int:
+def _common_step(ranks: list[Timeline]) -> int:
     common = set.intersection(*({s["step"] for s in r["steps"]} for r in ranks))
     if not common:
         raise ScheduleError("the ranks' timelines share no step; were they written by one run?")
     return max(common)
 
 
-def _schedule(meta: dict[str, Any]) -> Schedule:
+def _schedule(meta: Timeline) -> Schedule:
     """The schedule the ranks executed: recorded in the timeline files, or (files of
     older runs) rebuilt from the config keys with the communication lowered."""
     if "schedule" in meta:
@@ -135,34 +162,39 @@ def _schedule(meta: dict[str, Any]) -> Schedule:
     )
 
 
-def _split(entry: list[Any]) -> tuple[float, float, float]:
+def _split(entry: Entry) -> tuple[float, float, float]:
     """An action's (computed, waited, overhead) seconds from its timeline entry
     ``[text, start, end, waited?, computed?]`` (older files lack the last two)."""
-    start, end = entry[1], entry[2]
-    waited = entry[3] if len(entry) > 3 else 0.0
+    start, end = float(entry[1]), float(entry[2])
+    waited = float(entry[3]) if len(entry) > 3 else 0.0
     if len(entry) > 4:
-        computed = entry[4]
+        computed = float(entry[4])
     else:
-        computed = end - start - waited if Action.parse(entry[0]).kind.value in _COMPUTE else 0.0
+        compute = _action(entry).kind.value in _COMPUTE
+        computed = end - start - waited if compute else 0.0
     return computed, waited, max(0.0, end - start - waited - computed)
 
 
-def overhead_by_kind(actions_per_rank: list[list[list[Any]]]) -> dict[str, tuple[int, float]]:
+def _action(entry: Entry) -> Action:
+    return Action.parse(str(entry[0]))
+
+
+def overhead_by_kind(actions_per_rank: list[list[Entry]]) -> dict[str, tuple[int, float]]:
     """Action kind -> (how many, median runtime overhead in µs) over the given ranks'
     actions of one step (``[text, start, end, waited, computed]`` each)."""
     per_kind: dict[str, list[float]] = {}
     for actions in actions_per_rank:
         for entry in actions:
-            kind = Action.parse(entry[0]).kind.value
+            kind = _action(entry).kind.value
             per_kind.setdefault(kind, []).append(_split(entry)[2] * 1e6)
     return {k: (len(v), statistics.median(v)) for k, v in sorted(per_kind.items())}
 
 
-def _costs(steps: dict[int, dict[str, Any]], num_stages: int) -> StageCosts:
+def _costs(steps: dict[int, StepRecord], num_stages: int) -> StageCosts:
     durations: dict[tuple[int, str], list[float]] = {}
     for step in steps.values():
         for entry in step["actions"]:
-            action = Action.parse(entry[0])
+            action = _action(entry)
             if action.kind.value in _COMPUTE:
                 work = _split(entry)[0]
                 durations.setdefault((action.stage, action.kind.value), []).append(work)
@@ -183,13 +215,13 @@ def _costs(steps: dict[int, dict[str, Any]], num_stages: int) -> StageCosts:
     )
 
 
-def _busy(actions: list[list[Any]]) -> float:
+def _busy(actions: list[Entry]) -> float:
     """Seconds of the rank's own compute (older files: compute actions less their waits)."""
     return sum(_split(entry)[0] for entry in actions)
 
 
-def _trace(steps: dict[int, dict[str, Any]], t0: float, result: SimulationResult) -> dict[str, Any]:
-    events: list[dict[str, Any]] = [
+def _trace(steps: dict[int, StepRecord], t0: float, result: SimulationResult) -> ChromeTrace:
+    events: list[TraceEvent] = [
         {"ph": "M", "pid": 0, "name": "process_name", "args": {"name": "measured"}}
     ]
     for r, step in sorted(steps.items()):
@@ -197,10 +229,10 @@ def _trace(steps: dict[int, dict[str, Any]], t0: float, result: SimulationResult
             {"ph": "M", "pid": 0, "tid": r, "name": "thread_name", "args": {"name": f"rank {r}"}}
         )
         for entry in step["actions"]:
-            text, start, end = entry[0], entry[1], entry[2]
-            action = Action.parse(text)
+            text, start, end = str(entry[0]), float(entry[1]), float(entry[2])
+            action = _action(entry)
             computed, waited, overhead = _split(entry)
-            event = {"name": text, "cat": action.kind.value, "pid": 0, "tid": r}
+            event: TraceEvent = {"name": text, "cat": action.kind.value, "pid": 0, "tid": r}
             event["ts"] = (start - t0) * 1e6
             if end > start:  # a RECV's slice is its wait
                 event.update(ph="X", dur=(end - start) * 1e6)

@@ -3,14 +3,31 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 from mpar.schedule._ir import COMPUTE_KINDS, Kind, Schedule
 from mpar.schedule._simulate import SimulationResult, TimedAction
 from mpar.schedule._text_grid import format_grid
 
-__all__ = ["render_png", "render_text", "to_chrome_trace"]
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+__all__ = ["ChromeTrace", "TraceEvent", "render_png", "render_text", "to_chrome_trace"]
+
+TraceEvent = dict[str, object]
+"""One event of the Chrome trace format (``ph``, ``name``, ``ts``, ...)."""
+Colour = tuple[float, float, float, float]
+"""RGBA, each channel in [0, 1]."""
+
+
+class ChromeTrace(TypedDict):
+    """A Chrome trace (Perfetto opens it)."""
+
+    traceEvents: list[TraceEvent]
+    displayTimeUnit: str
+
 
 _EPS = 1e-9
 
@@ -54,9 +71,7 @@ def _time_row(row: list[TimedAction], unit: float, num_columns: int, width: int)
     return cells
 
 
-def to_chrome_trace(
-    simulation: SimulationResult, *, time_unit_us: float = 1000.0
-) -> dict[str, Any]:
+def to_chrome_trace(simulation: SimulationResult, *, time_unit_us: float = 1000.0) -> ChromeTrace:
     """The simulated timeline as Chrome trace JSON (open it in Perfetto).
 
     One track per rank; compute actions are complete ("X") events, zero-time
@@ -64,7 +79,7 @@ def to_chrome_trace(
     becomes ``time_unit_us`` microseconds (default: 1 unit = 1 ms).
     """
     schedule = simulation.schedule
-    events: list[dict[str, Any]] = [
+    events: list[TraceEvent] = [
         {"ph": "M", "pid": 0, "name": "process_name", "args": {"name": _title(simulation)}}
     ]
     for rank in sorted(simulation.timeline):
@@ -82,9 +97,9 @@ def to_chrome_trace(
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def _trace_event(timed: TimedAction, num_ranks: int, time_unit_us: float) -> dict[str, Any]:
+def _trace_event(timed: TimedAction, num_ranks: int, time_unit_us: float) -> TraceEvent:
     action = timed.action
-    event: dict[str, Any] = {
+    event: TraceEvent = {
         "name": str(action),
         "cat": action.kind.value,
         "pid": 0,
@@ -140,7 +155,7 @@ def render_png(simulation: SimulationResult, path: str | Path, *, dpi: int = 150
     return target
 
 
-def _decorate(axes: Any, simulation: SimulationResult, colours: list[Any]) -> None:
+def _decorate(axes: Axes, simulation: SimulationResult, colours: list[Colour]) -> None:
     """Axes limits, rank labels, title and a legend of microbatch colours."""
     from matplotlib.patches import Patch
 
@@ -164,7 +179,7 @@ def _decorate(axes: Any, simulation: SimulationResult, colours: list[Any]) -> No
     )
 
 
-def _draw_action(axes: Any, timed: TimedAction, colours: list[Any]) -> None:
+def _draw_action(axes: Axes, timed: TimedAction, colours: list[Colour]) -> None:
     action = timed.action
     base = colours[(action.microbatch or 0) % len(colours)]
     face = _lighten(base) if action.kind in (Kind.F, Kind.W) else base
@@ -193,7 +208,7 @@ def _draw_action(axes: Any, timed: TimedAction, colours: list[Any]) -> None:
     )
 
 
-def _microbatch_colours(num_microbatches: int) -> list[Any]:
+def _microbatch_colours(num_microbatches: int) -> list[Colour]:
     from matplotlib import colormaps
 
     name = "tab10" if num_microbatches <= 10 else "tab20"
@@ -201,6 +216,6 @@ def _microbatch_colours(num_microbatches: int) -> list[Any]:
     return [cmap(j % cmap.N) for j in range(min(num_microbatches, cmap.N))]
 
 
-def _lighten(colour: Any, amount: float = 0.55) -> tuple[float, float, float, float]:
+def _lighten(colour: Sequence[float], amount: float = 0.55) -> Colour:
     red, green, blue = (channel + (1 - channel) * amount for channel in colour[:3])
     return (red, green, blue, 1.0)

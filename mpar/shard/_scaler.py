@@ -12,8 +12,8 @@ then overflow at any scale, and training has silently stopped.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 __all__ = ["WARN_AFTER", "LossScaler"]
 
@@ -59,14 +59,14 @@ class LossScaler:
             "check the loss, lower the learning rate, or use bf16"
         )
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, float]:
         return {
             "scale": self.scale,
             "finite_steps": self.finite_steps,
             "skipped_steps": self.skipped_steps,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, float]) -> None:
         self.scale = float(state["scale"])
         self.finite_steps = int(state["finite_steps"])
         self.skipped_steps = int(state.get("skipped_steps", 0))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +21,18 @@ __all__ = ["ShardedOptimizer"]
 
 
 @dataclass(frozen=True)
+class ParamRun:
+    """Elements ``[start, stop)`` of one (flattened) parameter, held at ``offset`` in a
+    flat optimizer parameter."""
+
+    param: nn.Parameter
+    shape: torch.Size
+    start: int
+    stop: int
+    offset: int
+
+
+@dataclass(frozen=True)
 class SegmentParam:
     """One flat optimizer parameter: a segment of a bucket's ``master``."""
 
@@ -28,10 +40,22 @@ class SegmentParam:
     bucket_index: int
     segment: Segment
     param: nn.Parameter
+    runs: tuple[ParamRun, ...]
+    """The parameters whose elements it holds, in order."""
 
     def slice(self, tensor: torch.Tensor) -> torch.Tensor:
         lo = self.bucket.opt_range[0]
         return tensor[self.segment.lo - lo : self.segment.hi - lo]
+
+
+def _runs(bucket: FlatBucket, segment: Segment) -> tuple[ParamRun, ...]:
+    position = {slot.index: k for k, slot in enumerate(bucket.spec.slots)}
+    out, offset = [], 0
+    for piece in segment.pieces:
+        k = position[piece.index]
+        out.append(ParamRun(bucket.params[k], bucket.shapes[k], piece.start, piece.stop, offset))
+        offset += piece.stop - piece.start
+    return tuple(out)
 
 
 def _rebuild(
@@ -81,7 +105,7 @@ class ShardedOptimizer:
             lo, hi = bucket.opt_range
             for seg in segments_of(bucket.spec, lo, hi, group_of):
                 view = bucket.master[seg.lo - lo : seg.hi - lo]
-                out.append(SegmentParam(bucket, b, seg, nn.Parameter(view)))
+                out.append(SegmentParam(bucket, b, seg, nn.Parameter(view), _runs(bucket, seg)))
         return out
 
     @property
@@ -89,8 +113,24 @@ class ShardedOptimizer:
         return self.inner.param_groups
 
     @property
-    def state(self) -> Any:
+    def state(self) -> Mapping[torch.Tensor, dict[str, object]]:
+        """The rebuilt optimizer's state, per flat parameter (``SegmentParam.param``)."""
         return self.inner.state
+
+    def load_segment_states(
+        self, states: Mapping[int, dict[str, object]], options: Sequence[Mapping[str, object]]
+    ) -> None:
+        """Give the rebuilt optimizer ``states`` (index in :attr:`segments` -> that flat
+        parameter's state) and each group's ``options`` (one per original group)."""
+        params = [p for g in self.inner.param_groups for p in g["params"]]
+        index = {id(p): i for i, p in enumerate(params)}
+        state = {index[id(self.segments[i].param)]: values for i, values in states.items()}
+        groups, start = [], 0
+        for opts, group in zip(options, self.inner.param_groups):
+            size = len(group["params"])
+            groups.append({**opts, "params": list(range(start, start + size))})
+            start += size
+        self.inner.load_state_dict({"state": state, "param_groups": groups})
 
     # ------------------------------------------------------------------ step
     def step(self, closure: Callable[[], object] | None = None) -> None:
@@ -106,12 +146,8 @@ class ShardedOptimizer:
         for sp in self.segments:
             sp.param.grad = None  # under mixed precision, frees the step's fp32 gradients
         for bucket in self.sharded.buckets:
-            bucket.grads.grad_factor = 1.0
-        works = [bucket.start_publish() for bucket in self.sharded.buckets]
-        for work in works:
-            if work is not None:
-                work.wait()
-        self.sharded.synchronize()
+            bucket.grads.stepped()
+        self.sharded.publish_masters()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.sharded.zero_grad(set_to_none)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,7 +13,8 @@ from mpar import _device
 from mpar.comm._collectives import group_size
 from mpar.comm._types import ProcessGroup
 from mpar.config import ZeroConfig
-from mpar.shard._bucket import FlatBucket, GroupInfo, Residence
+from mpar.shard._bucket import FlatBucket, Residence
+from mpar.shard._bucket_layout import BucketLayout, GroupInfo, ReduceOptions
 from mpar.shard._byte_count import count_bytes
 from mpar.shard._flat_layout import plan_buckets
 from mpar.shard._scaler import LossScaler
@@ -21,7 +23,7 @@ from mpar.shard._unit_gather import UnitGather, WeightGradHooks
 if TYPE_CHECKING:
     from mpar.shard._sharded_optimizer import ShardedOptimizer
 
-__all__ = ["ShardedStages"]
+__all__ = ["MasterRun", "ShardedStages"]
 
 
 def _collect(
@@ -42,6 +44,83 @@ def _collect(
             else:
                 frozen.append(p)
     return owned, frozen
+
+
+@dataclass(frozen=True)
+class MasterRun:
+    """Elements ``[start, stop)`` of one (flattened) parameter in this rank's slice of
+    its bucket's master values: ``master[offset : offset + stop - start]``."""
+
+    param: nn.Parameter
+    shape: torch.Size
+    """The parameter's shape (on this rank: its tensor-parallel piece when split)."""
+    master: torch.Tensor
+    """The bucket's master values over this rank's slice (full precision)."""
+    start: int
+    stop: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class _BucketPlan:
+    """What decides how this rank's parameters are bucketed and reduced (used while
+    the buckets and unit groups are made)."""
+
+    tied: Mapping[int, ProcessGroup | None]
+    """``id`` of each tied parameter -> the group of ranks holding its copies."""
+    unit_of: Mapping[int, tuple[int, int]]
+    """``id`` of each parameter one unit group owns -> (stage, group)."""
+    group_counts: Mapping[int, int]
+    """Stage -> how many unit groups it has."""
+    tp_split: frozenset[int] | None
+    """``id`` of the parameters tensor parallelism splits (None without it)."""
+    tp_size: int
+    unread: frozenset[int]
+    """``id`` of the parameters whose gradient reads none of their values."""
+
+    def reduce_options(self, first: nn.Parameter, zero_stage: int) -> ReduceOptions:
+        """How the bucket whose first parameter is ``first`` reduces its gradients."""
+        tied = id(first) in self.tied
+        group = self.tied.get(id(first))
+        return ReduceOptions(
+            per_unit=id(first) in self.unit_of and zero_stage >= 2,
+            tied_group=group,
+            tied_size=group_size(group) if tied else 1,
+            # the same on every TP rank: its norm counts once
+            norm_copies=self.tp_size
+            if self.tp_split is not None and id(first) not in self.tp_split
+            else 1,
+        )
+
+
+@dataclass(frozen=True)
+class _StageBuckets:
+    """The buckets of one local stage."""
+
+    owned: list[FlatBucket]
+    """Those it stores, reduces and updates (a parameter shared with a higher stage
+    is the lower stage's)."""
+    used: list[FlatBucket]
+    """Those holding a parameter its module uses."""
+    wide: list[FlatBucket]
+    """Of ``used``, those it gathers as a whole (all of them without unit groups)."""
+
+
+def _unit_index(
+    owned: dict[int, list[nn.Parameter]],
+    units: Mapping[int, Sequence[Sequence[nn.Parameter]]],
+    tied: Collection[int],
+) -> dict[int, tuple[int, int]]:
+    """``id(param) -> (stage, group)`` for the parameters one group of their own stage
+    owns (``tied`` ones excepted: they keep buckets of their own)."""
+    out: dict[int, tuple[int, int]] = {}
+    for s, groups in units.items():
+        mine = {id(p) for p in owned.get(s, [])}
+        for g, params in enumerate(groups):
+            for p in params:
+                if id(p) in mine and id(p) not in tied:
+                    out[id(p)] = (s, g)
+    return out
 
 
 class ShardedStages:
@@ -110,40 +189,28 @@ class ShardedStages:
         self.zero = zero
         self.device = torch.device(device)
         self.comm = GroupInfo(group, tuple(group_ranks), rank_in_group)
-        self.stages = dict(stages)
         self.compute_dtype = compute_dtype
         self.scaler = LossScaler() if compute_dtype == torch.float16 else None
         """fp16 only: the dynamic loss scale the runtime multiplies losses by."""
         owned, self.frozen = _collect(stages)
         self.params = [p for s in sorted(owned) for p in owned[s]]
         """Trainable local parameters, each once, in stage then module order."""
-        self._tied_ids = {id(p): group for group, p in tied}
-        self._unit_of = self._unit_index(owned, units or {})
-        self._group_counts = {s: len(groups) for s, groups in (units or {}).items()}
-        self._materialize = materialize
-        self._tp_split = frozenset(tp_split) if tp_size > 1 else None
-        self._unread = frozenset(unread_in_backward)
-        self._weight_grads = weight_grads
-        self.buckets = self._make_buckets(owned)
-        for bucket in self.buckets:  # the same on every TP rank: its norm counts once
-            if self._tp_split is not None and id(bucket.params[0]) not in self._tp_split:
-                bucket.grads.norm_copies = tp_size
+        plan = _BucketPlan(
+            tied={id(p): group for group, p in tied},
+            unit_of=_unit_index(owned, units or {}, {id(p) for _, p in tied}),
+            group_counts={s: len(groups) for s, groups in (units or {}).items()},
+            tp_split=frozenset(tp_split) if tp_size > 1 else None,
+            tp_size=tp_size,
+            unread=frozenset(unread_in_backward),
+        )
+        self.buckets = self._make_buckets(owned, plan, materialize)
         self.tied_buckets = [self._bucket_of(p) for _, p in tied]
         """Buckets of tied parameters, in the order of ``tied`` (the same on every rank)."""
-        for (group, _), bucket in zip(tied, self.tied_buckets):
-            bucket.grads.tied_group = group
-            bucket.grads.tied_size = group_size(group)
         if compute_dtype is not None:
             self._cast_rest(compute_dtype)
-        self._owned = {s: [b for b in self.buckets if b.spec.stage == s] for s in self.stages}
-        self._used = {s: self._buckets_used_by(m) for s, m in self.stages.items()}
-        self.units: dict[int, UnitGather] = self._make_units()
+        self.units: dict[int, UnitGather] = self._make_units(plan, weight_grads)
         """Stage -> its unit-granular gathering and reduction (stages with ``units``)."""
-        unit_buckets = {id(b) for u in self.units.values() for g in u.groups for b in g.buckets}
-        self._wide = {
-            s: [b for b in self._used[s] if id(b) not in unit_buckets] for s in self.stages
-        }
-        """Stage -> the buckets it gathers as a whole (all of them without ``units``)."""
+        self._stages = self._stage_buckets(stages)
         self.optimizer: ShardedOptimizer | None = None
         self.peak_gathered_bytes = 0
         """ZeRO-3: the most bytes of gathered (full) parameters held at once since the
@@ -152,32 +219,29 @@ class ShardedStages:
         """The most bytes of gradient buffers (flat buffers being accumulated into or
         reduced, reduced shards) held at once since the last :meth:`reset_peak`."""
 
-    def _unit_index(
-        self,
-        owned: dict[int, list[nn.Parameter]],
-        units: Mapping[int, Sequence[Sequence[nn.Parameter]]],
-    ) -> dict[int, tuple[int, int]]:
-        """``id(param) -> (stage, group)`` for the parameters one group of their
-        own stage owns (tied ones excepted: they keep buckets of their own)."""
-        out: dict[int, tuple[int, int]] = {}
-        for s, groups in units.items():
-            mine = {id(p) for p in owned.get(s, [])}
-            for g, params in enumerate(groups):
-                for p in params:
-                    if id(p) in mine and id(p) not in self._tied_ids:
-                        out[id(p)] = (s, g)
+    def _stage_buckets(self, stages: Mapping[int, nn.Module]) -> dict[int, _StageBuckets]:
+        unit_buckets = {id(b) for u in self.units.values() for g in u.groups for b in g.buckets}
+        out = {}
+        for s, module in stages.items():
+            ids = {id(p) for p in module.parameters()}
+            used = [b for b in self.buckets if any(id(p) in ids for p in b.params)]
+            out[s] = _StageBuckets(
+                owned=[b for b in self.buckets if b.spec.stage == s],
+                used=used,
+                wide=[b for b in used if id(b) not in unit_buckets],
+            )
         return out
 
-    def _make_units(self) -> dict[int, UnitGather]:
+    def _make_units(
+        self, plan: _BucketPlan, weight_grads: WeightGradHooks | None
+    ) -> dict[int, UnitGather]:
         out: dict[int, UnitGather] = {}
         by_stage: dict[int, dict[int, list[FlatBucket]]] = {}
         for bucket in self.buckets:
-            place = self._unit_of.get(id(bucket.params[0]))
-            if place is None:
-                continue
-            bucket.grads.unit_grads = self.zero.stage >= 2
-            by_stage.setdefault(place[0], {}).setdefault(place[1], []).append(bucket)
-        for s, count in self._group_counts.items():
+            place = plan.unit_of.get(id(bucket.params[0]))
+            if place is not None:
+                by_stage.setdefault(place[0], {}).setdefault(place[1], []).append(bucket)
+        for s, count in plan.group_counts.items():
             groups = by_stage.get(s, {})
             ordered = [groups.get(g, []) for g in range(count)]
             out[s] = UnitGather(
@@ -188,10 +252,10 @@ class ShardedStages:
                 on_gather=self._note_gathered,
                 on_grads=self._note_grads,
                 unread_in_backward=[
-                    all(id(p) in self._unread for b in buckets for p in b.params)
+                    all(id(p) in plan.unread for b in buckets for p in b.params)
                     for buckets in ordered
                 ],
-                weight_grads=self._weight_grads,
+                weight_grads=weight_grads,
             )
         return out
 
@@ -207,7 +271,7 @@ class ShardedStages:
         total = 0
         for b in self.buckets:
             tensors: list[torch.Tensor | None] = [*b.grads.in_flight()]
-            if b.grads.unit_grads:  # gradients autograd allocated, not yet flattened
+            if b.grads.per_unit:  # gradients autograd allocated, not yet flattened
                 tensors += [p.grad for p in b.params]
             for t in tensors:
                 if t is not None:
@@ -217,7 +281,12 @@ class ShardedStages:
                         total += t.untyped_storage().nbytes()
         return total
 
-    def _make_buckets(self, owned: dict[int, list[nn.Parameter]]) -> list[FlatBucket]:
+    def _make_buckets(
+        self,
+        owned: dict[int, list[nn.Parameter]],
+        plan: _BucketPlan,
+        materialize: Callable[[torch.Tensor], None] | None,
+    ) -> list[FlatBucket]:
         index = {id(p): i for i, p in enumerate(self.params)}
         if self.compute_dtype is not None:
             itemsize = self.compute_dtype.itemsize
@@ -228,29 +297,31 @@ class ShardedStages:
         def kind(p: nn.Parameter) -> object:
             # A tied parameter's kind is its own: it gets a bucket to itself; a
             # unit group's parameters never share a bucket with another group's.
-            tied = index[id(p)] if id(p) in self._tied_ids else None
-            tp = None if self._tp_split is None else id(p) in self._tp_split
-            return (p.dtype, p.device, tied, self._unit_of.get(id(p)), tp)
+            tied = index[id(p)] if id(p) in plan.tied else None
+            tp = None if plan.tp_split is None else id(p) in plan.tp_split
+            return (p.dtype, p.device, tied, plan.unit_of.get(id(p)), tp)
 
         specs = plan_buckets(
             {s: [(index[id(p)], p.numel(), kind(p)) for p in ps] for s, ps in owned.items()},
             group_size=self.comm.size,
             bucket_elems=bucket_elems,
         )
-        return [
-            FlatBucket(
+        out = []
+        for spec in specs:
+            params = [self.params[slot.index] for slot in spec.slots]
+            layout = BucketLayout.make(
                 spec,
-                [self.params[slot.index] for slot in spec.slots],
+                params,
                 zero_stage=self.zero.stage,
-                offload_optimizer=self.zero.offload_optimizer == "cpu",
-                offload_params=self.zero.offload_params == "cpu",
                 comm=self.comm,
                 device=self.device,
                 compute_dtype=self.compute_dtype,
-                materialize=self._materialize,
+                offload_optimizer=self.zero.offload_optimizer == "cpu",
+                offload_params=self.zero.offload_params == "cpu",
             )
-            for spec in specs
-        ]
+            reduce = plan.reduce_options(params[0], self.zero.stage)
+            out.append(FlatBucket(layout, reduce=reduce, materialize=materialize))
+        return out
 
     def _bucket_of(self, param: nn.Parameter) -> FlatBucket:
         for bucket in self.buckets:
@@ -274,16 +345,12 @@ class ShardedStages:
         """What the runtime multiplies each loss by before backward (1 unless fp16)."""
         return 1.0 if self.scaler is None else self.scaler.scale
 
-    def _buckets_used_by(self, module: nn.Module) -> list[FlatBucket]:
-        ids = {id(p) for p in module.parameters()}
-        return [b for b in self.buckets if any(id(p) in ids for p in b.params)]
-
-    def _stage(self, s: int) -> int:
-        if s not in self.stages:
+    def _stage(self, s: int) -> _StageBuckets:
+        if s not in self._stages:
             raise ValueError(
-                f"stage {s} is not held by this rank (local stages: {sorted(self.stages)})"
+                f"stage {s} is not held by this rank (local stages: {sorted(self._stages)})"
             )
-        return s
+        return self._stages[s]
 
     # ------------------------------------------------------------ schedule actions
     def unshard(self, s: int, *, wait: bool = True, whole: bool = True) -> None:
@@ -295,7 +362,7 @@ class ShardedStages:
         groups are gathered by their hooks); ``whole=True`` also holds every group
         until :meth:`reshard` (for work outside a step: state dicts, checkpoints).
         """
-        for bucket in self._wide[self._stage(s)]:
+        for bucket in self._stage(s).wide:
             bucket.acquire(s, wait=wait)
         units = self.units.get(s)
         if units is not None and whole:
@@ -315,16 +382,20 @@ class ShardedStages:
 
     def wait_unsharded(self, s: int) -> None:
         """Wait for stage ``s``'s gathers started by :meth:`start_unshard`."""
-        for bucket in self._wide[s]:
+        for bucket in self._stages[s].wide:
             bucket.wait_gathered()
 
     def reshard(self, s: int) -> None:
         """ZeRO-3: free stage ``s``'s gathered parameters, keeping the local shard."""
-        for bucket in self._used[self._stage(s)]:
+        for bucket in self._stage(s).used:
             bucket.release(s)
         units = self.units.get(s)
         if units is not None:
             units.release_all()
+
+    def buckets_used_by(self, s: int) -> list[FlatBucket]:
+        """The buckets holding a parameter stage ``s``'s module uses (what it gathers)."""
+        return list(self._stage(s).used)
 
     def unit_gather(self, s: int) -> UnitGather | None:
         """Stage ``s``'s unit-group hooks (None when it gathers as a whole)."""
@@ -346,19 +417,19 @@ class ShardedStages:
     def sync_from_params(self, s: int) -> None:
         """Stage ``s``'s (gathered) parameters were overwritten in place: update the
         shards and master copies from them."""
-        for bucket in self._used[self._stage(s)]:
+        for bucket in self._stage(s).used:
             bucket.sync_from_full()
 
     def reduce_grads(self, s: int) -> None:
         """Start the sum reduction of stage ``s``'s gradients (after its last backward)."""
-        for bucket in self._owned[self._stage(s)]:
+        for bucket in self._stage(s).owned:
             bucket.grads.reduce()
 
     def bind_grads(self, s: int) -> None:
         """Before stage ``s``'s first backward of the step: its parameters' ``.grad``
         become views into the flat buffers their reduction sends (no copies)."""
-        for bucket in self._owned[self._stage(s)]:
-            if not bucket.grads.unit_grads:
+        for bucket in self._stage(s).owned:
+            if not bucket.grads.per_unit:
                 bucket.grads.bind_grads()
         self._note_grads()
 
@@ -372,8 +443,8 @@ class ShardedStages:
         backward. ``reduce_grads(s)`` is still called after it and starts the
         buckets whose parameters got no gradient.
         """
-        for bucket in self._owned[self._stage(s)]:
-            if not bucket.grads.unit_grads:
+        for bucket in self._stage(s).owned:
+            if not bucket.grads.per_unit:
                 bucket.grads.arm()
 
     def finish_grads(self) -> None:
@@ -415,6 +486,29 @@ class ShardedStages:
                     target = flat[slot.offset : slot.offset + slot.numel]
                     target.copy_(values[i].reshape(-1))
             bucket.load_values(flat)
+
+    def master_runs(self) -> Iterator[MasterRun]:
+        """Each run of a parameter's elements in this rank's slices of the master values
+        (what a checkpoint saves and loads of the bucketed parameters)."""
+        for bucket in self.buckets:
+            lo, hi = bucket.opt_range
+            for slot, param, shape in zip(bucket.spec.slots, bucket.params, bucket.shapes):
+                start, stop = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                if start < stop:
+                    yield MasterRun(
+                        param, shape, bucket.master, start - slot.offset, stop - slot.offset,
+                        start - lo,
+                    )  # fmt: skip
+
+    def publish_masters(self) -> None:
+        """Put the master values (updated, or loaded) back into the parameters: rounded
+        to the compute dtype, all-gathered where the stage keeps full parameters
+        (collective over the group)."""
+        works = [bucket.start_publish() for bucket in self.buckets]
+        for work in works:
+            if work is not None:
+                work.wait()
+        self.synchronize()
 
     def flat_buffers(self) -> list[torch.Tensor]:
         """The flat buffers the parameters are views into now (gathered ones at ZeRO-3)."""

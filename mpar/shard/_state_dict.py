@@ -24,28 +24,30 @@ __all__ = ["SHARDED_FORMAT", "gather_full_state", "split_full_state"]
 SHARDED_FORMAT = "mpar.zero.sharded.v1"
 
 
-def _elementwise(value: Any, numel: int) -> bool:
+def _elementwise(value: object, numel: int) -> bool:
     """A segment's state entry that has one element per parameter element."""
     return torch.is_tensor(value) and value.dim() == 1 and value.numel() == numel
 
 
-def _param_shaped(key: str, value: Any, shape: torch.Size) -> bool:
+def _param_shaped(key: str, value: object, shape: torch.Size) -> bool:
     """A full state entry that has the parameter's shape (not a 0-d ``step``)."""
     if not torch.is_tensor(value) or value.shape != shape:
         return False
     return not (value.dim() == 0 and key == "step")
 
 
-def _to_host(value: Any) -> Any:
+def _to_host(value: object) -> object:
     return value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
 
 
-def _local_summary(
-    opt: ShardedOptimizer,
-) -> tuple[dict[int, dict[str, str]], dict[int, dict[str, Any]]]:
+Summary = tuple[dict[int, dict[str, str]], dict[int, dict[str, object]]]
+"""Element-wise state keys (with dtype) per bucket, and other entries per original index."""
+
+
+def _local_summary(opt: ShardedOptimizer) -> Summary:
     """Element-wise keys (with dtype) per bucket, and other entries per original index."""
     keys: dict[int, dict[str, str]] = {}
-    entries: dict[int, dict[str, Any]] = {}
+    entries: dict[int, dict[str, object]] = {}
     for sp in opt.segments:
         state = opt.inner.state.get(sp.param)
         if not state:
@@ -61,9 +63,9 @@ def _local_summary(
     return keys, entries
 
 
-def _merge(gathered: list[Any]) -> tuple[dict[int, dict[str, str]], dict[int, dict[str, Any]]]:
+def _merge(gathered: list[Summary]) -> Summary:
     keys: dict[int, dict[str, str]] = {}
-    entries: dict[int, dict[str, Any]] = {}
+    entries: dict[int, dict[str, object]] = {}
     for rank_keys, rank_entries in gathered:
         for b, names in rank_keys.items():
             keys.setdefault(b, {}).update(names)

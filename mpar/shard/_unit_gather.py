@@ -3,7 +3,7 @@
 A stage's parameters are split into *groups* of partition units (by default
 one unit each: a transformer block, the embedding, the head). Each group has
 buckets of its own (:class:`~mpar.shard._bucket.FlatBucket` with
-``unit_grads``); parameters that no single group owns (tied weights, a
+``ReduceOptions.per_unit``); parameters that no single group owns (tied weights, a
 position table on the root module, anything used outside its unit) stay in
 *stage-wide* buckets, gathered for the stage as a whole.
 
@@ -220,7 +220,7 @@ class UnitGather:
             self.weight_grads is None
             or not self.gather
             or x.numel() + rows * weight.shape[0] > weight.numel()
-            or not any(weight is p for b in group.buckets if b.grads.unit_grads for p in b.params)
+            or not any(weight is p for b in group.buckets if b.grads.per_unit for p in b.params)
             or not all(_device.can_free_storage(b.device) for b in group.buckets)
         ):
             return _LINEAR(x, weight, bias)
@@ -250,7 +250,7 @@ class UnitGather:
                 bucket.release(key)
 
     def _reduce(self, group: UnitGroup) -> None:
-        units = [b for b in group.buckets if b.grads.unit_grads]
+        units = [b for b in group.buckets if b.grads.per_unit]
         if not units:
             return
         if callable(self.on_grads):
@@ -289,9 +289,7 @@ class UnitGather:
             if group.holds:
                 self._drop(group, _PREFETCH, _FORWARD, _BACKWARD, _SHAPES)
             self._kept_weight_grads(group)
-            if any(
-                p.grad is not None for b in group.buckets if b.grads.unit_grads for p in b.params
-            ):
+            if any(p.grad is not None for b in group.buckets if b.grads.per_unit for p in b.params):
                 self._finish_reductions()
                 self._reduce(group)
 

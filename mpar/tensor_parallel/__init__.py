@@ -14,14 +14,18 @@ from mpar.tensor_parallel._sequence import (
 from mpar.tensor_parallel._tp_plan import (
     FAMILY_PLANS,
     STYLES,
+    USER_PLAN,
     Style,
     TPPlanError,
+    check_every_pattern,
     match_plan,
     parse_style,
     resolve_plan,
 )
+from mpar.tensor_parallel._tp_splits import ExampleInputs, measure_tp_splits, tp_splits
 
 __all__ = [
+    "ExampleInputs",
     "FAMILY_PLANS",
     "HEAD_ATTRS",
     "STYLES",
@@ -31,11 +35,15 @@ __all__ = [
     "TPLayout",
     "TPPlanError",
     "TPShard",
+    "USER_PLAN",
     "apply_layout",
+    "check_every_pattern",
     "match_plan",
+    "measure_tp_splits",
     "parse_style",
     "plan_layout",
     "resolve_plan",
+    "tp_splits",
     "vocab_parallel_cross_entropy",
     "sequence_parallel_on",
 ]

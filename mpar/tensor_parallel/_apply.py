@@ -38,21 +38,29 @@ and the parameters between the split layers have their gradients summed over TP.
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mpar.comm._tp_ops import tp_copy, tp_gather, tp_reduce, tp_reduce_scatter, tp_split
+from mpar.tensor_parallel._probe import check_inferred_heads
 from mpar.tensor_parallel._sequence import (
     SequenceLayout,
     apply_sequence,
     check_stream,
     plan_sequence,
 )
-from mpar.tensor_parallel._tp_plan import Style, TPPlanError, match_plan
+from mpar.tensor_parallel._tp_plan import (
+    USER_PLAN,
+    Style,
+    TPPlanError,
+    check_every_pattern,
+    match_plan,
+)
 
 __all__ = ["HEAD_ATTRS", "TPLayout", "TPShard", "apply_layout", "plan_layout"]
 
@@ -169,7 +177,11 @@ def plan_layout(
 ) -> TPLayout:
     """Check ``plan`` against ``module`` for TP degree ``tp`` (with sequence parallelism
     if ``sequence_parallel``); raises :class:`TPPlanError` naming the module and the
-    numbers when it cannot be applied."""
+    numbers when it cannot be applied. Every pattern of a user's plan (``source`` is
+    :data:`USER_PLAN`) must match a module; a model's own plan may name modules that
+    only some of its configurations have."""
+    if source == USER_PLAN:
+        check_every_pattern(module, plan, source)
     styles = match_plan(module, plan)
     if not styles:
         raise TPPlanError(
@@ -209,6 +221,7 @@ def plan_layout(
             if shard is not None and seen is None:
                 layout.shards[full] = shard
     _check_heads(module, styles, tp)
+    _check_inferred(module, styles, layout.shards, tp)
     if sequence_parallel:
         layout.sequence = plan_sequence(module, styles, set(layout.shards), tp)
     return layout
@@ -255,6 +268,37 @@ def _check_heads(module: nn.Module, styles: dict[str, Style], tp: int) -> None:
         )
 
 
+def _check_inferred(
+    module: nn.Module, styles: dict[str, Style], shards: dict[str, TPShard], tp: int
+) -> None:
+    """Probe each kind of module holding a colwise-split module whose head count is
+    neither an attribute of :data:`HEAD_ATTRS` nor in a Hugging Face config (whose
+    models take heads from the tensors): :func:`check_inferred_heads`."""
+    config = getattr(module, "config", None)
+    if any(type(getattr(config, a, None)) is int for a in _CONFIG_HEADS):
+        return
+    probed: set[tuple[object, ...]] = set()
+    for parent_name in sorted(_parents(styles)):
+        parent = module.get_submodule(parent_name) if parent_name else module
+        if any(type(parent.__dict__.get(a)) is int for a in HEAD_ATTRS):
+            continue
+        prefix = f"{parent_name}." if parent_name else ""
+        planned = {
+            n: (module.get_submodule(n), st) for n, st in styles.items() if n.startswith(prefix)
+        }
+        planned = dict(sorted(planned.items(), key=lambda item: item[1][1].kind != "colwise"))
+        kind = (
+            type(parent),
+            tuple((n[len(prefix) :], st, m.weight.shape) for n, (m, st) in planned.items()),
+        )
+        if kind in probed:
+            continue
+        probed.add(kind)
+        local = {k[len(prefix) :]: v for k, v in shards.items() if k.startswith(prefix)}
+        label = f"module {parent_name or '<root>'} ({type(parent).__name__})"
+        check_inferred_heads(parent, label, planned, local, tp, HEAD_ATTRS)
+
+
 # -- applying ---------------------------------------------------------------------------
 
 
@@ -265,7 +309,18 @@ def _local_param(param: nn.Parameter, shard: TPShard, rank: int) -> None:
         param.data = shard.local(param.data, rank).clone()
 
 
-def _linear_colwise(style: Style, group: str) -> Any:
+Forward = Callable[..., torch.Tensor]
+"""A replacement ``forward(self, x)`` of a split module."""
+
+
+class _Conv1D(Protocol):
+    """Hugging Face's ``Conv1D`` (GPT-2): a linear layer with its weight transposed."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+
+
+def _linear_colwise(style: Style, group: str) -> Forward:
     def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(tp_copy(x, group), self.weight, self.bias)
         return tp_gather(out, -1, group) if style.gather_output else out
@@ -273,8 +328,8 @@ def _linear_colwise(style: Style, group: str) -> Any:
     return forward
 
 
-def _conv1d_colwise(style: Style, group: str) -> Any:
-    def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+def _conv1d_colwise(style: Style, group: str) -> Forward:
+    def forward(self: _Conv1D, x: torch.Tensor) -> torch.Tensor:
         x = tp_copy(x, group)
         weight: torch.Tensor = self.weight
         shape = (*x.shape[:-1], weight.shape[1])
@@ -298,7 +353,7 @@ def _rowwise_sum(
     return out if bias is None else out + bias
 
 
-def _linear_rowwise(style: Style, group: str, scatter: str | None) -> Any:
+def _linear_rowwise(style: Style, group: str, scatter: str | None) -> Forward:
     def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if style.split_input:
             x = tp_split(x, -1, group)
@@ -307,8 +362,8 @@ def _linear_rowwise(style: Style, group: str, scatter: str | None) -> Any:
     return forward
 
 
-def _conv1d_rowwise(style: Style, group: str, scatter: str | None) -> Any:
-    def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+def _conv1d_rowwise(style: Style, group: str, scatter: str | None) -> Forward:
+    def forward(self: _Conv1D, x: torch.Tensor) -> torch.Tensor:
         if style.split_input:
             x = tp_split(x, -1, group)
         weight: torch.Tensor = self.weight
@@ -319,7 +374,7 @@ def _conv1d_rowwise(style: Style, group: str, scatter: str | None) -> Any:
     return forward
 
 
-def _embedding_rowwise(rank: int, group: str) -> Any:
+def _embedding_rowwise(rank: int, group: str) -> Forward:
     def forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
         rows = self.weight.shape[0]
         lo = rank * rows
@@ -343,7 +398,7 @@ def _embedding_rowwise(rank: int, group: str) -> Any:
 
 def _new_forward(
     module: nn.Module, style: Style, rank: int, group: str, scatter: str | None
-) -> Any:
+) -> Forward | None:
     if isinstance(module, nn.Embedding):
         return _embedding_rowwise(rank, group) if style.kind == "embedding_rowwise" else None
     conv1d = not isinstance(module, nn.Linear)

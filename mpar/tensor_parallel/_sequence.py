@@ -40,7 +40,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -188,7 +187,7 @@ def plan_sequence(
 # -- applying ---------------------------------------------------------------------------
 
 
-def check_stream(x: Any, where: str, tp: int) -> torch.Tensor:
+def check_stream(x: object, where: str, tp: int) -> torch.Tensor:
     """``x`` if it is a (batch, sequence, ...) tensor whose sequence splits ``tp`` ways."""
     if not isinstance(x, torch.Tensor) or x.dim() < 3:
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -206,15 +205,16 @@ def check_stream(x: Any, where: str, tp: int) -> torch.Tensor:
     return x
 
 
-Forward = Callable[..., Any]
+Forward = Callable[..., object]
+"""A module's ``forward`` (bound), whatever it returns."""
 
 
 def _on_stream(
-    forward: Forward, where: str, change: Callable[[torch.Tensor, str], torch.Tensor]
+    forward: Forward, where: str, change: Callable[[object, str], torch.Tensor]
 ) -> Forward:
     """``forward`` with its first argument (or ``hidden_states=``) passed through ``change``."""
 
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
+    def wrapped(*args: object, **kwargs: object) -> object:
         if args:
             args = (change(args[0], f"the first input of {where}"), *args[1:])
         elif "hidden_states" in kwargs:
@@ -231,10 +231,10 @@ def _on_stream(
 
 
 def _gathering_output(forward: Forward, where: str, group: str) -> Forward:
-    def gather(x: Any) -> torch.Tensor:
+    def gather(x: object) -> torch.Tensor:
         return tp_gather(check_stream(x, f"the output of {where}", 1), 1, group)
 
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
+    def wrapped(*args: object, **kwargs: object) -> object:
         out = forward(*args, **kwargs)
         if isinstance(out, (tuple, list)) and type(out) in (tuple, list) and out:
             return type(out)([gather(out[0]), *out[1:]])
@@ -248,8 +248,8 @@ def _summing_grads(
 ) -> Forward:
     """``forward`` with each of ``names`` used through ``tp_copy`` (gradient summed over TP)."""
 
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        store: dict[str, Any] = module._parameters
+    def wrapped(*args: object, **kwargs: object) -> object:
+        store: dict[str, nn.Parameter | None] = module._parameters
         saved = {n: store[n] for n in names}
         try:
             for n, p in saved.items():

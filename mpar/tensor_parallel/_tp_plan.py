@@ -13,8 +13,8 @@ else mpar's plan for its family (:data:`FAMILY_PLANS`: GPT-2, BERT, ViT, T5).
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
-from typing import Any
 
 from torch import nn
 
@@ -23,8 +23,10 @@ from mpar._tp_styles import STYLES, Style, TPPlanError, parse_style
 __all__ = [
     "FAMILY_PLANS",
     "STYLES",
+    "USER_PLAN",
     "Style",
     "TPPlanError",
+    "check_every_pattern",
     "match_plan",
     "parse_style",
     "resolve_plan",
@@ -73,6 +75,10 @@ FAMILY_PLANS: dict[str, dict[str, str]] = {
 """mpar's plans for Hugging Face families that ship none (keys relative to the base model)."""
 
 
+USER_PLAN = "the config's tp_plan"
+"""The source :func:`resolve_plan` gives a user's plan: every pattern of it must match."""
+
+
 def _model_plan(module: nn.Module) -> tuple[dict[str, str] | None, str]:
     config = getattr(module, "config", None)
     own = getattr(config, "base_model_tp_plan", None)
@@ -85,11 +91,11 @@ def _model_plan(module: nn.Module) -> tuple[dict[str, str] | None, str]:
 
 
 def resolve_plan(
-    module: nn.Module, user_plan: Mapping[str, Any] | None
+    module: nn.Module, user_plan: Mapping[str, str] | None
 ) -> tuple[dict[str, Style], str]:
     """The plan for ``module`` as ``{pattern: Style}`` and where it came from."""
     if user_plan is not None:
-        plan, source = dict(user_plan), "the config's tp_plan"
+        plan, source = dict(user_plan), USER_PLAN
     else:
         found, source = _model_plan(module)
         if found is None:
@@ -129,3 +135,38 @@ def match_plan(module: nn.Module, plan: Mapping[str, Style]) -> dict[str, Style]
                     found[name] = style
                 break
     return found
+
+
+def _suffixes(names: list[str], length: int) -> set[str]:
+    """The last ``length`` components of each name: as written, with every number as
+    ``*``, and with every number but the last as ``*`` (how plans name modules)."""
+    out: set[str] = set()
+    for name in names:
+        parts = name.split(".")
+        if len(parts) >= length:
+            tail = parts[len(parts) - length :]
+            starred = ["*" if p.isdigit() else p for p in tail]
+            out.update(".".join(t) for t in (tail, starred, [*starred[:-1], tail[-1]]))
+    return out
+
+
+def check_every_pattern(module: nn.Module, plan: Mapping[str, Style], source: str) -> None:
+    """Raise :class:`TPPlanError` naming each pattern of ``plan`` that matches no module
+    of ``module`` and the closest module names (a misspelt pattern would otherwise leave
+    its modules whole, and the first step fail deep in torch, or train a different model)."""
+    names = [n for n, _ in module.named_modules() if n]
+    unmatched = [p for p in plan if not any(_matches(p, n) for n in names)]
+    if not unmatched:
+        return
+    hints = []
+    for pattern in unmatched:
+        near = difflib.get_close_matches(
+            pattern, sorted(_suffixes(names, pattern.count(".") + 1)), n=3, cutoff=0.5
+        )
+        hints.append(f"{pattern!r} (closest: {near or 'none'})")
+    raise TPPlanError(
+        f"{source}: {len(unmatched)} of its {len(plan)} patterns match no module of "
+        f"{type(module).__name__}: {'; '.join(hints)}. A pattern names a module or the last "
+        "components of its name, '*' standing for one component; module names look like "
+        f"{names[:4]}"
+    )

@@ -29,12 +29,21 @@ whatever the placement).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import NamedTuple
+import math
+from dataclasses import dataclass, field, fields
+from typing import ClassVar, NamedTuple
 
 from mpar.errors import ConfigError
 
-__all__ = ["AXES", "PLACEMENT_NAMES", "Coordinates", "Grid", "make_grid", "placement_axes"]
+__all__ = [
+    "AXES",
+    "PLACEMENT_NAMES",
+    "Coordinates",
+    "Grid",
+    "GridShape",
+    "make_grid",
+    "placement_axes",
+]
 
 
 #: The named placements as axis letters, outermost first (``D`` data parallel, ``P``
@@ -92,6 +101,54 @@ class Coordinates(NamedTuple):
 
 
 @dataclass(frozen=True)
+class GridShape:
+    """The size of each axis of the rank grid: all that a plan needs to know of it.
+
+    The one record of the axes that the runtime (``Grid.shape``), ``mpar plan`` and
+    the ``"auto"`` search read (``mpar.partition.PlanInputs.grid``).
+
+    Adding an axis (context parallel ``cp``, expert parallel ``ep``) is one field here,
+    default 1, and the line of ``mpar.config.Config.grid_shape`` that reads its config
+    key: :attr:`world_size`, :meth:`for_world` and equality follow the fields. An axis
+    that takes no ranks of its own (``ep``, folded into dp x cp as Megatron folds it)
+    is also named in ``FOLDED``, so the world size leaves it out.
+    """
+
+    pp: int = 1
+    """Pipeline stages (ranks per pipeline)."""
+    dp: int = 1
+    """Data-parallel replicas of each stage."""
+    tp: int = 1
+    """Ranks that split each layer (one TP group)."""
+    cp: int = 1
+    """Ranks that split each sequence (one context-parallel group)."""
+
+    FOLDED: ClassVar[frozenset[str]] = frozenset()
+    """Axes that reuse the ranks of others (none yet)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            size = getattr(self, f.name)
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ConfigError(f"grid axis {f.name} must be a positive integer, got {size!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the grid: the product of the axes that take ranks of their own."""
+        return math.prod(getattr(self, f.name) for f in fields(self) if f.name not in self.FOLDED)
+
+    @classmethod
+    def for_world(cls, world_size: int, **degrees: int) -> GridShape:
+        """The shape with the given axis ``degrees`` (``pp=2, tp=2``) where data
+        parallelism takes what they leave of ``world_size``."""
+        taken = math.prod(size for axis, size in degrees.items() if axis not in cls.FOLDED)
+        if taken < 1 or world_size % taken:
+            named = " x ".join(f"{axis} {size}" for axis, size in degrees.items())
+            raise ConfigError(f"{named} = {taken} does not divide the world size {world_size}")
+        return cls(**degrees, dp=world_size // taken)
+
+
+@dataclass(frozen=True)
 class Grid:
     """The rank layout of a job: ``world_size = pp_size * dp_size * cp_size * tp_size``."""
 
@@ -129,6 +186,11 @@ class Grid:
     @property
     def dp_size(self) -> int:
         return self.world_size // (self.pp_size * self.cp_size * self.tp_size)
+
+    @property
+    def shape(self) -> GridShape:
+        """The size of each axis."""
+        return GridShape(pp=self.pp_size, dp=self.dp_size, tp=self.tp_size, cp=self.cp_size)
 
     def _sizes(self) -> dict[str, int]:
         return {"pp": self.pp_size, "dp": self.dp_size, "cp": self.cp_size, "tp": self.tp_size}

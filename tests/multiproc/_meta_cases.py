@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -108,7 +109,9 @@ def profile_budget(device_memory: int | None) -> dict[str, Any]:
     # model whose weights exceed the budget would need > 120 MiB to be plannable;
     # the budget here only decides how rank 0 profiles, the plan ignores it.
     make_plan = mpar.partition.make_plan
-    mpar.partition.make_plan = lambda *a, **k: make_plan(*a, **{**k, "device_memory": None})
+    mpar.partition.make_plan = lambda profile, inputs, **k: make_plan(
+        profile, dataclasses.replace(inputs, device_memory=None), **k
+    )
     config: dict[str, Any] = {"pipeline_parallel_degree": 2, "microbatches": 2}
     if device_memory is not None:
         config["device_memory"] = device_memory
@@ -136,3 +139,58 @@ def profile_budget(device_memory: int | None) -> dict[str, Any]:
 
     loss = float(forward(model, idx).reduce_mean())
     return {"real_runs": runs, "loss": loss, "weights": weights}
+
+
+class MaskedAttention(torch.nn.Module):
+    """Causal self-attention whose mask is a bool buffer computed in ``__init__`` (no
+    initialiser recomputes it: on the meta device its value is lost)."""
+
+    def __init__(self, d: int = 16, seq: int = 16) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(d, 3 * d)
+        self.out = torch.nn.Linear(d, d)
+        self.register_buffer("mask", torch.tril(torch.ones(seq, seq, dtype=torch.bool)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        t = x.shape[1]
+        att = (q @ k.transpose(1, 2)) / q.shape[-1] ** 0.5
+        att = att.masked_fill(~self.mask[:t, :t], float("-inf")).softmax(-1)
+        return x + self.out(att @ v)
+
+
+def masked_model() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Embedding(32, 16), MaskedAttention(), MaskedAttention(), torch.nn.Linear(16, 32)
+    )
+
+
+def set_mask(module: torch.nn.Module) -> None:
+    """The ``init_fn`` that recomputes the masks (the fix the error names)."""
+    if isinstance(module, MaskedAttention):
+        n = module.mask.shape[0]
+        module.mask.copy_(torch.tril(torch.ones(n, n, dtype=torch.bool)))
+
+
+def masked_run(with_init_fn: bool) -> dict[str, Any]:
+    """The masked model built on meta at pp=2: one training step's loss and the gathered
+    state."""
+    import mpar
+
+    mpar.init({"pipeline_parallel_degree": 2, "microbatches": 2})
+    init_fn = set_mask if with_init_fn else None
+    model = mpar.DistributedModel(masked_model, init_fn=init_fn)
+
+    @mpar.step
+    def train(m: Any, x: torch.Tensor) -> torch.Tensor:
+        out = m(x)
+        loss = torch.nn.functional.cross_entropy(out[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+        m.backward(loss)
+        return loss
+
+    loss = float(train(model, masked_batch()).reduce_mean())
+    return {"loss": loss, "state": model.state_dict()}
+
+
+def masked_batch() -> torch.Tensor:
+    return torch.randint(0, 32, (4, 12), generator=torch.Generator().manual_seed(3))

@@ -170,9 +170,9 @@ def train_ranks(
         "pp": (mpar.pp_rank(), mpar.pp_size()),
         "dp": (dp_rank, dp),
         "schedule": dmodel.schedule(forward_only=False),  # the training schedule run last
-        "placement_costs": dmodel._placement.costs,  # zero_bubble placed from measured times
-        "placement_kept": dmodel._placement.kept,  # and whether it ran faster than ZB-H1
-        "placement_ratios": dmodel._placement.ratios,  # placed / ZB-H1 step, per pair
+        "placement_costs": dmodel.placement.costs,  # zero_bubble placed from measured times
+        "placement_kept": dmodel.placement.kept,  # and whether it ran faster than ZB-H1
+        "placement_ratios": dmodel.placement.ratios,  # placed / ZB-H1 step, per pair
         "param_devices": sorted({p.device.type for p in dmodel.local_parameters()}),
         "tp": (mpar.tp_rank(), mpar.tp_size()),
         "tp_shards": {} if dmodel.tp_layout is None else dict(dmodel.tp_layout.shards),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mpar.config import load_config
-from mpar.partition import SearchSpace, search
+from mpar.partition import SearchSpace, plan_inputs, search
 from mpar.profile import profile_model
 from mpar.testing import run_distributed
 from tests.multiproc._pipeline_cases import BATCH, batch, reference, tiny_gpt, train_ranks
@@ -17,10 +17,9 @@ def test_auto_plan_config_runs_as_is():
     x, _ = batch("gpt", 0, size=1)
     profile = profile_model(tiny_gpt(), (x,), repeats=1, warmup=0)
     space = SearchSpace(precisions=("fp32",), max_virtual_stages=2)
-    result = search(
-        profile, world_size=2, device_memory="64MiB", global_batch=BATCH, space=space, top=3
-    )
-    config = result.best.config(result.device_memory)
+    base = plan_inputs(load_config({"device_memory": "64MiB"}), 2, device="cpu")
+    result = search(profile, base, global_batch=BATCH, space=space, top=3)
+    config = result.best.config()
     load_config(config).check_world_size(2)
     ranks = run_distributed(train_ranks, world_size=2, args=(config, "gpt", "sgd", 2), timeout=180)
     ref = reference("gpt", "sgd", 2)

@@ -643,3 +643,49 @@ def test_a_zero3_save_gathers_nothing(tmp_path):
     )
     for loaded in run_distributed(_load_state, 2, args=(ZERO3_DP2, str(tmp_path)), timeout=120):
         _assert_same_state((state, opt_state), loaded)
+
+
+def _interleaved_groups(root, load):
+    """ZeRO-2 dp 2, AdamW with weights and biases in two parameter groups (their
+    optimizer segments alternate within each bucket): train SAVE_AT + MORE steps saving
+    after SAVE_AT, or load and train the last MORE; the losses and optimizer state."""
+    import mpar
+
+    mpar.init(ZERO2_DP2)
+    model = mpar.DistributedModel(mlp())
+    named = list(model.named_parameters())
+    groups = [
+        {"params": [p for n, p in named if n.endswith("weight")]},
+        {"params": [p for n, p in named if n.endswith("bias")], "lr": 0.02, "weight_decay": 0},
+    ]
+    opt = mpar.DistributedOptimizer(torch.optim.AdamW(groups, lr=0.01))
+
+    @mpar.step
+    def train(m, x, y):
+        loss = loss_fn(m(x), y)
+        m.backward(loss)
+        return loss
+
+    if load:
+        mpar.load_checkpoint(root, model, opt)
+        steps = range(SAVE_AT, SAVE_AT + MORE)
+    else:
+        steps = range(SAVE_AT + MORE)
+
+    def save(s):
+        if s + 1 == SAVE_AT and not load:
+            mpar.save_checkpoint(root, model, opt)
+
+    losses = _steps(model, opt, train, steps, save)[-MORE:]
+    return losses, opt.state_dict()["state"]
+
+
+def test_parameter_groups_interleaved_in_a_bucket_resume_exactly(tmp_path):
+    (losses, state), _ = run_distributed(_interleaved_groups, 2, args=(str(tmp_path), False))
+    for resumed, resumed_state in run_distributed(
+        _interleaved_groups, 2, args=(str(tmp_path), True)
+    ):
+        torch.testing.assert_close(resumed, losses, rtol=0, atol=0)
+        for index, values in state.items():
+            for key, value in values.items():
+                torch.testing.assert_close(resumed_state[index][key], value, rtol=0, atol=0)

@@ -50,3 +50,59 @@ def test_load_pretrained_checks_maps_casts_and_defers(tmp_path):
             assert torch.equal(r["deferred"][key], want), key
             assert torch.equal(r["after"][key], value), key
         assert torch.equal(r["after"]["lm_head.weight"], state["transformer.wte.weight"])
+
+
+def _small() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+
+
+def _faults(root: str) -> dict[str, object]:
+    """load_pretrained of checkpoints that match nothing, part, or with lossy dtypes."""
+    import warnings
+
+    import mpar
+
+    mpar.init()
+    model = mpar.DistributedModel(_small())
+    out: dict[str, object] = {}
+    for name in ("other", "bad_index", "ints", "bools"):
+        try:
+            mpar.load_pretrained(model, f"{root}/{name}", strict=False)
+            out[name] = None
+        except (KeyError, ValueError) as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mpar.load_pretrained(model, f"{root}/part", strict=False)
+    out["warnings"] = [str(w.message) for w in caught]
+    mpar.load_pretrained(model, f"{root}/ints", allow_lossy_casts=True)
+    out["state"] = model.state_dict()
+    return out
+
+
+def test_partial_loads_bad_index_and_lossy_casts_are_reported(tmp_path):
+    # Before: another architecture loaded 0 tensors silently, a bad index raised a bare
+    # JSONDecodeError without the file, and int64 / bool tensors were cast silently.
+    state = _small().state_dict()
+    _write(tmp_path, "other", {"model.embed.weight": torch.zeros(4, 4)})
+    _write(tmp_path, "part", {"0.weight": torch.ones(3, 4), "extra": torch.ones(1)})
+    _write(
+        tmp_path, "ints", {k: torch.full_like(v, 2, dtype=torch.int64) for k, v in state.items()}
+    )
+    _write(tmp_path, "bools", {k: torch.ones_like(v, dtype=torch.bool) for k, v in state.items()})
+    (tmp_path / "bad_index").mkdir()
+    (tmp_path / "bad_index" / "model.safetensors.index.json").write_text('{"weight_map": {')
+    (r,) = run_distributed(_faults, 1, args=(str(tmp_path),), timeout=60)
+    assert r["other"].startswith("PretrainedKeyError: ") and "shares no tensor" in r["other"]
+    assert "(0 of its 1 tensors match the model's 4)" in r["other"]
+    index = tmp_path / "bad_index" / "model.safetensors.index.json"
+    assert r["bad_index"].startswith(f"CheckpointError: {index} is not valid JSON")
+    for name, kind in (("ints", "int64 -> torch.float32"), ("bools", "bool -> torch.float32")):
+        assert r[name].startswith("CheckpointError: ") and kind in r[name], r[name]
+        assert "allow_lossy_casts=True" in r[name]
+    (message,) = r["warnings"]
+    assert "loaded 1 of the model's 4 tensors; 3 missing" in message
+    assert "1 checkpoint tensors unused ['extra']" in message
+    for key, value in r["state"].items():  # cast when asked for
+        assert torch.equal(value, torch.full_like(value, 2.0)), key

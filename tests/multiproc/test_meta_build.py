@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import mpar
-from mpar.testing import run_distributed
+from mpar.testing import DistributedTestError, run_distributed
 from tests.multiproc import _hf_cases as hf
 from tests.multiproc import _meta_cases as cases
 
@@ -80,3 +80,31 @@ def test_meta_build_layout_grid(world, config):
     families = ["llama", "gpt2", "t5"]
     results = run_distributed(cases.meta_state, world, args=(families, config), timeout=880)
     _check(results, families, 0, str(config))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_bool_mask_computed_in_init_is_named_at_pp2():
+    # Before: the mask's storage stayed uninitialised bool bytes (half the entries
+    # wrong; NaN loss at pp=2) and no error was raised. (In one process:
+    # tests/unit/test_materialize.py, in the default suite.)
+    named = r"InitError: [12]\.mask \(\(16, 16\), torch.bool\), a buffer .* init_fn="
+    with pytest.raises(DistributedTestError, match=named):
+        run_distributed(cases.masked_run, 2, args=(False,), timeout=100)
+
+
+@pytest.mark.timeout(120)
+def test_a_bool_mask_recomputed_by_init_fn_equals_the_eager_one_at_pp2():
+    results = run_distributed(cases.masked_run, 2, args=(True,), timeout=100)
+    eager = cases.masked_model()
+    with torch.device("meta"):
+        meta = cases.masked_model()
+    reference = mpar.materialize(meta, init_fn=cases.set_mask)
+    x = cases.masked_batch()
+    out = reference(x)
+    loss = torch.nn.functional.cross_entropy(out[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+    for r in results:
+        for key, value in reference.state_dict().items():
+            assert torch.equal(r["state"][key], value), key
+        assert torch.equal(r["state"]["1.mask"], eager.state_dict()["1.mask"])
+        torch.testing.assert_close(r["loss"], float(loss.detach()), rtol=1e-5, atol=1e-6)

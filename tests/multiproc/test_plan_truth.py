@@ -31,8 +31,8 @@ def _step_bytes(config, model_fn, make_data, loss_fn, *, steps=3):
     import torch
 
     import mpar
-    from mpar.partition import make_plan
-    from mpar.partition._memory_model import Layout, unit_state_bytes
+    from mpar.partition import make_plan, plan_inputs
+    from mpar.partition._memory_model import MemoryLayout, unit_state_bytes
     from mpar.profile import profile_model
     from tests.multiproc._tensor_peak import TensorPeak
 
@@ -60,12 +60,10 @@ def _step_bytes(config, model_fn, make_data, loss_fn, *, steps=3):
         opt.step()
         opt.zero_grad()
     cfg = mpar.config()
-    precision = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32"
-    options = dict(data_parallel_degree=dp, zero_stage=cfg.zero.stage, precision=precision)
-    plan = make_plan(profile, num_ranks=1, microbatches=cfg.microbatches, device="cpu", **options)
+    plan = make_plan(profile, plan_inputs(cfg, mpar.size(), device="cpu"))
     # what exists before the step: parameters (shards), optimizer state and, at ZeRO-0,
     # the gradient buffer kept for the next step; ZeRO-2/3 shards come with the step
-    layout = Layout(dp, cfg.zero.stage, precision, device="cpu")
+    layout = MemoryLayout(dp, cfg.zero.stage, cfg.precision, device="cpu")
     shards = layout.dtype_factor * sum(u.grad_bytes for u in profile.units) / dp
     kept = sum(unit_state_bytes(u, layout) for u in profile.units)
     kept -= shards if cfg.zero.stage >= 2 else 0

@@ -89,7 +89,7 @@ def test_pp2_tp2(placement, coordinates):
 @pytest.mark.slow
 def test_pp2_tp2_auto_keys():
     """ "auto" keys under TP: the planner keeps the configured degree and lays out one TP
-    rank's share (``mpar.runtime._local_stages.tp_splits_of``); the resolved run is the
+    rank's share (``mpar.tensor_parallel.measure_tp_splits``); the resolved run is the
     one-process model."""
     config = _config(
         2,
@@ -492,3 +492,26 @@ def test_sequence_not_divisible_by_tp(pp):
         r"tensor_parallel_degree 2, but its length 7 is not divisible by 2",
     ):
         run_distributed(_body_short_sequence, 2 * pp, args=(config,), timeout=240)
+
+
+def _body_refused(plan, nh_model):
+    import mpar
+    from tests.unit.test_tensor_parallel_plan import _Net
+
+    mpar.init({"tensor_parallel_degree": 2, "tp_plan": plan})
+    net = _Net() if nh_model else MODELS["tp_gpt"]()
+    try:
+        mpar.DistributedModel(net)  # wrap time: before any step
+    except mpar.errors.MparError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def test_a_misspelt_pattern_and_an_unknown_head_count_are_refused_at_wrap_time():
+    from tests.unit.test_tensor_parallel_plan import _ATTN_PLAN
+
+    typo = {**GPT_TP_PLAN, "blocks.*.mlp.O": "rowwise"}
+    for message in run_distributed(_body_refused, 2, args=(typo, False), timeout=60):
+        assert message.startswith("TPPlanError: the config's tp_plan: 1 of its 7 patterns")
+    for message in run_distributed(_body_refused, 2, args=(_ATTN_PLAN, True), timeout=60):
+        assert message.startswith("TPPlanError: split 2 ways, module blocks.0 (_Attention)")

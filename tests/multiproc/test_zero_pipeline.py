@@ -136,7 +136,8 @@ def _gathered(reshard_after_forward):
         opt.zero_grad()
     sharded = model.sharded
     chunks = [
-        sum(b.spec.padded * 4 for b in sharded._used[s]) for s in sorted(model.stages.modules)
+        sum(b.spec.padded * 4 for b in sharded.buckets_used_by(s))
+        for s in sorted(model.stages.modules)
     ]
     return {
         "peak": mpar.memory_report()["cpu"]["gathered_peak"],

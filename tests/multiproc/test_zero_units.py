@@ -288,7 +288,7 @@ def _embedding_layouts():
                                     (b.residence, b.full.untyped_storage().nbytes())
                                 )
                             )
-                        if len(bucket.params) == 1 and bucket.grads.unit_grads:
+                        if len(bucket.params) == 1 and bucket.grads.per_unit:
                             grads, start = bucket.grads, bucket.grads.start_reduce
 
                             def start_reduce(grads=grads, start=start):
@@ -385,7 +385,7 @@ def _head_layouts():
         else:  # partitioned now: the head is the last stage's (64, 32) unit bucket
             buckets = [b for u in model.sharded.units.values() for g in u.groups for b in g.buckets]
             last = mpar.pp_rank() == 1  # (the first stage's token table has that shape too)
-            head = [b for b in buckets if b.shapes == [(64, 32)]] if last else []
+            head = [b for b in buckets if b.shapes == ((64, 32),)] if last else []
             assert len(head) == last
             with Watch(head[0] if head else buckets[0]):
                 losses.append(step(model, mine).reduce_mean().item())

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
-from mpar.runtime._batch_check import EVERY, FIRST_STEPS, _due, fingerprint, mismatches
+from mpar.runtime._batch_check import EVERY, FIRST_STEPS, batch_check_due, fingerprint, mismatches
 
 
 def _prints(*batches):
@@ -34,8 +32,7 @@ def test_the_fingerprint_tells_other_samples_shapes_and_orders_apart():
 
 
 def test_it_runs_on_the_first_steps_then_periodically():
-    st = SimpleNamespace(batch_checks=0)
-    due = [n for n in range(3 * EVERY + 1) if _due(st)]
+    due = [n for n in range(3 * EVERY + 1) if batch_check_due(n)]
     assert due == [*range(FIRST_STEPS), EVERY, 2 * EVERY, 3 * EVERY]
 
 

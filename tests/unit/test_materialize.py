@@ -141,3 +141,26 @@ def test_groups_a_pending_load_overwrites_are_not_initialised():
     assert not model[3].weight.is_meta and not model[3].bias.is_meta
     assert torch.equal(model[3].bias.detach(), torch.ones(2))
     assert called == ["Linear"]  # only the second Linear's initialiser ran
+
+
+class _Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("mask", torch.tril(torch.ones(8, 8, dtype=torch.bool)))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.uint8))
+
+
+def test_bool_and_unsigned_buffers_are_initialised_or_named():
+    with pytest.raises(InitError, match=r"^mask \(\(8, 8\), torch.bool\), a buffer.*init_fn="):
+        mpar.materialize(_meta(_Masked))
+    eager = _Masked()
+
+    def init_fn(m: nn.Module) -> None:  # covers the mask only: Linear keeps reset_parameters
+        if isinstance(m, _Masked):
+            m.mask.copy_(torch.tril(torch.ones(8, 8, dtype=torch.bool)))
+            m.steps.zero_()  # an unsigned buffer set to 0 counts as set
+
+    model = mpar.materialize(_meta(_Masked), init_fn=init_fn)
+    assert torch.equal(model.mask, eager.mask) and int(model.steps) == 0
+    assert not model.proj.weight.isnan().any() and model.proj.weight.abs().max() <= 0.5

@@ -8,11 +8,19 @@ import textwrap
 
 import pytest
 
-from mpar.config import load_config
+from mpar.config import config_from_dict, load_config
 from mpar.errors import PartitionError
-from mpar.partition import CostModel, Layout, SearchSpace, make_plan, search
+from mpar.partition import (
+    CostModel,
+    MemoryLayout,
+    PlanInputs,
+    SearchSpace,
+    make_plan,
+    plan_inputs,
+    search,
+)
 from mpar.partition._memory_model import (
-    Transfers,
+    MessageCounts,
     loss_bytes,
     stage_extra_bytes,
     transfer_bytes,
@@ -22,6 +30,12 @@ from mpar.partition._memory_model import (
 from mpar.profile import ModelProfile, UnitProfile
 
 MiB = 2**20
+
+
+def _run(pp: int = 1, *, world: int | None = None, **config: object) -> PlanInputs:
+    """The planner's inputs for these config keys on ``world`` ranks (default ``pp``)."""
+    cfg = config_from_dict({"pipeline_parallel_degree": pp, **config})
+    return plan_inputs(cfg, world or pp, device="cuda")
 
 
 def _unit(i, *, params=4 * MiB, act=8 * MiB, out=MiB, time=1e-3):
@@ -45,93 +59,91 @@ def _profile(n=8, **kw):
 
 def test_unit_state_follows_zero_precision_and_offload():
     u = _unit(0, params=400)  # P = G = 400, adam O = 800
-    assert unit_state_bytes(u, Layout()) == 400 + 400 + 800
-    assert unit_state_bytes(u, Layout(4, 1)) == 400 + 400 + 800 / 4
+    assert unit_state_bytes(u, MemoryLayout()) == 400 + 400 + 800
+    assert unit_state_bytes(u, MemoryLayout(4, 1)) == 400 + 400 + 800 / 4
     # ZeRO-2: gradients reduce-scattered per unit as produced, only the shard stays
-    assert unit_state_bytes(u, Layout(4, 2)) == 400 + 100 + 800 / 4
+    assert unit_state_bytes(u, MemoryLayout(4, 2)) == 400 + 100 + 800 / 4
     # ZeRO-3: this rank's parameter shard (the gathered units are the stage's working set)
-    assert unit_state_bytes(u, Layout(4, 3)) == 100 + 100 + 200
+    assert unit_state_bytes(u, MemoryLayout(4, 3)) == 100 + 100 + 200
     # parameter offload takes the optimizer to the host with it (as the runtime does)
-    assert unit_state_bytes(u, Layout(4, 3, offload_params=True)) == 0 + 100
-    assert unit_state_bytes(u, Layout(4, 1, offload_optimizer=True)) == 400 + 400
+    assert unit_state_bytes(u, MemoryLayout(4, 3, offload_params=True)) == 0 + 100
+    assert unit_state_bytes(u, MemoryLayout(4, 1, offload_optimizer=True)) == 400 + 400
     # bf16: half-size parameters and gradients, fp32 master copy sharded with the optimizer
-    assert unit_state_bytes(u, Layout(4, 1, "bf16")) == 200 + 200 + (800 + 400) / 4
+    assert unit_state_bytes(u, MemoryLayout(4, 1, "bf16")) == 200 + 200 + (800 + 400) / 4
     with pytest.raises(PartitionError, match="offload_params needs zero_stage 3"):
-        Layout(2, 1, offload_params=True)
+        MemoryLayout(2, 1, offload_params=True)
     with pytest.raises(PartitionError, match="precision"):
-        Layout(precision="int8")
+        MemoryLayout(precision="int8")
 
 
 def test_zero_working_set_is_two_gathered_units_and_one_gradient_bucket():
     units = [_unit(i, params=p) for i, p in enumerate((100, 400, 300, 200))]
-    assert zero_working_set_bytes(units, Layout(4, 1)) == 0  # full gradient buffer in state
+    assert zero_working_set_bytes(units, MemoryLayout(4, 1)) == 0  # full gradient buffer in state
     # the largest unit's gradients twice: autograd's and the flat reduction buffer
-    assert zero_working_set_bytes(units, Layout(4, 2)) == 2 * 400
+    assert zero_working_set_bytes(units, MemoryLayout(4, 2)) == 2 * 400
     # ZeRO-3: a unit and its larger neighbour gathered, with its gradients twice
-    assert zero_working_set_bytes(units, Layout(4, 3)) == 2 * 400 + (400 + 300)
-    assert zero_working_set_bytes(units, Layout(4, 3, "bf16")) == (800 + 700) / 2
+    assert zero_working_set_bytes(units, MemoryLayout(4, 3)) == 2 * 400 + (400 + 300)
+    assert zero_working_set_bytes(units, MemoryLayout(4, 3, "bf16")) == (800 + 700) / 2
     # one rank, parameters on the host: still gathered onto the device, no reduction
-    assert zero_working_set_bytes(units, Layout(1, 3, offload_params=True)) == 700
+    assert zero_working_set_bytes(units, MemoryLayout(1, 3, offload_params=True)) == 700
     # neighbours, not the two largest anywhere: the 400 and 300 units are apart here
     apart = [_unit(i, params=p) for i, p in enumerate((400, 100, 100, 300))]
-    assert zero_working_set_bytes(apart, Layout(4, 3)) == 2 * 400 + (400 + 100)
+    assert zero_working_set_bytes(apart, MemoryLayout(4, 3)) == 2 * 400 + (400 + 100)
 
 
 def test_last_stage_holds_the_loss_and_checkpointing_keeps_boundaries():
     units = [_unit(i, out=100, act=1000) for i in range(4)]
-    plain = Layout()
+    plain = MemoryLayout()
     # saved log-probabilities per microbatch in flight + their gradient + the logits' one,
     # all fp32 in every precision (the fp32 cast of the logits lives only in the forward)
     assert loss_bytes(units[-1], plain, in_flight=3) == 100 * 5
-    assert loss_bytes(units[-1], Layout(precision="bf16"), in_flight=3) == 100 * 5
+    assert loss_bytes(units[-1], MemoryLayout(precision="bf16"), in_flight=3) == 100 * 5
     # a middle stage: output kept per microbatch in flight + one send and one receive each way
     assert stage_extra_bytes(units, 1, 3, 2, plain) == 100 * 2 + 4 * 100
-    ckpt = Layout(activation_checkpointing=True)
+    ckpt = MemoryLayout(activation_checkpointing=True)
     assert stage_extra_bytes(units, 1, 3, 2, ckpt) == (100 + 100) * 2 + 4 * 100
     # held sends counted from the schedule: 3 activations and 1 gradient sent, 2 posted receives
-    moved = Transfers(3, 1, 1, 1)
+    moved = MessageCounts(3, 1, 1, 1)
     assert transfer_bytes(100, 100, moved) == 6 * 100
     assert stage_extra_bytes(units, 1, 3, 2, plain, moved) == 100 * 2 + 6 * 100
     # the last stage keeps no output (the loss holds the log-probabilities) and sends none
-    last = stage_extra_bytes(units, 2, 4, 1, plain, Transfers(0, 1, 1, 0))
+    last = stage_extra_bytes(units, 2, 4, 1, plain, MessageCounts(0, 1, 1, 0))
     assert last == 100 + 100 + loss_bytes(units[-1], plain, 1)
 
 
 def test_held_messages_follow_the_schedule():
-    from mpar.partition._planner import _transfers
+    from mpar.partition._prediction import message_counts as _transfers
 
     # 1F1B, 4 ranks, 4 microbatches: rank 1 runs F0 F1 F2 B0 F3 B1 B2 B3; its peak of 3 in
     # flight is last reached after F3, when 4 activations and 1 gradient have been sent
     got = _transfers(4, 1, 4, "interleaved")
-    assert got[0] == Transfers(4, 0, 0, 1)
-    assert got[1] == Transfers(4, 1, 1, 1)
+    assert got[0] == MessageCounts(4, 0, 0, 1)
+    assert got[1] == MessageCounts(4, 1, 1, 1)
     # the last rank runs F0 B0 F1 B1 ...: its peak of 1 is last reached after F3
-    assert got[3] == Transfers(0, 3, 1, 0)
+    assert got[3] == MessageCounts(0, 3, 1, 0)
     # GPipe: the peak is after all forwards, before any gradient is sent
-    assert _transfers(4, 1, 4, "simple")[1] == Transfers(4, 0, 1, 1)
+    assert _transfers(4, 1, 4, "simple")[1] == MessageCounts(4, 0, 1, 1)
 
 
 def test_make_plan_checkpointing_trades_memory_for_time():
     prof = _profile(8, act=64 * MiB)
-    plain = make_plan(prof, num_ranks=2, microbatches=8, memory_weight=0.0)
+    plain = make_plan(prof, _run(2, microbatches=8, memory_weight=0.0))
     ckpt = make_plan(
-        prof, num_ranks=2, microbatches=8, memory_weight=0.0, activation_checkpointing=True
+        prof, _run(2, microbatches=8, memory_weight=0.0, activation_checkpointing=True)
     )
     assert ckpt.stages[0].activation_bytes == plain.stages[0].activation_bytes // 2  # 2 in flight
     assert max(ckpt.rank_memory_bytes) < max(plain.rank_memory_bytes)
     assert ckpt.step_time_s > plain.step_time_s
-    assert plain.stages[-1].extra_bytes > loss_bytes(prof.units[-1], Layout(), 1)  # the loss
-    half = make_plan(prof, num_ranks=2, microbatches=8, memory_weight=0.0, microbatch_scale=0.5)
+    assert plain.stages[-1].extra_bytes > loss_bytes(prof.units[-1], MemoryLayout(), 1)  # the loss
+    half = make_plan(prof, _run(2, microbatches=8, memory_weight=0.0), microbatch_scale=0.5)
     assert half.stages[0].activation_bytes == plain.stages[0].activation_bytes // 2
     assert half.step_time_s == pytest.approx(plain.step_time_s / 2, rel=0.01)
 
 
 def test_make_plan_adds_data_parallel_sync_to_the_step():
     prof = _profile(4, params=400 * MiB)
-    one = make_plan(prof, num_ranks=2, microbatches=4, data_parallel_degree=1)
-    four = make_plan(
-        prof, num_ranks=2, microbatches=4, data_parallel_degree=4, cost=CostModel(dp_bandwidth=1e9)
-    )
+    one = make_plan(prof, _run(2, microbatches=4))
+    four = make_plan(prof, _run(2, world=8, microbatches=4), cost=CostModel(dp_bandwidth=1e9))
     assert one.overhead_s == 0.0
     # a ring all-reduce moves 2 (dp-1)/dp of the rank's 800 MiB of gradients at 1 GB/s
     assert four.overhead_s == pytest.approx(2 * 0.75 * 800 * MiB / 1e9)
@@ -139,15 +151,14 @@ def test_make_plan_adds_data_parallel_sync_to_the_step():
     # ZeRO-3 (unit-granular): gradients reduce-scattered once, parameters gathered for
     # every forward and every backward of each of the 4 microbatches
     z3 = make_plan(
-        prof, num_ranks=2, microbatches=4, data_parallel_degree=4, zero_stage=3,
-        cost=CostModel(dp_bandwidth=1e9),
-    )  # fmt: skip
+        prof, _run(2, world=8, microbatches=4, zero={"stage": 3}), cost=CostModel(dp_bandwidth=1e9)
+    )
     assert z3.overhead_s == pytest.approx(0.75 * (800 + 2 * 4 * 800) * MiB / 1e9)
 
 
 def test_search_ranks_fitting_layouts_fastest_first():
     prof = _profile(8)
-    result = search(prof, world_size=4, device_memory="1GiB", global_batch=8)
+    result = search(prof, _run(world=4, device_memory="1GiB"), global_batch=8)
     assert result.ranked and result.fitting >= len(result.ranked)
     times = [c.step_time_s for c in result.ranked]
     assert times == sorted(times)
@@ -163,9 +174,9 @@ def test_search_ranks_fitting_layouts_fastest_first():
 def test_search_turns_on_checkpointing_only_when_memory_needs_it():
     prof = _profile(8, act=256 * MiB)
     space = SearchSpace(precisions=("fp32",), offload=False)
-    roomy = search(prof, world_size=2, device_memory="64GiB", global_batch=8, space=space)
+    roomy = search(prof, _run(world=2, device_memory="64GiB"), global_batch=8, space=space)
     assert not roomy.best.activation_checkpointing
-    tight = search(prof, world_size=2, device_memory="1200MiB", global_batch=8, space=space)
+    tight = search(prof, _run(world=2, device_memory="1200MiB"), global_batch=8, space=space)
     assert tight.best.activation_checkpointing
     assert tight.rejected["over memory cap"] > 0
     assert tight.best.step_time_s > roomy.best.step_time_s
@@ -173,9 +184,9 @@ def test_search_turns_on_checkpointing_only_when_memory_needs_it():
 
 def test_search_pruning_matches_exhaustive_ranking():
     prof = _profile(8, act=32 * MiB)
-    kwargs = {"world_size": 4, "device_memory": "2GiB", "global_batch": 16}
-    pruned = search(prof, top=3, **kwargs)
-    everything = search(prof, top=10_000, **kwargs)
+    base = _run(world=4, device_memory="2GiB")
+    pruned = search(prof, base, global_batch=16, top=3)
+    everything = search(prof, base, global_batch=16, top=10_000)
     assert "slower than the top candidates (not simulated)" in pruned.rejected
     assert [c.step_time_s for c in pruned.ranked] == pytest.approx(
         [c.step_time_s for c in everything.ranked[:3]]
@@ -184,41 +195,28 @@ def test_search_pruning_matches_exhaustive_ranking():
 
 def test_search_rejects_indivisible_batches_and_reports_nothing_fits():
     prof = _profile(8)
-    result = search(prof, world_size=4, device_memory="4GiB", global_batch=6)
+    result = search(prof, _run(world=4, device_memory="4GiB"), global_batch=6)
     assert result.rejected["global batch not divisible by the data-parallel degree"] == 1  # dp=4
     assert {c.data_parallel_degree for c in result.ranked} <= {1, 2}
-    nothing = search(prof, world_size=2, device_memory="1MiB", global_batch=2)
+    nothing = search(prof, _run(world=2, device_memory="1MiB"), global_batch=2)
     assert nothing.ranked == []
     with pytest.raises(PartitionError, match="no layout of 2 ranks fits"):
         nothing.best  # noqa: B018
     with pytest.raises(PartitionError, match="global_batch"):
-        search(prof, world_size=2, device_memory="1GiB", global_batch=0)
+        search(prof, _run(world=2, device_memory="1GiB"), global_batch=0)
 
 
 def test_search_best_config_loads_and_matches_make_plan():
     prof = _profile(8)
-    result = search(prof, world_size=4, device_memory="1GiB", global_batch=8)
+    result = search(prof, _run(world=4, device_memory="1GiB"), global_batch=8)
     best = result.best
-    config = load_config(best.config("1GiB"))
+    config = load_config(best.config())
     config.check_world_size(4)
     assert config.pipeline_parallel_degree == best.pipeline_parallel_degree
     assert config.microbatches == best.microbatches and config.zero.stage == best.zero_stage
-    plan = make_plan(
-        prof,
-        num_ranks=best.pipeline_parallel_degree,
-        virtual_stages=best.virtual_stages,
-        microbatches=best.microbatches,
-        pipeline=best.pipeline,
-        memory_weight=0.0,
-        device_memory="1GiB",
-        data_parallel_degree=best.data_parallel_degree,
-        zero_stage=best.zero_stage,
-        precision=best.precision,
-        activation_checkpointing=best.activation_checkpointing,
-        offload_optimizer=best.offload_optimizer,
-        offload_params=best.offload_params,
-        microbatch_scale=best.microbatch_size,
-    )
+    # the config it prints is the run it planned: the one translation gives it back
+    assert plan_inputs(config, 4, device="cuda") == best.inputs
+    plan = make_plan(prof, best.inputs, microbatch_scale=best.microbatch_size)
     assert plan.step_time_s == pytest.approx(best.step_time_s)
     assert max(plan.rank_memory_bytes) == best.max_rank_memory_bytes
     data = result.to_dict()
@@ -292,9 +290,9 @@ def test_fit_fixed_times_scales_only_the_per_sample_part():
     fitted = fit_fixed_times(at2, 2, at1, 1)
     assert [u.fixed_time_s for u in fitted.units] == pytest.approx([1e-3] * 4)
     # a 1-sample microbatch from the 2-sample profile: 1 ms fixed + 2 ms * 0.5
-    plan = make_plan(fitted, num_ranks=2, microbatch_scale=0.5, memory_weight=0.0)
+    plan = make_plan(fitted, _run(2, memory_weight=0.0), microbatch_scale=0.5)
     assert plan.stages[0].time_s == pytest.approx(2 * 2e-3)
-    linear = make_plan(at2, num_ranks=2, microbatch_scale=0.5, memory_weight=0.0)
+    linear = make_plan(at2, _run(2, memory_weight=0.0), microbatch_scale=0.5)
     assert linear.stages[0].time_s == pytest.approx(2 * 1.5e-3)
     with pytest.raises(PartitionError, match="different batch sizes"):
         fit_fixed_times(at2, 2, at1, 2)

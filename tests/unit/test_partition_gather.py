@@ -1,22 +1,36 @@
-"""The planner's ZeRO 2/3 working set by gather granularity (``Layout.gather``)."""
+"""The planner's ZeRO 2/3 working set by gather granularity (``MemoryLayout.gather``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from mpar.config import load_config
+from mpar.config import config_from_dict, load_config
 from mpar.errors import PartitionError
-from mpar.partition import Layout, SearchSpace, make_plan, search
+from mpar.partition import (
+    MemoryLayout,
+    PlanInputs,
+    SearchSpace,
+    ZeroSetup,
+    make_plan,
+    plan_inputs,
+    search,
+)
 from mpar.partition._cost import zero3_gathers_per_step
 from mpar.partition._memory_model import (
     effective_gather,
-    splits_backward,
+    may_split_backward,
     working_set_for_solver,
     zero_working_set_bytes,
 )
 from mpar.profile import ModelProfile, UnitProfile
 
 MiB = 2**20
+
+
+def _run(pp: int = 1, *, world: int | None = None, **config: object) -> PlanInputs:
+    """The planner's inputs for these config keys on ``world`` ranks (default ``pp``)."""
+    cfg = config_from_dict({"pipeline_parallel_degree": pp, **config})
+    return plan_inputs(cfg, world or pp, device="cuda")
 
 
 def _unit(i, params):
@@ -42,7 +56,7 @@ def test_working_set_grows_from_unit_to_groups_to_chunk():
     units = [_unit(i, p) for i, p in enumerate((100, 400, 300, 200))]
 
     def ws(zero, gather, **kw):
-        return zero_working_set_bytes(units, Layout(4, zero, gather=gather, **kw))
+        return zero_working_set_bytes(units, MemoryLayout(4, zero, gather=gather, **kw))
 
     # ZeRO-3 by unit or group: after a group's backward its gradients twice (autograd's
     # and the flat reduction buffer), with its parameters and its larger neighbour's
@@ -61,21 +75,21 @@ def test_working_set_grows_from_unit_to_groups_to_chunk():
     assert ws(1, "chunk") == 0  # ZeRO-0/1 count the full buffer in the state already
     assert ws(3, "chunk", precision="bf16") == 1000
     # one rank: nothing gathered or reduce-scattered, unless parameters live on the host
-    assert zero_working_set_bytes(units, Layout(1, 3, gather="chunk")) == 0
-    offloaded = Layout(1, 3, offload_params=True, gather="chunk")
+    assert zero_working_set_bytes(units, MemoryLayout(1, 3, gather="chunk")) == 0
+    offloaded = MemoryLayout(1, 3, offload_params=True, gather="chunk")
     assert zero_working_set_bytes(units, offloaded) == 1000
 
 
 def test_solver_gets_chunk_additively_and_a_reserve_that_bounds_every_stage():
     units = [_unit(i, p) for i, p in enumerate((100, 400, 300, 200, 500, 50, 250))]
-    chunk = Layout(4, 3, gather="chunk")
+    chunk = MemoryLayout(4, 3, gather="chunk")
     per_unit, reserve = working_set_for_solver(units, chunk)
     assert reserve == 0
     for a in range(len(units)):
         for b in range(a + 1, len(units) + 1):
             assert sum(per_unit[a:b]) == zero_working_set_bytes(units[a:b], chunk)
     for gather in ("unit", 2, 3):
-        layout = Layout(4, 3, gather=gather)
+        layout = MemoryLayout(4, 3, gather=gather)
         per_unit, reserve = working_set_for_solver(units, layout)
         assert per_unit == [0.0] * len(units)
         stages = [
@@ -88,11 +102,11 @@ def test_solver_gets_chunk_additively_and_a_reserve_that_bounds_every_stage():
 
 def test_split_backward_pipelines_gather_by_chunk():
     for pipeline in ("zero_bubble", "zbv", "my/schedule.csv", "MY.CSV"):
-        assert splits_backward(pipeline)
+        assert may_split_backward(pipeline)
         assert effective_gather(pipeline, "unit") == "chunk"
         assert effective_gather(pipeline, 2) == "chunk"
     for pipeline in ("interleaved", "simple"):
-        assert not splits_backward(pipeline)
+        assert not may_split_backward(pipeline)
         assert effective_gather(pipeline, "unit") == "unit"
         assert effective_gather(pipeline, 3) == 3
         assert effective_gather(pipeline, "chunk") == "chunk"
@@ -105,20 +119,18 @@ def test_split_backward_pipelines_gather_by_chunk():
 @pytest.mark.parametrize("bad", ["layer", "", 0, -2, True, 1.5, None])
 def test_bad_gather_values_raise(bad):
     with pytest.raises(PartitionError, match="gather must be"):
-        Layout(2, 3, gather=bad)
+        MemoryLayout(2, 3, gather=bad)
     with pytest.raises(PartitionError, match="gather must be"):
-        SearchSpace(gather=bad)
-    with pytest.raises(PartitionError, match="gather must be"):
-        make_plan(_profile([MiB] * 4), num_ranks=2, zero_stage=3, gather=bad)
+        ZeroSetup(3, gather=bad)
 
 
 def test_zero_bubble_plan_predicts_the_chunk_it_gathers():
     prof = _profile([4 * MiB, 8 * MiB] * 4)
-    kw = dict(num_ranks=2, microbatches=4, data_parallel_degree=2, zero_stage=3, method="uniform")
-    unit = make_plan(prof, pipeline="interleaved", **kw)
-    zb = make_plan(prof, pipeline="zero_bubble", **kw)
-    chunk = make_plan(prof, pipeline="interleaved", gather="chunk", **kw)
-    assert (unit.layout["gather"], zb.layout["gather"], chunk.layout["gather"]) == (
+    kw = dict(world=4, microbatches=4)
+    unit = make_plan(prof, _run(2, zero={"stage": 3}, **kw), method="uniform")
+    zb = make_plan(prof, _run(2, pipeline="zero_bubble", zero={"stage": 3}, **kw), method="uniform")
+    chunk = make_plan(prof, _run(2, zero={"stage": 3, "gather": "chunk"}, **kw), method="uniform")
+    assert (unit.layout.gather, zb.layout.gather, chunk.layout.gather) == (
         "unit",
         "chunk",
         "chunk",
@@ -137,31 +149,21 @@ def test_zero_bubble_plan_predicts_the_chunk_it_gathers():
 
 def test_search_evaluates_split_backward_schedules_by_chunk():
     prof = _profile([4 * MiB, 8 * MiB] * 4)
-    kw = dict(world_size=4, device_memory="4GiB", global_batch=8, top=100)
+    kw = dict(global_batch=8, top=100)
+    base = _run(world=4, device_memory="4GiB")
     space = dict(zero_stages=(3,), offload=False, checkpointing=(False,), precisions=("fp32",))
-    zb = search(prof, space=SearchSpace(pipelines=("zero_bubble", "zbv"), **space), **kw)
+    zb = search(prof, base, space=SearchSpace(pipelines=("zero_bubble", "zbv"), **space), **kw)
     assert zb.ranked
     assert {c.pipeline for c in zb.ranked} == {"zero_bubble", "zbv"}
     assert all(c.virtual_stages == 2 for c in zb.ranked if c.pipeline == "zbv")
     for c in zb.ranked:
-        assert c.layout.gather == "chunk"
+        assert c.inputs.memory_layout().gather == "chunk"
         assert "gather" not in c.config()["zero"]  # the runtime decides it from the schedule
-        plan = make_plan(
-            prof,
-            num_ranks=c.pipeline_parallel_degree,
-            virtual_stages=c.virtual_stages,
-            microbatches=c.microbatches,
-            pipeline=c.pipeline,
-            memory_weight=0.0,
-            device_memory="4GiB",
-            data_parallel_degree=c.data_parallel_degree,
-            zero_stage=3,
-            microbatch_scale=c.microbatch_size,
-        )
+        plan = make_plan(prof, c.inputs, microbatch_scale=c.microbatch_size)
         assert plan.rank_memory_bytes == c.rank_memory_bytes
     # the same shapes under 1F1B gather by unit and predict less (with 4 units a stage;
     # with 2, a unit's gradients twice outweigh the chunk's flat buffer)
-    il = search(prof, space=SearchSpace(pipelines=("interleaved",), **space), **kw)
+    il = search(prof, base, space=SearchSpace(pipelines=("interleaved",), **space), **kw)
     peaks = {
         (c.pipeline_parallel_degree, c.microbatches, c.virtual_stages): c.max_rank_memory_bytes
         for c in il.ranked
@@ -175,25 +177,29 @@ def test_search_evaluates_split_backward_schedules_by_chunk():
             compared += 1
     assert compared
     # a configured group size travels into the candidate's config
-    grouped = search(prof, space=SearchSpace(gather=2, **space), **kw)
+    grouped_base = _run(world=4, device_memory="4GiB", zero={"gather": 2})
+    grouped = search(prof, grouped_base, space=SearchSpace(**space), **kw)
     assert grouped.best.config()["zero"]["gather"] == 2
-    assert grouped.best.layout.gather == 2
+    assert grouped.best.inputs.memory_layout().gather == 2
 
 
 def test_cli_plan_reads_zero_gather():
-    from mpar.cli._plan import _plan_options
+    from argparse import Namespace
+
+    from mpar.cli._plan import plan_inputs_of
 
     config = load_config(
         {"pipeline_parallel_degree": 2, "zero": {"stage": 3, "gather": 2}, "microbatches": 2}
     )
-    options = _plan_options(config, 4)
-    assert options["gather"] == 2
-    plan = make_plan(_profile([MiB] * 4), **options)
-    assert plan.layout["gather"] == 2
+    args = Namespace(world_size=4, device="cuda", device_memory=None)
+    inputs = plan_inputs_of(args, config)
+    assert inputs.zero.gather == 2
+    plan = make_plan(_profile([MiB] * 4), inputs)
+    assert plan.layout.gather == 2
 
 
 def test_runtime_auto_searches_the_configured_split_backward_schedule():
-    from mpar.runtime._resolve_auto import _space
+    from mpar.partition import space_around
 
     config = load_config(
         {
@@ -204,16 +210,10 @@ def test_runtime_auto_searches_the_configured_split_backward_schedule():
             "device_memory": "1GiB",
         }
     )
-    space = _space(config, config.auto_keys)
-    assert space.pipelines == ("zero_bubble",)
-    assert space.gather == 2  # the configured value; zero_bubble gathers by chunk regardless
-    result = search(
-        _profile([4 * MiB, 8 * MiB] * 4),
-        world_size=4,
-        device_memory="1GiB",
-        global_batch=8,
-        space=space,
-        top=3,
-    )
-    assert result.best.pipeline == "zero_bubble"
-    assert result.best.layout.gather == "chunk"
+    inputs = plan_inputs(config, 4, device="cuda")
+    space = space_around(inputs, config.auto_keys)
+    assert space.pipelines == ("zero_bubble",) and space.pipeline_degrees == (2,)
+    result = search(_profile([4 * MiB, 8 * MiB] * 4), inputs, global_batch=8, space=space, top=3)
+    assert result.best.pipeline == "zero_bubble" and result.best.pipeline_parallel_degree == 2
+    assert result.best.inputs.zero.gather == 2  # the configured value, in its config too
+    assert result.best.inputs.memory_layout().gather == "chunk"  # zero_bubble: by chunk

@@ -10,9 +10,27 @@ import pytest
 from torch import nn
 
 import mpar.partition
+from mpar._size import parse_bandwidth
+from mpar.config import config_from_dict
 from mpar.errors import PartitionError
-from mpar.partition import CostModel, Plan, find_units, make_plan, manual_boundaries, parse_bytes
+from mpar.partition import (
+    CostModel,
+    Plan,
+    PlanInputs,
+    find_units,
+    make_plan,
+    manual_boundaries,
+    parse_bytes,
+    plan_inputs,
+)
 from mpar.profile import ModelProfile, UnitProfile
+
+
+def _run(pp: int = 1, **config: object) -> PlanInputs:
+    """The planner's inputs for these config keys on ``pp`` ranks (one pipeline)."""
+    return plan_inputs(
+        config_from_dict({"pipeline_parallel_degree": pp, **config}), pp, device="cuda"
+    )
 
 
 def _profile(times, state=100, act=10, out=None):
@@ -36,7 +54,7 @@ def _profile(times, state=100, act=10, out=None):
 
 def test_plan_balances_time_and_reports_stages():
     prof = _profile([1, 1, 1, 1, 2, 2])
-    plan = make_plan(prof, num_ranks=2, microbatches=4, memory_weight=0.0)
+    plan = make_plan(prof, _run(2, microbatches=4, memory_weight=0.0))
     assert isinstance(plan, Plan)
     assert plan.boundaries == [0, 4]
     first, second = plan.stages
@@ -54,28 +72,28 @@ def test_plan_balances_time_and_reports_stages():
 
 def test_plan_methods_and_virtual_stages():
     prof = _profile([1, 2, 3, 4, 5, 6, 7, 8])
-    uniform = make_plan(prof, num_ranks=2, virtual_stages=2, microbatches=4, method="uniform")
+    uniform = make_plan(prof, _run(2, virtual_stages=2, microbatches=4), method="uniform")
     assert uniform.boundaries == [0, 2, 4, 6]
     assert [s.rank for s in uniform.stages] == [0, 1, 0, 1]
     assert [s.chunk for s in uniform.stages] == [0, 0, 1, 1]
-    by_params = make_plan(prof, num_ranks=2, method="parameters")
+    by_params = make_plan(prof, _run(2), method="parameters")
     assert by_params.boundaries == [0, 4]
     with pytest.raises(PartitionError, match="only 8 units"):
-        make_plan(prof, num_ranks=4, virtual_stages=3)
+        make_plan(prof, _run(4, virtual_stages=3, microbatches=4))
 
 
 def test_plan_memory_cap_binds_and_no_fit():
     prof = _profile([1, 1, 1, 10], state=100, act=0)
-    free = make_plan(prof, num_ranks=2, memory_weight=0.0)
+    free = make_plan(prof, _run(2, memory_weight=0.0))
     assert free.boundaries == [0, 3]
     bare = CostModel(process_bytes=0, pipeline_process_bytes=0)  # bytes, not MiB, here
-    capped = make_plan(prof, num_ranks=2, memory_weight=0.0, device_memory=250, cost=bare)
+    capped = make_plan(prof, _run(2, memory_weight=0.0, device_memory=250), cost=bare)
     assert capped.boundaries == [0, 2] and capped.binding == "memory cap"
     with pytest.raises(PartitionError, match="smallest pipeline degree that fits is 4"):
-        make_plan(prof, num_ranks=2, device_memory=150, cost=bare)
+        make_plan(prof, _run(2, device_memory=150), cost=bare)
     # the process's own memory comes off the cap first
     process = CostModel(process_bytes=50, pipeline_process_bytes=50)
-    assert make_plan(prof, num_ranks=2, device_memory=350, cost=process).boundaries == [0, 2]
+    assert make_plan(prof, _run(2, device_memory=350), cost=process).boundaries == [0, 2]
     assert capped.process_bytes == 0 and free.process_bytes == 11 * 2**20
     stage = free.stages[0]  # no activations here: the optimizer update's moment is larger
     assert free.optimizer_step_bytes[0] > stage.memory_bytes - stage.state_bytes
@@ -86,19 +104,21 @@ def test_plan_memory_cap_binds_and_no_fit():
 
 def test_plan_charges_communication_at_the_cut():
     prof = _profile([1, 1, 1, 1], act=0, out=[1, 10**9, 1, 1])
-    free = make_plan(prof, num_ranks=2, memory_weight=0.0, link_bandwidth=None)
+    free = make_plan(prof, _run(2, memory_weight=0.0), cost=CostModel(link_bandwidth=None))
     assert free.boundaries == [0, 2] and free.link_bandwidth is None
     assert [s.comm_s for s in free.stages] == [0.0, 0.0]
     # sending u1's 1 GB output on and its gradient back at 1 GB/s costs 2 s per microbatch
-    costly = make_plan(prof, num_ranks=2, memory_weight=0.0, link_bandwidth="1GB/s")
+    costly = make_plan(
+        prof, _run(2, memory_weight=0.0), cost=CostModel(link_bandwidth=parse_bandwidth("1GB/s"))
+    )
     assert costly.boundaries in ([0, 1], [0, 3])
     assert costly.stages[0].comm_s == pytest.approx(2e-9) and costly.stages[1].comm_s == 0.0
-    at_u1 = make_plan(prof, num_ranks=2, method="uniform", link_bandwidth=1e9)
+    at_u1 = make_plan(prof, _run(2), method="uniform", cost=CostModel(link_bandwidth=1e9))
     assert at_u1.stages[0].comm_s == pytest.approx(2.0)
     assert at_u1.step_time_s > free.step_time_s  # communication is in the simulated step
     assert "comm ms" in str(at_u1) and "links 953.67 MiB/s" in str(at_u1)
     with pytest.raises(PartitionError, match="link_bandwidth"):
-        make_plan(prof, num_ranks=2, link_bandwidth=0)
+        make_plan(prof, _run(2), cost=CostModel(link_bandwidth=0))
 
 
 def test_parse_bytes():
@@ -108,6 +128,16 @@ def test_parse_bytes():
     assert parse_bytes("1000") == 1000
     with pytest.raises(ValueError):
         parse_bytes("lots")
+
+
+def test_parse_bandwidth():
+    assert parse_bandwidth("10GB") == parse_bandwidth("10GB/s") == 10e9
+    assert parse_bandwidth(" 1GiB/s ") == 2**30 and parse_bandwidth(5e8) == 5e8
+    assert parse_bandwidth(None) is None
+    with pytest.raises(ValueError, match="--tp-bandwidth must be a positive number"):
+        parse_bandwidth("0", "--tp-bandwidth")
+    with pytest.raises(ValueError, match="cannot read a memory size"):
+        parse_bandwidth("fast")
 
 
 def test_find_units_patterns():
@@ -237,9 +267,9 @@ def test_plan_prices_the_split_backward_and_says_when_it_does_not_pay():
     from mpar import schedule as sched
 
     prof = _profile([0.3] + [3.0] * 8 + [2.0])
-    plain = make_plan(prof, num_ranks=2, microbatches=4, memory_weight=0.0)
+    plain = make_plan(prof, _run(2, microbatches=4, memory_weight=0.0))
     assert plain.split_backward_gain is None and "split backward" not in str(plain)
-    zb = make_plan(prof, num_ranks=2, microbatches=4, pipeline="zero_bubble", memory_weight=0.0)
+    zb = make_plan(prof, _run(2, microbatches=4, pipeline="zero_bubble", memory_weight=0.0))
     # The first stage has no I (its inputs need no gradient): its W is its whole backward.
     fwd = [s.time_s / 3 for s in zb.stages]
     bwd = [2 * s.time_s / 3 for s in zb.stages]
@@ -256,11 +286,11 @@ def test_plan_prices_the_split_backward_and_says_when_it_does_not_pay():
     # A dearer split, or more microbatches (a smaller bubble to fill), and it stops paying.
     dear = CostModel(input_backward_fraction=0.8, weight_backward_fraction=0.6)
     costly = make_plan(
-        prof, num_ranks=2, microbatches=4, pipeline="zero_bubble", memory_weight=0.0, cost=dear
+        prof, _run(2, microbatches=4, pipeline="zero_bubble", memory_weight=0.0), cost=dear
     )
     assert costly.split_backward_gain < zb.split_backward_gain
     assert costly.split_backward_gain < 1.0 and "does not pay here" in str(costly)
-    many = make_plan(prof, num_ranks=2, microbatches=16, pipeline="zero_bubble", memory_weight=0.0)
+    many = make_plan(prof, _run(2, microbatches=16, pipeline="zero_bubble", memory_weight=0.0))
     assert many.split_backward_gain < zb.split_backward_gain
     assert "zero_bubble predicted" in str(many)
     json.dumps(zb.to_dict())

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from mpar.cli import _plan
-from mpar.partition import make_plan
+from mpar.config import config_from_dict
+from mpar.partition import make_plan, plan_inputs
 from mpar.profile import profile_model
 
 
@@ -49,7 +50,8 @@ def test_parameters_outside_units_go_with_their_first_consumer(mode):
     assert by_name["blocks.0"].param_count == 16 * 16 + 16 + 8 * 16
     assert sum(u.param_count for u in prof.units) == prof.param_count
     assert prof.unassigned_param_count == 0
-    plan = make_plan(prof, num_ranks=2, microbatches=2)
+    run = plan_inputs(config_from_dict({"partitions": 2, "microbatches": 2}), 2, device="cuda")
+    plan = make_plan(prof, run)
     assert sum(s.param_count for s in plan.stages) == sum(p.numel() for p in model.parameters())
     holder = next(st for st in plan.stages if "blocks.0" in st.units)
     assert "pos" in holder.outer_params

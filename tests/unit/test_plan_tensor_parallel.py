@@ -3,6 +3,7 @@ the ``--auto`` search, and ``mpar plan --tp`` (pure: profiles on the meta device
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import sys
@@ -11,15 +12,21 @@ import textwrap
 import pytest
 import torch
 
-from mpar.cli._plan_tp import tp_splits
 from mpar.errors import PartitionError
-from mpar.partition import CostModel, SearchSpace, make_plan, search
+from mpar.partition import CostModel, PlanInputs, ScheduleSetup, SearchSpace, make_plan, search
 from mpar.partition._search import NO_TP_PLAN, TP_REFUSED
 from mpar.partition._tp_share import TPSplits, tp_share
 from mpar.profile import profile_model
+from mpar.tensor_parallel import tp_splits
 from mpar.testing.models import GPT_TP_PLAN, GPTConfig, TinyGPT
+from mpar.topology import GridShape
 
 B, T = 2, 16
+
+
+def _base(world: int, memory: int, splits: TPSplits | None = None) -> PlanInputs:
+    """What the search starts from: ``world`` ranks with ``memory`` bytes each."""
+    return PlanInputs(GridShape(dp=world), device_memory=memory, tp_splits=splits)
 
 
 @functools.lru_cache(maxsize=8)
@@ -76,9 +83,10 @@ def test_plan_at_tp2_counts_one_rank_and_the_all_reduces():
     splits = _splits(model, profile, x)
     m, bandwidth = 4, 1e9
     cost = CostModel(tp_bandwidth=bandwidth)
-    one = make_plan(profile, num_ranks=2, microbatches=m, cost=cost)
+    run = PlanInputs(GridShape(pp=2), ScheduleSetup(microbatches=m))
+    one = make_plan(profile, run, cost=cost)
     two = make_plan(
-        profile, num_ranks=2, microbatches=m, cost=cost, tensor_parallel_degree=2, tp_splits=splits
+        profile, dataclasses.replace(run, grid=GridShape(pp=2, tp=2), tp_splits=splits), cost=cost
     )
     split, _ = _block_params(cfg)
     saved = (4 + 4 + 8) * split // 2  # params, grads, Adam's 2 moments: half the split ones
@@ -96,7 +104,7 @@ def test_plan_at_tp2_counts_one_rank_and_the_all_reduces():
     assert two.tensor_parallel_degree == 2 and two.to_dict()["tensor_parallel_degree"] == 2
     assert "tensor parallel x2" in str(two)
     with pytest.raises(PartitionError, match="tp_splits"):
-        make_plan(profile, num_ranks=2, tensor_parallel_degree=2)
+        make_plan(profile, PlanInputs(GridShape(pp=2, tp=2)))
 
 
 def test_search_lists_tp_degrees_the_plan_accepts():
@@ -108,9 +116,8 @@ def test_search_lists_tp_degrees_the_plan_accepts():
         precisions=("fp32",), max_virtual_stages=1,
     )  # fmt: skip
     result = search(
-        profile, world_size=4, device_memory="1GiB", global_batch=8, profile_batch=B,
-        space=space, top=1000, tp_splits=splits,
-    )  # fmt: skip
+        profile, _base(4, 2**30, splits), global_batch=8, profile_batch=B, space=space, top=1000
+    )
     assert {c.tensor_parallel_degree for c in result.ranked} == {1, 2}
     assert result.rejected[TP_REFUSED] == 1
     assert any("tp 4 left out" in n for n in result.notes)
@@ -125,10 +132,10 @@ def test_search_needs_tp_when_only_a_tp_rank_fits():
     model, _cfg, x, profile = _gpt(num_layers=2, d_model=64, d_ffn=1024)
     splits = _splits(model, profile, x, degrees=(2,))
     space = SearchSpace(pipeline_degrees=(1,), zero_stages=(0,), offload=False)
-    kw = {"world_size": 2, "global_batch": 2, "profile_batch": B, "space": space}
-    whole = search(profile, device_memory="1GiB", **kw, tp_splits=splits)
+    kw = {"global_batch": 2, "profile_batch": B, "space": space}
+    whole = search(profile, _base(2, 2**30, splits), **kw)
     need = min(c.max_rank_memory_bytes for c in whole.ranked if c.tensor_parallel_degree == 1)
-    tight = search(profile, device_memory=need - 1, **kw, tp_splits=splits)
+    tight = search(profile, _base(2, need - 1, splits), **kw)
     assert tight.best.tensor_parallel_degree == 2
     assert tight.to_dict()["config"]["tensor_parallel_degree"] == 2
 
@@ -138,9 +145,7 @@ def test_search_without_a_plan_keeps_tp_1():
     none = tp_splits(model, profile, ((x,), {}), (2, 4))  # TinyGPT ships no plan
     assert none.degrees == (1,) and "no tensor-parallel plan" in none.source
     space = SearchSpace(zero_stages=(0,), offload=False, checkpointing=(False,))
-    result = search(
-        profile, world_size=4, device_memory="1GiB", global_batch=8, space=space, tp_splits=none
-    )
+    result = search(profile, _base(4, 2**30, none), global_batch=8, space=space)
     assert {c.tensor_parallel_degree for c in result.ranked} == {1}
     assert result.rejected[NO_TP_PLAN] == 2
     assert result.to_dict()["tp_degrees"] == [1]

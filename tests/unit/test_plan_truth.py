@@ -11,11 +11,17 @@ import pytest
 import torch
 from torch import nn
 
-from mpar.config import ZeroConfig
-from mpar.partition import CostModel, Layout, make_plan
+from mpar.config import ZeroConfig, config_from_dict
+from mpar.partition import CostModel, MemoryLayout, PlanInputs, make_plan, plan_inputs
 from mpar.partition._memory_model import unit_host_bytes, unit_state_bytes
 from mpar.profile import profile_model
 from mpar.shard import ShardedStages
+
+
+def _run(pp: int = 1, *, world: int | None = None, device: str = "cpu", **config) -> PlanInputs:
+    """The planner's inputs for these config keys on ``world`` ranks (default ``pp``)."""
+    cfg = config_from_dict({"pipeline_parallel_degree": pp, **config})
+    return plan_inputs(cfg, world or pp, device=device)
 
 
 def _model():
@@ -68,14 +74,14 @@ def test_host_bytes_are_what_offload_keeps_on_the_host(stage, offload, dtype):
         opt.zero_grad()
     precision = "bf16" if dtype is not None else "fp32"
     kw = {k: True for k in offload}
-    layout = Layout(1, stage, precision, offload_optimizer="offload_optimizer" in kw,
+    layout = MemoryLayout(1, stage, precision, offload_optimizer="offload_optimizer" in kw,
                     offload_params="offload_params" in kw)  # fmt: skip
     predicted = sum(unit_host_bytes(u, layout) for u in profile.units)
     # the host gradient (fp32) stays between steps: it is part of the offloaded state
     assert all(b.grads.cpu_grad is not None for b in sharded.buckets)
     assert _host_tensors(sharded, opt) == predicted
     # on a CUDA device it is beside the device's memory; on a CPU device inside it
-    cpu = Layout(1, stage, precision, offload_optimizer=layout.offload_optimizer,
+    cpu = MemoryLayout(1, stage, precision, offload_optimizer=layout.offload_optimizer,
                  offload_params=layout.offload_params, device="cpu")  # fmt: skip
     for u in profile.units:
         assert unit_state_bytes(u, cpu) == unit_state_bytes(u, layout) + unit_host_bytes(u, cpu)
@@ -86,26 +92,29 @@ def test_offload_on_a_cpu_device_costs_memory_and_auto_drops_it():
 
     x = torch.randn(8, 64)
     profile = profile_model(_model(), (x,), repeats=1, warmup=0)
-    kw = dict(num_ranks=1, data_parallel_degree=2, zero_stage=2)
     for device in ("cpu", "cuda"):
-        plain = make_plan(profile, device=device, **kw)
-        offloaded = make_plan(profile, device=device, offload_optimizer=True, **kw)
+        plain = make_plan(profile, _run(world=2, device=device, zero={"stage": 2}))
+        offloaded = make_plan(
+            profile,
+            _run(world=2, device=device, zero={"stage": 2, "offload_optimizer": "cpu"}),
+        )
         assert offloaded.host_memory_bytes[0] > 0 == plain.host_memory_bytes[0]
         if device == "cpu":  # the host gradient comes on top of the same state
             assert offloaded.rank_memory_bytes[0] > plain.rank_memory_bytes[0]
         else:
             assert offloaded.rank_memory_bytes[0] < plain.rank_memory_bytes[0]
     space = SearchSpace(precisions=("fp32",), checkpointing=(False,))
-    cpu = search(profile, world_size=2, device_memory="1GiB", global_batch=8, space=space,
-                 profile_batch=8, device="cpu")  # fmt: skip
+    on_cpu = _run(world=2, device_memory="1GiB")
+    cpu = search(profile, on_cpu, global_batch=8, space=space, profile_batch=8)
     assert not any(c.offload_optimizer or c.offload_params for c in cpu.ranked)
     assert cpu.rejected["offload on a CPU device (the host is the device: it saves nothing)"]
-    assert cpu.best.device == cpu.device == "cpu"
+    assert cpu.best.inputs.device == cpu.device == "cpu"
     # on CUDA a host cap rejects what offloads more than it allows
-    cuda = dict(world_size=2, device_memory="1GiB", global_batch=8, space=space, profile_batch=8)
-    roomy = search(profile, **cuda, top=100)
+    on_cuda = _run(world=2, device="cuda", device_memory="1GiB")
+    cuda = dict(global_batch=8, space=space, profile_batch=8)
+    roomy = search(profile, on_cuda, **cuda, top=100)
     assert any(c.offload_optimizer for c in roomy.ranked)
-    capped = search(profile, **cuda, top=100, host_memory=1)
+    capped = search(profile, on_cuda, **cuda, top=100, host_memory=1)
     assert capped.rejected["over host memory cap"] > 0
     assert not any(c.max_host_memory_bytes for c in capped.ranked)
 
@@ -140,7 +149,7 @@ def test_plan_scales_the_microbatch_for_the_global_batch(tmp_path, monkeypatch, 
 
     net, _ = truth_factory.build()
     at16 = profile_model(net, (torch.randn(16, 32),), repeats=1, warmup=0)
-    direct = make_plan(at16, num_ranks=1, microbatches=2, device="cpu")
+    direct = make_plan(at16, _run(microbatches=2))
     assert scaled["stages"][0]["activation_bytes"] == direct.stages[0].activation_bytes
     assert scaled["rank_memory_bytes"] == direct.rank_memory_bytes
     assert main([*argv]) == 0
@@ -173,7 +182,7 @@ def test_optimizer_update_adds_what_the_plan_says(stage, dtype):
         else:
             opt.step()
         opt.zero_grad()
-    layout = Layout(1, stage, "bf16" if dtype else "fp32", gather="chunk")
+    layout = MemoryLayout(1, stage, "bf16" if dtype else "fp32", gather="chunk")
     copies, temporaries = optimizer_step_bytes(profile.units, layout)
     # mixed precision: an fp32 copy of the gradients, and Adam's sqrt and div of the
     # second moment on the one segment (the whole bucket: one optimizer group)
@@ -202,18 +211,18 @@ def test_zero_bubble_allowance_is_counted_on_every_rank():
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])  # activations dominate
     profile = profile_model(net, (torch.randn(2048, 64),), repeats=1, warmup=0)
-    options = dict(num_ranks=2, microbatches=4, pipeline="zero_bubble", device="cpu")
-    base = make_plan(profile, **options)
-    allowed = make_plan(profile, **options, active_microbatches=3)
+    options = dict(microbatches=4, pipeline="zero_bubble")
+    base = make_plan(profile, _run(2, **options))
+    allowed = make_plan(profile, _run(2, **options, active_microbatches=3))
     assert allowed.boundaries == base.boundaries
     for before, after in zip(base.stages, allowed.stages):  # 3 microbatches held, not 2
         assert 2 * after.activation_bytes == 3 * before.activation_bytes
     assert max(allowed.rank_memory_bytes) > max(base.rank_memory_bytes)
-    same = make_plan(profile, **options, active_microbatches=2)
+    same = make_plan(profile, _run(2, **options, active_microbatches=2))
     assert same.rank_memory_bytes == base.rank_memory_bytes
     options["pipeline"] = "interleaved"
-    plain = make_plan(profile, **options)
-    assert make_plan(profile, **options, active_microbatches=3).rank_memory_bytes == (
+    plain = make_plan(profile, _run(2, **options))
+    assert make_plan(profile, _run(2, **options, active_microbatches=3)).rank_memory_bytes == (
         plain.rank_memory_bytes
     )
 
@@ -223,22 +232,22 @@ def test_a_cap_on_microbatches_in_flight_is_counted(pipeline, cap, held):
     """``active_microbatches`` below the schedule's peak caps what the runtime holds and
     lengthens its step: the plan counts the capped schedule's microbatches in flight and
     simulates its step, as the runtime builds it."""
-    from mpar.partition._planner import _phase_times
+    from mpar.partition._prediction import phase_times
     from mpar.schedule import StageCosts, build_schedule, simulate
 
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
     profile = profile_model(net, (torch.randn(2048, 64),), repeats=1, warmup=0)
-    options = dict(num_ranks=2, microbatches=8, pipeline=pipeline, device="cpu")
-    free = make_plan(profile, **options)
-    capped = make_plan(profile, **options, active_microbatches=cap)
+    options = dict(microbatches=8, pipeline=pipeline)
+    free = make_plan(profile, _run(2, **options))
+    capped = make_plan(profile, _run(2, **options, active_microbatches=cap))
     assert capped.boundaries == free.boundaries
     assert [s.in_flight for s in capped.stages] == [held, held]
     assert max(s.in_flight for s in free.stages) > held
     for before, after in zip(free.stages, capped.stages):
         assert after.activation_bytes * before.in_flight == before.activation_bytes * held
     assert max(capped.rank_memory_bytes) < max(free.rank_memory_bytes)
-    fwd, bwd = _phase_times(capped.stages, False, CostModel())
+    fwd, bwd = phase_times(capped.stages, False, CostModel())
     schedule = build_schedule(pipeline, 2, 8, active_microbatches=cap)
     expected = simulate(schedule, StageCosts(fwd, bwd)).makespan
     assert capped.step_time_s - capped.overhead_s == pytest.approx(expected)
@@ -255,10 +264,13 @@ def test_a_split_backward_counts_what_a_waiting_w_keeps():
     profile = profile_model(net, (torch.randn(256, 64),), repeats=1, warmup=0)
     head = profile.units[-1]
     assert head.weight_work_bytes == 4 * 256 * (64 + 1024) > head.activation_bytes
-    options = dict(num_ranks=2, microbatches=4, device="cpu", method="uniform")
-    split = make_plan(profile, pipeline="zero_bubble", **options)
-    whole = make_plan(profile, pipeline="zero_bubble", split_backward=False, **options)
-    plain = make_plan(profile, pipeline="interleaved", **options)
+    split = make_plan(profile, _run(2, microbatches=4, pipeline="zero_bubble"), method="uniform")
+    whole = make_plan(
+        profile,
+        _run(2, microbatches=4, pipeline="zero_bubble", split_backward=False),
+        method="uniform",
+    )
+    plain = make_plan(profile, _run(2, microbatches=4), method="uniform")
     assert split.boundaries == whole.boundaries == plain.boundaries
     last = [p.stages[-1] for p in (split, whole, plain)]
     assert [s.in_flight for s in last] == [2, 2, 1]

@@ -129,3 +129,35 @@ def test_a_bucket_names_where_its_parameters_are(stage):
     assert bucket.residence is Residence.SHARDED
     assert model[0].weight.shape == (0,) and bucket.full.untyped_storage().nbytes() == 0
     assert sharded.flat_buffers() == [bucket.full]  # freed, but the same storage comes back
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_buckets_gradients_go_through_their_phases(offload):
+    """Bound before the backward, armed for the last one (which starts the reduction
+    early), reduced at REDUCE_GRAD, landed at the end of the step; held on the device
+    (or, offloaded, on the host) until zero_grad."""
+    from mpar.shard._bucket_grads import GradPhase, Held
+
+    model = _model()
+    sharded = _sharded(2, model, **({"offload_optimizer": "cpu"} if offload else {}))
+    (bucket,) = sharded.buckets
+    grads = bucket.grads
+    assert (grads.phase, grads.held) == (GradPhase.IDLE, Held.NONE)
+    sharded.bind_grads(0)
+    assert grads.staging is not None and grads.phase is GradPhase.IDLE
+    sharded.reduce_grads_in_backward(0)
+    assert grads.phase is GradPhase.ARMED
+    model(torch.randn(3, 4)).sum().backward()
+    assert grads.phase is GradPhase.REDUCING_EARLY  # the last gradient started it
+    sharded.reduce_grads(0)
+    assert grads.phase is GradPhase.REDUCING and grads.pending is not None
+    sharded.finish_grads()
+    assert grads.phase is GradPhase.IDLE and grads.pending is None
+    assert grads.held is (Held.HOST if offload else Held.DEVICE)
+    assert grads.reduced_grad() is not None
+    sharded.reduce_grads(0)  # nothing bound: REDUCE_GRAD starts the reduction itself
+    with pytest.raises(RuntimeError, match="called twice before finish_grads"):
+        sharded.reduce_grads(0)
+    sharded.finish_grads()
+    sharded.zero_grad()
+    assert grads.held is Held.NONE and grads.reduced_grad() is None

@@ -17,8 +17,9 @@ from mpar.errors import PartitionError
 from mpar.meta import find_units_meta
 from mpar.partition._tp_share import tp_share
 from mpar.profile import profile_model
-from mpar.runtime._local_stages import _decide_boundaries, tp_splits_of
-from mpar.tensor_parallel import plan_layout, resolve_plan
+from mpar.runtime._local_stages import _decide_boundaries
+from mpar.tensor_parallel import measure_tp_splits, plan_layout, resolve_plan
+from mpar.topology import make_grid
 
 D, F = 256, 1024
 PLAN = {"layers.*.up": "colwise", "layers.*.down": "rowwise"}
@@ -68,7 +69,8 @@ def _setup(tp: int, **config):
             **config,
         }
     )
-    st = SimpleNamespace(config=cfg, grid=SimpleNamespace(dp_size=1), device=torch.device("cpu"))
+    grid = SimpleNamespace(topology=make_grid(2 * tp, 2, tp_size=tp))  # pp 2 x tp, dp 1
+    st = SimpleNamespace(config=cfg, grid=grid, device=torch.device("cpu"))
     layout = None
     if tp > 1:  # as DistributedModel checks it when the model is wrapped
         plan, source = resolve_plan(model, cfg.tp_plan)
@@ -81,7 +83,7 @@ def _setup(tp: int, **config):
 def test_split_units_weigh_half_at_tp2_and_replicated_ones_whole():
     model, x, units, _st, layout = _setup(2)
     profile = profile_model(model, (x,), units=units, mode="meta")
-    half = tp_share(profile, tp_splits_of(model, profile, layout, (x,), {}), 2)
+    half = tp_share(profile, measure_tp_splits(model, profile, layout, ((x,), {})), 2)
     split_w = 2 * D * 3 * F + 3 * F  # up's weight and bias, down's weight
     down_bias = D  # rowwise bias: whole on every rank
     first, rank = profile.units[0], half.units[0]
@@ -128,7 +130,7 @@ def test_the_memory_cap_is_checked_against_one_tp_ranks_bytes():
 
 
 def test_measuring_leaves_no_graph_behind():
-    """``tp_splits_of`` runs the whole model with autograd on; nothing of that forward
+    """``measure_tp_splits`` runs the whole model with autograd on; nothing of that forward
     may outlive it, not even until Python's cycle collector runs: a parameter's gradient
     accumulator kept alive keeps its whole shape, which the TP layout changes next."""
     torch.manual_seed(0)
@@ -140,7 +142,7 @@ def test_measuring_leaves_no_graph_behind():
     weight = model.layers[0].down.weight
     gc.disable()
     try:
-        splits = tp_splits_of(model, profile, layout, (x,), {})
+        splits = measure_tp_splits(model, profile, layout, ((x,), {}))
         weight.data = weight.data[:, : 3 * F // 2].clone()  # the piece apply_layout keeps
         nn.functional.linear(torch.randn(2, 3 * F // 2), weight).sum().backward()
     finally:

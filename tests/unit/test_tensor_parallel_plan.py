@@ -79,7 +79,7 @@ def test_model_without_plan():
 def test_plan_matching_nothing():
     model = _gpt()
     plan, source = resolve_plan(model, {"layers.*.q_proj": "colwise"})
-    with pytest.raises(TPPlanError, match="matches no module"):
+    with pytest.raises(TPPlanError, match="1 of its 1 patterns match no module"):
         plan_layout(model, plan, 2, source)
 
 
@@ -243,3 +243,105 @@ def test_hf_models_sequence_parallel_layout():
     seq = plan_layout(t5, plan, 2, source, sequence_parallel=True).sequence
     assert [blocks[0] for blocks in seq.lists] == ["encoder.block.0", "decoder.block.0"]
     assert "decoder.block.0.layer.1.EncDecAttention" in seq.gathers
+
+
+# -- every pattern, head counts ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("typo", "closest"),
+    [("blocks.*.mlp.O", "'blocks.*.mlp.0'"), ("prj", "'proj'"), ("mlp.O", "'mlp.0'")],
+)
+def test_a_misspelt_pattern_is_named_with_the_closest_names(typo, closest):
+    # Before: accepted while other patterns matched; the first step died in torch.
+    model = _gpt()
+    plan = {k: v for k, v in GPT_TP_PLAN.items() if not k.startswith("blocks.*.mlp.2")}
+    plan[typo] = "rowwise"
+    styles, source = resolve_plan(model, plan)
+    with pytest.raises(
+        TPPlanError, match=rf"1 of its 6 patterns .* {typo!r} \(closest: .*{closest}"
+    ):
+        plan_layout(model, styles, 2, source)
+
+
+def test_a_model_plan_may_name_modules_its_configuration_lacks():
+    model = _gpt()  # as T5's plan names wi and wi_0: only the user's plan must match whole
+    styles, _ = resolve_plan(model, {**GPT_TP_PLAN, "blocks.*.wi": "colwise"})
+    layout = plan_layout(model, styles, 2, "mpar's plan for 'gpt' models")
+    assert "blocks.0.q" in layout.modules
+
+
+class _Attention(nn.Module):
+    """Attention keeping its head count in ``nh`` (not a name mpar divides), or in
+    ``heads_attr``; ``reshape="head_dim"`` takes the heads from the tensor instead."""
+
+    def __init__(self, d: int = 16, nh: int = 4, reshape: str = "nh", heads_attr: str = "nh"):
+        super().__init__()
+        setattr(self, heads_attr, nh)
+        self.heads_attr, self.head_dim, self.reshape = heads_attr, d // nh, reshape
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        heads = getattr(self, self.heads_attr)
+        shape = (b, t, heads, -1) if self.reshape == "nh" else (b, t, -1, self.head_dim)
+        q, k, v = (m(x).view(shape).transpose(1, 2) for m in (self.q, self.k, self.v))
+        att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(att.transpose(1, 2).flatten(2))
+
+
+class _Net(nn.Module):
+    def __init__(self, **kw) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Attention(**kw) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+_ATTN_PLAN = {"blocks.*.q": "colwise", "blocks.*.k": "colwise", "blocks.*.v": "colwise"}
+_ATTN_PLAN |= {"blocks.*.o": "rowwise"}
+
+
+@pytest.mark.parametrize("meta", [False, True])
+def test_a_head_count_mpar_cannot_establish_is_refused(meta):
+    # Before: split silently; tp=2 trained with losses 3e-3 off one process.
+    with torch.device("meta" if meta else "cpu"):
+        model = _Net()
+    styles, source = resolve_plan(model, _ATTN_PLAN)
+    with pytest.raises(
+        TPPlanError, match=r"blocks.0 \(_Attention\) computes .* over 2 elements .* 4.*'nh': 4"
+    ) as info:
+        plan_layout(model, styles, 2, source)
+    assert "num_heads" in str(info.value) and "view(b, t, -1, self.head_dim)" in str(info.value)
+    assert "forward" not in model.blocks[0].q.__dict__  # the probe left the modules as they were
+
+
+def test_heads_taken_from_the_tensor_pass_the_probe():
+    model = _Net(reshape="head_dim")
+    styles, source = resolve_plan(model, _ATTN_PLAN)
+    layout = plan_layout(model, styles, 2, source)
+    assert layout.shards["blocks.1.o.weight"] == TPShard(1, 2)
+
+
+def test_a_head_count_attribute_mpar_knows_needs_no_probe():
+    model = _Net(heads_attr="num_heads")  # divided by the TP degree when applied
+    styles, source = resolve_plan(model, _ATTN_PLAN)
+    plan_layout(model, styles, 2, source)
+
+
+class _TwoInputs(_Attention):
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x) * scale
+
+
+def test_a_module_the_probe_cannot_run_is_refused_when_it_holds_a_possible_head_count():
+    model = nn.ModuleDict({"blocks": nn.ModuleList([_TwoInputs()])})
+    styles, source = resolve_plan(model, _ATTN_PLAN)
+    with pytest.raises(TPPlanError, match=r"\{'nh': 4\}.*could not run on a probe input"):
+        plan_layout(model, styles, 2, source)
+    model = nn.ModuleDict({"blocks": nn.ModuleList([_TwoInputs(reshape="head_dim")])})
+    del model.blocks[0].nh  # nothing left that could count heads: the tensors do
+    plan_layout(model, styles, 2, source)

@@ -1,0 +1,405 @@
+"""The gradients of one flat bucket: accumulated, reduced over the group, kept reduced.
+
+A :class:`BucketGrads` is made by its :class:`~mpar.shard._bucket.FlatBucket` from the
+bucket's :class:`~mpar.shard._bucket_layout.BucketLayout` and
+:class:`~mpar.shard._bucket_layout.ReduceOptions`; the tensors it may hold are in the
+table of :mod:`mpar.shard._bucket`. Two small state machines say where it is:
+
+* :class:`GradPhase`, the reduction's progress within a step::
+
+      IDLE --arm--> ARMED --last gradient arrives--> REDUCING_EARLY --REDUCE_GRAD--> REDUCING
+        \\-------------------------REDUCE_GRAD (reduce / reduce_unit)-------------------^
+      REDUCING_EARLY / REDUCING --finish_reduce--> IDLE
+
+* :class:`Held`, what the optimizer can read: nothing since ``zero_grad``, the reduced
+  gradients on the device, or (offloaded) their sum copied to the CPU.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import NamedTuple
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from mpar import _device
+from mpar.comm._shard_comm import all_reduce_flat, reduce_scatter_flat
+from mpar.comm._types import Work
+from mpar.shard._bucket_layout import BucketLayout, LayoutView, ReduceOptions
+
+__all__ = ["BucketGrads", "GradPhase", "Held"]
+
+
+class GradPhase(Enum):
+    """Where a bucket's gradient reduction is in the step (:attr:`BucketGrads.phase`)."""
+
+    IDLE = "idle"
+    """No reduction in flight, none armed."""
+    ARMED = "armed"
+    """The next backward starts the reduction as soon as every parameter's gradient is
+    final (:meth:`BucketGrads.arm`)."""
+    REDUCING_EARLY = "reducing early"
+    """In flight, started from the backward; the schedule's REDUCE_GRAD is still to come."""
+    REDUCING = "reducing"
+    """In flight (``pending``), until :meth:`BucketGrads.finish_reduce` waits for it."""
+
+
+class Held(Enum):
+    """The reduced gradients a bucket holds for the optimizer (:attr:`BucketGrads.held`)."""
+
+    NONE = "none"
+    """No reduction has landed since ``zero_grad``."""
+    DEVICE = "device"
+    """In ``grad_full`` (ZeRO-0) or ``grad_shard``."""
+    HOST = "host"
+    """Offloaded: ``cpu_grad`` holds this step's sum (what lands later is added to it)."""
+
+
+class _Reduction(NamedTuple):
+    """A reduction in flight: its work handle, where the result lands, and the buffer sent."""
+
+    work: Work | None
+    out: torch.Tensor
+    flat: torch.Tensor
+
+
+class BucketGrads(LayoutView):
+    """The gradients of one bucket's parameters: accumulated in a flat buffer,
+    reduced over the group, kept reduced for the optimizer."""
+
+    def __init__(self, layout: BucketLayout, options: ReduceOptions) -> None:
+        self.layout = layout
+        self.options = options
+        self.phase = GradPhase.IDLE
+        self.held = Held.NONE
+        self.grad_factor = 1.0
+        """Mixed precision: factor applied to the reduced gradient when it is converted
+        for the optimizer (1 / loss scale, times any clipping coefficient)."""
+        self.staging: torch.Tensor | None = None
+        """The flat gradient buffer ``.grad`` views point into (see :meth:`bind_grads`)."""
+        self.pending: _Reduction | None = None
+        """The reduction in flight (phase ``REDUCING_EARLY`` or ``REDUCING``)."""
+        self.grad_full: torch.Tensor | None = None
+        self.spare_grad: torch.Tensor | None = None
+        """Stages 0-1: the last ``grad_full``, kept by ``zero_grad(set_to_none=True)``
+        for the next reduction (as DDP keeps its buckets): no new allocation,
+        page faults and zero fill of ``P`` elements every step."""
+        self.grad_shard: torch.Tensor | None = None
+        self.cpu_grad: torch.Tensor | None = None
+        self.hooks: list[RemovableHandle] = []
+        self.arrived: set[int] = set()
+
+    @property
+    def per_unit(self) -> bool:
+        """A unit bucket: gradients reduced after every backward (see the module docstring)."""
+        return self.options.per_unit
+
+    @property
+    def has_grad(self) -> bool:
+        """Whether a reduction has landed since the last ``zero_grad``."""
+        return self.held is not Held.NONE
+
+    def arm(self) -> None:
+        """Start the reduction from the backward, once every parameter's gradient is final.
+
+        Post-accumulate-grad hooks count the parameters whose gradient the
+        next backward accumulates; the last one starts :meth:`start_reduce`.
+        """
+        self.disarm()
+        self.hooks = [p.register_post_accumulate_grad_hook(self._arrive) for p in self.params]
+        self.phase = GradPhase.ARMED
+
+    def disarm(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks, self.arrived = [], set()
+        if self.phase is GradPhase.ARMED:
+            self.phase = GradPhase.IDLE
+
+    def _arrive(self, param: torch.Tensor) -> None:
+        self.arrived.add(id(param))
+        if len(self.arrived) == len(self.params):
+            self.disarm()
+            self.start_reduce()
+            self.phase = GradPhase.REDUCING_EARLY
+
+    def reduce(self) -> None:
+        """``reduce_grads``: start the reduction unless the backward already did."""
+        if self.per_unit:
+            self.reduce_unit()
+            return
+        self.disarm()
+        if self.phase is GradPhase.REDUCING_EARLY:
+            self.phase = GradPhase.REDUCING
+        else:
+            self.start_reduce()
+
+    def reduce_unit(self) -> None:
+        """Unit bucket: start reduce-scattering the gradients its parameters got since
+        the last call (``.grad`` as autograd allocated them), to be added to
+        ``grad_shard``. The previous reduction is finished first, so at most one is
+        in flight; no-op when no parameter has a gradient."""
+        if all(p.grad is None for p in self.params):
+            return
+        self.finish_reduce(to_host=False)
+        self.start_reduce()
+
+    def bind_grads(self) -> None:
+        """Before the stage's first backward of a step: make every parameter's
+        ``.grad`` a view into the flat buffer the reduction will send, so autograd
+        accumulates in place (as DDP's ``gradient_as_bucket_view``): no gradient
+        allocated per parameter, no copy into the buffer at reduction time.
+
+        Gradients that already exist (a parameter shared with a stage whose
+        backward ran first) are copied in; the others start at zero.
+        """
+        if self.staging is not None or self.pending is not None or self.grad_full is not None:
+            return  # already bound, in flight, or .grad already views grad_full
+        if self.zero_stage == 0 and self.has_grad:
+            return  # start_reduce raises the error that explains this
+        self.staging = self._fill_flat(self._flat_grad())
+        for slot, p, shape in zip(self.spec.slots, self.params, self.shapes):
+            p.grad = self.staging[slot.offset : slot.offset + slot.numel].view(shape)
+
+    def _fill_flat(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` (uninitialised or stale) holding the parameters' current gradients,
+        zero where a parameter has none and in the padding."""
+        for slot, p in zip(self.spec.slots, self.params):
+            target = flat[slot.offset : slot.offset + slot.numel]
+            if p.grad is None:
+                target.zero_()
+            elif not _device.same_memory(p.grad, target):
+                target.copy_(p.grad.reshape(-1))
+        flat[self.spec.numel :].zero_()  # padding: summed and scaled, so kept at zero
+        return flat
+
+    def _check_can_reduce(self) -> None:
+        if self.pending is not None:
+            raise RuntimeError(
+                f"reduce_grads for stage {self.spec.stage} was called twice before finish_grads"
+            )
+        if self.zero_stage == 0 and self.has_grad:
+            raise RuntimeError(
+                f"stage {self.spec.stage} already holds reduced gradients: at ZeRO stage 0 "
+                "call zero_grad() after each optimizer step (gradient accumulation across "
+                "reductions needs ZeRO stage 1, 2 or 3)"
+            )
+
+    def start_reduce(self) -> None:
+        """Flatten the parameters' gradients and start their (async) reduction."""
+        self._check_can_reduce()
+        own = self._grad_as_flat() if self.staging is None else None
+        if self.staging is not None:
+            flat, self.staging = self._fill_flat(self.staging), None
+        elif own is not None:
+            flat = own
+        else:
+            flat = self._fill_flat(self._flat_grad())
+        for p in self.params:
+            p.grad = None  # stage 0 points it into the reduced buffer when done
+        group, size = self.comm.group, self.comm.size
+        if self.zero_stage == 0:
+            work = all_reduce_flat(flat, group=group, size=size, async_op=True)
+            self.pending = _Reduction(work, flat, flat)
+        elif self.grad_shard is not None and self.options.tied_group is None:
+            # the sum lands in the reduced shard: no shard-sized buffer in between
+            # (tied copies are summed over their group per reduction, so not those)
+            out = self.grad_shard
+            work = reduce_scatter_flat(
+                out, flat, group=group, size=size, async_op=True, accumulate=True
+            )
+            self.pending = _Reduction(work, out, flat)
+        else:
+            out = torch.empty(self.spec.shard_numel, dtype=self.dtype, device=self.device)
+            work = reduce_scatter_flat(out, flat, group=group, size=size, async_op=True)
+            self.pending = _Reduction(work, out, flat)
+        self.phase = GradPhase.REDUCING
+
+    def _grad_as_flat(self) -> torch.Tensor | None:
+        """The only parameter's ``.grad`` itself as the buffer the reduce-scatter sends
+        (scratch), when it is exactly that buffer: a bucket of one unpadded parameter
+        whose gradient autograd allocated alone (a unit bucket of an embedding or LM
+        head, say). No copy, and no second buffer of the bucket's size. None otherwise."""
+        if self.zero_stage == 0 or len(self.params) != 1:
+            return None
+        grad = self.params[0].grad
+        if (
+            grad is None
+            or grad.numel() != self.spec.padded
+            or grad.dtype != self.dtype
+            or grad.device != self.device
+            or not grad.is_contiguous()
+            or grad.untyped_storage().nbytes() != grad.numel() * grad.element_size()
+        ):
+            return None
+        return grad.view(-1)
+
+    def _flat_grad(self) -> torch.Tensor:
+        """The buffer to flatten the gradients into (contents stale or uninitialised).
+
+        ``grad_full`` when the parameters' gradients are views into it
+        (``zero_grad(set_to_none=False)``); else the spare kept by ``zero_grad``;
+        else a new one.
+        """
+        if self.grad_full is not None:
+            return self.grad_full
+        if self.spare_grad is not None:
+            flat, self.spare_grad = self.spare_grad, None
+            return flat
+        return torch.empty(self.spec.padded, dtype=self.dtype, device=self.device)
+
+    def finish_reduce(self, *, to_host: bool = True) -> None:
+        """Wait for the reduction and store its result (and its CPU copy if offloaded).
+
+        ``to_host=False`` (a unit bucket between two backwards of a step) keeps
+        the sum on the device, in the gradients' dtype as the reductions of a
+        whole step would; the copy to the offloaded optimizer happens once, at
+        the end of the step.
+        """
+        if self.pending is None:
+            if to_host and self.offload_optimizer and self.grad_shard is not None:
+                self._to_cpu_grad(self.grad_shard)  # what earlier units' reductions left
+                if self.held is Held.DEVICE:
+                    self.held = Held.HOST
+            return
+        reduced = self._land(self.pending)
+        if self.offload_optimizer and to_host:
+            self._to_cpu_grad(reduced)
+            self.held = Held.HOST
+        elif self.held is Held.NONE:
+            self.held = Held.DEVICE
+
+    def _land(self, reduction: _Reduction) -> torch.Tensor:
+        """Wait for ``reduction``; keep its result (``grad_full`` or ``grad_shard``)."""
+        work, out, flat = reduction
+        self.pending, self.phase = None, GradPhase.IDLE
+        if work is not None:
+            work.wait()
+        if self.zero_stage >= 1 and flat is not out and _device.can_free_storage(flat.device):
+            # the sent buffer is scratch: free it now, as the next unit's reduction may
+            # allocate its own right after; the backend can hold the tensor a little
+            # past its wait (gloo's worker thread drops the work later), which left two
+            # units' buffers alive now and then, beyond the plan's working set
+            _device.free_storage(flat)
+        tied = self.options.tied_group
+        if tied is not None:  # every copy gets the sum of the copies' gradients
+            all_reduce_flat(out, group=tied, size=self.options.tied_size)
+        if self.zero_stage == 0:
+            self.grad_full = out
+            for slot, p, shape in zip(self.spec.slots, self.params, self.shapes):
+                p.grad = out[slot.offset : slot.offset + slot.numel].view(shape)
+            return out
+        if self.grad_shard is not None and out is not self.grad_shard:
+            out = self.grad_shard.add_(out)
+        self.grad_shard = out
+        return out
+
+    def _to_cpu_grad(self, reduced: torch.Tensor) -> None:
+        """Copy ``reduced`` to ``cpu_grad`` (added to it when it already holds this step's
+        sum at stages >= 1); the device shard is then dropped."""
+        if self.cpu_grad is None:
+            self.cpu_grad = _device.host_buffer(reduced.numel(), self.master_dtype, self.device)
+        if self.held is Held.HOST and self.zero_stage >= 1:
+            self.cpu_grad.add_(reduced.to("cpu"))
+        else:
+            _device.copy_(self.cpu_grad, reduced)
+        if self.zero_stage >= 1:
+            self.grad_shard = None  # the device copy is no longer needed
+
+    def reduced_grad(self) -> torch.Tensor | None:
+        """The reduced gradient of the optimizer's range, as stored (None before any
+        reduction).
+
+        Under mixed precision it is still to be multiplied by ``grad_factor``,
+        except the CPU copy of offloaded ones, which is scaled in place.
+        """
+        if self.held is Held.NONE:
+            return None
+        if self.offload_optimizer:
+            return self.cpu_grad
+        if self.zero_stage == 0:
+            return self.grad_full
+        return self.grad_shard
+
+    def opt_grad(self) -> torch.Tensor | None:
+        """The gradient of ``master``, in its dtype (None before any reduction).
+
+        Under mixed precision a new fp32 tensor the caller drops after the step.
+        """
+        grad = self.reduced_grad()
+        if grad is None or grad.dtype == self.master_dtype:
+            return grad
+        grad = grad.to(self.master_dtype)
+        return grad.mul_(self.grad_factor) if self.grad_factor != 1.0 else grad
+
+    def stepped(self) -> None:
+        """The optimizer has read the gradient (:meth:`opt_grad`): its factor is spent."""
+        self.grad_factor = 1.0
+
+    def _own_slice(self, grad: torch.Tensor) -> torch.Tensor:
+        lo, hi = self.layout.own
+        return grad[lo:hi] if self.zero_stage == 0 else grad
+
+    def grad_sq_sum(self) -> torch.Tensor:
+        """Sum of squares of this rank's slice of the reduced gradient (float32)."""
+        grad = self.reduced_grad()
+        if grad is None:
+            return torch.zeros((), dtype=torch.float32, device=self.device)
+        total = self._own_slice(grad).float().pow(2).sum().to(self.device)
+        if grad.dtype != self.master_dtype:
+            total = total * self.grad_factor**2
+        # each copy of a tied (or TP-replicated) parameter counts once overall
+        return total / (self.options.tied_size * self.options.norm_copies)
+
+    def grads_finite(self) -> bool:
+        """Whether this rank's slice of the reduced gradient has no inf or NaN."""
+        grad = self.reduced_grad()
+        return grad is None or bool(torch.isfinite(self._own_slice(grad)).all())
+
+    def scale_grads(self, factor: float) -> None:
+        """Multiply every reduced gradient this bucket holds by ``factor``
+        (under mixed precision: ``grad_factor``, or the fp32 CPU copy in place)."""
+        if self.held is Held.NONE:
+            return
+        if self.dtype != self.master_dtype:
+            if self.cpu_grad is not None:
+                self.cpu_grad.mul_(factor)
+            else:
+                self.grad_factor *= factor
+            return
+        for grad in (self.grad_full, self.grad_shard, self.cpu_grad):
+            if grad is not None:
+                grad.mul_(factor)
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        self.held = Held.NONE
+        self.grad_factor = 1.0
+        if set_to_none:
+            if self.grad_full is not None:
+                self.spare_grad = self.grad_full
+            self.grad_full = self.grad_shard = None
+            for p in self.params:
+                p.grad = None
+            return
+        for grad in (self.grad_full, self.grad_shard):
+            if grad is not None:
+                grad.zero_()
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.zero_()
+
+    def in_flight(self) -> list[torch.Tensor]:
+        """The gradient buffers being accumulated into or reduced, and the reduced shard."""
+        tensors = [t for t in (self.staging, self.grad_full, self.grad_shard) if t is not None]
+        if self.pending is not None:
+            tensors += [self.pending.out, self.pending.flat]
+        return tensors
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every gradient tensor of the bucket (for the memory report)."""
+        grads = [self.grad_full, self.spare_grad, self.grad_shard, self.cpu_grad, self.staging]
+        grads += [p.grad for p in self.params]
+        if self.pending is not None:
+            grads += [self.pending.out, self.pending.flat]
+        return [t for t in grads if t is not None]
