@@ -68,7 +68,9 @@ def _prepare(
     )
 
 
-def _shard_sequences(fn: StepFunction, model: DistributedModel, batches: Microbatches) -> Microbatches:
+def _shard_sequences(
+    fn: StepFunction, model: DistributedModel, batches: Microbatches
+) -> Microbatches:
     """Under context parallelism, this CP rank's share of every microbatch's sequences
     (``mpar.context_parallel``); the batches unchanged otherwise."""
     grid = model.grid
