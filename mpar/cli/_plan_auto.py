@@ -19,7 +19,13 @@ __all__ = ["run_auto"]
 
 
 def _options(args: argparse.Namespace) -> tuple[SearchSpace, CostModel]:
-    from mpar.cli._plan import device_kind, link_bandwidth, process_overrides, tp_bandwidth
+    from mpar.cli._plan import (
+        cp_bandwidth,
+        device_kind,
+        link_bandwidth,
+        process_overrides,
+        tp_bandwidth,
+    )
     from mpar.partition import CostModel, SearchSpace
 
     if args.device_memory is None:
@@ -41,10 +47,15 @@ def _options(args: argparse.Namespace) -> tuple[SearchSpace, CostModel]:
         raise ValueError(
             f"--tp {args.tp} must be a positive divisor of --world-size {args.world_size}"
         )
+    if args.cp is not None and (args.cp < 1 or args.world_size % args.cp):
+        raise ValueError(
+            f"--cp {args.cp} must be a positive divisor of --world-size {args.world_size}"
+        )
     cost = CostModel(
         link_bandwidth=link,
         dp_bandwidth=dp,
         tp_bandwidth=tp_bandwidth(args, link),
+        cp_bandwidth=cp_bandwidth(args, link),
         host_bandwidth=host or 10e9,
         mixed_speedup=args.bf16_speedup,
         **process,
@@ -55,13 +66,14 @@ def _options(args: argparse.Namespace) -> tuple[SearchSpace, CostModel]:
         checkpointing=(False,) if args.no_checkpointing else (False, True),
         precisions=("fp32",) if args.no_bf16 else ("fp32", "bf16"),
         tensor_parallel_degrees=None if args.tp is None else (args.tp,),
+        context_parallel_degrees=None if args.cp is None else (args.cp,),
     )
     return space, cost
 
 
 def run_auto(args: argparse.Namespace, profile_fn: Callable[[argparse.Namespace], Profiled]) -> str:
     """Profile once, search, and format the result (table or JSON)."""
-    from mpar.cli._plan import device_kind
+    from mpar.cli._plan import attention_of, device_kind
     from mpar.config import Config
     from mpar.partition import make_plan, plan_inputs, search
     from mpar.partition._plan_inputs import plan_device
@@ -74,7 +86,10 @@ def run_auto(args: argparse.Namespace, profile_fn: Callable[[argparse.Namespace]
         d for d in range(2, args.world_size + 1) if args.world_size % d == 0
     ]
     splits = tp_splits(module, profile, inputs, degrees, required=args.tp)
-    base = plan_inputs(Config(), args.world_size, device=device, tp_splits=splits)
+    attention = attention_of(profile, module, inputs)
+    base = plan_inputs(
+        Config(), args.world_size, device=device, tp_splits=splits, cp_attention=attention
+    )
     base = dataclasses.replace(base, device_memory=parse_bytes(args.device_memory))
     result = search(
         profile,

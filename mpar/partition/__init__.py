@@ -14,6 +14,8 @@ from contextlib import AbstractContextManager
 
 from mpar._size import parse_bytes
 from mpar.partition._cost import CostModel
+from mpar.partition._cp_measure import measure_attention
+from mpar.partition._cp_share import AttentionCall, CPAttention
 from mpar.partition._manual import assigned_stage, manual_boundaries, partition
 from mpar.partition._memory_model import MemoryLayout
 from mpar.partition._methods import parameter_boundaries, uniform_boundaries
@@ -39,6 +41,8 @@ from mpar.partition._split import SplitModel, split_module
 from mpar.profile._units import find_units, unit_modules
 
 __all__ = [
+    "AttentionCall",
+    "CPAttention",
     "Candidate",
     "CostModel",
     "MemoryLayout",
@@ -55,6 +59,7 @@ __all__ = [
     "fit_fixed_times",
     "make_plan",
     "manual_boundaries",
+    "measure_attention",
     "memory_weight_for",
     "min_memory_for",
     "min_stages_for",

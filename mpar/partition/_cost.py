@@ -18,6 +18,8 @@ meta device) and are scaled, per layout, by:
   gathered by chunk (:func:`zero3_gathers_per_step`);
 * tensor parallelism: each unit's TP collectives per microbatch over
   ``tp_bandwidth``, added to its time (``mpar.partition._tp_share``);
+* context parallelism: each unit's attention traffic per microbatch over
+  ``cp_bandwidth``, added to its time (``mpar.partition._cp_share``);
 * offload, over ``host_bandwidth``: gradients to the host and parameters back
   (optimizer offload) plus the host optimizer at ``host_optimizer_rate``
   parameters per second; parameter shards copied in at every gather.
@@ -49,6 +51,9 @@ class CostModel:
     tp_bandwidth: float | None = 10e9
     """Per rank in tensor-parallel collectives (ring all-reduce and all-gather inside a
     TP group, usually one host's links); None leaves them out (``mpar.partition._tp_share``)."""
+    cp_bandwidth: float | None = 10e9
+    """Per rank in context-parallel attention traffic (the ring's K/V steps or the
+    all-to-alls inside a CP group); None leaves it out (``mpar.partition._cp_share``)."""
     host_bandwidth: float = 10e9
     """Device <-> host copies of offloaded state."""
     host_optimizer_rate: float = 1e9
@@ -97,7 +102,7 @@ class CostModel:
                 raise PartitionError(
                     f"{name} must be >= 0 bytes (0 leaves it out), got {getattr(self, name)!r}"
                 )
-        for name in ("link_bandwidth", "dp_bandwidth", "tp_bandwidth"):
+        for name in ("link_bandwidth", "dp_bandwidth", "tp_bandwidth", "cp_bandwidth"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise PartitionError(f"{name} must be > 0 or None, got {value!r}")

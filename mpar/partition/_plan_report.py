@@ -48,6 +48,9 @@ class StagePlan:
     """Kept boundary tensors, send/receive buffers, a gradient bucket, the loss (last stage)."""
     tp_comm_s: float = 0.0
     """Seconds per microbatch of the stage's tensor-parallel collectives (in ``time_s``)."""
+    cp_comm_s: float = 0.0
+    """Seconds per microbatch of the stage's context-parallel attention traffic (in
+    ``time_s``)."""
 
 
 @dataclass
@@ -102,6 +105,15 @@ class Plan:
     """Under a split-backward schedule (zero_bubble, zbv): 1F1B's predicted step over this
     schedule's on the same stages; below 1 the split costs more than the bubble it fills.
     None for other schedules."""
+    context_parallel_degree: int = 1
+    """Ranks that split each sequence; every figure above is one CP rank's
+    (``mpar.partition._cp_share``)."""
+    context_parallel_method: str = ""
+    """"ring" or "all_to_all" (empty at cp = 1)."""
+    cp_bandwidth: float | None = None
+    """Bytes per second per rank of the attention traffic; None when not modelled."""
+    cp_comm_bytes: list[int] = field(default_factory=list)
+    """Per pipeline rank: bytes one CP rank sends for attention per step."""
 
     def to_dict(self) -> PlanDict:
         return asdict(self)
@@ -157,10 +169,11 @@ def _row(s: StagePlan) -> tuple[str, ...]:
 
 def render(plan: Plan) -> str:
     """The plan as the table ``mpar plan`` prints."""
-    tp = plan.tensor_parallel_degree
+    tp, cp = plan.tensor_parallel_degree, plan.context_parallel_degree
     head = (
         f"pipeline plan: {plan.num_ranks} ranks x {plan.virtual_stages} virtual stages, "
         f"{f'tensor parallel x{tp}, ' if tp > 1 else ''}"
+        f"{f'context parallel x{cp} ({plan.context_parallel_method}), ' if cp > 1 else ''}"
         f"{plan.microbatches} microbatches, {plan.pipeline}, method={plan.method}, "
         f"memory_weight={plan.memory_weight:g}"
     )
@@ -175,6 +188,7 @@ def render(plan: Plan) -> str:
     ]
     lines += _gather_note(plan.layout, plan.pipeline)
     lines += _tp_note(plan)
+    lines += _cp_note(plan)
     lines += _host_note(plan)
     lines += _split_note(plan)
     return "\n".join([*lines, "", _summary(plan)])
@@ -215,6 +229,21 @@ def _tp_note(plan: Plan) -> list[str]:
         f"tensor parallel x{tp} ({plan.tp_source}): figures are one TP rank's (split "
         f"parameters and their state 1/{tp}, activations in split regions 1/{tp}); TP "
         f"collectives send {sent} per rank per step over {link} (in each stage's time ms)"
+    ]
+
+
+def _cp_note(plan: Plan) -> list[str]:
+    """What context parallelism does to the figures, when it is on."""
+    cp = plan.context_parallel_degree
+    if cp == 1:
+        return []
+    link = "not modelled" if plan.cp_bandwidth is None else f"{_fmt(plan.cp_bandwidth)}/s"
+    sent = _fmt(max(plan.cp_comm_bytes, default=0))
+    return [
+        f"context parallel x{cp} ({plan.context_parallel_method}): figures are one CP rank's "
+        f"(activations, outputs and per-sample time 1/{cp}; ZeRO shards and gradients "
+        f"reduce over dp x cp = {plan.layout.data_parallel_degree}); attention sends {sent} "
+        f"per rank per step over {link} (in each stage's time ms)"
     ]
 
 

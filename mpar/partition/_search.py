@@ -7,8 +7,16 @@
   without a plan gets ``tp = 1`` only. Each degree is laid out from one TP rank's
   share of the profile (``mpar.partition._tp_share.tp_share``: split parameters and
   activations ``1/tp``, TP collectives added to each unit's time);
-* pipeline degree ``pp``: the divisors of ``world / tp`` (``dp = world / (pp * tp)``;
-  the global batch must split evenly over the ``dp`` replicas);
+* context-parallel degree ``cp``, when the sequence is long (at least
+  ``SearchSpace.min_cp_sequence`` tokens) and the model's attention was found
+  (``PlanInputs.cp_attention``): the divisors of ``world / tp`` that the sequence
+  (``2 cp`` chunks) and, for all-to-all, the heads allow. Each degree is laid out from
+  one CP rank's share (``mpar.partition._cp_share.cp_share``: activations and
+  per-sample time ``1/cp``, attention traffic added to each unit's time, ZeRO over
+  dp x cp). At the same time and memory a candidate without cp is preferred, so cp
+  wins where one sequence's activations overflow the cap and dp cannot help;
+* pipeline degree ``pp``: the divisors of ``world / (tp * cp)`` (``dp = world / (pp *
+  tp * cp)``; the global batch must split evenly over the ``dp`` replicas);
 * microbatches ``m``: the divisors of the per-replica batch, so every microbatch
   has the same whole number of samples;
 * schedule (``interleaved`` 1F1B, ``simple`` GPipe; ``zero_bubble`` and ``zbv`` on
@@ -41,6 +49,7 @@ from typing import TYPE_CHECKING
 from mpar._size import parse_bytes
 from mpar.errors import PartitionError
 from mpar.partition._cost import CostModel
+from mpar.partition._cp_share import cp_refusal, cp_share
 from mpar.partition._plan_inputs import ConfigDict, PlanInputs, config_dict
 from mpar.partition._planner import lay_out, rank_overheads
 from mpar.partition._prediction import lower_bound_s, predict
@@ -76,6 +85,7 @@ TP_REFUSED = "tensor-parallel degree the model's plan refuses (heads or sizes no
 NO_TP_PLAN = "tensor-parallel degree > 1 for a model without a TP plan"
 TP_PP = "pipeline degree that does not divide world / tp"
 ACTIVE = "active_microbatches the schedule cannot run with (above m, or below its least)"
+CP_REFUSED = "context-parallel degree the model cannot split by (sequence, heads, attention)"
 
 Shape = tuple[int, int, int, str, int]
 """(pp, dp, microbatches, pipeline, virtual stages) of a candidate."""
@@ -105,6 +115,14 @@ class SearchSpace:
     tensor_parallel_degrees: tuple[int, ...] | None = None
     """Only these TP degrees (None: every divisor of the world size the model's plan
     accepts; 1 without a plan)."""
+    context_parallel_degrees: tuple[int, ...] | None = None
+    """Only these CP degrees (None: 1, and where the sequence has at least
+    ``min_cp_sequence`` tokens every divisor of ``world / tp`` the model's attention
+    allows)."""
+    min_cp_sequence: int = 2048
+    """Shortest sequence for which context parallelism is searched (without
+    ``context_parallel_degrees``): below it activations rarely dominate and the
+    attention traffic costs more than it saves."""
 
     def __post_init__(self) -> None:
         bad = [p for p in self.pipelines if p not in SEARCHABLE]
@@ -155,6 +173,11 @@ class Candidate:
     def tensor_parallel_degree(self) -> int:
         """Ranks splitting each layer; the memory figures are one TP rank's."""
         return self.inputs.grid.tp
+
+    @property
+    def context_parallel_degree(self) -> int:
+        """Ranks splitting each sequence; the figures are one CP rank's."""
+        return self.inputs.grid.cp
 
     @property
     def virtual_stages(self) -> int:
@@ -222,6 +245,7 @@ class Candidate:
             "device": i.device,
             "host_memory_bytes": list(self.host_memory_bytes),
             "tensor_parallel_degree": i.grid.tp,
+            "context_parallel_degree": i.grid.cp,
             "max_host_memory_bytes": self.max_host_memory_bytes,
         }
 
@@ -246,6 +270,8 @@ class SearchResult:
     """The cap on each rank's host memory (None: none)."""
     tp_degrees: tuple[int, ...] = (1,)
     """The TP degrees searched."""
+    cp_degrees: tuple[int, ...] = (1,)
+    """The CP degrees searched."""
 
     @property
     def best(self) -> Candidate:
@@ -262,6 +288,8 @@ class SearchResult:
             "config": best.config(),
             "tensor_parallel_degree": best.tensor_parallel_degree,
             "tp_degrees": list(self.tp_degrees),
+            "context_parallel_degree": best.context_parallel_degree,
+            "cp_degrees": list(self.cp_degrees),
             "predicted": {
                 "step_time_s": best.step_time_s,
                 "bubble": best.bubble,
@@ -377,7 +405,7 @@ def _runs(base: PlanInputs, shape: Shape) -> bool:
     return cap is None or least_active_microbatches(pipeline, pp, v) <= cap <= m
 
 
-def _inputs(base: PlanInputs, shape: Shape, knobs: Knobs, tp: int) -> PlanInputs:
+def _inputs(base: PlanInputs, shape: Shape, knobs: Knobs, tp: int, cp: int = 1) -> PlanInputs:
     """The run of one candidate: ``base`` (device, its memory, the TP splits, the ZeRO
     gather and bucket, the cap and split backward) with the candidate's knobs, laid
     out for speed under the cap (memory weight 0)."""
@@ -385,7 +413,7 @@ def _inputs(base: PlanInputs, shape: Shape, knobs: Knobs, tp: int) -> PlanInputs
     zero, opt, par, ckpt, precision = knobs
     return dataclasses.replace(
         base,
-        grid=GridShape(pp=pp, dp=dp, tp=tp),
+        grid=GridShape(pp=pp, dp=dp, tp=tp, cp=cp),
         schedule=dataclasses.replace(
             base.schedule, pipeline=pipeline, virtual_stages=v, microbatches=m
         ),
@@ -429,7 +457,7 @@ def _simulate(profile: ModelProfile, c: Candidate, scale: float, cost: CostModel
 
 
 def _rank(
-    profiles: dict[int, ModelProfile],
+    profiles: dict[tuple[int, int], ModelProfile],
     fitting: list[tuple[Candidate, float]],
     top: int,
     cost: CostModel,
@@ -442,7 +470,8 @@ def _rank(
         if len(best) >= top and cand.lower_bound_s > -best[0][0]:
             skipped = len(fitting) - order
             break
-        _simulate(profiles[cand.tensor_parallel_degree], cand, scale, cost)
+        axes = (cand.tensor_parallel_degree, cand.context_parallel_degree)
+        _simulate(profiles[axes], cand, scale, cost)
         key = (-(cand.step_time_s or 0.0), -cand.max_rank_memory_bytes, -order, cand)
         if len(best) < top:
             heapq.heappush(best, key)
@@ -455,6 +484,7 @@ def _preference(c: Candidate) -> tuple[float, ...]:
     """Faster first; at equal time (to 1e-9) the smaller peak, then the simpler layout."""
     time = float(f"{c.step_time_s or 0.0:.9g}")
     features = (
+        c.context_parallel_degree,
         c.tensor_parallel_degree,
         c.zero_stage,
         c.offload_optimizer + c.offload_params,
@@ -501,22 +531,26 @@ def search(
     fitting: list[tuple[Candidate, float]] = []
     evaluated = 0
     splits = inputs.tp_splits or TPSplits.none()
-    profiles: dict[int, ModelProfile] = {}
-    for tp in _tp_degrees(world_size, space, splits, reject):
-        tp_space = _space_for(space, world_size // tp, reject)
-        if tp_space is None:
+    profiles: dict[tuple[int, int], ModelProfile] = {}
+    for tp, cp in _inner_degrees(world_size, space, inputs, splits, reject):
+        inner_space = _space_for(space, world_size // (tp * cp), reject)
+        if inner_space is None:
             continue
-        profiles[tp] = tp_profile = tp_share(profile, splits, tp)
-        for shape in _shapes(len(profile.units), world_size // tp, global_batch, tp_space, reject):
+        share = cp_share(
+            tp_share(profile, splits, tp), inputs.cp_attention, cp, _method(inputs), tp
+        )
+        profiles[tp, cp] = share
+        world = world_size // (tp * cp)
+        for shape in _shapes(len(profile.units), world, global_batch, inner_space, reject):
             if not _runs(inputs, shape):
                 reject[ACTIVE] += 1
                 continue
             size = global_batch // shape[1] // shape[2]
-            for knobs in _knobs(shape[1], space, reject, inputs.device):
+            for knobs in _knobs(shape[1] * cp, space, reject, inputs.device):
                 evaluated += 1
                 scale = size / profile_batch
-                run = _inputs(inputs, shape, knobs, tp)
-                cand = _evaluate(tp_profile, run, size, scale, cost)
+                run = _inputs(inputs, shape, knobs, tp, cp)
+                cand = _evaluate(share, run, size, scale, cost)
                 if cand is None:
                     reject[OVER_CAP] += 1
                 elif _over_host(cand, host_cap):
@@ -530,7 +564,8 @@ def search(
     return SearchResult(
         ranked, dict(reject), evaluated, count, world_size, global_batch,
         inputs.device_memory or 0, profile_batch, cost, space, device=inputs.device,
-        host_memory=host_cap, tp_degrees=tuple(profiles),
+        host_memory=host_cap, tp_degrees=tuple(sorted({t for t, _ in profiles})),
+        cp_degrees=tuple(sorted({c for _, c in profiles})),
         notes=_tp_notes(world_size, space, splits),
     )  # fmt: skip
 
@@ -564,6 +599,7 @@ def space_around(inputs: PlanInputs, auto: Collection[str]) -> SearchSpace:
         virtual_stage_choices=None if "virtual_stages" in auto else (s.virtual_stages,),
         microbatch_choices=None if "microbatches" in auto else (s.microbatches,),
         tensor_parallel_degrees=(inputs.grid.tp,),
+        context_parallel_degrees=(inputs.grid.cp,),
     )
 
 
@@ -583,6 +619,40 @@ def _tp_degrees(
         else:
             reject[TP_REFUSED if tp in splits.refused else NO_TP_PLAN] += 1
     return out
+
+
+def _method(inputs: PlanInputs) -> str:
+    return inputs.context_parallel_method
+
+
+def _inner_degrees(
+    world: int, space: SearchSpace, inputs: PlanInputs, splits: TPSplits, reject: Counter[str]
+) -> list[tuple[int, int]]:
+    """(tp, cp) pairs to search: TP degrees the plan accepts, each with the CP degrees
+    that divide what it leaves of ``world`` and that the attention allows."""
+    out = []
+    for tp in _tp_degrees(world, space, splits, reject):
+        for cp in _cp_degrees(world // tp, space, inputs, tp):
+            why = cp_refusal(inputs.cp_attention, cp, _method(inputs), tp)
+            if why is None:
+                out.append((tp, cp))
+            else:
+                reject[CP_REFUSED] += 1
+    return out
+
+
+def _cp_degrees(world: int, space: SearchSpace, inputs: PlanInputs, tp: int) -> list[int]:
+    if space.context_parallel_degrees is not None:
+        for cp in space.context_parallel_degrees:
+            if world % cp:
+                raise PartitionError(
+                    f"context-parallel degree {cp} does not divide the world size / tp {world}"
+                )
+        return list(space.context_parallel_degrees)
+    attention = inputs.cp_attention
+    if attention is None or attention.sequence < space.min_cp_sequence:
+        return [1]
+    return _divisors(world)
 
 
 def _space_for(space: SearchSpace, world: int, reject: Counter[str]) -> SearchSpace | None:
@@ -634,13 +704,20 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.2f}"
 
 
-def _row(rank: int, c: Candidate) -> tuple[str, ...]:
+def _grid_label(c: Candidate, with_cp: bool) -> str:
+    axes = [c.pipeline_parallel_degree, c.data_parallel_degree, c.tensor_parallel_degree]
+    if with_cp:
+        axes.insert(2, c.context_parallel_degree)
+    return "x".join(str(a) for a in axes)
+
+
+def _row(rank: int, c: Candidate, with_cp: bool = False) -> tuple[str, ...]:
     offload = "+".join(
         n for n, on in (("opt", c.offload_optimizer), ("param", c.offload_params)) if on
     )
     return (
         str(rank),
-        f"{c.pipeline_parallel_degree}x{c.data_parallel_degree}x{c.tensor_parallel_degree}",
+        _grid_label(c, with_cp),
         str(c.virtual_stages),
         f"{c.microbatches}x{c.microbatch_size}",
         c.pipeline,
@@ -663,10 +740,11 @@ def render(result: SearchResult) -> str:
         f"({result.device}{host}), global batch {result.global_batch}; "
         f"{result.evaluated} layouts evaluated, {result.fitting} fit"
     )
+    with_cp = result.cp_degrees != (1,)
     rows = [
-        ("#", "pp x dp x tp", "v", "m x size", "schedule", "zero", "offload", "ckpt", "precision",
+        ("#", "pp x dp x cp x tp" if with_cp else "pp x dp x tp", "v", "m x size", "schedule", "zero", "offload", "ckpt", "precision",
          "step ms", "bubble", "peak GiB", "host GiB"),
-        *(_row(i + 1, c) for i, c in enumerate(result.ranked)),
+        *(_row(i + 1, c, with_cp) for i, c in enumerate(result.ranked)),
     ]  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [head, ""]
@@ -680,7 +758,7 @@ def render(result: SearchResult) -> str:
     lines += [
         "",
         f"cost model: links {cost.link_bandwidth}, dp {cost.dp_bandwidth}, tp "
-        f"{cost.tp_bandwidth}, host "
+        f"{cost.tp_bandwidth}, {f'cp {cost.cp_bandwidth}, ' if with_cp else ''}host "
         f"{cost.host_bandwidth} B/s; bf16 speedup x{cost.mixed_speedup:g}; profiled at "
         f"{result.profile_batch} sample(s) per microbatch, scaled linearly",
         _where_note(result.device),
