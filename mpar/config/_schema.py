@@ -398,12 +398,6 @@ class Config:
                 "config key 'offload_activations' is true but 'activation_checkpointing' is off; "
                 "offloading keeps checkpointed activations, so turn checkpointing on"
             )
-        if self.auto_keys and self.context_parallel_degree > 1:
-            raise ConfigError(
-                f"config keys {list(self.auto_keys)} are 'auto' with context_parallel_degree "
-                f"{self.context_parallel_degree}: the planner does not model context "
-                "parallelism yet; give those keys values"
-            )
         if self.auto_keys and self.device_memory is None:
             raise ConfigError(
                 f"config keys {list(self.auto_keys)} are 'auto' but 'device_memory' is not set"

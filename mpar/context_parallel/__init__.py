@@ -12,17 +12,29 @@ Public: :func:`position_ids`, for a model that computes its positions itself.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from mpar._cp_context import CPContext
 from mpar.comm._cp_ops import cp_position_ids
-from mpar.context_parallel._attention import FOUND, check_heads, install_hf, replace_sdpa
+from mpar.context_parallel._attention import (
+    FOUND,
+    check_heads,
+    hf_sdpa,
+    install_hf,
+    replace_sdpa,
+)
 from mpar.context_parallel._combine import combine
 from mpar.context_parallel._shard import CallPlan, prepare_call, shard_microbatch
 from mpar.errors import ContextParallelError
+
+if TYPE_CHECKING:
+    from mpar.partition import CPAttention
+    from mpar.profile import ModelProfile
 
 __all__ = [
     "FOUND",
@@ -32,6 +44,7 @@ __all__ = [
     "check_heads",
     "combine",
     "install_hf",
+    "measure_cp_attention",
     "position_ids",
     "prepare_call",
     "replace_sdpa",
@@ -69,6 +82,24 @@ def shard_batches(
         out_kwargs.append(k2)
         contexts.append(context)
     return out_args, out_kwargs, contexts
+
+
+def measure_cp_attention(
+    module: nn.Module,
+    profile: ModelProfile,
+    example: tuple[Sequence[object], Mapping[str, object]],
+    profiled_cp: int = 1,
+) -> CPAttention:
+    """Where ``module`` attends at the ``example`` inputs the ``profile`` was taken at, for
+    the planner (``mpar.partition.measure_attention``; a Hugging Face model attends
+    through ``scaled_dot_product_attention`` meanwhile). ``profiled_cp``: the CP degree
+    the example's sequences are already cut by (the runtime profiles a CP rank's)."""
+    from mpar.partition import measure_attention
+
+    args, kwargs = example
+    with hf_sdpa(module):
+        found = measure_attention(module, profile.units, args, kwargs, fake=profile.mode == "meta")
+    return dataclasses.replace(found, profiled_cp=profiled_cp)
 
 
 def check_found(found: int, module: nn.Module) -> None:

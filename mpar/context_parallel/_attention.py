@@ -23,6 +23,8 @@ with none gets :class:`~mpar.errors.ContextParallelError`.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -43,6 +45,7 @@ __all__ = [
     "HF_NAMES",
     "attend",
     "check_heads",
+    "hf_sdpa",
     "install_hf",
     "replace_sdpa",
     "sdpa_all_to_all",
@@ -184,6 +187,21 @@ def _configs(module: nn.Module) -> list[Any]:
 def is_hf(module: nn.Module) -> bool:
     """Whether ``module`` chooses its attention through Hugging Face's interface."""
     return bool(_configs(module))
+
+
+@contextmanager
+def hf_sdpa(module: nn.Module) -> Iterator[None]:
+    """Hugging Face models in ``module`` attend through ``scaled_dot_product_attention``
+    inside (what ``mpar.partition.measure_attention`` sees); restored after."""
+    configs = _configs(module)
+    saved = [c._attn_implementation for c in configs]
+    for config in configs:
+        config._attn_implementation = "sdpa"
+    try:
+        yield
+    finally:
+        for config, implementation in zip(configs, saved):
+            config._attn_implementation = implementation
 
 
 def install_hf(module: nn.Module, method: str) -> bool:

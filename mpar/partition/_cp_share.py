@@ -78,6 +78,11 @@ class CPAttention:
     calls: Mapping[str, tuple[AttentionCall, ...]] = field(default_factory=dict)
     sequence: int = 0
     """Tokens per sequence of the profiled microbatch (the axis CP cuts)."""
+    profiled_cp: int = 1
+    """The CP degree the profiled sequences were already cut by: 1 for a profile of
+    whole sequences (``mpar plan``, the ``"auto"`` search), ``cp`` for the runtime's
+    partition, which profiles one CP rank's tokens. :func:`cp_share` divides what
+    remains and counts the traffic of the whole sequence."""
 
     @property
     def found(self) -> bool:
@@ -90,8 +95,11 @@ def cp_refusal(attention: CPAttention | None, cp: int, method: str, tp: int = 1)
         return None
     if attention is None or not attention.found:
         return "no attention mpar can find (scaled_dot_product_attention or Hugging Face's)"
-    if attention.sequence % (2 * cp):
-        return f"the sequence length {attention.sequence} does not divide by 2 x cp = {2 * cp}"
+    whole = attention.sequence * attention.profiled_cp
+    if whole % (2 * cp):
+        return f"the sequence length {whole} does not divide by 2 x cp = {2 * cp}"
+    if cp % attention.profiled_cp:
+        return f"the profile is of sequences cut by cp {attention.profiled_cp}, not a divisor"
     if method == "all_to_all":
         heads = {c.q_heads // tp for calls in attention.calls.values() for c in calls}
         bad = sorted(h for h in heads if h % cp)
@@ -100,11 +108,13 @@ def cp_refusal(attention: CPAttention | None, cp: int, method: str, tp: int = 1)
     return None
 
 
-def _call_bytes(call: AttentionCall, cp: int, method: str, tp: int) -> tuple[float, float]:
+def _call_bytes(
+    call: AttentionCall, cp: int, method: str, tp: int, profiled_cp: int = 1
+) -> tuple[float, float]:
     """(compute-dtype, float32) bytes one rank sends for ``call`` per microbatch, at the
     profile's 4 bytes an element."""
     hq, hkv = call.q_heads // tp, max(call.kv_heads // tp, 1)
-    per_head = 4.0 * call.tokens * call.head_dim  # fp32 bytes of one head's whole sequence
+    per_head = 4.0 * call.tokens * profiled_cp * call.head_dim  # one head, whole sequences
     if method == "ring":
         kv = 2 * hkv * per_head
         return 2 * (cp - 1) / cp * kv, kv
@@ -114,17 +124,18 @@ def _call_bytes(call: AttentionCall, cp: int, method: str, tp: int) -> tuple[flo
 
 
 def _unit_share(
-    unit: UnitProfile, calls: tuple[AttentionCall, ...], cp: int, method: str, tp: int
+    unit: UnitProfile, calls: tuple[AttentionCall, ...], cp: int, method: str, tp: int, done: int
 ) -> UnitProfile:
-    moved = [_call_bytes(c, cp, method, tp) for c in calls]
+    moved = [_call_bytes(c, cp, method, tp, done) for c in calls]
+    k = cp // done  # what is left to divide of a profile of sequences cut by ``done``
     return dataclasses.replace(
         unit,
-        flops=unit.flops // cp,
-        time_s=unit.fixed_time_s + (unit.time_s - unit.fixed_time_s) / cp,
-        activation_bytes=unit.activation_bytes // cp,
-        output_bytes=unit.output_bytes // cp,
-        weight_work_bytes=unit.weight_work_bytes // cp,
-        tp_comm_bytes=unit.tp_comm_bytes // cp,
+        flops=unit.flops // k,
+        time_s=unit.fixed_time_s + (unit.time_s - unit.fixed_time_s) / k,
+        activation_bytes=unit.activation_bytes // k,
+        output_bytes=unit.output_bytes // k,
+        weight_work_bytes=unit.weight_work_bytes // k,
+        tp_comm_bytes=unit.tp_comm_bytes // k,
         cp_comm_bytes=int(sum(m for m, _ in moved)),
         cp_comm_fp32_bytes=int(sum(g for _, g in moved)),
     )
@@ -152,7 +163,8 @@ def cp_share(
         raise PartitionError(f"context_parallel_degree {cp} cannot be planned: {why}")
     if cp == 1 or attention is None:
         return profile
-    units = [_unit_share(u, tuple(attention.calls.get(u.name, ())), cp, method, tp) for u in profile.units]  # fmt: skip
+    done = attention.profiled_cp
+    units = [_unit_share(u, tuple(attention.calls.get(u.name, ())), cp, method, tp, done) for u in profile.units]  # fmt: skip
     return dataclasses.replace(profile, units=units)
 
 

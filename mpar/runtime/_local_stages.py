@@ -19,6 +19,7 @@ the split.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -37,8 +38,9 @@ from mpar.tensor_parallel import TPLayout, apply_layout
 
 if TYPE_CHECKING:
     from mpar.config import Config
-    from mpar.partition import Plan, PlanInputs
+    from mpar.partition import CPAttention, Plan, PlanInputs
     from mpar.partition._tp_share import TPSplits
+    from mpar.profile import ModelProfile
     from mpar.topology import Grid
 
 __all__ = ["LocalStages", "build_local_stages", "planner_inputs"]
@@ -65,14 +67,44 @@ class LocalStages:
 
 
 def planner_inputs(
-    config: Config, grid: Grid, device: torch.device, tp_splits: TPSplits | None = None
+    config: Config,
+    grid: Grid,
+    device: torch.device,
+    tp_splits: TPSplits | None = None,
+    cp_attention: CPAttention | None = None,
 ) -> PlanInputs:
     """What the partition and the ``"auto"`` search plan for: ``config`` on this job's
-    ``grid`` (``ProcessGrid.topology``) and ``device``, with the model's TP splits."""
+    ``grid`` (``ProcessGrid.topology``) and ``device``, with the model's TP splits and,
+    under context parallelism, where it attends. Where no attention was measured (the
+    runtime refuses such a model at its first step) the CP ranks are planned as data
+    parallel ones: the same sharding, no attention traffic."""
     from mpar.partition import plan_inputs
     from mpar.partition._plan_inputs import plan_device
 
-    return plan_inputs(config, grid.shape, device=plan_device(device.type), tp_splits=tp_splits)
+    kind = plan_device(device.type)
+    inputs = plan_inputs(config, grid.shape, device=kind, tp_splits=tp_splits)
+    shape = inputs.grid
+    if shape.cp == 1:
+        return inputs
+    if cp_attention is None or not cp_attention.found:
+        folded = dataclasses.replace(shape, dp=shape.dp * shape.cp, cp=1)
+        return dataclasses.replace(inputs, grid=folded)
+    return dataclasses.replace(inputs, cp_attention=cp_attention)
+
+
+def cp_attention_of(
+    module: nn.Module,
+    profile: ModelProfile,
+    example: tuple[tuple[Any, ...], dict[str, Any]],
+    grid: Grid,
+    profiled_cp: int,
+) -> CPAttention | None:
+    """Under context parallelism, where the profiled model attends (else None)."""
+    if grid.cp_size == 1:
+        return None
+    from mpar.context_parallel import measure_cp_attention
+
+    return measure_cp_attention(module, profile, example, profiled_cp)
 
 
 def _decide_boundaries(
@@ -82,6 +114,7 @@ def _decide_boundaries(
     units: list[str],
     st: State,
     tp: TPLayout | None = None,
+    profiled_cp: int = 1,
 ) -> tuple[list[int], Plan | None]:
     from mpar.partition import make_plan, manual_boundaries
     from mpar.profile import profile_mode, profile_model
@@ -113,7 +146,9 @@ def _decide_boundaries(
     profile = profile_model(module, args, kwargs, units=units, repeats=3, warmup=1, mode=mode)
     module.zero_grad(set_to_none=True)
     splits = None if tp is None else measure_tp_splits(module, profile, tp, (args, kwargs))
-    plan = make_plan(profile, planner_inputs(cfg, st.grid.topology, st.device, splits))
+    grid = st.grid.topology
+    attention = cp_attention_of(module, profile, (args, kwargs), grid, profiled_cp)
+    plan = make_plan(profile, planner_inputs(cfg, grid, st.device, splits, attention))
     return list(plan.boundaries), plan
 
 
@@ -169,13 +204,15 @@ def build_local_stages(
     dynamic_axes: Sequence[int] = (0,),
     tp: TPLayout | None = None,
     capture_whole: bool = False,
+    profiled_cp: int = 1,
 ) -> LocalStages:
     """Partition ``module`` (identically on every rank) and keep this rank's stages;
     traced stages accept any size of the ``dynamic_axes`` of their inputs. With a
     tensor-parallel layout ``tp``, the model is profiled and partitioned whole, then
     made this rank's TP share before it is split into stages. ``capture_whole``: one
     stage is captured as a graph too (context parallelism replaces calls in it), not
-    run as the module itself."""
+    run as the module itself. ``profiled_cp``: the CP degree the example's sequences
+    are cut by already (the first step's: ``cp``; example inputs: 1)."""
     num_stages = st.config.num_stages
     meta = _has_meta(module)  # tensors get storage later, on this rank's share only
     if num_stages == 1 and not capture_whole:
@@ -206,7 +243,8 @@ def build_local_stages(
     decision: Any = ("ok", [0], None) if num_stages == 1 else None
     if decision is None and st.layout.rank == 0:
         try:
-            decision = ("ok", *_decide_boundaries(module, args, kwargs, units, st, tp))
+            decided = _decide_boundaries(module, args, kwargs, units, st, tp, profiled_cp)
+            decision = ("ok", *decided)
         except Exception as exc:  # every rank must learn of the failure, not hang
             decision = ("error", exc, None)
     if num_stages > 1:

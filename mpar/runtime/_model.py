@@ -212,7 +212,9 @@ class DistributedModel:
     def partitioned(self) -> bool:
         return self.stages is not None
 
-    def _partition(self, args: Args, kwargs: Kwargs) -> None:
+    def _partition(self, args: Args, kwargs: Kwargs, profiled_cp: int = 1) -> None:
+        """Partition from one microbatch's inputs, their sequences already cut by
+        ``profiled_cp`` (the first step's: this rank's share; example inputs: whole)."""
         from mpar.meta import start_materialize
 
         st = self._run
@@ -225,6 +227,7 @@ class DistributedModel:
             dynamic_axes=self.dynamic_axes,
             tp=self.tp_layout,
             capture_whole=self.cp_calls is not None and not self._cp_hf,
+            profiled_cp=profiled_cp,
         )
         if self.cp_calls is not None:
             self._replace_attention(self.stages)
@@ -267,7 +270,7 @@ class DistributedModel:
     def ensure_partitioned(self, fn: StepFunction, batches: Microbatches) -> None:
         if self.stages is None:
             args, kwargs = self.capture(fn, batches, 0)
-            self._partition(args, kwargs)
+            self._partition(args, kwargs, self.grid.cp_size)
 
     @property
     def plan(self) -> Plan | _ManualPlan | None:

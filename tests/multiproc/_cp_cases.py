@@ -188,6 +188,7 @@ def train(
         "state": model.state_dict(),
         "logits": outs,
         "cp": (mpar.cp_rank(), mpar.cp_size()),
+        "microbatches": model.config.microbatches,
         "tp_shards": {} if model.tp_layout is None else dict(model.tp_layout.shards),
         "tp_rank": mpar.tp_rank(),
     }

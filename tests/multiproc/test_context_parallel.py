@@ -41,11 +41,16 @@ def _run_each(world, jobs):
 def test_cp2_hugging_face_and_packed_documents():
     """Llama by the ring, with its logits gathered in sequence order; Qwen2 by the
     all-to-all on documents packed in each row (position_ids restarting: a causal mask
-    per document, the layout balanced per document)."""
+    per document, the layout balanced per document); Llama again with its microbatches
+    'auto', resolved by the planner with cp at the first step."""
     ring = {"cp": 2}
     all_to_all = {"cp": 2, "context_parallel_method": "all_to_all"}
-    results = _run_each(2, [(ring, "llama", "plain"), (all_to_all, "qwen2", "packed")])
+    auto = {"cp": 2, "microbatches": "auto", "device_memory": "4GiB"}
+    jobs = [(ring, "llama", "plain"), (all_to_all, "qwen2", "packed"), (auto, "llama", "plain")]
+    results = _run_each(2, jobs)
     assert [r[0]["cp"] for r in results] == [(0, 2), (1, 2)]
+    resolved = {r[2]["microbatches"] for r in results}  # the same on every rank
+    assert len(resolved) == 1 and cases.BATCH % resolved.pop() == 0
 
 
 def test_cp2_with_pipeline_and_with_zero3_offload():
