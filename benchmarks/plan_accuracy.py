@@ -33,6 +33,7 @@ same model and compares their predicted and measured step-time order.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -85,6 +86,9 @@ class Layout:
     raw: dict[str, Any] | None = None
     """A whole mpar config (an auto plan's) instead of the fields above."""
     name: str = ""
+    cp: int = 1
+    """``context_parallel_degree``: the ranks of a CP group split each sequence."""
+    cp_method: str = "ring"
 
     def label(self) -> str:
         if self.name:
@@ -96,9 +100,10 @@ class Layout:
         off = f" offload={self.offload}" if self.offload else ""
         spec = "".join(f" {k}={v}" for k, v in self.spec.items())
         prof = f" profiled@{self.profile_batch}" if self.profile_batch else ""
+        cp = f" x cp{self.cp} {self.cp_method}" if self.cp > 1 else ""
         return (
-            f"pp{self.pp} x dp{self.dp} z{self.zero}{ck} m{self.microbatches}{v} {self.pipeline}"
-            f"{g}{prec}{off}{spec}{prof}"
+            f"pp{self.pp} x dp{self.dp}{cp} z{self.zero}{ck} m{self.microbatches}{v} "
+            f"{self.pipeline}{g}{prec}{off}{spec}{prof}"
         )
 
     def config(self) -> dict[str, Any]:
@@ -119,9 +124,26 @@ class Layout:
             "memory_weight": 0.0,
             "bf16": self.precision == "bf16",
             "fp16": self.precision == "fp16",
+            "context_parallel_degree": self.cp,
+            "context_parallel_method": self.cp_method,
             **self.extra,
         }
 
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.cp
+
+
+LONG = {"vocab": 1024, "layers": 4, "seq": 2048, "batch": 2}
+"""Long sequences for the context-parallel rows: 2 x 2048 tokens a step."""
+
+CP_ROWS = [
+    Layout(1, 1, 0, microbatches=1, spec=LONG),
+    Layout(1, 1, 0, microbatches=1, spec=LONG, cp=2),
+    Layout(1, 1, 0, microbatches=1, spec=LONG, cp=2, cp_method="all_to_all"),
+    Layout(2, 1, 0, microbatches=2, spec=LONG, cp=2),
+    Layout(1, 1, 1, microbatches=1, spec=LONG, cp=4),
+]
 
 ISSUE_MODEL = {"vocab": 32000, "layers": 8}
 """Issue 27's model: a 23M-parameter GPT-style TinyGPT with a 32000-token vocabulary
@@ -156,6 +178,8 @@ GRID = [
     Layout(1, 4, 3, microbatches=1, precision="bf16", spec=ISSUE_MODEL),
     Layout(1, 2, 0, profile_batch=8),  # microbatches of 2 samples
     Layout(1, 2, 1, True, profile_batch=1, precision="bf16"),
+    # context parallelism on long sequences (activations dominate), cp 1 beside it
+    *CP_ROWS,
 ]
 
 
@@ -258,14 +282,18 @@ def _pp1_plan(spec: Spec, layout: Layout, x: Any) -> Any:
     resolved config, profiled at ``layout.profile_batch`` samples (default: the
     microbatch's) and scaled to the microbatch."""
     import mpar
-    from mpar.partition import make_plan, plan_inputs
+    from mpar.partition import make_plan, measure_attention, plan_inputs
     from mpar.profile import profile_model
 
     config = mpar.config()
+    model = _model(spec)
     inputs = plan_inputs(config, mpar.size(), device="cpu")
     mb = spec.batch // inputs.grid.dp // config.microbatches
     profiled = layout.profile_batch or mb
-    profile = profile_model(_model(spec), (x[:profiled],), repeats=3, warmup=1)
+    profile = profile_model(model, (x[:profiled],), repeats=3, warmup=1)
+    if inputs.grid.cp > 1:  # whole sequences profiled: the plan takes one CP rank's share
+        found = measure_attention(model, profile.units, (x[:profiled],))
+        inputs = dataclasses.replace(inputs, cp_attention=found)
     return make_plan(profile, inputs, microbatch_scale=mb / profiled, microbatch_size=mb)
 
 
@@ -390,7 +418,7 @@ def _launch_once(spec: Spec, layout: Layout, args: argparse.Namespace) -> dict[s
         OMP_NUM_THREADS=str(args.threads),
         PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH", "")])),
     )
-    world = layout.pp * layout.dp
+    world = layout.world
     with tempfile.TemporaryDirectory(prefix="mpar-plan-acc-") as tmp:
         cmd = [sys.executable, "-m", "mpar", "launch", "--nproc-per-node", str(world)]
         cmd += [str(Path(__file__).resolve()), "--worker", json.dumps(asdict(layout))]
@@ -616,6 +644,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--auto-only", action="store_true", help="only the top-3 check")
     p.add_argument("--auto-repeats", type=int, default=3, help="runs per top-3 candidate")
     p.add_argument("--quick", action="store_true", help="small model, 2 layouts")
+    p.add_argument("--cp", action="store_true", help="only the context-parallel rows")
     p.add_argument("--budget", action="store_true", help="also run --auto's picks under caps")
     p.add_argument("--budget-only", action="store_true", help="only the budget check")
     p.add_argument("--caps", type=int, nargs="*", default=[150, 200, 300], help="MiB")
@@ -756,6 +785,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     spec = Spec(vocab=512, d_model=64, layers=4, heads=4, seq=32, batch=8) if args.quick else Spec()
     grid = GRID[:2] if args.quick else [GRID[i] for i in args.only] if args.only else GRID
+    grid = CP_ROWS if args.cp else grid
     grid = [] if args.auto_only or args.budget_only else grid
     rows, load = [], [os.getloadavg()[0]]
     report: dict[str, Any] = {"spec": asdict(spec), "rows": rows}
@@ -779,7 +809,7 @@ def main(argv: list[str] | None = None) -> int:
     old = json.loads(old_file.read_text()) if old_file.exists() else {}
     if (args.auto_only or args.budget_only) and old:  # keep the grid
         report["rows"], report["meta"] = old["rows"], old["meta"]
-    elif args.only and old:  # replace the rows run, keep the others
+    elif (args.only or args.cp) and old:  # replace the rows run, keep the others
         by_label = {r["layout"]: r for r in old.get("rows", [])}
         by_label.update({r["layout"]: r for r in rows})
         order = [g.label() for g in GRID]
