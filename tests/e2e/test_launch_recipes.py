@@ -117,7 +117,7 @@ def test_slurm_recipe_expands_to_one_srun(tmp_path: Path) -> None:
     # Run the batch script with stand-ins for scontrol and srun that record what they get.
     bin_dir, record = tmp_path / "bin", tmp_path / "srun.json"
     bin_dir.mkdir()
-    _fake_tool(bin_dir, "scontrol", "print('gpu07'); print('gpu08')\n")
+    _fake_tool(bin_dir, "scontrol", "import sys; sys.stdout.write('gpu07\\ngpu08\\n')\n")
     _fake_tool(
         bin_dir,
         "srun",

@@ -246,7 +246,16 @@ def test_a_cap_on_microbatches_in_flight_is_counted(pipeline, cap, held):
     assert max(s.in_flight for s in free.stages) > held
     for before, after in zip(free.stages, capped.stages):
         assert after.activation_bytes * before.in_flight == before.activation_bytes * held
-    assert max(capped.rank_memory_bytes) < max(free.rank_memory_bytes)
+    # every rank whose schedule held more than the cap holds less (which rank peaks
+    # follows the measured split, so compare rank by rank)
+    lowered = [
+        after < before
+        for before, after, stage in zip(
+            free.rank_memory_bytes, capped.rank_memory_bytes, free.stages, strict=True
+        )
+        if stage.in_flight > held
+    ]
+    assert lowered and all(lowered)
     fwd, bwd = phase_times(capped.stages, False, CostModel())
     schedule = build_schedule(pipeline, 2, 8, active_microbatches=cap)
     expected = simulate(schedule, StageCosts(fwd, bwd)).makespan
