@@ -71,6 +71,7 @@ __all__ = [
     "set_threads",
     "storage_key",
     "synchronize",
+    "takes_objects",
     "to_device",
     "wait_copies",
     "wire_device",
@@ -236,6 +237,13 @@ def group_backends(backend: str) -> tuple[str, str]:
 
         return "gloo", "xla"
     return backend, backend
+
+
+def takes_objects(backend: str) -> bool:
+    """Whether a process group of ``backend`` takes torch's object collectives
+    (``broadcast_object_list``, ``all_gather_object``): gloo, nccl and mpi do, torch_xla's
+    does not."""
+    return backend in ("gloo", "nccl", "mpi")
 
 
 def mesh_device_type(backend: str) -> str | None:

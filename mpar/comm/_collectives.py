@@ -8,6 +8,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from mpar import _device
 from mpar.comm import _staging
 from mpar.comm._grid import ProcessGrid
 from mpar.comm._progress import Waiting, WatchedWork, watched
@@ -22,6 +23,7 @@ __all__ = [
     "all_reduce_pp",
     "barrier",
     "broadcast_object_world",
+    "gather_step_outputs",
     "group_size",
     "world_all_reduce",
 ]
@@ -85,6 +87,46 @@ def all_gather_object_world(obj: T, grid: ProcessGrid) -> list[T]:
 def all_gather_object_pp(obj: T, grid: ProcessGrid) -> list[T]:
     """Every pipeline stage's ``obj`` (this rank's pipeline), in stage order."""
     return _all_gather_object(obj, grid.pp_group, grid.pp_size)
+
+
+def gather_step_outputs(own: T | None, last: int, grid: ProcessGrid) -> list[T]:
+    """Every data-parallel replica's step outputs, in replica order, on every rank.
+
+    ``own``: this rank's replica's outputs where it holds the last stage (pipeline
+    rank ``last``), else None. With tensor parallelism TP rank 0's are the replica's
+    (broadcast over the last stage's TP group). They are broadcast within each
+    pipeline from the last stage's rank, then all-gathered over the data-parallel
+    group (over every rank where that group takes no objects: XLA's): two collectives
+    (three with TP), no message between every pair of ranks.
+    """
+    value: object = own
+    if grid.tp_size > 1 and grid.pp_rank == last and _objects(grid.tp_group):
+        # TP rank 0's are the replica's (a vocabulary-parallel head splits them)
+        value = _broadcast_object(
+            value, grid.rank_of(last, grid.dp_rank, 0, grid.cp_rank), grid.tp_group
+        )
+    if grid.pp_size > 1:  # (each CP rank's pipeline: the CP group's outputs are combined)
+        src = grid.rank_of(last, grid.dp_rank, grid.tp_rank, grid.cp_rank)
+        value = _broadcast_object(value, src, grid.pp_group)
+    group: ProcessGroup | None = grid.dp_group
+    size = grid.dp_size
+    if size > 1 and not _objects(grid.dp_group):
+        group, size = None, grid.world_size  # (the world group is gloo there)
+    entries = _all_gather_object((grid.pp_rank, grid.tp_rank, grid.dp_rank, value), group, size)
+    mine = [e for e in entries if e[:2] == (grid.pp_rank, grid.tp_rank)]
+    return [e[3] for e in sorted(mine, key=lambda e: e[2])]  # type: ignore[misc]
+
+
+def _broadcast_object(obj: object, src: int, group: ProcessGroup) -> object:
+    box = [obj]
+    with Waiting(("collective", "broadcast_object (step outputs)", group)):
+        dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def _objects(group: ProcessGroup) -> bool:
+    """Whether ``group`` takes torch's object collectives."""
+    return _device.takes_objects(str(dist.get_backend(group)))
 
 
 def all_gather_object_tp(obj: T, grid: ProcessGrid) -> list[T]:

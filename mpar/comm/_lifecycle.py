@@ -31,6 +31,7 @@ from mpar.comm import _abort, _process_state, _watchdog
 from mpar.comm._consistency import check_same_config
 from mpar.comm._cp_ops import CP_GROUP, clear_cp_groups, cp_groups_cleared, register_cp_group
 from mpar.comm._grid import ProcessGrid, build_process_grid
+from mpar.comm._nccl_rules import NcclRules
 from mpar.comm._p2p import Links
 from mpar.comm._process_layout import Layout, detect_layout
 from mpar.comm._progress import PROGRESS, RECENT, Waiting
@@ -228,6 +229,7 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
         )
         _watchdog.start(layout, resolved.timeout_s, resolved.trace, _GENERATION)
     st = State(config=resolved, layout=layout, grid=grid, device=device, backend=backend)
+    st.p2p_links.rules = _nccl_rules(st, world_backend)
     st.p2p_links.shared = _shared_memory(st, world_backend)
     _SESSION = Session(st, owns_process_group=owns)
     if not _EXIT_HOOKED:
@@ -235,6 +237,20 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
         sys.excepthook = _mark_failed
         _EXIT_HOOKED = True
     return resolved
+
+
+def _nccl_rules(st: State, world_backend: str) -> NcclRules | None:
+    """The NCCL-rules test transport (config key ``nccl_rules``), on a gloo group of its
+    own over every rank (collective: every rank makes it)."""
+    if not st.config.nccl_rules or st.layout.world_size == 1:
+        return None
+    if world_backend != "gloo":
+        raise ConfigError(
+            f"config key 'nccl_rules' needs the gloo backend, but this job runs on "
+            f"{world_backend!r}; set backend 'gloo' (or drop 'nccl_rules')"
+        )
+    group = dist.new_group(backend="gloo", timeout=st.grid.timeout)
+    return NcclRules(group, st.layout.rank, st.layout.world_size)
 
 
 def _shared_memory(st: State, world_backend: str) -> SharedMemory | None:
@@ -246,6 +262,7 @@ def _shared_memory(st: State, world_backend: str) -> SharedMemory | None:
     wire = _device.p2p_device(st.device, st.backend)
     if not (
         st.config.shared_memory
+        and not st.config.nccl_rules
         and st.grid.pp_size > 1
         and world_backend == "gloo"
         and _device.is_host(wire)

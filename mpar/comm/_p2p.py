@@ -1,52 +1,64 @@
-"""Point-to-point transfer of nested values between pipeline ranks.
+"""Point-to-point transfer of nested values between pipeline ranks, in NCCL's order.
 
 A *payload* is any nesting of tuples, lists and dicts whose leaves are tensors
-or picklable values (ints, strings, None, ...). :func:`send_payload` sends it
-and :func:`recv_payload` rebuilds the same nesting on the other rank. Sends are
+or picklable values (ints, strings, None, ...). :func:`send_payload` sends it;
+the receiver posts its receive with :func:`post_payload` and rebuilds the same
+nesting with :func:`take_payload` (:func:`recv_payload` does both). Sends are
 non-blocking: the returned :class:`PendingSends` keeps the buffers alive until
-:meth:`PendingSends.wait`. Each (peer, tag) *stream* carries one kind of
-transfer (a stage's activations, or its gradients), so activations and
-gradients between the same two ranks never mix.
+:meth:`PendingSends.wait`.
 
-Wire format. Every transfer starts with a 64-byte control block: a kind
-(``SAME``/``NEW``), the header and data lengths, and the transfer's
-:class:`~mpar.comm._types.TransferLabel` (which stage and microbatch it belongs
-to), checked on receipt, so a schedule mismatch
-is an error, not silent corruption. The *header* (the nesting, each tensor's
-shape and dtype, the non-tensor leaves) is pickled; the *data* is every tensor's
-bytes, packed at 16-byte aligned offsets. Both ends of a stream remember the
-last header it carried (:class:`Links`, one per ``mpar.init``):
+Order, not tags. Between two ranks there is one stream of messages in each
+direction, as under NCCL (which ignores tags): the k-th message one rank sends to
+another is the k-th the other receives from it. The runtime posts sends and
+receives in an order both ends derive from the schedule
+(:func:`mpar.schedule.receive_posts`), which is free of deadlocks under NCCL's
+rules; gloo, the shared-memory rings and the ``nccl_rules`` test transport
+(:mod:`mpar.comm._nccl_rules`) carry that same order. Every message of a pair has
+tag 0.
 
-* same header as last time (the steady state: microbatch after microbatch of
-  the same shapes): **one message**, control block + data, into a buffer whose
-  size the receiver already knows — so it can post the receive early
-  (:meth:`Links.post`) and the bytes arrive while it computes;
-* new header: the control block (padded to the size the receiver expects),
-  then one message with header + data.
+Agreement. Each transfer is named by its :class:`~mpar.comm._types.TransferLabel`
+(which stage and microbatch, activations or gradients). The first time a label
+travels within a *step signature* (what its shapes follow from: the model, the step
+function and the shapes and dtypes of its inputs, see ``runtime._transfers``), both ends
+record its *spec*: the nesting, each tensor's shape and dtype, the non-tensor
+leaves. From then on both know each message's size before it is sent
+(:meth:`Links.begin` picks the signature's specs at the start of a step).
 
-Sender and receiver update their memory of a stream with the same transfer,
-in the same order, so they always agree on the next message's size.
+Wire format.
 
-The steady state costs little on either side: the sender recognises a payload
-that is a plain tuple of tensors with the same shapes as last time without
-pickling its header, writes the control words and the data straight into the
-message (in host memory through numpy views made when the message was allocated:
-after a stage's compute has evicted the caches, every torch call costs tens of
-microseconds), and both ends keep the data section's offsets; a stream's messages of
-up to 1 MiB are written again once sent (a fresh buffer costs a page fault per page); messages go to
-the default process group's ``send``/``recv`` without ``torch.distributed``'s
-per-call checks.
+* **New** (a label's first transfer in a signature): a 64-byte control block (kind
+  ``NEW``, header and data lengths, the label), then one message with the pickled
+  header padded to 16 bytes and the data. The receiver reads the control block
+  where it posts the receive (its sender has sent it by then: that is how the
+  posting order is built), then posts the body.
+* **Steady, host memory**: one message, the control block (kind ``SAME``, the data
+  length, the label: checked on receipt, read through numpy for nothing) followed by
+  the data. A stage's messages of up to 1 MiB are written again once sent (a fresh
+  buffer costs a page fault per page); host messages are written through numpy
+  views made once (after a stage's compute has evicted the caches, every torch call
+  costs tens of microseconds).
+* **Steady, device memory** (and under ``nccl_rules``, which runs this path on the
+  CPU): the data alone, into a buffer of the agreed size; the host reads nothing.
+  A payload of one contiguous tensor goes as it is, without a copy; a payload
+  without tensor data (no gradient) sends nothing at all.
+
+Data: every tensor's bytes, at 16-byte aligned offsets. A payload that differs from
+its label's spec in a later step of the same signature is refused with an error
+(shapes between stages must follow from the step's inputs).
 
 Between ranks of one host, host messages go through shared-memory rings instead
 (:mod:`mpar.comm._shared`, :meth:`Links.send` and :meth:`Links.recv` choose): the
-same messages, copied into a ring that both ranks map; a ring needs no posted receive.
+same messages, in the same order, through one ring per direction; a ring needs no
+posted receive, so its receives are taken in order when waited for.
 """
 
 from __future__ import annotations
 
 import pickle
+from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -54,19 +66,38 @@ import torch.distributed as dist
 
 from mpar import _device
 from mpar._tree import tree_leaves, tree_map
+from mpar.comm._nccl_rules import NcclRules
 from mpar.comm._progress import Waiting
 from mpar.comm._shared import SharedMemory
-from mpar.comm._types import Transfer, TransferLabel, Work
-from mpar.errors import CommError
+from mpar.comm._types import Transfer, TransferLabel
+from mpar.errors import CommError, StepError
 
-__all__ = ["Links", "PendingSends", "recv_payload", "send_payload"]
+__all__ = [
+    "Incoming",
+    "Links",
+    "PendingSends",
+    "post_payload",
+    "recv_payload",
+    "send_payload",
+    "take_payload",
+]
 
+TAG = 0
+"""The tag of every pipeline message (NCCL ignores tags; order is what matches)."""
 _CONTROL_BYTES = 64
 _CONTROL_WORDS = _CONTROL_BYTES // 8
 _LABEL_WORDS = len(TransferLabel._fields)  # after: kind, header bytes, data bytes, label length
 _TRANSFERS = frozenset(int(t) for t in Transfer)
 _ALIGN = 16
 _SAME, _NEW = 1, 2
+_SIGNATURES = 8
+"""Step signatures whose specs are kept (the oldest is dropped, on every rank alike)."""
+
+
+class Receive(Protocol):
+    """A posted receive: ``wait()`` returns once its bytes are in the buffer."""
+
+    def wait(self) -> object: ...
 
 
 @dataclass(frozen=True)
@@ -76,18 +107,30 @@ class _TensorSlot:
     requires_grad: bool
 
 
+@dataclass
+class _Spec:
+    """What both ends agreed about one label's transfers."""
+
+    structure: object
+    """The payload's nesting with :class:`_TensorSlot` leaves."""
+    slots: list[_TensorSlot]
+    offsets: list[int]
+    data: int
+    """Bytes of the data section."""
+
+
 _REUSE_BYTES = 1 << 20
 """Messages up to this size are reused once sent: a fresh host buffer of a few hundred
 KiB costs a page fault per page when it is first written, more than packing into it."""
 _REUSE_DEPTH = 4
-"""Sent messages kept for reuse per stream."""
+"""Sent messages kept for reuse per stream (peer, direction, stage)."""
 
 
 @dataclass
 class PendingSends:
     """Non-blocking sends still in flight (their tensors are kept alive here)."""
 
-    works: list[dist.Work | None] = field(default_factory=list)
+    works: list[Receive | None] = field(default_factory=list)
     buffers: list[object] = field(default_factory=list)
     """What each send keeps alive: its tensor, or the :class:`_Message` that holds it."""
     peers: list[int] = field(default_factory=list)
@@ -110,15 +153,15 @@ class PendingSends:
         self,
         buffer: torch.Tensor,
         dst: int,
-        tag: int,
         links: Links,
         pool: list[Any] | None = None,
         keep: object = None,
+        what: str = "",
     ) -> None:
         """Send ``buffer``; once sent, ``keep`` (default: ``buffer``) goes back to ``pool``
         (when given) for reuse."""
         self.buffers.append(buffer if keep is None else keep)
-        self.works.append(links.send(buffer, dst, tag))
+        self.works.append(links.send(buffer, dst, what))
         self.peers.append(dst)
         self.pools.append(pool)
 
@@ -126,7 +169,8 @@ class PendingSends:
         """Move the buffers of ``pool``'s stream whose sends are done back into it."""
         for i in range(len(self.buffers) - 1, -1, -1):
             work = self.works[i]
-            if self.pools[i] is pool and (work is None or work.is_completed()):
+            done = work is None or bool(getattr(work, "is_completed", lambda: False)())
+            if self.pools[i] is pool and done:
                 _keep_for_reuse(self.buffers[i], pool)
                 del self.works[i], self.buffers[i], self.peers[i], self.pools[i]
 
@@ -147,32 +191,24 @@ _NUMPY_DTYPES = frozenset(
 
 
 class _Message:
-    """A steady-state message (control block + data) kept for reuse by its stream; in
-    host memory it is written through numpy views made once: after a stage's compute
-    has evicted the caches, each torch call on the way costs tens of microseconds."""
+    """A steady-state host message (control block + data) kept for reuse by its
+    stream, written through numpy views made once."""
 
     __slots__ = ("data", "tensor", "words")
 
     def __init__(self, size: int, device: torch.device) -> None:
         self.tensor = torch.empty(size, dtype=torch.uint8, device=device)
-        if _device.on_host(self.tensor):
-            array = self.tensor.numpy()
-            self.words: np.ndarray | None = array[:_CONTROL_BYTES].view("<i8")
-            self.data: np.ndarray | None = array[_CONTROL_BYTES:]
-        else:
-            self.words = self.data = None
+        array = self.tensor.numpy()
+        self.words: np.ndarray = array[:_CONTROL_BYTES].view("<i8")
+        self.data: np.ndarray = array[_CONTROL_BYTES:]
 
     def write(
         self, data: int, label: TransferLabel, tensors: list[torch.Tensor], offsets: list[int]
     ) -> None:
         """The control words of a SAME message and the tensors' bytes."""
-        words, array = self.words, self.data
-        if words is None or array is None:
-            _write_control(self.tensor, _SAME, 0, data, label)
-            _pack(self.tensor, _CONTROL_BYTES, tensors, offsets)
-            return
         control = _control_words(_SAME, 0, data, label)
-        words[: len(control)] = control
+        self.words[: len(control)] = control
+        array = self.data
         for tensor, offset in zip(tensors, offsets):
             source = _flat_numpy(tensor)
             if source is None:
@@ -200,42 +236,62 @@ def _world() -> dist.ProcessGroup:
     return world
 
 
-@dataclass
-class _Sent:
-    """What the sender knows of a stream: the receiver's next expected message size."""
+class _RingReceive:
+    """A receive through a shared-memory ring: taken, in its pair's order, when waited
+    for (a ring needs no posted receive)."""
 
-    header: bytes | None = None
-    expect: int = _CONTROL_BYTES
-    structure: object = None
-    """The last header as a structure, when it was a plain tuple of tensors (a payload
-    with the same one is recognised without pickling it)."""
-    offsets: list[int] = field(default_factory=list)
-    data: int = 0
-    free: list[_Message] = field(default_factory=list)
-    """Sent steady-state messages (control + data) ready to be written again."""
+    __slots__ = ("buffer", "done", "links", "src")
 
+    def __init__(self, links: Links, buffer: torch.Tensor, src: int) -> None:
+        self.links, self.buffer, self.src, self.done = links, buffer, src, False
 
-@dataclass
-class _Received:
-    """What the receiver knows of a stream: the last header and a posted receive."""
-
-    structure: object = None
-    """The last header: the payload's nesting with :class:`_TensorSlot` leaves."""
-    slots: list[_TensorSlot] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)
-    expect: int = _CONTROL_BYTES
-    posted: tuple[Work | None, torch.Tensor] | None = None
+    def wait(self) -> None:
+        self.links._take_in_order(self.src, self)
 
 
 class Links:
-    """Per-stream memory of both directions, shared by every transfer of one ``mpar.init``."""
+    """This rank's pipeline streams, shared by every transfer of one ``mpar.init``: the
+    transports, the specs agreed per step signature, and sent messages for reuse."""
 
     def __init__(self) -> None:
-        self._sent: dict[tuple[int, int], _Sent] = {}
-        self._received: dict[tuple[int, int], _Received] = {}
         self.shared: SharedMemory | None = None
         """The shared-memory rings to the peers on this host (``mpar.init`` sets them up
         when transfers are on the host and the ``shared_memory`` key allows it)."""
+        self.rules: NcclRules | None = None
+        """The NCCL-rules test transport (config key ``nccl_rules``), or None."""
+        self.agreed: dict[TransferLabel, _Spec] = {}
+        """The specs of the running step's signature (:meth:`begin`)."""
+        self._specs: dict[Hashable, dict[TransferLabel, _Spec]] = {}
+        self._complete: set[Hashable] = set()
+        self._signature: Hashable = None
+        self._pools: dict[tuple[int, int, int], list[_Message]] = {}
+        self._in_order: dict[int, deque[_RingReceive]] = {}
+
+    # -- steps --------------------------------------------------------------------------
+
+    def begin(self, signature: Hashable) -> None:
+        """Use the specs agreed for ``signature`` (none yet: this step agrees them). Every
+        rank of a pipeline calls it with the same signatures in the same order."""
+        if signature not in self._complete:
+            self._specs.pop(signature, None)
+            if len(self._specs) >= _SIGNATURES:
+                oldest = next(iter(self._specs))
+                del self._specs[oldest]
+                self._complete.discard(oldest)
+            self._specs[signature] = {}
+        self.agreed = self._specs[signature]
+        self._signature = signature
+
+    def end(self) -> None:
+        """The step finished: its signature's specs are complete."""
+        self._complete.add(self._signature)
+
+    def labelled(self, device: torch.device) -> bool:
+        """Whether steady messages on ``device`` carry control words (host memory, not
+        under ``nccl_rules``, which runs the device path)."""
+        return self.rules is None and _device.is_host(device)
+
+    # -- transports ---------------------------------------------------------------------
 
     def _shared(self, peer: int, device: torch.device) -> SharedMemory | None:
         """The rings when messages on ``device`` to or from ``peer`` go through them."""
@@ -244,50 +300,55 @@ class Links:
             return shared
         return None
 
-    def send(self, buffer: torch.Tensor, dst: int, tag: int) -> dist.Work | None:
-        """Start sending the bytes of ``buffer`` to ``dst`` on stream ``tag``; None
-        when they are sent already (into a shared-memory ring)."""
+    def send(self, buffer: torch.Tensor, dst: int, what: str = "") -> Receive | None:
+        """Start sending the bytes of ``buffer`` to ``dst`` (the next message of the pair);
+        None when they are sent already (into a shared-memory ring)."""
+        if self.rules is not None:
+            return self.rules.post([(True, dst, buffer, what)])
         shared = self._shared(dst, buffer.device)
-        if shared is not None and shared.send(buffer, dst, tag):
+        if shared is not None and shared.send(buffer, dst, TAG):
             return None
-        return _world().send([buffer], dst, tag)
+        return _world().send([buffer], dst, TAG)
 
-    def recv(self, buffer: torch.Tensor, src: int, tag: int) -> None:
-        """Receive the next message of stream (``src``, ``tag``) into ``buffer``."""
-        shared = self._shared(src, buffer.device)
-        if shared is None or not shared.recv(buffer, src, tag):
-            _world().recv([buffer], src, tag).wait()
+    def recv(self, buffer: torch.Tensor, src: int, what: str = "") -> Receive:
+        """Post the receive of the next message from ``src`` into ``buffer``."""
+        if self.rules is not None:
+            return self.rules.post([(False, src, buffer, what)])
+        if self._shared(src, buffer.device) is not None:
+            receive = _RingReceive(self, buffer, src)
+            self._in_order.setdefault(src, deque()).append(receive)
+            return receive
+        return _world().recv([buffer], src, TAG)
+
+    def _take_in_order(self, src: int, until: _RingReceive) -> None:
+        """Take the messages from ``src`` into their posted buffers, in order, up to
+        ``until`` (one that found no room in the ring comes through the backend)."""
+        shared, queue = self.shared, self._in_order[src]
+        while not until.done:
+            receive = queue.popleft()
+            if shared is None or not shared.recv(receive.buffer, src, TAG):
+                _world().recv([receive.buffer], src, TAG).wait()
+            receive.done = True
+
+    def pool(self, dst: int, label: TransferLabel) -> list[_Message]:
+        """Sent messages of ``label``'s stream (to ``dst``) ready to be written again."""
+        key = (dst, int(label.kind), label.stage)
+        found = self._pools.get(key)
+        if found is None:
+            found = self._pools[key] = []
+        return found
 
     def close(self) -> None:
-        """Release the shared-memory rings (``mpar.shutdown``)."""
+        """Release the shared-memory rings and the test transport (``mpar.shutdown``)."""
         if self.shared is not None:
             self.shared.close()
             self.shared = None
+        if self.rules is not None:
+            self.rules.close()
+            self.rules = None
 
-    def sent(self, dst: int, tag: int) -> _Sent:
-        link = self._sent.get((dst, tag))
-        if link is None:
-            link = self._sent[(dst, tag)] = _Sent()
-        return link
 
-    def received(self, src: int, tag: int) -> _Received:
-        link = self._received.get((src, tag))
-        if link is None:
-            link = self._received[(src, tag)] = _Received()
-        return link
-
-    def post(self, src: int, tag: int, device: torch.device) -> None:
-        """Start receiving the next transfer on stream (``src``, ``tag``) now.
-
-        The bytes then arrive in the background; :func:`recv_payload` takes them.
-        Posting twice for the same stream before receiving is a no-op, and so is
-        posting on a shared-memory ring (its messages wait in the ring, or say that
-        they come through the backend).
-        """
-        link = self.received(src, tag)
-        if link.posted is None and self._shared(src, device) is None:
-            buffer = torch.empty(link.expect, dtype=torch.uint8, device=device)
-            link.posted = (_world().recv([buffer], src, tag), buffer)
+# -- payloads as bytes ------------------------------------------------------------------
 
 
 def _flatten(value: object, tensors: list[torch.Tensor]) -> object:
@@ -317,12 +378,20 @@ def _nbytes(slot: _TensorSlot) -> int:
 
 
 def _offsets(slots: list[_TensorSlot]) -> tuple[list[int], int]:
-    """Each tensor's byte offset in the data section (16-byte aligned), and its size."""
+    """Each tensor's byte offset in the data section (16-byte aligned), and the section's
+    size (up to the last tensor's end: one tensor's data is its bytes exactly)."""
     offsets, end = [], 0
     for slot in slots:
-        offsets.append(end)
-        end += -(-_nbytes(slot) // _ALIGN) * _ALIGN
+        start = -(-end // _ALIGN) * _ALIGN
+        offsets.append(start)
+        end = start + _nbytes(slot)
     return offsets, end
+
+
+def _spec(structure: object) -> _Spec:
+    slots = _slots(structure)
+    offsets, data = _offsets(slots)
+    return _Spec(structure, slots, offsets, data)
 
 
 def _control_words(kind: int, header: int, data: int, label: TransferLabel) -> tuple[int, ...]:
@@ -330,28 +399,24 @@ def _control_words(kind: int, header: int, data: int, label: TransferLabel) -> t
     return (kind, header, data, _LABEL_WORDS, *label)
 
 
-def _control(kind: int, header: int, data: int, label: TransferLabel) -> torch.Tensor:
-    return torch.tensor(_control_words(kind, header, data, label), dtype=torch.int64)
-
-
 def _write_control(
     message: torch.Tensor, kind: int, header: int, data: int, label: TransferLabel
 ) -> None:
     """The control words into the first bytes of ``message`` (straight through numpy
     on the host; elsewhere from a host tensor)."""
+    words = _control_words(kind, header, data, label)
     if _device.on_host(message):
-        words = _control_words(kind, header, data, label)
         message[:_CONTROL_BYTES].numpy().view("<i8")[: len(words)] = words
     else:
-        message[:_CONTROL_BYTES].view(torch.int64).copy_(_control(kind, header, data, label))
+        host = torch.zeros(_CONTROL_WORDS, dtype=torch.int64)
+        host[: len(words)] = torch.tensor(words, dtype=torch.int64)
+        message[:_CONTROL_BYTES].view(torch.int64).copy_(host)
 
 
-def _plain(structure: object) -> bool:
-    """Whether a payload's structure is a plain tuple of tensor slots (and Nones), so
-    that ``==`` between two of them means their pickled headers are equal."""
-    return type(structure) is tuple and all(
-        type(leaf) is _TensorSlot or leaf is None for leaf in structure
-    )
+def _read_control(message: torch.Tensor) -> list[int]:
+    if _device.on_host(message):  # (numpy: fewer calls, see _Message)
+        return list(message.numpy()[:_CONTROL_BYTES].view("<i8").tolist())
+    return list(message[:_CONTROL_BYTES].view(torch.int64).tolist())
 
 
 def _label_in(words: list[int]) -> TransferLabel | None:
@@ -362,6 +427,19 @@ def _label_in(words: list[int]) -> TransferLabel | None:
     return TransferLabel(Transfer(fields[0]), *fields[1:])
 
 
+def _check_label(words: list[int], label: TransferLabel, src: int) -> None:
+    got = _label_in(words)
+    if got != label:
+        sent = "an unlabelled message" if got is None else got.describe()
+        raise CommError(
+            f"pipeline transfer mismatch: rank {dist.get_rank()} expected "
+            f"{label.describe()} from rank {src}, but rank {src} sent "
+            f"{sent}; the two ranks run different schedules (give every "
+            "rank the same config: microbatches, pipeline, virtual_stages; and call the same "
+            "steps in the same order)"
+        )
+
+
 def _pack(
     buffer: torch.Tensor, start: int, tensors: list[torch.Tensor], offsets: list[int]
 ) -> None:
@@ -370,61 +448,6 @@ def _pack(
         nbytes = flat.numel() * flat.element_size()
         target = buffer[start + offset : start + offset + nbytes]
         target.view(flat.dtype).copy_(flat)
-
-
-def send_payload(
-    payload: object,
-    dst: int,
-    tag: int,
-    label: TransferLabel,
-    pending: PendingSends,
-    links: Links,
-    device: torch.device | None = None,
-) -> None:
-    """Start sending ``payload`` to global rank ``dst`` on stream ``tag``.
-
-    The message is built on ``device`` (default: the payload's first tensor's
-    device, else the CPU): the device the backend sends from.
-    """
-    tensors: list[torch.Tensor] = []
-    structure = _flatten(payload, tensors)
-    if device is None:
-        device = tensors[0].device if tensors else torch.device("cpu")
-    link = links.sent(dst, tag)
-    plain = _plain(structure)
-    same = plain and link.structure is not None and structure == link.structure
-    header = b""
-    if not same:
-        header = pickle.dumps(structure)
-        same = header == link.header
-        if not same:
-            link.offsets, link.data = _offsets(_slots(structure))
-    offsets, data = link.offsets, link.data
-    if same:  # one message: control + data
-        size = _CONTROL_BYTES + data
-        reuse = size <= _REUSE_BYTES
-        if reuse and not link.free:
-            pending.reclaim(link.free)
-        message = None
-        while link.free and message is None:
-            kept = link.free.pop()  # (one of another size or device is dropped)
-            tensor = kept.tensor
-            message = kept if tensor.numel() == size and tensor.device == device else None
-        if message is None:
-            message = _Message(size, device)
-        message.write(data, label, tensors, offsets)
-        pending.add(message.tensor, dst, tag, links, link.free if reuse else None, keep=message)
-        return
-    start = -(-len(header) // _ALIGN) * _ALIGN
-    control = torch.zeros(link.expect, dtype=torch.uint8, device=device)
-    _write_control(control, _NEW, len(header), data, label)
-    body = torch.empty(start + data, dtype=torch.uint8, device=device)
-    body[: len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
-    _pack(body, start, tensors, offsets)
-    pending.add(control, dst, tag, links)
-    pending.add(body, dst, tag, links)
-    link.header, link.expect = header, _CONTROL_BYTES + data
-    link.structure = structure if plain else None
 
 
 def _unpack(
@@ -453,49 +476,198 @@ def _unpack(
     return tensors
 
 
-def recv_payload(
-    src: int, tag: int, label: TransferLabel, device: torch.device, links: Links
-) -> object:
-    """Receive what :func:`send_payload` sent from ``src`` on stream ``tag``."""
-    link = links.received(src, tag)
-    with Waiting(("recv", src, label)):
-        if link.posted is not None:
-            work, message = link.posted
-            link.posted = None
-            if work is not None:
-                work.wait()
-        else:
-            message = torch.empty(link.expect, dtype=torch.uint8, device=device)
-            links.recv(message, src, tag)
-    if _device.on_host(message):  # (numpy: fewer calls, see _Message)
-        words = message.numpy()[:_CONTROL_BYTES].view("<i8").tolist()
-    else:
-        words = message[:_CONTROL_BYTES].view(torch.int64).tolist()
-    kind, header_bytes, data = words[0], words[1], words[2]
-    got_label = _label_in(words)
-    if got_label != label:
-        sent = "an unlabelled message" if got_label is None else got_label.describe()
-        raise CommError(
-            f"pipeline transfer mismatch: rank {dist.get_rank()} expected "
-            f"{label.describe()} from rank {src}, but rank {src} sent "
-            f"{sent}; the two ranks run different schedules (give every "
-            "rank the same config: microbatches, pipeline, virtual_stages; and call the same "
-            "steps in the same order)"
+def _same_structure(structure: object, spec: _Spec) -> bool:
+    try:
+        return bool(structure == spec.structure)
+    except Exception:  # a leaf without a plain ==: compare the pickles
+        return pickle.dumps(structure) == pickle.dumps(spec.structure)
+
+
+# -- sending ----------------------------------------------------------------------------
+
+
+def send_payload(
+    payload: object,
+    dst: int,
+    label: TransferLabel,
+    pending: PendingSends,
+    links: Links,
+    device: torch.device | None = None,
+) -> None:
+    """Start sending ``payload`` to global rank ``dst`` as the transfer ``label``.
+
+    The message is built on ``device`` (default: the payload's first tensor's
+    device, else the CPU): the device the backend sends from. A steady device
+    message of one contiguous tensor is that tensor's memory: it must not change
+    until the send is done (``pending.wait()``), as with torch's own ``isend``.
+    """
+    tensors: list[torch.Tensor] = []
+    structure = _flatten(payload, tensors)
+    if device is None:
+        device = tensors[0].device if tensors else torch.device("cpu")
+    spec = links.agreed.get(label)
+    if spec is None:
+        _send_new(structure, tensors, dst, label, pending, links, device)
+    elif not _same_structure(structure, spec):
+        raise StepError(
+            f"{label.describe()} (to rank {dst}) is {_shown(structure)}, but it was "
+            f"{_shown(spec.structure)} in the first step with these inputs: pipeline "
+            "transfers are agreed once per step signature (the model, the step function "
+            "and its inputs' shapes and dtypes), so what a stage sends must follow from those "
+            "(pad data-dependent shapes to a fixed size)"
         )
-    if kind == _SAME:
-        if _CONTROL_BYTES + data != message.numel():
+    elif links.labelled(device):
+        _send_labelled(tensors, spec, dst, label, pending, links, device)
+    else:
+        _send_data(tensors, spec, dst, label, pending, links, device)
+
+
+def _shown(structure: object) -> str:
+    def slot(s: _TensorSlot) -> str:
+        return f"{str(s.dtype).removeprefix('torch.')}{list(s.shape)}"
+
+    return str(tree_map(slot, structure, leaf=_TensorSlot)).replace("'", "")
+
+
+def _send_new(
+    structure: object,
+    tensors: list[torch.Tensor],
+    dst: int,
+    label: TransferLabel,
+    pending: PendingSends,
+    links: Links,
+    device: torch.device,
+) -> None:
+    """A label's first transfer in this signature: control block, then header + data."""
+    spec = links.agreed[label] = _spec(structure)
+    header = pickle.dumps(structure)
+    start = -(-len(header) // _ALIGN) * _ALIGN
+    control = torch.zeros(_CONTROL_BYTES, dtype=torch.uint8, device=device)
+    _write_control(control, _NEW, len(header), spec.data, label)
+    body = torch.empty(start + spec.data, dtype=torch.uint8, device=device)
+    body[: len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+    _pack(body, start, tensors, spec.offsets)
+    what = label.describe()
+    pending.add(control, dst, links, what=f"{what}: control block")
+    pending.add(body, dst, links, what=f"{what}: header and data")
+
+
+def _send_labelled(
+    tensors: list[torch.Tensor],
+    spec: _Spec,
+    dst: int,
+    label: TransferLabel,
+    pending: PendingSends,
+    links: Links,
+    device: torch.device,
+) -> None:
+    """Steady host message: control block + data, in a reused buffer where one is free."""
+    size = _CONTROL_BYTES + spec.data
+    reuse = size <= _REUSE_BYTES
+    free = links.pool(dst, label)
+    if reuse and not free:
+        pending.reclaim(free)
+    message = None
+    while free and message is None:
+        kept = free.pop()  # (one of another size or device is dropped)
+        tensor = kept.tensor
+        message = kept if tensor.numel() == size and tensor.device == device else None
+    if message is None:
+        message = _Message(size, device)
+    message.write(spec.data, label, tensors, spec.offsets)
+    pending.add(message.tensor, dst, links, free if reuse else None, keep=message)
+
+
+def _send_data(
+    tensors: list[torch.Tensor],
+    spec: _Spec,
+    dst: int,
+    label: TransferLabel,
+    pending: PendingSends,
+    links: Links,
+    device: torch.device,
+) -> None:
+    """Steady device message: the data alone (a lone contiguous tensor as it is)."""
+    if spec.data == 0:
+        return  # nothing to send, and the receiver knows it
+    lone = tensors[0].detach() if len(tensors) == 1 else None
+    if lone is not None and lone.is_contiguous() and lone.device == device:
+        message = lone.reshape(-1).view(torch.uint8)
+    else:
+        message = torch.empty(spec.data, dtype=torch.uint8, device=device)
+        _pack(message, 0, tensors, spec.offsets)
+    pending.add(message, dst, links, what=label.describe())
+
+
+# -- receiving --------------------------------------------------------------------------
+
+
+@dataclass
+class Incoming:
+    """A posted receive of one transfer (:func:`post_payload`), taken by :func:`take_payload`."""
+
+    src: int
+    label: TransferLabel
+    message: torch.Tensor
+    receive: Receive | None
+    """None when nothing comes (a steady device transfer without data)."""
+    spec: _Spec | None
+    """None for a label's first transfer: the header in the message says it."""
+    start: int
+    """Where the data begin in ``message``."""
+    header: int = 0
+    """Bytes of the pickled header (first transfers)."""
+
+
+def post_payload(src: int, label: TransferLabel, device: torch.device, links: Links) -> Incoming:
+    """Post the receive of the transfer ``label`` from global rank ``src`` into a buffer
+    on ``device``. For a label's first transfer in this signature it waits for the
+    control block, which its sender has sent by now in the order the runtime posts
+    (``mpar.schedule.receive_posts``), and posts the body."""
+    spec = links.agreed.get(label)
+    what = label.describe()
+    if spec is None:
+        control = torch.empty(_CONTROL_BYTES, dtype=torch.uint8, device=device)
+        with Waiting(("recv", src, label)):
+            links.recv(control, src, f"{what}: control block").wait()
+        words = _read_control(control)
+        _check_label(words, label, src)
+        if words[0] != _NEW:
+            raise CommError(f"internal: {what} from rank {src} came as a steady message")
+        header, data = words[1], words[2]
+        start = -(-header // _ALIGN) * _ALIGN
+        body = torch.empty(start + data, dtype=torch.uint8, device=device)
+        return Incoming(src, label, body, links.recv(body, src, what), None, start, header)
+    start = _CONTROL_BYTES if links.labelled(device) else 0
+    message = torch.empty(start + spec.data, dtype=torch.uint8, device=device)
+    if message.numel() == 0:
+        return Incoming(src, label, message, None, spec, 0)
+    return Incoming(src, label, message, links.recv(message, src, what), spec, start)
+
+
+def take_payload(incoming: Incoming, links: Links) -> object:
+    """Wait for a posted transfer and rebuild what was sent."""
+    src, label, message = incoming.src, incoming.label, incoming.message
+    if incoming.receive is not None:
+        with Waiting(("recv", src, label)):
+            incoming.receive.wait()
+    spec = incoming.spec
+    if spec is None:
+        structure = pickle.loads(message[: incoming.header].cpu().numpy().tobytes())
+        spec = links.agreed[label] = _spec(structure)
+    elif incoming.start:  # a labelled steady message: check what came
+        words = _read_control(message)
+        _check_label(words, label, src)
+        if words[0] != _SAME or words[2] != spec.data:
             raise CommError(
-                f"internal: transfer from rank {src} on stream {tag} has {data} data bytes, "
-                f"expected {message.numel() - _CONTROL_BYTES}"
+                f"internal: {label.describe()} from rank {src} has {words[2]} data bytes "
+                f"(kind {words[0]}), expected {spec.data}"
             )
-        tensors = _unpack(message, _CONTROL_BYTES, link.slots, link.offsets)
-        return _unflatten(link.structure, tensors[::-1])
-    start = -(-header_bytes // _ALIGN) * _ALIGN
-    body = torch.empty(start + data, dtype=torch.uint8, device=device)
-    with Waiting(("recv", src, label)):
-        links.recv(body, src, tag)
-    link.structure = pickle.loads(body[:header_bytes].cpu().numpy().tobytes())
-    link.slots = _slots(link.structure)
-    link.offsets, _ = _offsets(link.slots)
-    link.expect = _CONTROL_BYTES + data
-    return _unflatten(link.structure, _unpack(body, start, link.slots, link.offsets)[::-1])
+    tensors = _unpack(message, incoming.start, spec.slots, spec.offsets)
+    return _unflatten(spec.structure, tensors[::-1])
+
+
+def recv_payload(src: int, label: TransferLabel, device: torch.device, links: Links) -> object:
+    """Post and take the transfer ``label`` from ``src`` (:func:`post_payload`,
+    :func:`take_payload`)."""
+    return take_payload(post_payload(src, label, device, links), links)

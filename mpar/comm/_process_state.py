@@ -24,6 +24,7 @@ before the final barrier
                                                     microbatch being computed
 ``mpar.context_parallel._attention.FOUND``          attention calls counted while a
                                                     context-parallel model was captured
+``mpar.runtime._transfers._PLANS``                  each schedule's receive posts (a cache)
 ==================================================  ============================================
 
 ==================================================  ============================================

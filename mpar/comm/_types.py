@@ -14,14 +14,12 @@ ProcessGroup: TypeAlias = dist.ProcessGroup
 
 
 class Transfer(IntEnum):
-    """What a pipeline transfer carries (its value is the direction in the p2p tag)."""
+    """What a pipeline transfer carries (its value is the direction)."""
 
     ACTIVATIONS = 0
     """A stage's forward input, for ``{stage}F{microbatch}``."""
     GRADIENTS = 1
     """A stage's output gradient, for ``{stage}B{microbatch}`` (or its ``I``)."""
-    OUTPUTS = 2
-    """One data-parallel replica's step outputs, sent to every other rank."""
 
 
 class TransferLabel(NamedTuple):
@@ -32,18 +30,9 @@ class TransferLabel(NamedTuple):
     stage: int = 0
     """The stage that receives it (activations and gradients)."""
     microbatch: int = 0
-    replica: int = 0
-    """The data-parallel replica whose step outputs these are (``OUTPUTS``)."""
-
-    @classmethod
-    def outputs(cls, replica: int) -> TransferLabel:
-        """The label of ``replica``'s step outputs."""
-        return cls(Transfer.OUTPUTS, replica=replica)
 
     def describe(self) -> str:
-        """In words: ``"activations for 1F3"``, ``"the step outputs of replica 1"``."""
-        if self.kind == Transfer.OUTPUTS:
-            return f"the step outputs of replica {self.replica}"
+        """In words: ``"activations for 1F3"``, ``"gradients for 0B2"``."""
         backward = self.kind == Transfer.GRADIENTS
         data = "gradients" if backward else "activations"
         return f"{data} for {self.stage}{'B' if backward else 'F'}{self.microbatch}"

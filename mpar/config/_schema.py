@@ -279,6 +279,14 @@ class Config:
     they travel through host memory (gloo): no copy through the kernel, and no backend
     thread woken per message. False: through the backend, like every other transfer."""
 
+    nccl_rules: bool = False
+    """Pipeline transfers go through a test transport that enforces NCCL's point-to-point
+    rules on gloo (tags ignored, per-pair order, a send completes only once matched,
+    operations with one peer one after another unless grouped) and reports a mismatch or
+    a deadlock between two ranks as an error: an order that would hang on GPUs fails on
+    the CPU. Slow (three messages per transfer); for tests and for checking a custom
+    schedule. Needs the gloo backend; the shared-memory rings are not used."""
+
     trace: str | None = None
     """Directory where each rank writes its flight recorder (its last actions with
     times, its position and stacks) when the job hangs or its step raises, and the
@@ -342,6 +350,7 @@ class Config:
             "bf16",
             "fp16",
             "shared_memory",
+            "nccl_rules",
         ):
             _check_bool(key, getattr(self, key))
         _check_int("default_partition", self.default_partition, minimum=0)
@@ -383,6 +392,12 @@ class Config:
             )
 
     def _check_combinations(self) -> None:
+        if self.nccl_rules and self.backend not in ("auto", "gloo"):
+            raise ConfigError(
+                f"config key 'nccl_rules' is true but 'backend' is {self.backend!r}: the rules "
+                "are enforced on gloo (on NCCL they are the real thing); set backend 'gloo' or "
+                "'auto' on the CPU, or drop 'nccl_rules'"
+            )
         if self.bf16 and self.fp16:
             raise ConfigError(
                 "config keys 'bf16' and 'fp16' are both true; choose one mixed-precision mode"

@@ -26,8 +26,10 @@ The handlers sit in a table keyed by :class:`~mpar.schedule.Kind`; each takes th
 action's stage and microbatch.
 
 Sends never block; receives do, in list order — the semantics that
-``mpar.schedule.simulate`` checks for deadlock (receives are posted early, and
-step outputs travel point to point: ``runtime._transfers``). When stage ``s``
+``mpar.schedule.simulate`` checks for deadlock. Each receive is posted earlier, before
+the action :func:`mpar.schedule.receive_posts` names, in an order that holds under
+NCCL's point-to-point rules on every backend; step outputs come back by collectives
+at the end of the step (``runtime._transfers``). When stage ``s``
 finishes its last backward, its gradients start their data-parallel reduction
 while the rest of the schedule runs. What the stages keep for backward is
 counted by ``runtime._activations``.
@@ -40,7 +42,8 @@ two callables for the user's step function); the model reaches the run through
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -67,7 +70,16 @@ from mpar.schedule import COMPUTE_KINDS, Action, Kind, Schedule
 if TYPE_CHECKING:
     from mpar.runtime._local_stages import LocalStages
 
-__all__ = ["NO_SHARDING", "Captured", "NoSharding", "Sharding", "StepRun"]
+__all__ = [
+    "NO_SHARDING",
+    "Captured",
+    "NoSharding",
+    "PendingBackward",
+    "PerMicrobatch",
+    "Sharding",
+    "StepCalls",
+    "StepRun",
+]
 
 Args = tuple[object, ...]
 Kwargs = dict[str, object]
@@ -193,6 +205,52 @@ def _unshard_phases(actions: Sequence[Action]) -> dict[int, list[bool]]:
     return out
 
 
+@dataclass(frozen=True)
+class StepCalls:
+    """The user's step function as a run calls it: ``call(j)`` runs it on microbatch
+    ``j`` (it calls ``model(...)``, which comes back to the run as
+    :meth:`StepRun.model_forward`); ``capture(j)`` runs it only up to ``model(...)`` and
+    returns that call's ``(args, kwargs)``; ``name`` names it in errors."""
+
+    call: Callable[[int], object]
+    capture: Callable[[int], tuple[Args, Kwargs]]
+    name: str = "step"
+
+
+@dataclass
+class PerMicrobatch:
+    """What a run keeps per microbatch ``j`` between the actions that use it."""
+
+    inputs: dict[int, tuple[Args, Kwargs]] = field(default_factory=dict)
+    """Stage 0's captured ``(args, kwargs)``, until its F."""
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    """The loss ``model.backward(loss)`` recorded, until the last stage's backward."""
+    results: dict[int, object] = field(default_factory=dict)
+    """What the step function returned (detached, on the CPU)."""
+
+
+@dataclass
+class PendingBackward:
+    """A run's backward bookkeeping, per stage ``s`` and microbatch ``j``."""
+
+    saved: dict[tuple[int, int], tuple[Args, object]] = field(default_factory=dict)
+    """(s, j) -> its inputs and outputs, kept for its backward."""
+    weight_work: dict[tuple[int, int], Callable[[], None]] = field(default_factory=dict)
+    """(s, j) -> the W still to run after its I."""
+    done: dict[int, int] = field(default_factory=dict)
+    """s -> microbatches whose weight gradients are done (B or W)."""
+    bound: set[int] = field(default_factory=set)
+    """Stages whose gradients autograd accumulates into the sharding's flat buffers."""
+
+
+@dataclass
+class _Call:
+    """The step function running now (on the last stage's rank), for microbatch ``j``."""
+
+    j: int
+    model_called: bool = False
+
+
 class StepRun:
     """One step of one rank: the run loop over its schedule actions, and their computations.
 
@@ -207,52 +265,39 @@ class StepRun:
         schedule: Schedule,
         batches: Microbatches,
         st: State,
+        fn: StepCalls,
         *,
-        call: Callable[[int], object],
-        capture: Callable[[int], tuple[Args, Kwargs]],
-        name: str = "step",
         record: bool = False,
+        signature: Hashable = None,
     ) -> None:
-        """``call(j)`` runs the user's step function on microbatch ``j`` (it calls
-        ``model(...)``, which comes back here as :meth:`model_forward`);
-        ``capture(j)`` runs it only up to ``model(...)`` and returns that call's
-        ``(args, kwargs)``; ``name`` names the step function in errors; ``sharded``
-        None: nothing is sharded (the schedule has no ZeRO actions); ``record``: keep a
-        timeline even without ``trace``."""
-        self.stages, self.batches, self.st = stages, batches, st
+        """``fn``: the user's step function; ``sharded`` None: nothing is sharded (the
+        schedule has no ZeRO actions); ``record``: keep a timeline even without
+        ``trace``; ``signature``: what the shapes of the step's transfers follow from
+        (``runtime._transfers.step_signature``)."""
+        if len(batches) != schedule.num_microbatches:
+            raise StepError(
+                f"internal: the batch was split into {len(batches)} microbatches but the "
+                f"schedule runs {schedule.num_microbatches}"
+            )
+        self.stages, self.batches, self.st, self.fn = stages, batches, st, fn
         self.sharding: Sharding = NO_SHARDING if sharded is None else sharded
-        self.call, self.capture, self.name = call, capture, name
         self.schedule = schedule
-        self.actions: list[Action] = schedule.actions.get(st.grid.pp_rank, [])
-        self.training = not schedule.is_forward_only
-        self.num_stages = schedule.num_stages
-        self.inputs: dict[int, tuple[Args, Kwargs]] = {}
-        """Microbatch -> stage 0's captured ``(args, kwargs)``."""
-        self.saved: dict[tuple[int, int], tuple[Args, object]] = {}
-        """(stage, microbatch) -> its inputs and outputs, kept for its backward."""
-        self.losses: dict[int, torch.Tensor] = {}
-        self.results: dict[int, object] = {}
+        """The lowered schedule; the run's one microbatch count is its ``num_microbatches``."""
+        self.per_microbatch = PerMicrobatch()
+        self.pending = PendingBackward()
         self.outputs: StepOutput | None = None
         """Every replica's step outputs, once :meth:`run` is done."""
-        self.backward_done: dict[int, int] = {}
-        """Stage -> microbatches whose weight gradients are done (B or W)."""
-        self.bound: set[int] = set()
-        self.weight_work: dict[tuple[int, int], Callable[[], None]] = {}
-        """(stage, microbatch) -> the W still to run after its I."""
+        self.calling: _Call | None = None
+        """The step function running now, if any."""
         recording = st.config.trace or record
         self.synchronized = record
         """Timed for a placement: each action waits for its device work (nothing to wait
         for on the CPU), so its time is the device's; a traced run is timed as it runs."""
         self.timeline: StepTimeline | None = StepTimeline(time.time()) if recording else None
         """With ``trace`` (or ``record``): each action's start and end (``runtime._timeline``)."""
-        self.transfers = Transfers(schedule, st, self.timeline)
+        self.transfers = Transfers(schedule, st, self.timeline, signature)
         params = (p for m in stages.modules.values() for p in m.parameters())
         self.memory = ActivationMemory(chain(params, self.sharding.flat_buffers()))
-        self.microbatch: int | None = None
-        """The microbatch whose step function runs now (on the last stage's rank)."""
-        self.model_called = False
-        self.dtype = compute_dtype(st.config)
-        """Mixed precision: stage 0 casts float inputs to it, the last stage casts back."""
         self.unshard_for_backward = _unshard_phases(self.actions)
         if self.training and st.config.split_backward:  # I/W: linear layers keep their W for later
             # not stage 0: no stage waits for its input gradients, so its I and W may as
@@ -265,6 +310,29 @@ class StepRun:
                     defer_weight_gradients(stages.modules[s])
 
     @property
+    def actions(self) -> list[Action]:
+        """This rank's actions, in order."""
+        return self.schedule.actions.get(self.st.grid.pp_rank, [])
+
+    @property
+    def training(self) -> bool:
+        """Whether the step computes gradients (its schedule has backward actions)."""
+        return not self.schedule.is_forward_only
+
+    @property
+    def num_stages(self) -> int:
+        return self.schedule.num_stages
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.schedule.num_microbatches
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """Mixed precision: stage 0 casts float inputs to it, the last stage casts back."""
+        return compute_dtype(self.st.config)
+
+    @property
     def peak_activation_bytes(self) -> int:
         """Peak of the bytes kept for backward during the step."""
         return self.memory.peak_bytes
@@ -273,28 +341,29 @@ class StepRun:
 
     def capture_inputs(self) -> None:
         """Run the step function up to ``model(...)`` to learn stage 0's inputs."""
-        for j in range(len(self.batches)):
-            self.inputs[j] = self.capture(j)
+        for j in range(self.num_microbatches):
+            self.per_microbatch.inputs[j] = self.fn.capture(j)
 
     def model_forward(self, args: Args, kwargs: Kwargs) -> object:
         """``model(...)`` inside the step function, on the rank of the last stage."""
-        if self.model_called:
+        call = self.calling
+        if call is None:
+            raise StepError("internal: the model was called outside a microbatch's step function")
+        if call.model_called:
             raise StepError(
                 "the model was called twice for one microbatch; mpar pipelines one forward "
                 "pass per microbatch: call model(...) once in the step function"
             )
-        self.model_called = True
+        call.model_called = True
         entered = time.perf_counter()
         try:
-            return self._model_forward(args, kwargs)
+            return self._model_forward(call.j, args, kwargs)
         finally:
             if self.timeline is not None:  # the step function's time counts as computed:
                 self.timeline.computed -= time.perf_counter() - entered  # not this call's
 
-    def _model_forward(self, args: Args, kwargs: Kwargs) -> object:
-        s, j = self.num_stages - 1, self.microbatch
-        if j is None:
-            raise StepError("internal: the model was called outside a microbatch's step function")
+    def _model_forward(self, j: int, args: Args, kwargs: Kwargs) -> object:
+        s = self.num_stages - 1
         if s == 0:
             stage_args, stage_kwargs = cast_floats((args, kwargs), self.dtype)
         else:
@@ -303,7 +372,7 @@ class StepRun:
         if self.dtype is not None:
             output = cast_floats(output, torch.float32)  # the loss is computed in float32
         if self.training:
-            self.saved[(s, j)] = (stage_args, None)
+            self.pending.saved[(s, j)] = (stage_args, None)
             self.memory.hold(stage_args)
         return output
 
@@ -320,12 +389,12 @@ class StepRun:
                 f"(got {type(loss).__name__}"
                 + (f" of shape {tuple(loss.shape)})" if isinstance(loss, torch.Tensor) else ")")
             )
-        j = self.microbatch
-        if j is None:
+        if self.calling is None:
             raise StepError("internal: model.backward(loss) outside a microbatch's step function")
-        if j in self.losses:
+        losses = self.per_microbatch.losses
+        if self.calling.j in losses:
             raise StepError("model.backward(loss) was called twice for one microbatch")
-        self.losses[j] = loss
+        losses[self.calling.j] = loss
 
     # -- computations --------------------------------------------------------------
 
@@ -366,7 +435,7 @@ class StepRun:
             self._last_stage_forward(j)
             return
         if s == 0:
-            args, kwargs = cast_floats(self.inputs.pop(j), self.dtype)
+            args, kwargs = cast_floats(self.per_microbatch.inputs.pop(j), self.dtype)
         else:
             args, kwargs = self._stage_input(s, j), {}
         output = self._run(s, j, args, kwargs)
@@ -374,24 +443,25 @@ class StepRun:
         if not isinstance(output, tuple):
             output = (output,)
         if self.training:
-            self.saved[(s, j)] = (args, output)
+            self.pending.saved[(s, j)] = (args, output)
             self.memory.hold((args, output))
         self.transfers.leave(TransferLabel(Transfer.ACTIVATIONS, s + 1, j), output)
 
     def _last_stage_forward(self, j: int) -> None:
-        self.microbatch, self.model_called = j, False
+        self.calling = call = _Call(j)
         try:
             with using(self.batches.context(j)):
-                result = self._computing(self.call, j)
+                result = self._computing(self.fn.call, j)
         finally:
-            self.microbatch = None
+            self.calling = None
         _device.after_action(self.st.device)
-        if not self.model_called:
-            raise StepError(f"step function {self.name!r} never called the model")
+        if not call.model_called:
+            raise StepError(f"step function {self.fn.name!r} never called the model")
         check_gatherable(result)
-        self.results[j] = detach_to_cpu(result)
-        if len(self.results) == len(self.batches):
-            mine = [self.results[j] for j in range(len(self.batches))]
+        results = self.per_microbatch.results
+        results[j] = detach_to_cpu(result)
+        if len(results) == self.num_microbatches:
+            mine = [results[j] for j in range(self.num_microbatches)]
             if self.batches.contexts is not None:  # the CP group's pieces, put together
                 mine = combine_over_cp(mine, self.batches.contexts, self.st.grid)
             self.transfers.send_outputs((mine, list(self.batches.sizes)))
@@ -399,10 +469,11 @@ class StepRun:
     def _prepare_backward(self, s: int, *, arm: bool) -> None:
         sharding = self.sharding
         sharding.wait_unsharded(s)
-        if s not in self.bound:
+        pending = self.pending
+        if s not in pending.bound:
             sharding.bind_grads(s)  # autograd accumulates into the flat buffers
-            self.bound.add(s)
-        if arm and self.backward_done.get(s, 0) == len(self.batches) - 1:
+            pending.bound.add(s)
+        if arm and pending.done.get(s, 0) == self.num_microbatches - 1:
             sharding.reduce_grads_in_backward(s)  # overlap reduction with the last B
 
     def backward(self, s: int, j: int) -> None:
@@ -420,7 +491,7 @@ class StepRun:
     def backward_weight(self, s: int, j: int) -> None:
         """W: the weight gradients of stage ``s`` for microbatch ``j``, after its I."""
         self._prepare_backward(s, arm=False)
-        work = self.weight_work.pop((s, j), None)
+        work = self.pending.weight_work.pop((s, j), None)
         if work is None:
             raise StepError(f"internal: {s}W{j} runs before {s}I{j}")
         with using(self.batches.context(j)):
@@ -430,7 +501,8 @@ class StepRun:
         self._weights_done(s)
 
     def _weights_done(self, s: int) -> None:
-        self.backward_done[s] = self.backward_done.get(s, 0) + 1
+        done = self.pending.done
+        done[s] = done.get(s, 0) + 1
 
     def _roots(
         self, s: int, j: int, outputs: object
@@ -438,7 +510,7 @@ class StepRun:
         """What stage ``s``'s backward for ``j`` starts from: the scaled loss (last stage)
         or its outputs with their received gradients; none when there is no gradient."""
         if s == self.num_stages - 1:
-            loss = self.losses.pop(j, None)
+            loss = self.per_microbatch.losses.pop(j, None)
             if loss is None:
                 return [], None
             context = self.batches.context(j)  # a CP rank's share of the sequence's loss
@@ -456,7 +528,7 @@ class StepRun:
             self._backward_input_of(s, j, split=split)
 
     def _backward_input_of(self, s: int, j: int, *, split: bool) -> None:
-        inputs, outputs = self.saved.pop((s, j))
+        inputs, outputs = self.pending.saved.pop((s, j))
         dropped = self.memory.drop(s, j, (inputs, outputs))
         roots, root_grads = self._roots(s, j, outputs)
         grads: object = None
@@ -480,7 +552,7 @@ class StepRun:
                     self.sharding.after_backward(s)
             grads = _input_grads(inputs)
         if split:
-            self.weight_work[(s, j)] = work
+            self.pending.weight_work[(s, j)] = work
         _device.after_action(self.st.device)
         if s > 0:
             self.transfers.leave(TransferLabel(Transfer.GRADIENTS, s - 1, j), grads)
@@ -535,14 +607,16 @@ class StepRun:
     def run(self) -> StepOutput:
         """Execute this rank's actions; every replica's outputs (also ``self.outputs``)."""
         self.sharding.reset_peak()
-        self.transfers.post_receives()
         if 0 in self.stages.modules and self.num_stages > 1:
             self.capture_inputs()
         # a local table: bound methods kept on self would make a cycle that holds the
         # run (and through ``call`` the model) until the garbage collector runs
         handlers = self._handlers(stage_wide=self.sharding is not NO_SHARDING)
-        timeline = self.timeline
-        for action in self.actions:
+        timeline, transfers = self.timeline, self.transfers
+        posts = transfers.posts
+        for index, action in enumerate(self.actions):
+            if posts[index]:  # receives this rank posts before the action
+                transfers.post(posts[index])
             PROGRESS.begin(action)  # the hang watchdog's view of this rank; ~free
             handler = handlers.get(action.kind)
             if handler is None:
@@ -565,10 +639,9 @@ class StepRun:
                         timeline.computed - computed,
                     )
                 )
-        self.transfers.check_all_sent()
-        # Outputs first: their senders wait for this receive before any collective below.
-        self.outputs = self.transfers.gather_outputs()
-        self.transfers.pending.wait()
+        transfers.check_all_sent()
+        self.outputs = transfers.gather_outputs()
+        transfers.finish()
         if self.training:
             self.sharding.finish_grads()
         return self.outputs

@@ -20,6 +20,7 @@ the split.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -304,11 +305,13 @@ def _tied_groups(
         pp_ranks = sorted({home(s) for s, _ in group})
         if len(pp_ranks) < 2:
             continue  # every copy is the same Parameter object on one rank
-        for d in range(grid.dp_size):  # every rank creates every group, in order
-            for t in range(grid.tp_size):
-                handle = grid.new_group([grid.rank_of(p, d, t) for p in pp_ranks])
-                if (d, t) != (grid.dp_rank, grid.tp_rank) or grid.pp_rank not in pp_ranks:
-                    continue
-                s, name = next((s, n) for s, n in group if s in mine)
-                out.append((handle, mine[s].get_parameter(name)))
+        here = (grid.dp_rank, grid.tp_rank, grid.cp_rank)
+        for d, t, c in itertools.product(  # every rank creates every group, in order
+            range(grid.dp_size), range(grid.tp_size), range(grid.cp_size)
+        ):
+            handle = grid.new_group([grid.rank_of(p, d, t, c) for p in pp_ranks])
+            if (d, t, c) != here or grid.pp_rank not in pp_ranks:
+                continue
+            s, name = next((s, n) for s, n in group if s in mine)
+            out.append((handle, mine[s].get_parameter(name)))
     return out

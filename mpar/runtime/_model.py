@@ -33,11 +33,12 @@ from mpar.errors import StepError
 from mpar.partition import Plan
 from mpar.runtime._adapt import disable_caches
 from mpar.runtime._batch_check import batch_check_due
-from mpar.runtime._executor import Args, Captured, Kwargs, StepRun
+from mpar.runtime._executor import Args, Captured, Kwargs, StepCalls, StepRun
 from mpar.runtime._local_stages import LocalStages, build_local_stages
 from mpar.runtime._microbatch import Microbatches
 from mpar.runtime._placement import MeasuredPlacement
 from mpar.runtime._sharding import gathered, make_sharded
+from mpar.runtime._transfers import step_signature
 from mpar.schedule import Schedule
 from mpar.shard import ShardedStages
 from mpar.tensor_parallel import TPLayout, TPShard
@@ -322,10 +323,13 @@ class DistributedModel:
             self.schedule(forward_only=not training),
             batches,
             self._run,
-            call=lambda j: fn(self, *batches.args[j], **batches.kwargs[j]),
-            capture=lambda j: self.capture(fn, batches, j),
-            name=getattr(fn, "__name__", repr(fn)),
+            StepCalls(
+                call=lambda j: fn(self, *batches.args[j], **batches.kwargs[j]),
+                capture=lambda j: self.capture(fn, batches, j),
+                name=getattr(fn, "__name__", repr(fn)),
+            ),
             record=self._steps.placement.records(self._run, training),
+            signature=step_signature(self._steps, fn, batches, training),
         )
         self.active_run = run  # model(...) and model.backward(loss) go to it
         try:

@@ -117,7 +117,7 @@ def _trace_layout(st: State, schedule: Schedule) -> TraceLayout:
         "pipeline": cfg.pipeline,
         "num_ranks": cfg.pipeline_parallel_degree,
         "virtual_stages": cfg.virtual_stages,
-        "microbatches": cfg.microbatches,
+        "microbatches": schedule.num_microbatches,
         "active_microbatches": cfg.active_microbatches,
         "forward_only": schedule.is_forward_only,
         "schedule": schedule.to_dict(),  # the lowered schedule the ranks executed

@@ -8,44 +8,125 @@ else in the :attr:`Transfers.outbox` for the SEND action that follows. RECV
 actions fill the inbox from the wire; the computation that needs a value
 *takes* it from there.
 
-Receives are *posted* early: at the start of the step the first receive of
-every incoming stream, and after each receive the next one on its stream, so
-the bytes arrive while this rank computes and the RECV action's wait is short.
-The rank of a replica's last stage sends that replica's step outputs to every
-other rank as soon as its last forward is done (point to point, posted early
-like the rest), so the step ends without a collective of its own.
+Order. Receives are posted where :func:`mpar.schedule.receive_posts` puts them
+(:attr:`Transfers.posts`: before which action of this rank's list), sends at their
+SEND action, and a RECV action waits for its posted receive. Both ends of every
+pair derive that order from the same lowered schedule, and it is free of deadlocks
+under NCCL's point-to-point rules (per-pair order, each operation complete only
+once matched), so gloo, the shared-memory rings and NCCL run the same order. Receives
+are posted as early as that allows, so the bytes arrive while this rank computes.
+
+Agreement. The shapes of a step's transfers follow from its *signature*
+(:func:`step_signature`: the model, the step function, whether it trains, and every
+microbatch's argument shapes and dtypes); the first step with a signature agrees
+them (``mpar.comm._p2p``), later ones send data of known sizes, which device
+transports receive without the host reading anything.
+
+Step outputs come back by collectives at the end of the step: a broadcast within
+each pipeline from the rank of its last stage, then an all-gather over the
+data-parallel group (``mpar.comm._collectives.gather_step_outputs``).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Hashable
+
+import torch
 
 from mpar import _device
-from mpar.comm import State
-from mpar.comm._p2p import Links, PendingSends, recv_payload, send_payload
+from mpar.comm import State, _process_state
+from mpar.comm._collectives import gather_step_outputs
+from mpar.comm._p2p import Incoming, Links, PendingSends, post_payload, send_payload, take_payload
 from mpar.comm._types import Transfer, TransferLabel
 from mpar.errors import StepError
-from mpar.runtime._output import StepOutput, detach_to_cpu
+from mpar.runtime._microbatch import Microbatches
+from mpar.runtime._output import StepOutput
 from mpar.runtime._timeline import StepTimeline
-from mpar.schedule import Action, Kind, Schedule
+from mpar.schedule import Action, Kind, Schedule, receive_posts
 
-__all__ = ["Transfers"]
+__all__ = ["Transfers", "step_signature"]
 
-_OUTPUTS_TAG = 1 << 20
-"""The stream carrying step outputs (p2p tags of stage transfers are ``2 * stage + kind``)."""
 ReplicaOutputs = tuple[list[object], list[int]]
 """One replica's step outputs: each microbatch's result, and each microbatch's size."""
+_PLANS: dict[int, tuple[Schedule, dict[int, list[tuple[TransferLabel, ...]]]]] = {}
+"""id(schedule) -> (the schedule, its receive posts as labels per rank): schedules are
+built once per model and kept, so this stays small."""
+_PLANS_KEPT = 16
+_process_state.register("mpar.runtime._transfers._PLANS", _PLANS.clear, lambda: not _PLANS)
 
 
-def _tag(label: TransferLabel) -> int:
-    """The p2p tag of the stream that carries transfers like ``label``."""
-    return 2 * label.stage + label.kind
+def step_signature(
+    model: object, fn: Callable[..., object], batches: Microbatches, training: bool
+) -> Hashable:
+    """What the shapes of a step's transfers follow from: the model (by identity: two
+    models trained by one step function on alike batches send different things), the
+    step function's code, whether it trains, and each microbatch's arguments (tensors
+    by shape, dtype and ``requires_grad``; numbers, strings and None by value; other
+    objects by type). Every rank of a pipeline builds its models in the same order and
+    is given the same batch, so every one computes the same.
+
+    ``model`` is held by the signature (not its ``id``): while the agreed specs are
+    kept, no later model can take its place."""
+    code = getattr(fn, "__code__", fn)
+    parts = [_shapes(args) + _shapes(kwargs) for args, kwargs in zip(batches.args, batches.kwargs)]
+    return (_Identity(model), code, training, tuple(batches.sizes), tuple(parts))
+
+
+class _Identity:
+    """Hashes and compares ``value`` by identity, holding it."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def __hash__(self) -> int:
+        return id(self.value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Identity) and other.value is self.value
+
+
+def _shapes(value: object) -> tuple[object, ...]:
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype, value.requires_grad)
+    if isinstance(value, tuple | list):
+        return (type(value).__name__, *(_shapes(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", *((k, _shapes(v)) for k, v in value.items()))
+    if value is None or isinstance(value, bool | int | float | str):
+        return (value,)
+    return (type(value).__qualname__,)
+
+
+def _label(action: Action) -> TransferLabel:
+    kind = Transfer.GRADIENTS if action.kind is Kind.RECV_B else Transfer.ACTIVATIONS
+    return TransferLabel(kind, action.stage, action.microbatch or 0)
+
+
+def _posts(schedule: Schedule, pp_rank: int) -> list[tuple[TransferLabel, ...]]:
+    """This rank's receive posts of ``schedule``, as labels, per action index (cached)."""
+    found = _PLANS.get(id(schedule))
+    if found is None or found[0] is not schedule:
+        if len(_PLANS) >= _PLANS_KEPT:
+            del _PLANS[next(iter(_PLANS))]
+        posts = receive_posts(schedule)
+        labels = {r: [tuple(_label(a) for a in at) for at in p] for r, p in posts.items()}
+        found = _PLANS[id(schedule)] = (schedule, labels)
+    return found[1].get(pp_rank, [])
 
 
 class Transfers:
     """This rank's transfers of one step: its inbox, outbox, and the sends in flight."""
 
-    def __init__(self, schedule: Schedule, st: State, timeline: StepTimeline | None) -> None:
+    def __init__(
+        self,
+        schedule: Schedule,
+        st: State,
+        timeline: StepTimeline | None,
+        signature: Hashable = None,
+    ) -> None:
         self.schedule, self.st, self.timeline = schedule, st, timeline
         self.num_stages = schedule.num_stages
         self.inbox: dict[TransferLabel, object] = {}
@@ -53,8 +134,11 @@ class Transfers:
         neighbouring stage when it is on this rank."""
         self.outbox: dict[TransferLabel, object] = {}
         """What a SEND action still has to send."""
+        self.posted: dict[TransferLabel, Incoming] = {}
+        """Receives posted and not yet taken by their RECV action."""
         self.pending = PendingSends()
         self.links: Links = st.p2p_links
+        self.links.begin(signature)
         self.wire = _device.p2p_device(st.device, st.backend)
         """Where transfers are built and received (the host when they are staged)."""
         self.staged = self.wire != st.device
@@ -63,59 +147,35 @@ class Transfers:
         self.stage_ranks = [pp_ranks[schedule.stage_to_rank(s)] for s in range(self.num_stages)]
         """Global rank of this replica that holds each stage."""
         self.me = st.layout.rank
-        self.incoming = self._incoming_streams(schedule.actions.get(st.grid.pp_rank, []))
-        """(source rank, tag) -> transfers still to receive on that stream this step."""
-        self.own_outputs: ReplicaOutputs = ([], [])
+        self.posts = _posts(schedule, st.grid.pp_rank)
+        """For each of this rank's actions (by index), the receives to post before it."""
+        self.own_outputs: ReplicaOutputs | None = None
 
-    def _rank_of(self, stage: int) -> int:
-        """Global rank of this replica that holds ``stage``."""
-        return self.stage_ranks[stage]
-
-    def _incoming_streams(self, actions: list[Action]) -> dict[tuple[int, int], int]:
-        """How many transfers this rank receives this step on each (source, tag) stream:
-        one per RECV action, and the step outputs of every other replica."""
-        counts: dict[tuple[int, int], int] = {}
-        for action in actions:
-            if action.kind is Kind.RECV_F or action.kind is Kind.RECV_B:
-                kind = Transfer.GRADIENTS if action.kind is Kind.RECV_B else Transfer.ACTIVATIONS
-                stream = self._recv_stream(TransferLabel(kind, action.stage))
-                counts[stream] = counts.get(stream, 0) + 1
-        me = self.st.layout.rank
-        for src in self.output_ranks():
-            if src != me:
-                counts[(src, _OUTPUTS_TAG)] = 1
-        return counts
-
-    def _recv_stream(self, label: TransferLabel) -> tuple[int, int]:
-        """(source rank, tag) of the stream that carries ``label`` here."""
+    def _source(self, label: TransferLabel) -> int:
+        """Global rank that sends ``label`` here."""
         source = label.stage + 1 if label.kind is Transfer.GRADIENTS else label.stage - 1
         if not 0 <= source < self.num_stages:
             raise StepError(f"internal: stage {label.stage} receives nothing in that direction")
-        return self._rank_of(source), _tag(label)
+        return self.stage_ranks[source]
 
-    def output_ranks(self) -> list[int]:
-        """Global rank of each data-parallel replica's last stage (where its outputs are;
-        TP and CP rank 0 of it, which sends them)."""
-        grid = self.st.grid
-        last = self.schedule.stage_to_rank(self.num_stages - 1)
-        return [grid.rank_of(last, d) for d in range(grid.dp_size)]
-
-    def post_receives(self) -> None:
-        """Post the first receive of every incoming stream (at the start of the step)."""
-        for src, tag in self.incoming:
-            self.links.post(src, tag, self.wire)
+    def post(self, labels: tuple[TransferLabel, ...]) -> None:
+        """Post the receives the schedule's order puts before the next action."""
+        for label in labels:
+            self.posted[label] = post_payload(self._source(label), label, self.wire, self.links)
 
     def receive(self, label: TransferLabel) -> None:
         """RECV_F / RECV_B: wait for ``label`` and keep it for the F (or B / I) that follows."""
-        stream = self._recv_stream(label)
+        incoming = self.posted.pop(label, None)
+        if incoming is None:
+            raise StepError(
+                f"internal: the receive of {label.describe()} was never posted (run "
+                "schedules lowered by mpar.schedule.executable_schedule)"
+            )
         timeline = self.timeline
         started = time.time() if timeline is not None else 0.0
-        payload = recv_payload(*stream, label, self.wire, self.links)
+        payload = take_payload(incoming, self.links)
         if timeline is not None:
             timeline.waited += time.time() - started
-        self.incoming[stream] -= 1
-        if self.incoming[stream] > 0:
-            self.links.post(*stream, self.wire)
         self.inbox[label] = _device.to_device(payload, self.st.device) if self.staged else payload
 
     def send(self, label: TransferLabel) -> None:
@@ -128,9 +188,9 @@ class Transfers:
                 f"{'backward' if backward else 'forward'} of stage {s} for microbatch {j} "
                 "produced what it sends"
             )
-        dst = self._rank_of(label.stage)
+        dst = self.stage_ranks[label.stage]
         payload = self.outbox.pop(label)
-        send_payload(payload, dst, _tag(label), label, self.pending, self.links, self.wire)
+        send_payload(payload, dst, label, self.pending, self.links, self.wire)
 
     def leave(self, label: TransferLabel, payload: object) -> None:
         """What one stage computed for ``label.stage``: into the inbox when that stage is
@@ -162,33 +222,26 @@ class Transfers:
                 f"{label.microbatch} (no SEND action after the computation that produced it)"
             )
 
+    def finish(self) -> None:
+        """The step's transfers are done: wait for the sends; its signature is agreed."""
+        self.pending.wait()
+        self.links.end()
+
     def send_outputs(self, outputs: ReplicaOutputs) -> None:
-        """Send this replica's outputs to every other rank as soon as the last one exists
-        (TP and CP rank 0 sends for its TP and CP groups, whose ranks hold the same
-        outputs: the CP group's combined)."""
-        st = self.st
+        """This replica's outputs, once the last one exists (on the last stage's ranks)."""
         self.own_outputs = outputs
-        if st.grid.tp_rank != 0 or st.grid.cp_rank != 0:
-            return
-        label = TransferLabel.outputs(st.grid.dp_rank)
-        for dst in range(st.layout.world_size):
-            if dst != st.layout.rank:
-                send_payload(outputs, dst, _OUTPUTS_TAG, label, self.pending, self.links, self.wire)
 
     def gather_outputs(self) -> StepOutput:
-        """Every replica's outputs, in data-parallel order (the same StepOutput on every rank)."""
+        """Every replica's outputs, in data-parallel order (the same StepOutput on every
+        rank), by two collectives at the end of the step."""
+        last = self.schedule.stage_to_rank(self.num_stages - 1)
+        replicas = gather_step_outputs(self.own_outputs, last, self.st.grid)
         outputs: list[object] = []
         sizes: list[int] = []
-        for d, src in enumerate(self.output_ranks()):
-            if src == self.st.layout.rank:
-                outs, replica_sizes = self.own_outputs
-            else:
-                stream = (src, _OUTPUTS_TAG)
-                received = recv_payload(*stream, TransferLabel.outputs(d), self.wire, self.links)
-                self.incoming[stream] -= 1
-                if not isinstance(received, tuple):  # what send_outputs sent
-                    raise StepError(f"internal: rank {src} sent {type(received).__name__} outputs")
-                outs, replica_sizes = detach_to_cpu(received)
+        for replica in replicas:
+            if not isinstance(replica, tuple):  # what send_outputs kept
+                raise StepError(f"internal: a replica's step outputs are {type(replica).__name__}")
+            outs, replica_sizes = replica
             outputs.extend(outs)
             sizes.extend(replica_sizes)
         return StepOutput(outputs, sizes)

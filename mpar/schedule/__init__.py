@@ -24,6 +24,7 @@ from mpar.schedule._ir import (
     stage_rank,
 )
 from mpar.schedule._lower import lower_communication
+from mpar.schedule._p2p_order import check_p2p_order, receive_posts
 from mpar.schedule._registry import (
     PIPELINES,
     SCHEDULE_HELP,
@@ -57,6 +58,7 @@ __all__ = [
     "StageCosts",
     "TimedAction",
     "build_schedule",
+    "check_p2p_order",
     "executable_schedule",
     "interleaved",
     "least_active_microbatches",
@@ -66,6 +68,7 @@ __all__ = [
     "peak_in_flight",
     "placement_of",
     "read_csv",
+    "receive_posts",
     "render_png",
     "render_text",
     "schedule_from_csv",

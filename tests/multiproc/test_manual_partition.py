@@ -83,3 +83,57 @@ def test_manual_placement_that_leaves_a_stage_empty_is_refused_by_name():
     # nothing placed with mpar.partition: every unit would be on stage 0 of 2
     with pytest.raises(DistributedTestError, match=r"PartitionError.*on 1 stage\(s\), 0 to 0"):
         run_distributed(_unplaced_ranks, 2, timeout=50)
+
+
+def _two_widths(width: int) -> nn.Module:
+    import mpar
+
+    torch.manual_seed(width)
+    model = nn.Sequential()
+    with mpar.partition(0):
+        model.append(nn.Linear(8, width))
+    with mpar.partition(1):
+        model.append(nn.Linear(width, 4))
+    return model
+
+
+def _train(m, x, y):
+    loss = loss_fn(m(x), y)
+    m.backward(loss)
+    return loss
+
+
+def _two_models_ranks(nccl_rules: bool):
+    """Two models trained one after the other by one step function on alike batches:
+    what their stages send differs (16 then 6 features), so the second model's
+    transfers are agreed afresh (the agreed shapes are the model's, not the code's)."""
+    import mpar
+
+    mpar.init(
+        {
+            "pipeline_parallel_degree": 2,
+            "microbatches": 2,
+            "auto_partition": False,
+            "nccl_rules": nccl_rules,
+        }
+    )
+    train = mpar.step(_train)
+    losses = []
+    for width in (16, 6, 16):
+        model = mpar.DistributedModel(_two_widths(width))
+        losses.append([float(train(model, *batch("mlp", s)).reduce_mean()) for s in range(2)])
+        del model
+    return losses
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nccl_rules", [False, True], ids=["default", "nccl_rules"])
+def test_models_sharing_a_step_function_agree_their_own_transfers(nccl_rules):
+    results = run_distributed(_two_models_ranks, 2, args=(nccl_rules,), timeout=100)
+    for got, width in zip(results[1], (16, 6, 16)):
+        ref = _two_widths(width)
+        with torch.no_grad():
+            expected = [
+                float(loss_fn(ref(x), y)) for x, y in map(lambda s: batch("mlp", s), range(2))
+            ]
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)

@@ -4,7 +4,8 @@ For every layout the losses, the whole-batch outputs, the gradients and the
 parameters after several optimizer steps equal the single-process, whole-batch
 reference in fp32. A representative subset runs by default; the full grid of
 the issue (pp 1/2/4 x dp 1/2 x simple/interleaved x v 1/2 x m 1/3/4/8) runs
-with ``-m slow``.
+with ``-m slow``, and again (pp > 1) with ``nccl_rules``: transfers through a transport
+that enforces NCCL's point-to-point rules on gloo (a few cases by default).
 """
 
 from __future__ import annotations
@@ -92,6 +93,26 @@ def test_transparent_through_the_backend_without_shared_memory():
     _run(2, 2, "interleaved", 2, 4, "gpt", "adamw", shared_memory=False)
 
 
+RULES = {"nccl_rules": True}
+"""Transfers through the transport that enforces NCCL's point-to-point rules on gloo
+(config key ``nccl_rules``): an order that would hang or mismatch on GPUs fails here."""
+UNDER_RULES = [
+    # (pp, dp, pipeline, v, m, model, optimizer)
+    (2, 1, "interleaved", 1, 4, "mlp", "sgd"),
+    (2, 2, "interleaved", 2, 4, "mlp", "adamw"),
+    pytest.param(2, 2, "interleaved", 2, 4, "gpt", "adamw", marks=pytest.mark.slow),
+    pytest.param(2, 1, "interleaved", 2, 4, "mlp", "sgd", marks=pytest.mark.slow),
+    pytest.param(2, 1, "simple", 1, 4, "mlp", "sgd", marks=pytest.mark.slow),
+    pytest.param(4, 1, "interleaved", 2, 4, "mlp", "adamw", marks=pytest.mark.slow),
+    pytest.param(2, 1, "interleaved", 1, 5, "gpt", "adamw", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("pp", "dp", "pipeline", "v", "m", "model", "optimizer"), UNDER_RULES)
+def test_transparent_under_nccl_rules(pp, dp, pipeline, v, m, model, optimizer):
+    _run(pp, dp, pipeline, v, m, model, optimizer, **RULES)
+
+
 def test_global_norm_clipping_is_transparent():
     _run(2, 2, "interleaved", 1, 2, "mlp", "sgd", clip=0.05)
 
@@ -108,6 +129,12 @@ FULL = [
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_transparent_full_grid(pp, dp, pipeline, v, m, optimizer):
     _run(pp, dp, pipeline, v, m, "mlp", optimizer)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("pp", "dp", "pipeline", "v", "m"), [c for c in FULL if c[0] > 1])
+def test_transparent_full_grid_under_nccl_rules(pp, dp, pipeline, v, m):
+    _run(pp, dp, pipeline, v, m, "mlp", "sgd", **RULES)
 
 
 @pytest.mark.parametrize("model", ["mlp", "gpt"])

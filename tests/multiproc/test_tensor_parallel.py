@@ -86,6 +86,13 @@ def test_pp2_tp2(placement, coordinates):
     _check(results, reference("tp_gpt", "sgd", STEPS))
 
 
+def test_pp2_tp2_under_nccl_rules():
+    """Transfers through the transport that enforces NCCL's rules (``nccl_rules``)."""
+    config = _config(2, pipeline_parallel_degree=2, microbatches=4, nccl_rules=True)
+    results = run_distributed(train_ranks, 4, args=(config, "tp_gpt", "sgd", STEPS), timeout=240)
+    _check(results, reference("tp_gpt", "sgd", STEPS))
+
+
 @pytest.mark.slow
 def test_pp2_tp2_auto_keys():
     """ "auto" keys under TP: the planner keeps the configured degree and lays out one TP

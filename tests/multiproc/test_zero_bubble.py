@@ -275,6 +275,21 @@ def test_zbv_v_placement_is_transparent(pp, dp, m, model, optimizer, extra):
     _run(pp, dp, m, model, optimizer, pipeline="zbv", virtual_stages=2, **extra)
 
 
+UNDER_RULES = [
+    (2, 1, 4, "mlp", "adamw", {}),
+    pytest.param(2, 1, 4, "gpt", "adamw", {}, marks=pytest.mark.slow),
+    pytest.param(2, 1, 4, "gpt", "adamw", ZBV_CONFIG, marks=pytest.mark.slow),
+    pytest.param(2, 2, 4, "gpt", "sgd", {"virtual_stages": 2}, marks=pytest.mark.slow),
+    pytest.param(4, 1, 8, "mlp", "sgd", ZBV_CONFIG, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("pp", "dp", "m", "model", "optimizer", "extra"), UNDER_RULES)
+def test_zero_bubble_is_transparent_under_nccl_rules(pp, dp, m, model, optimizer, extra):
+    """Transfers through the transport that enforces NCCL's rules (``nccl_rules``)."""
+    _run(pp, dp, m, model, optimizer, nccl_rules=True, **extra)
+
+
 WHOLE = {"MPAR_SPLIT_BACKWARD": "0"}  # the opt-out: I runs the whole backward, W nothing
 
 

@@ -57,6 +57,25 @@ def test_zero_with_pipeline_is_transparent(pp, dp, zero):
             torch.testing.assert_close(r["state"][name], tensor, **TOL, msg=name)
 
 
+OFFLOADED_ZERO3 = ZERO[-1]
+
+
+@pytest.mark.parametrize(
+    "zero",
+    [OFFLOADED_ZERO3, *(pytest.param(z, marks=pytest.mark.slow) for z in ZERO[:-1])],
+    ids=_id,
+)
+def test_zero_with_pipeline_is_transparent_under_nccl_rules(zero):
+    """pp 2 x dp 2 with the transfers through the NCCL-rules transport (``nccl_rules``)."""
+    config = {"pipeline_parallel_degree": 2, "microbatches": 2, "zero": zero, "nccl_rules": True}
+    results = run_distributed(train_ranks, 4, args=(config, "mlp", "adamw", 3, 0.5), timeout=180)
+    ref = reference("mlp", "adamw", 3, clip=0.5)
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), **TOL)
+        for name, tensor in ref["state"].items():
+            torch.testing.assert_close(r["state"][name], tensor, **TOL, msg=name)
+
+
 def _check_against_reference(results, model, config_note):
     ref = reference(model, "adamw", 3, clip=0.5)
     for r in results:

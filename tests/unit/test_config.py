@@ -37,6 +37,7 @@ def test_accepted_keys_are_frozen():
         "seed",
         "timeout_s",
         "shared_memory",
+        "nccl_rules",
         "trace",
         "device_memory",
         "shard_optimizer_state",

@@ -78,7 +78,6 @@ def test_progress_keeps_the_last_events_in_order() -> None:
 def test_waits_in_words() -> None:
     assert describe_label(TransferLabel(Transfer.ACTIVATIONS, 1, 3)) == "activations for 1F3"
     assert describe_label(TransferLabel(Transfer.GRADIENTS, 0, 2)) == "gradients for 0B2"
-    assert describe_label(TransferLabel.outputs(1)) == "the step outputs of replica 1"
     assert (
         describe_wait(("recv", 0, TransferLabel(Transfer.ACTIVATIONS, 1, 3)))
         == "recv of activations for 1F3 from rank 0"
