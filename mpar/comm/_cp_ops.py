@@ -60,6 +60,7 @@ from mpar._cp_context import (
     using,
 )
 from mpar.comm import _process_state
+from mpar.comm._nccl_rules import NcclRules
 from mpar.comm._progress import Waiting
 from mpar.comm._types import ProcessGroup
 
@@ -84,6 +85,9 @@ class _CPGroup:
     rank: int
     ranks: tuple[int, ...]
     """Global rank of each CP rank (the peers of ``batch_isend_irecv``)."""
+    rules: NcclRules | None = None
+    """The NCCL-rules test transport (config key ``nccl_rules``): the ring's exchanges
+    are posted through it, one group per step, instead of ``batch_isend_irecv``."""
 
 
 _GROUPS: dict[str, _CPGroup] = {}
@@ -93,11 +97,17 @@ CP_GROUP = "cp"
 
 
 def register_cp_group(
-    key: str, group: ProcessGroup | None, size: int, rank: int, ranks: list[int]
+    key: str,
+    group: ProcessGroup | None,
+    size: int,
+    rank: int,
+    ranks: list[int],
+    rules: NcclRules | None = None,
 ) -> str:
     """Make ``group`` (this rank at ``rank`` of ``size``; ``ranks`` its members' global
-    ranks) known to the operators as ``key``."""
-    _GROUPS[key] = _CPGroup(group, size, rank, tuple(ranks))
+    ranks) known to the operators as ``key``; ``rules``: the NCCL-rules transport the
+    ring posts through (peers by global rank), or None."""
+    _GROUPS[key] = _CPGroup(group, size, rank, tuple(ranks), rules)
     return key
 
 
@@ -142,6 +152,12 @@ class _Exchange:
         )
         self.group = g.group
         after, before = g.ranks[(g.rank + 1) % g.size], g.ranks[(g.rank - 1) % g.size]
+        self.works: list[Any]
+        if g.rules is not None:  # NCCL's rules enforced: one group per step, FIFO per pair
+            posted = [(True, after, t.contiguous(), "ring send") for t in send]
+            posted += [(False, before, t, "ring receive") for t in self.received]
+            self.works = [g.rules.post(posted)]
+            return
         ops = [dist.P2POp(dist.isend, t.contiguous(), after, g.group) for t in send]
         ops += [dist.P2POp(dist.irecv, t, before, g.group) for t in self.received]
         self.works = dist.batch_isend_irecv(ops)

@@ -220,7 +220,6 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
     _checked_same_config(resolved, layout.world_size, owns)
     grid = build_process_grid(topology, layout.rank, (world_backend, dp_backend), timeout)
     register_tp_group(TP_GROUP, grid.tp_group, grid.tp_size, grid.tp_rank)
-    register_cp_group(CP_GROUP, grid.cp_group, grid.cp_size, grid.cp_rank, grid.cp_ranks)
     torch.manual_seed(resolved.seed)
     PROGRESS.reset(RECENT if resolved.trace is None else 16 * RECENT)
     if layout.world_size > 1:
@@ -230,6 +229,8 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
         _watchdog.start(layout, resolved.timeout_s, resolved.trace, _GENERATION)
     st = State(config=resolved, layout=layout, grid=grid, device=device, backend=backend)
     st.p2p_links.rules = _nccl_rules(st, world_backend)
+    rules = st.p2p_links.rules  # the ring's exchanges obey NCCL's rules under it too
+    register_cp_group(CP_GROUP, grid.cp_group, grid.cp_size, grid.cp_rank, grid.cp_ranks, rules)
     st.p2p_links.shared = _shared_memory(st, world_backend)
     _SESSION = Session(st, owns_process_group=owns)
     if not _EXIT_HOOKED:

@@ -63,6 +63,16 @@ def test_cp2_with_pipeline_and_with_zero3_offload():
     _run_each(4, [(pp, "gpt", "plain"), (zero3, "mistral", "plain")])
 
 
+def test_cp2_ring_under_nccl_rules():
+    """The ring's exchanges (one group per step, K/V and dK/dV) and, at cp 2 x pp 2, the
+    pipeline's transfers beside them, through the transport that enforces NCCL's
+    point-to-point rules on gloo (config key nccl_rules): a wrong order fails there."""
+    rules = {"cp": 2, "nccl_rules": True}
+    with_pp = {**rules, "pipeline_parallel_degree": 2, "microbatches": 2}
+    _run_each(2, [(rules, "llama", "plain")])
+    _run_each(4, [(with_pp, "gpt", "plain")])
+
+
 @pytest.mark.parametrize(
     ("world", "config", "family", "kind"),
     [
