@@ -103,6 +103,17 @@ class _Capture:
     inputs: tuple[Args, Kwargs] | None = None
 
 
+@dataclass
+class _CPModel:
+    """Under context parallelism: how the model's calls get global positions and shifted
+    labels, whether Hugging Face's attention interface was pointed at mpar's, and
+    whether the first step must still check that attention was found."""
+
+    calls: CallPlan
+    hf: bool
+    unchecked: bool = False
+
+
 class _Steps:
     """What the model keeps from step to step: its lowered schedules (training and
     forward-only), the measured placement of zero-bubble W actions, and how many steps
@@ -160,15 +171,11 @@ class DistributedModel:
         self._steps = _Steps()
         self.tp_layout: TPLayout | None = _tp_layout(module, self.grid, self.config)
         """How tensor parallelism splits this model (None at tensor_parallel_degree 1)."""
-        self.cp_calls: CallPlan | None = None
-        """Under context parallelism: how its calls get positions and shifted labels."""
-        self._cp_hf = False
-        self._cp_unchecked = False
+        self._cp: _CPModel | None = None
         if self.grid.cp_size > 1:
             method = self.config.context_parallel_method
             check_heads(module, self.grid.cp_size, self.grid.tp_size, method)
-            self.cp_calls = CallPlan(module)
-            self._cp_hf = install_hf(module, method)
+            self._cp = _CPModel(CallPlan(module), install_hf(module, method))
         process.models.add(self)
         if example_inputs is not None or example_kwargs is not None:
             args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
@@ -227,10 +234,10 @@ class DistributedModel:
             st,
             dynamic_axes=self.dynamic_axes,
             tp=self.tp_layout,
-            capture_whole=self.cp_calls is not None and not self._cp_hf,
+            capture_whole=self._cp is not None and not self._cp.hf,
             profiled_cp=profiled_cp,
         )
-        if self.cp_calls is not None:
+        if self._cp is not None:
             self._replace_attention(self.stages)
         for stage in self.stages.modules.values():
             stage.train(self.module.training)
@@ -262,7 +269,8 @@ class DistributedModel:
         for s, stage in stages.modules.items():
             found += replace_sdpa(stage, method, f"stage {s} of {type(self.module).__name__}")
         if stages.num_stages == 1 and not hasattr(stages.modules[0], "programs"):
-            self._cp_unchecked = True  # the model itself: its calls are counted as it runs
+            assert self._cp is not None
+            self._cp.unchecked = True  # the model itself: its calls are counted as it runs
             return
         total = torch.tensor([found], dtype=torch.long)
         all_reduce_pp(total, self.grid)
@@ -337,8 +345,8 @@ class DistributedModel:
         finally:
             self.active_run = None
         self.activation_peak_bytes = run.peak_activation_bytes
-        if self._cp_unchecked:  # the first step ran the model's own code: was any attention?
-            self._cp_unchecked = False
+        if self._cp is not None and self._cp.unchecked:  # the model's own code ran: attention?
+            self._cp.unchecked = False
             check_found(FOUND["calls"], self.module)
         placed = self._steps.placement.after_step(self._run, training, run.timeline)
         if placed is not None:  # every rank, at the same step: measured W placement
@@ -363,8 +371,8 @@ class DistributedModel:
         )
 
     def __call__(self, *args: object, **kwargs: object) -> object:
-        if self.cp_calls is not None:
-            kwargs = prepare_call(self.cp_calls, args, kwargs, current())
+        if self._cp is not None:
+            kwargs = prepare_call(self._cp.calls, args, kwargs, current())
         if self._capture.active:
             self._capture.inputs = (args, kwargs)
             raise Captured
