@@ -33,6 +33,7 @@ same model and compares their predicted and measured step-time order.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -88,6 +89,9 @@ class Layout:
     raw: dict[str, Any] | None = None
     """A whole mpar config (an auto plan's) instead of the fields above."""
     name: str = ""
+    cp: int = 1
+    """``context_parallel_degree``: the ranks of a CP group split each sequence."""
+    cp_method: str = "ring"
 
     def label(self) -> str:
         if self.name:
@@ -101,8 +105,9 @@ class Layout:
         prof = f" profiled@{self.profile_batch}" if self.profile_batch else ""
         ep = self.extra.get("expert_parallel_degree", 1)
         eps = f" ep{ep}" if ep > 1 else ""
+        cp = f" x cp{self.cp} {self.cp_method}" if self.cp > 1 else ""
         return (
-            f"pp{self.pp} x dp{self.dp}{eps} z{self.zero}{ck} m{self.microbatches}{v} "
+            f"pp{self.pp} x dp{self.dp}{cp}{eps} z{self.zero}{ck} m{self.microbatches}{v} "
             f"{self.pipeline}{g}{prec}{off}{spec}{prof}"
         )
 
@@ -124,9 +129,26 @@ class Layout:
             "memory_weight": 0.0,
             "bf16": self.precision == "bf16",
             "fp16": self.precision == "fp16",
+            "context_parallel_degree": self.cp,
+            "context_parallel_method": self.cp_method,
             **self.extra,
         }
 
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.cp
+
+
+LONG = {"vocab": 1024, "layers": 4, "seq": 2048, "batch": 2}
+"""Long sequences for the context-parallel rows: 2 x 2048 tokens a step."""
+
+CP_ROWS = [
+    Layout(1, 1, 0, microbatches=1, spec=LONG),
+    Layout(1, 1, 0, microbatches=1, spec=LONG, cp=2),
+    Layout(1, 1, 0, microbatches=1, spec=LONG, cp=2, cp_method="all_to_all"),
+    Layout(2, 1, 0, microbatches=2, spec=LONG, cp=2),
+    Layout(1, 1, 1, microbatches=1, spec=LONG, cp=4),
+]
 
 ISSUE_MODEL = {"vocab": 32000, "layers": 8}
 """Issue 27's model: a 23M-parameter GPT-style TinyGPT with a 32000-token vocabulary
@@ -175,6 +197,8 @@ GRID = [
     Layout(1, 2, 0, microbatches=1, extra=ep(2), spec=MOE_MODEL),
     Layout(1, 2, 3, microbatches=1, extra=ep(2), spec=MOE_MODEL),
     Layout(2, 2, 1, microbatches=2, extra=ep(2), spec=MOE_MODEL),
+    # context parallelism on long sequences (activations dominate), cp 1 beside it
+    *CP_ROWS,
 ]
 
 
@@ -286,18 +310,21 @@ def _pp1_plan(spec: Spec, layout: Layout, x: Any) -> Any:
     microbatch's) and scaled to the microbatch."""
     import mpar
     from mpar.expert_parallel import measure_ep_splits
-    from mpar.partition import make_plan, plan_inputs
+    from mpar.partition import make_plan, measure_attention, plan_inputs
     from mpar.profile import profile_model
 
     config = mpar.config()
-    mb = spec.batch // mpar.dp_size() // config.microbatches
-    profiled = layout.profile_batch or mb
     model = _model(spec)
+    inputs = plan_inputs(config, mpar.size(), device="cpu")
+    mb = spec.batch // inputs.grid.dp // config.microbatches
+    profiled = layout.profile_batch or mb
     profile = profile_model(model, (x[:profiled],), repeats=3, warmup=1)
-    experts = None
     if config.expert_parallel_degree > 1:
         experts = measure_ep_splits(model, profile, ((x[:profiled],), {}), plan=config.ep_plan)
-    inputs = plan_inputs(config, mpar.size(), device="cpu", ep_splits=experts)
+        inputs = dataclasses.replace(inputs, ep_splits=experts)
+    if inputs.grid.cp > 1:  # whole sequences profiled: the plan takes one CP rank's share
+        found = measure_attention(model, profile.units, (x[:profiled],))
+        inputs = dataclasses.replace(inputs, cp_attention=found)
     return make_plan(profile, inputs, microbatch_scale=mb / profiled, microbatch_size=mb)
 
 
@@ -422,7 +449,7 @@ def _launch_once(spec: Spec, layout: Layout, args: argparse.Namespace) -> dict[s
         OMP_NUM_THREADS=str(args.threads),
         PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH", "")])),
     )
-    world = layout.pp * layout.dp
+    world = layout.world
     with tempfile.TemporaryDirectory(prefix="mpar-plan-acc-") as tmp:
         cmd = [sys.executable, "-m", "mpar", "launch", "--nproc-per-node", str(world)]
         cmd += [str(Path(__file__).resolve()), "--worker", json.dumps(asdict(layout))]
@@ -648,6 +675,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--auto-only", action="store_true", help="only the top-3 check")
     p.add_argument("--auto-repeats", type=int, default=3, help="runs per top-3 candidate")
     p.add_argument("--quick", action="store_true", help="small model, 2 layouts")
+    p.add_argument("--cp", action="store_true", help="only the context-parallel rows")
     p.add_argument("--budget", action="store_true", help="also run --auto's picks under caps")
     p.add_argument("--budget-only", action="store_true", help="only the budget check")
     p.add_argument("--caps", type=int, nargs="*", default=[150, 200, 300], help="MiB")
@@ -788,6 +816,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     spec = Spec(vocab=512, d_model=64, layers=4, heads=4, seq=32, batch=8) if args.quick else Spec()
     grid = GRID[:2] if args.quick else [GRID[i] for i in args.only] if args.only else GRID
+    grid = CP_ROWS if args.cp else grid
     grid = [] if args.auto_only or args.budget_only else grid
     rows, load = [], [os.getloadavg()[0]]
     report: dict[str, Any] = {"spec": asdict(spec), "rows": rows}
@@ -811,7 +840,7 @@ def main(argv: list[str] | None = None) -> int:
     old = json.loads(old_file.read_text()) if old_file.exists() else {}
     if (args.auto_only or args.budget_only) and old:  # keep the grid
         report["rows"], report["meta"] = old["rows"], old["meta"]
-    elif args.only and old:  # replace the rows run, keep the others
+    elif (args.only or args.cp) and old:  # replace the rows run, keep the others
         by_label = {r["layout"]: r for r in old.get("rows", [])}
         by_label.update({r["layout"]: r for r in rows})
         order = [g.label() for g in GRID]

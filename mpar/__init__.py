@@ -8,6 +8,8 @@ from mpar._data import data_sampler
 from mpar._ranks import (
     barrier,
     config,
+    cp_rank,
+    cp_size,
     dp_rank,
     dp_size,
     ep_rank,
@@ -36,6 +38,8 @@ __all__ = [
     "StepOutput",
     "barrier",
     "config",
+    "cp_rank",
+    "cp_size",
     "data_sampler",
     "dp_rank",
     "dp_size",

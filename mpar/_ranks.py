@@ -8,6 +8,8 @@ from mpar.config import Config
 __all__ = [
     "barrier",
     "config",
+    "cp_rank",
+    "cp_size",
     "dp_rank",
     "dp_size",
     "ep_rank",
@@ -95,3 +97,14 @@ def ep_size() -> int:
     """Expert-parallel degree: ranks that split each MoE layer's experts, folded into the
     data-parallel ranks (1 until the config sets it)."""
     return state().grid.ep_size
+
+
+def cp_rank() -> int:
+    """Index of this rank in its context-parallel group (0 .. cp_size() - 1): which pieces
+    of each sequence it computes."""
+    return state().grid.cp_rank
+
+
+def cp_size() -> int:
+    """Context-parallel degree: ranks that split each sequence (1 until the config sets it)."""
+    return state().grid.cp_size

@@ -13,6 +13,7 @@ __all__ = [
     "ConfigError",
     "CommError",
     "ConfigTypeError",
+    "ContextParallelError",
     "HangError",
     "MparError",
     "NotInitializedError",
@@ -66,3 +67,8 @@ class StepError(MparError, RuntimeError):
 class BatchMismatchError(MparError, ValueError):
     """The ranks of one pipeline were given different batches (the data is sharded
     by global rank instead of by data-parallel rank)."""
+
+
+class ContextParallelError(MparError, ValueError):
+    """Context parallelism cannot apply to this model or this batch (a sequence that does
+    not cut into 2 x cp pieces, heads the all-to-all cannot split, no attention found)."""

@@ -34,7 +34,15 @@ own ``base_model_tp_plan``, or mpar's plan for its family) is checked at ``N`` a
 the runtime checks it, split parameters, their gradients and optimizer state count
 ``1/N``, activations saved inside split layers ``1/N``, and each stage's time gains
 the TP collectives over ``--tp-bandwidth`` (default: the link bandwidth); dp =
-world-size / (pp * N). See docs/planning.md.
+world-size / (pp * N).
+
+With ``--cp N`` (or the config's ``context_parallel_degree``) the figures are one
+context-parallel rank's: the model's attention calls are found in one forward
+(``scaled_dot_product_attention``, Hugging Face's ``"sdpa"``), activations, outputs
+and per-sample time count ``1/N``, ZeRO shards over dp x cp, and each attention
+layer's time gains its traffic (the config's ``context_parallel_method``) over
+``--cp-bandwidth`` (default: the link bandwidth); dp = world-size / (pp * tp * N).
+See docs/planning.md.
 
 Memory is per rank of the device kind the plan is for (``--device``; default: the
 config's ``device``, where ``auto`` means CUDA when this machine has it, else the
@@ -74,7 +82,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from mpar.config import Config
-    from mpar.partition import PlanInputs
+    from mpar.partition import CPAttention, PlanInputs
     from mpar.partition._clusters import Cluster
     from mpar.profile import ModelProfile
     from mpar.tensor_parallel import ExampleInputs
@@ -148,6 +156,17 @@ def add_parser(
         type=int,
         help="tensor-parallel degree (default: the config's tensor_parallel_degree); with "
         "--auto: search only this degree",
+    )
+    parser.add_argument(
+        "--cp",
+        type=int,
+        help="context-parallel degree (default: the config's context_parallel_degree); with "
+        "--auto: search only this degree",
+    )
+    parser.add_argument(
+        "--cp-bandwidth",
+        help="bytes/s per rank of context-parallel attention traffic (default: the link "
+        "bandwidth); 'none' leaves it out",
     )
     parser.add_argument(
         "--tp-bandwidth",
@@ -267,21 +286,31 @@ def _build(spec: str, meta: bool) -> tuple[nn.Module, tuple[object, ...], dict[s
 
 
 def _read_config(
-    path: str | None, world_size: int, tp: int | None = None, ep: int | None = None
+    path: str | None,
+    world_size: int,
+    tp: int | None = None,
+    ep: int | None = None,
+    cp: int | None = None,
 ) -> Config:
     from mpar.config import Config, load_config
 
     config = load_config(path, defaults={"pipeline_parallel_degree": world_size})
     bare = path is None and load_config(None) == Config()  # no config given (nor MPAR_CONFIG)
-    if tp is not None:  # --tp wins over the config's
-        if tp < 1:
-            raise ValueError(f"--tp must be a positive integer, got {tp}")
-        config = dataclasses.replace(config, tensor_parallel_degree=tp)
+    for flag, d in (("--tp", tp), ("--ep", ep), ("--cp", cp)):
+        if d is not None and d < 1:
+            raise ValueError(f"{flag} must be a positive integer, got {d}")
+    if tp is not None or cp is not None:  # --tp and --cp win over the config's
+        config = dataclasses.replace(
+            config,
+            tensor_parallel_degree=config.tensor_parallel_degree if tp is None else tp,
+            context_parallel_degree=config.context_parallel_degree if cp is None else cp,
+        )
         if bare:
-            config = dataclasses.replace(config, pipeline_parallel_degree=world_size // tp)
+            inner = config.tensor_parallel_degree * config.context_parallel_degree
+            if world_size % inner:
+                raise ValueError(f"--tp x --cp = {inner} does not divide --world-size {world_size}")
+            config = dataclasses.replace(config, pipeline_parallel_degree=world_size // inner)
     if ep is not None:  # --ep wins over the config's; it needs data parallelism to fold into
-        if ep < 1:
-            raise ValueError(f"--ep must be a positive integer, got {ep}")
         config = dataclasses.replace(config, expert_parallel_degree=ep)
         if bare:
             config = dataclasses.replace(config, pipeline_parallel_degree=1)
@@ -449,6 +478,14 @@ def microbatch_size(global_batch: int | None, dp: int, microbatches: int, profil
     return global_batch // (dp * microbatches)
 
 
+def cp_bandwidth(args: argparse.Namespace, link: float | None) -> float | None:
+    """``--cp-bandwidth`` in bytes per second (the link bandwidth without it)."""
+    text = args.cp_bandwidth
+    if text is None:
+        return link
+    return None if text.lower() == "none" else parse_bandwidth(text, "--cp-bandwidth")
+
+
 def tp_bandwidth(
     args: argparse.Namespace, link: float | None, cluster: Cluster | None = None
 ) -> float | None:
@@ -473,7 +510,7 @@ def _run_plan(args: argparse.Namespace) -> str:
     from mpar.partition import CostModel, make_plan
     from mpar.tensor_parallel import tp_splits
 
-    config = _read_config(args.config, args.world_size, args.tp, args.ep)
+    config = _read_config(args.config, args.world_size, args.tp, args.ep, args.cp)
     inputs = plan_inputs_of(args, config)
     preset = cluster_of(args, inputs.device)
     size = microbatch_size(
@@ -484,6 +521,7 @@ def _run_plan(args: argparse.Namespace) -> str:
         link_bandwidth=link,
         tp_bandwidth=tp_bandwidth(args, link, preset),
         ep_bandwidth=ep_bandwidth(args, link),
+        cp_bandwidth=cp_bandwidth(args, link),
         **process_overrides(args.process_memory),
     )
     profile, batch, (module, example) = _profile(args)
@@ -495,11 +533,22 @@ def _run_plan(args: argparse.Namespace) -> str:
     if inputs.grid.ep > 1:
         experts = measure_ep_splits(module, profile, example, plan=config.ep_plan)
         inputs = dataclasses.replace(inputs, ep_splits=experts)
+    if inputs.grid.cp > 1:
+        inputs = dataclasses.replace(inputs, cp_attention=attention_of(profile, module, example))
     size = size if args.global_batch is not None else batch
     plan = make_plan(
         profile, inputs, cost=cost, microbatch_scale=size / batch, microbatch_size=size
     )
     return json.dumps(plan.to_dict(), indent=2) if args.json else str(plan)
+
+
+def attention_of(profile: ModelProfile, module: nn.Module, example: ExampleInputs) -> CPAttention:
+    """Where the profiled model attends (``mpar.partition.measure_attention``), on fake
+    tensors for a meta-mode profile."""
+    from mpar.partition import measure_attention
+
+    args, kwargs = example
+    return measure_attention(module, profile.units, args, kwargs, fake=profile.mode == "meta")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ def _options(
     args: argparse.Namespace, preset: Cluster | None, world: int
 ) -> tuple[SearchSpace, CostModel]:
     from mpar.cli._plan import (
+        cp_bandwidth,
         device_kind,
         ep_bandwidth,
         link_bandwidth,
@@ -46,13 +47,13 @@ def _options(
     link = link_bandwidth(args.link_bandwidth, preset)
     dp = link if args.dp_bandwidth is None else parse_bandwidth(args.dp_bandwidth, "--dp-bandwidth")
     host = _host_bandwidth(args.host_bandwidth, preset)
-    if args.tp is not None and (args.tp < 1 or world % args.tp):
-        raise ValueError(f"--tp {args.tp} must be a positive divisor of --world-size {world}")
+    _check_degrees(args, world)
     cost = CostModel(
         link_bandwidth=link,
         dp_bandwidth=dp,
         tp_bandwidth=tp_bandwidth(args, link, preset),
         ep_bandwidth=ep_bandwidth(args, link),
+        cp_bandwidth=cp_bandwidth(args, link),
         host_bandwidth=host,
         mixed_speedup=args.bf16_speedup,
         **process_overrides(args.process_memory),
@@ -64,8 +65,22 @@ def _options(
         precisions=("fp32",) if args.no_bf16 else ("fp32", "bf16"),
         tensor_parallel_degrees=_tp_degrees(args.tp, world, preset),
         expert_parallel_degrees=None if args.ep is None else (args.ep,),
+        context_parallel_degrees=None if args.cp is None else (args.cp,),
     )
     return space, cost
+
+
+def _check_degrees(args: argparse.Namespace, world: int) -> None:
+    """``--tp`` and ``--cp`` divide the world; ``--ep`` and ``--cp`` above 1 are not
+    combined (the config refuses them together)."""
+    for flag, degree in (("--tp", args.tp), ("--cp", args.cp)):
+        if degree is not None and (degree < 1 or world % degree):
+            raise ValueError(f"{flag} {degree} must be a positive divisor of --world-size {world}")
+    if (args.ep or 1) > 1 and (args.cp or 1) > 1:
+        raise ValueError(
+            f"--ep {args.ep} with --cp {args.cp}: context and expert parallelism above 1 "
+            "together are not supported yet; search one of them"
+        )
 
 
 def _checkpointing(args: argparse.Namespace) -> tuple[Checkpointing, ...]:
@@ -97,7 +112,14 @@ def _tp_degrees(tp: int | None, world: int, preset: Cluster | None) -> tuple[int
 
 def run_auto(args: argparse.Namespace, profile_fn: Callable[[argparse.Namespace], Profiled]) -> str:
     """Profile once, search, and format the result (table or JSON)."""
-    from mpar.cli._plan import cluster_of, device_arg, device_kind, device_memory_of, for_cluster
+    from mpar.cli._plan import (
+        attention_of,
+        cluster_of,
+        device_arg,
+        device_kind,
+        device_memory_of,
+        for_cluster,
+    )
     from mpar.config import Config
     from mpar.expert_parallel import measure_ep_splits
     from mpar.partition import make_plan, plan_inputs, search
@@ -116,8 +138,14 @@ def run_auto(args: argparse.Namespace, profile_fn: Callable[[argparse.Namespace]
     experts = measure_ep_splits(module, profile, inputs)
     if args.ep not in (None, 1) and not experts.experts:
         raise ValueError(f"--ep {args.ep}: the model has no experts module ({experts.source})")
+    attention = attention_of(profile, module, inputs)
     base = plan_inputs(
-        Config(), args.world_size, device=device, tp_splits=splits, ep_splits=experts
+        Config(),
+        args.world_size,
+        device=device,
+        tp_splits=splits,
+        ep_splits=experts,
+        cp_attention=attention,
     )
     base = dataclasses.replace(base, device_memory=device_memory_of(args, preset))
     result = search(

@@ -16,6 +16,7 @@ from mpar.comm._types import ProcessGroup
 
 __all__ = [
     "all_gather_object_ep",
+    "all_gather_object_cp",
     "all_gather_object_pp",
     "all_reduce_dp",
     "all_reduce_dp_async",
@@ -102,9 +103,11 @@ def gather_step_outputs(own: T | None, last: int, grid: ProcessGrid) -> list[T]:
     value: object = own
     if grid.tp_size > 1 and grid.pp_rank == last and _objects(grid.tp_group):
         # TP rank 0's are the replica's (a vocabulary-parallel head splits them)
-        value = _broadcast_object(value, grid.rank_of(last, grid.dp_rank, 0), grid.tp_group)
-    if grid.pp_size > 1:
-        src = grid.rank_of(last, grid.dp_rank, grid.tp_rank)
+        value = _broadcast_object(
+            value, grid.rank_of(last, grid.dp_rank, 0, grid.cp_rank), grid.tp_group
+        )
+    if grid.pp_size > 1:  # (each CP rank's pipeline: the CP group's outputs are combined)
+        src = grid.rank_of(last, grid.dp_rank, grid.tp_rank, grid.cp_rank)
         value = _broadcast_object(value, src, grid.pp_group)
     group: ProcessGroup | None = grid.dp_group
     size = grid.dp_size
@@ -135,6 +138,11 @@ def all_gather_object_tp(obj: T, grid: ProcessGrid) -> list[T]:
 def all_gather_object_ep(obj: T, grid: ProcessGrid) -> list[T]:
     """Every ep rank's ``obj`` (this rank's ep group), in ep rank order."""
     return _all_gather_object(obj, grid.ep_group, grid.ep_size)
+
+
+def all_gather_object_cp(obj: T, grid: ProcessGrid) -> list[T]:
+    """Every context-parallel rank's ``obj`` (this rank's CP group), in CP rank order."""
+    return _all_gather_object(obj, grid.cp_group, grid.cp_size)
 
 
 def all_reduce_tp(tensor: torch.Tensor, grid: ProcessGrid, op: str = "sum") -> torch.Tensor:

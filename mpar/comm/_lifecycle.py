@@ -29,6 +29,7 @@ import torch.distributed as dist
 from mpar import _device
 from mpar.comm import _abort, _process_state, _watchdog
 from mpar.comm._consistency import check_same_config
+from mpar.comm._cp_ops import CP_GROUP, clear_cp_groups, cp_groups_cleared, register_cp_group
 from mpar.comm._ep_ops import (
     BATCH_GROUP,
     EP_GROUP,
@@ -214,7 +215,8 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
         resolved.pipeline_parallel_degree,
         resolved.placement_strategy,
         resolved.tensor_parallel_degree,
-        resolved.expert_parallel_degree,
+        ep_size=resolved.expert_parallel_degree,
+        cp_size=resolved.context_parallel_degree,
     )
     device = _device.pick_device(resolved.device, layout.local_rank)
     backend = _pick_backend(resolved, device)
@@ -238,6 +240,8 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
         _watchdog.start(layout, resolved.timeout_s, resolved.trace, _GENERATION)
     st = State(config=resolved, layout=layout, grid=grid, device=device, backend=backend)
     st.p2p_links.rules = _nccl_rules(st, world_backend)
+    rules = st.p2p_links.rules  # the ring's exchanges obey NCCL's rules under it too
+    register_cp_group(CP_GROUP, grid.cp_group, grid.cp_size, grid.cp_rank, grid.cp_ranks, rules)
     st.p2p_links.shared = _shared_memory(st, world_backend)
     _SESSION = Session(st, owns_process_group=owns)
     if not _EXIT_HOOKED:
@@ -378,6 +382,9 @@ _process_state.register(
     "mpar.comm._ep_ops._GROUPS", clear_ep_groups, ep_groups_cleared, teardown=True
 )
 _process_state.register("mpar.comm._ep_ops.TRAFFIC", TRAFFIC.reset, TRAFFIC.is_fresh, teardown=True)
+_process_state.register(
+    "mpar.comm._cp_ops._GROUPS", clear_cp_groups, cp_groups_cleared, teardown=True
+)
 _process_state.register(
     "mpar.comm._lifecycle._EXIT_HOOKED", _unhook_exit, _exit_unhooked, teardown=True
 )

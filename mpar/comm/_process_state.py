@@ -20,6 +20,10 @@ before the final barrier
 ``mpar.runtime._activations._SAVED_BYTES``          bytes autograd saved per stage and input
 ``mpar.runtime._activations._HELD_FOR_W``           bytes a split backward's I left for its W
 ``mpar.runtime._split_backward._KEEPING``           the linear layers an I is deferring
+``mpar._cp_context._CURRENT``                       the context-parallel context of the
+                                                    microbatch being computed
+``mpar.context_parallel._attention.FOUND``          attention calls counted while a
+                                                    context-parallel model was captured
 ``mpar.runtime._transfers._PLANS``                  each schedule's receive posts (a cache)
 ==================================================  ============================================
 
@@ -36,6 +40,7 @@ teardown (after the final barrier)
 ``mpar.comm._tp_ops._GROUPS``                       the tensor-parallel operators' groups
 ``mpar.comm._ep_ops._GROUPS``                       the expert-parallel operators' groups
 ``mpar.comm._ep_ops.TRAFFIC``                       the expert dispatch's byte and pair counts
+``mpar.comm._cp_ops._GROUPS``                       the context-parallel operators' groups
 ``mpar.comm._shared._CREATED``                      the shared-memory files this process made
                                                     and has not removed (removed)
 ``mpar.comm._lifecycle._EXIT_HOOKED``               ``shutdown`` at exit and the failure

@@ -67,6 +67,7 @@ _ALIASES = {
     "partitions": "pipeline_parallel_degree",
     "tp": "tensor_parallel_degree",
     "ep": "expert_parallel_degree",
+    "cp": "context_parallel_degree",
 }
 _TRANSLATED = ("shard_optimizer_state", "zero_optimization")
 #: Every top-level key ``mpar.init`` accepts (frozen by a test).

@@ -28,12 +28,13 @@ PipelineKind = str
 """A name in ``mpar.schedule.PIPELINES`` or the path of a schedule CSV file."""
 OptimizeKind = Literal["speed", "memory"]
 PlacementKind = str
-"""``"cluster"``, ``"spread"``, or a permutation of the letters ``D``, ``P``, ``T``
-(see :func:`placement_axes`)."""
+"""``"cluster"``, ``"spread"``, or a permutation of the letters ``D``, ``P``, ``C``, ``T``
+(or of ``D``, ``P``, ``T``; see :func:`placement_axes`)."""
 OffloadKind = Literal["none", "cpu"]
 DeviceKind = Literal["auto", "cpu", "cuda", "xla"]
 BackendKind = Literal["auto", "gloo", "nccl", "xla", "mpi"]
 CheckpointingKind = Literal["none", "each"]
+ContextParallelMethod = Literal["ring", "all_to_all"]
 PrecisionKind = Literal["fp32", "bf16", "fp16"]
 """What ``bf16`` / ``fp16`` choose: fp32, or that mixed precision."""
 GradReduceKind = Literal["fp32", "bf16", "fp16"]
@@ -184,6 +185,16 @@ class Config:
     """Ranks that split each layer (the TP group, innermost in the rank grid; alias
     ``tp``). The ranks of a TP group take the same batch: dp = world / (pp * tp)."""
 
+    context_parallel_degree: int = 1
+    """Ranks that split each sequence (the CP group, right outside the TP group in the
+    rank grid; alias ``cp``). The ranks of a CP group take the same batch and mpar shards
+    its sequences, head-tail balanced: dp = world / (pp * cp * tp)."""
+
+    context_parallel_method: ContextParallelMethod = "ring"
+    """How attention sees the whole sequence under context parallelism: ``"ring"`` passes
+    K/V around the CP group with an online-softmax merge; ``"all_to_all"`` (Ulysses)
+    trades the sequence split for a head split around the unchanged attention."""
+
     tp_plan: dict[str, str] | None = field(default=None, hash=False)
     """Module-name patterns (``*`` = one name component) -> tensor-parallel style
     (``"colwise"``, ``"rowwise"``, ``"colwise_rep"``, ``"rowwise_rep"``,
@@ -237,11 +248,12 @@ class Config:
     """Stage of modules created outside any ``mpar.partition(i)`` when ``auto_partition`` is false."""
 
     placement_strategy: PlacementKind = "cluster"
-    """How the pp, dp and tp axes map onto global ranks: ``"cluster"`` (a pipeline's
+    """How the pp, dp, cp and tp axes map onto global ranks: ``"cluster"`` (a pipeline's
     stages on consecutive ranks), ``"spread"`` (a data-parallel group's ranks
-    consecutive), both with the TP group innermost; or a permutation of ``D``, ``P``,
-    ``T`` naming the axes outermost first (``"cluster"`` = ``"DPT"``, ``"spread"`` =
-    ``"PDT"``; see :func:`placement_axes`)."""
+    consecutive), both with the TP group innermost and the CP group next to it; or a
+    permutation of ``D``, ``P``, ``C``, ``T`` naming the axes outermost first
+    (``"cluster"`` = ``"DPCT"``, ``"spread"`` = ``"PDCT"``; ``D``, ``P``, ``T`` alone put
+    ``C`` just outside ``T``; see :func:`placement_axes`)."""
 
     ddp: bool = True
     """Data parallelism over the remaining ranks (dp = world size / pipeline degree)."""
@@ -334,9 +346,14 @@ class Config:
         _check_int("pipeline_parallel_degree", self.pipeline_parallel_degree, minimum=1)
         _check_int("microbatches", self.microbatches, minimum=1)
         _check_int("tensor_parallel_degree", self.tensor_parallel_degree, minimum=1)
+        _check_int("context_parallel_degree", self.context_parallel_degree, minimum=1)
+        _fail_choice(
+            "context_parallel_method", self.context_parallel_method, ("ring", "all_to_all")
+        )
         _check_tp_plan(self.tp_plan)
         _check_int("expert_parallel_degree", self.expert_parallel_degree, minimum=1)
         _check_ep_plan(self.ep_plan)
+        _check_cp_with_ep(self.context_parallel_degree, self.expert_parallel_degree)
         if not is_csv_path(self.pipeline):
             _fail_choice("pipeline", self.pipeline, PIPELINES)
         _check_int("virtual_stages", self.virtual_stages, minimum=1)
@@ -465,6 +482,11 @@ class Config:
                 "device 'xla': expert parallelism runs on cpu and cuda only for now; use "
                 "expert_parallel_degree 1 (experts replicated, ZeRO shards them) on XLA"
             )
+        if self.device == "xla" and self.context_parallel_degree > 1:
+            raise ConfigError(
+                f"config key 'context_parallel_degree' is {self.context_parallel_degree} with "
+                "device 'xla': context parallelism runs on cpu and cuda only for now"
+            )
         if self.device == "cpu" and self.backend == "nccl":
             raise ConfigError(
                 "config key 'backend' is 'nccl' but 'device' is 'cpu'; NCCL needs CUDA: "
@@ -512,6 +534,7 @@ class Config:
             pp=self.pipeline_parallel_degree,
             tp=self.tensor_parallel_degree,
             ep=self.expert_parallel_degree,
+            cp=self.context_parallel_degree,
         )
 
     @property
@@ -532,6 +555,15 @@ class Config:
                 "may stay 'auto': they are resolved at the first step)"
             )
         pp, tp = self.pipeline_parallel_degree, self.tensor_parallel_degree
+        cp = self.context_parallel_degree
+        if cp > 1 and world_size % (pp * cp * tp) != 0:
+            raise ConfigError(
+                f"config keys 'pipeline_parallel_degree' {pp} x 'context_parallel_degree' {cp} "
+                f"x 'tensor_parallel_degree' {tp} = {pp * cp * tp} do not divide the world size "
+                f"{world_size}; every pipeline stage needs whole CP and TP groups (try a "
+                f"context_parallel_degree in "
+                f"{[d for d in _divisors(world_size // (pp * tp)) if world_size % (pp * tp) == 0]})"
+            )
         if tp > 1 and world_size % (pp * tp) != 0:
             raise ConfigError(
                 f"config keys 'pipeline_parallel_degree' {pp} x 'tensor_parallel_degree' {tp} "
@@ -545,11 +577,11 @@ class Config:
                 f"the pipeline degree must divide the world size (try one of "
                 f"{_divisors(world_size)})"
             )
-        dp = world_size // (pp * tp)
+        dp = world_size // (pp * cp * tp)
         if dp > 1 and not self.ddp:
             raise ConfigError(
                 f"world size {world_size} with pipeline_parallel_degree {pp} "
-                f"(tensor_parallel_degree {tp}) leaves {dp} "
+                f"(context_parallel_degree {cp}, tensor_parallel_degree {tp}) leaves {dp} "
                 "data-parallel replicas but 'ddp' is false; set 'ddp' to true or "
                 f"pipeline_parallel_degree to {world_size}"
             )
@@ -592,6 +624,18 @@ def _check_tp_plan(plan: object) -> None:
 
     for pattern, style in plan.items():
         parse_style(style, f"config key 'tp_plan' entry {pattern!r}")
+
+
+def _check_cp_with_ep(cp: int, ep: int) -> None:
+    """Context and expert parallelism each work alone; together they would need ep groups
+    inside each cp coordinate and expert ZeRO groups over edp x cp, not built yet."""
+    if cp > 1 and ep > 1:
+        raise ConfigError(
+            f"context_parallel_degree and expert_parallel_degree > 1 together are not "
+            f"supported yet (got context_parallel_degree {cp}, expert_parallel_degree {ep}); "
+            "set one of them to 1: context parallelism for long sequences, expert "
+            "parallelism for MoE layers"
+        )
 
 
 def _check_ep_plan(plan: object) -> None:

@@ -100,7 +100,7 @@ def local_shares(model: Any) -> dict[str, Share]:
         split = model.split_of(key)
         shard, split_rank = split if split is not None else (None, 0)
         expert = model.ep_layout is not None and model.ep_layout.experts_of(key) is not None
-        copy_rank = model.grid.edp_rank if expert else model.grid.dp_rank
+        copy_rank = model.grid.edp_rank if expert else model.grid.dp_cp_rank
         tp_whole = model.tp_shard_of(key) is None
         out[key] = Share(
             key, t, keys.shapes[key], stage, bucket, slot, shard, split_rank, copy_rank, tp_whole

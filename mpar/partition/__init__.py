@@ -14,6 +14,8 @@ from contextlib import AbstractContextManager
 
 from mpar._size import parse_bytes
 from mpar.partition._cost import CostModel
+from mpar.partition._cp_measure import measure_attention
+from mpar.partition._cp_share import AttentionCall, CPAttention
 from mpar.partition._manual import assigned_stage, manual_boundaries, partition
 from mpar.partition._memory_model import MemoryLayout
 from mpar.partition._methods import parameter_boundaries, uniform_boundaries
@@ -43,6 +45,8 @@ from mpar.profile._units import find_units, unit_modules
 __all__ = [
     "CHECKPOINTING",
     "HEADROOM",
+    "AttentionCall",
+    "CPAttention",
     "Candidate",
     "CostModel",
     "MemoryLayout",
@@ -59,6 +63,7 @@ __all__ = [
     "fit_fixed_times",
     "make_plan",
     "manual_boundaries",
+    "measure_attention",
     "memory_weight_for",
     "min_memory_for",
     "min_stages_for",

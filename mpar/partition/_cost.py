@@ -20,6 +20,8 @@ meta device) and are scaled, per layout, by:
   ``tp_bandwidth``, added to its time (``mpar.partition._tp_share``);
 * expert parallelism: each unit's expert all-to-alls per microbatch over
   ``ep_bandwidth``, added to its time (``mpar.partition._ep_share``);
+* context parallelism: each unit's attention traffic per microbatch over
+  ``cp_bandwidth``, added to its time (``mpar.partition._cp_share``);
 * offload, over ``host_bandwidth``: gradients to the host and parameters back
   (optimizer offload) plus the host optimizer at ``host_optimizer_rate``
   parameters per second; parameter shards copied in at every gather.
@@ -55,6 +57,9 @@ class CostModel:
     """Per rank in the expert all-to-alls (between the ranks of an ep group, which are
     data-parallel ranks: often other hosts); None leaves them out
     (``mpar.partition._ep_share``)."""
+    cp_bandwidth: float | None = 10e9
+    """Per rank in context-parallel attention traffic (the ring's K/V steps or the
+    all-to-alls inside a CP group); None leaves it out (``mpar.partition._cp_share``)."""
     host_bandwidth: float = 10e9
     """Device <-> host copies of offloaded state."""
     host_optimizer_rate: float = 1e9
@@ -103,7 +108,13 @@ class CostModel:
                 raise PartitionError(
                     f"{name} must be >= 0 bytes (0 leaves it out), got {getattr(self, name)!r}"
                 )
-        for name in ("link_bandwidth", "dp_bandwidth", "tp_bandwidth", "ep_bandwidth"):
+        for name in (
+            "link_bandwidth",
+            "dp_bandwidth",
+            "tp_bandwidth",
+            "ep_bandwidth",
+            "cp_bandwidth",
+        ):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise PartitionError(f"{name} must be > 0 or None, got {value!r}")

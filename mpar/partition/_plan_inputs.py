@@ -44,6 +44,7 @@ from mpar.topology import GridShape
 
 if TYPE_CHECKING:
     from mpar.config import Config, PrecisionKind
+    from mpar.partition._cp_share import CPAttention, CPMethod
     from mpar.partition._ep_share import EPSplits
     from mpar.partition._tp_share import TPSplits
 
@@ -116,7 +117,8 @@ class PlanInputs:
     """Everything about a run that changes its partition, memory and step time."""
 
     grid: GridShape = field(default_factory=GridShape)
-    """The rank grid's axes: ``pp`` stages, ``dp`` replicas, ``tp`` ranks per layer."""
+    """The rank grid's axes: ``pp`` stages, ``dp`` replicas, ``tp`` ranks per layer,
+    ``cp`` ranks per sequence."""
     schedule: ScheduleSetup = field(default_factory=ScheduleSetup)
     zero: ZeroSetup = field(default_factory=ZeroSetup)
     precision: PrecisionKind = "fp32"
@@ -145,6 +147,11 @@ class PlanInputs:
     ep_splits: EPSplits | None = field(default=None, repr=False)
     """What the model's experts weigh and route in each unit
     (``mpar.partition._ep_share``); needed when ``grid.ep > 1``."""
+    context_parallel_method: CPMethod = "ring"
+    """How attention crosses the CP ranks (the config key): "ring" or "all_to_all"."""
+    cp_attention: CPAttention | None = field(default=None, repr=False)
+    """Where the model attends and at which sizes (``mpar.partition._cp_share``,
+    measured by ``measure_attention``); needed when ``grid.cp > 1``."""
 
     def __post_init__(self) -> None:
         plan_device(self.device)
@@ -162,7 +169,7 @@ class PlanInputs:
             s.pipeline, self.grid.pp, s.virtual_stages, s.microbatches
         )
         return MemoryLayout(
-            self.grid.dp,
+            self.grid.dp * self.grid.cp,  # ZeRO shards and gradients reduce over dp x cp
             zero.stage,
             self.precision,
             self.activation_checkpointing,
@@ -195,6 +202,7 @@ def plan_inputs(
     device: PlanDevice,
     tp_splits: TPSplits | None = None,
     ep_splits: EPSplits | None = None,
+    cp_attention: CPAttention | None = None,
 ) -> PlanInputs:
     """The planner's inputs for ``config`` on ``grid``: the job's grid shape (the
     runtime's ``Grid.shape``, checked against the config's degrees) or its world size
@@ -205,6 +213,8 @@ def plan_inputs(
     splits (``mpar.tensor_parallel.measure_tp_splits``), needed at ``tp > 1``;
     ``ep_splits`` what its experts weigh (``mpar.expert_parallel.measure_ep_splits``),
     needed at ``ep > 1``.
+    ``cp_attention`` where the model attends (``mpar.partition.measure_attention``),
+    needed at ``cp > 1``.
     """
     shape = config.grid_shape(grid if isinstance(grid, int) else grid.world_size)
     if not isinstance(grid, int) and grid != shape:
@@ -239,12 +249,14 @@ def plan_inputs(
         memory_weight=config.memory_weight,
         tp_splits=tp_splits,
         ep_splits=ep_splits,
+        context_parallel_method=config.context_parallel_method,
+        cp_attention=cp_attention,
     )
 
 
 def config_dict(inputs: PlanInputs) -> ConfigDict:
     """The config dict that :func:`plan_inputs` turns back into ``inputs`` (less the
-    device kind and the TP splits, which are not config keys: ``device`` is left to
+    device kind, the TP splits and the attention sizes, which are not config keys: ``device`` is left to
     the runtime's ``"auto"``, so a plan made for CUDA on a laptop runs as is)."""
     s, z = inputs.schedule, inputs.zero
     zero: ConfigDict = {"stage": z.stage}
@@ -278,6 +290,9 @@ def config_dict(inputs: PlanInputs) -> ConfigDict:
         config["active_microbatches"] = s.active_microbatches
     if not s.split_backward:
         config["split_backward"] = False
+    if inputs.grid.cp > 1:
+        config["context_parallel_degree"] = inputs.grid.cp
+        config["context_parallel_method"] = inputs.context_parallel_method
     if inputs.device_memory is not None:
         config["device_memory"] = inputs.device_memory
     return config

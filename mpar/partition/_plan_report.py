@@ -49,6 +49,9 @@ class StagePlan:
     tp_comm_s: float = 0.0
     """Seconds per microbatch of the stage's tensor-parallel collectives and expert
     all-to-alls (in ``time_s``)."""
+    cp_comm_s: float = 0.0
+    """Seconds per microbatch of the stage's context-parallel attention traffic (in
+    ``time_s``)."""
 
 
 @dataclass
@@ -110,6 +113,15 @@ class Plan:
     """Bytes per second per rank in the expert all-to-alls; None when not modelled."""
     ep_comm_bytes: list[int] = field(default_factory=list)
     """Per pipeline rank: bytes one rank sends in expert all-to-alls per step."""
+    context_parallel_degree: int = 1
+    """Ranks that split each sequence; every figure above is one CP rank's
+    (``mpar.partition._cp_share``)."""
+    context_parallel_method: str = ""
+    """"ring" or "all_to_all" (empty at cp = 1)."""
+    cp_bandwidth: float | None = None
+    """Bytes per second per rank of the attention traffic; None when not modelled."""
+    cp_comm_bytes: list[int] = field(default_factory=list)
+    """Per pipeline rank: bytes one CP rank sends for attention per step."""
 
     def to_dict(self) -> PlanDict:
         return asdict(self)
@@ -166,11 +178,13 @@ def _row(s: StagePlan) -> tuple[str, ...]:
 def render(plan: Plan) -> str:
     """The plan as the table ``mpar plan`` prints."""
     tp, ep = plan.tensor_parallel_degree, plan.expert_parallel_degree
+    cp = plan.context_parallel_degree
     head = (
         f"pipeline plan: {_count(plan.num_ranks, 'rank')} x "
         f"{_count(plan.virtual_stages, 'virtual stage')}, "
         f"{f'tensor parallel x{tp}, ' if tp > 1 else ''}"
         f"{f'expert parallel x{ep}, ' if ep > 1 else ''}"
+        f"{f'context parallel x{cp} ({plan.context_parallel_method}), ' if cp > 1 else ''}"
         f"{_count(plan.microbatches, 'microbatch')}, {_schedule(plan)}, method={plan.method}, "
         f"memory_weight={plan.memory_weight:g}"
     )
@@ -186,6 +200,7 @@ def render(plan: Plan) -> str:
     lines += _gather_note(plan.layout, plan.pipeline)
     lines += _tp_note(plan)
     lines += _ep_note(plan)
+    lines += _cp_note(plan)
     lines += _host_note(plan)
     lines += _split_note(plan)
     return "\n".join([*lines, "", _summary(plan)])
@@ -254,6 +269,21 @@ def _ep_note(plan: Plan) -> list[str]:
         f"ZeRO state over the {plan.layout.data_parallel_degree // ep} rank(s) holding the "
         f"same experts); expert all-to-alls send {sent} per rank per step over {link} "
         "(in each stage's time ms)"
+    ]
+
+
+def _cp_note(plan: Plan) -> list[str]:
+    """What context parallelism does to the figures, when it is on."""
+    cp = plan.context_parallel_degree
+    if cp == 1:
+        return []
+    link = "not modelled" if plan.cp_bandwidth is None else f"{_fmt(plan.cp_bandwidth)}/s"
+    sent = _fmt(max(plan.cp_comm_bytes, default=0))
+    return [
+        f"context parallel x{cp} ({plan.context_parallel_method}): figures are one CP rank's "
+        f"(activations, outputs and per-sample time 1/{cp}; ZeRO shards and gradients "
+        f"reduce over dp x cp = {plan.layout.data_parallel_degree}); attention sends {sent} "
+        f"per rank per step over {link} (in each stage's time ms)"
     ]
 
 

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Literal
 
 from mpar.errors import PartitionError
 from mpar.partition._cost import CostModel, step_overhead_s
+from mpar.partition._cp_share import cp_comm_s, cp_share
 from mpar.partition._ep_share import ep_comm_s, ep_share
 from mpar.partition._memory_model import (
     MemoryLayout,
@@ -115,7 +116,7 @@ def make_plan(
         microbatch_size: samples per microbatch, only reported.
     """
     cost = cost or CostModel()
-    share = _ep_profile(_tp_profile(profile, inputs), inputs)
+    share = _cp_profile(_ep_profile(_tp_profile(profile, inputs), inputs), inputs)
     _check(share, inputs, method)
     laid = lay_out(share, inputs, cost=cost, microbatch_scale=microbatch_scale, method=method)
     makespan, bubble = predict(laid.stages, inputs, cost)
@@ -152,6 +153,10 @@ def make_plan(
         expert_parallel_degree=grid.ep,
         ep_bandwidth=cost.ep_bandwidth if grid.ep > 1 else None,
         ep_comm_bytes=ep_step_bytes(laid.stages, share.units, laid.layout, inputs),
+        context_parallel_degree=grid.cp,
+        context_parallel_method=inputs.context_parallel_method if grid.cp > 1 else "",
+        cp_bandwidth=cost.cp_bandwidth if grid.cp > 1 else None,
+        cp_comm_bytes=cp_step_bytes(laid.stages, share.units, laid.layout, inputs),
     )
 
 
@@ -179,6 +184,18 @@ def _ep_profile(profile: ModelProfile, inputs: PlanInputs) -> ModelProfile:
             "model's experts weigh, from mpar.expert_parallel.measure_ep_splits)"
         )
     return ep_share(profile, inputs.ep_splits, ep, inputs.grid.dp)
+
+
+def _cp_profile(profile: ModelProfile, inputs: PlanInputs) -> ModelProfile:
+    """One CP rank's share of ``profile`` (one TP rank's; itself at cp = 1)."""
+    cp = inputs.grid.cp
+    if cp > 1 and inputs.cp_attention is None:
+        raise PartitionError(
+            f"context_parallel_degree {cp} needs cp_attention in the plan inputs (where the "
+            "model attends, from mpar.partition.measure_attention)"
+        )
+    method = inputs.context_parallel_method
+    return cp_share(profile, inputs.cp_attention, cp, method, inputs.grid.tp)
 
 
 def _check(profile: ModelProfile, inputs: PlanInputs, method: str) -> None:
@@ -221,7 +238,8 @@ def lay_out(
 ) -> Laid:
     """Partition for one run and compute every stage's memory and time (no simulation).
 
-    ``profile`` is one TP rank's (``tp_share``); the cap is ``inputs.device_memory``."""
+    ``profile`` is one TP rank's (``tp_share``) of one CP rank's (``cp_share``); the cap
+    is ``inputs.device_memory``."""
     p, s, layout = inputs.grid.pp, inputs.schedule, inputs.memory_layout(microbatch_scale)
     v, m, k = s.virtual_stages, s.microbatches, s.active_microbatches
     flight = list(in_flight_per_rank(p, v, m, s.pipeline, k))
@@ -240,7 +258,8 @@ def lay_out(
         tp_comm_s(u, scale, cost.tp_bandwidth) + ep_comm_s(u, scale, cost.ep_bandwidth)
         for u in units
     ]
-    compute = [unit_time(u, layout, cost) + t for u, t in zip(units, tp)]
+    cp = [cp_comm_s(u, microbatch_scale, layout.dtype_factor, cost.cp_bandwidth) for u in units]
+    compute = [unit_time(u, layout, cost) + t + c for u, t, c in zip(units, tp, cp)]
     try:
         starts = _boundaries(profile, method, p * v, memory, weight, cap, comm, compute)
     except PartitionError as exc:
@@ -249,7 +268,7 @@ def lay_out(
         held = reserve_parts(units, layout, max(flight), messages)
         raise PartitionError(f"{exc}. {_cap_note(cap_rank, process, v, held)}") from None
     home = _placement(s.pipeline, p * v, p)
-    stages = _stage_plans(units, starts, home, flight, layout, comm, compute, messages, tp)
+    stages = _stage_plans(units, starts, home, flight, layout, comm, compute, messages, tp, cp)
     step = optimizer_step(stages, units, layout, p)
     rank_memory = [
         int(process)
@@ -487,6 +506,30 @@ def ep_step_bytes(
     ]
 
 
+def cp_step_bytes(
+    stages: Sequence[StagePlan],
+    units: Sequence[UnitProfile],
+    layout: MemoryLayout,
+    inputs: PlanInputs,
+) -> list[int]:
+    """Per rank: bytes one CP rank sends for attention per step (every microbatch)."""
+    by_name = {u.name: u for u in units}
+    scale = layout.microbatch_scale * inputs.schedule.microbatches
+    f = layout.dtype_factor
+    return [
+        int(
+            scale
+            * sum(
+                by_name[n].cp_comm_bytes * f + by_name[n].cp_comm_fp32_bytes
+                for s in stages
+                if s.rank == r
+                for n in s.units
+            )
+        )
+        for r in range(inputs.grid.pp)
+    ]
+
+
 def rank_overheads(
     stages: Sequence[StagePlan],
     inputs: PlanInputs,
@@ -528,6 +571,7 @@ def _stage_plans(
     compute: Sequence[float],
     transfers: Sequence[MessageCounts] = (),
     tp_comm: Sequence[float] = (),
+    cp_comm: Sequence[float] = (),
 ) -> list[StagePlan]:
     total = math.fsum(compute) or 1.0
     plans = []
@@ -564,6 +608,7 @@ def _stage_plans(
                 [n for u in group for n in u.outer_params],
                 extra,
                 math.fsum(tp_comm[a:b]),
+                math.fsum(cp_comm[a:b]),
             )
         )
     return plans

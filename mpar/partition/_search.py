@@ -12,8 +12,18 @@
   (``EPSplits.degrees``), laid out from one ep rank's share (``mpar.partition._ep_share``:
   its experts ``1/ep``, their ZeRO state over ``dp / ep`` ranks, the all-to-alls added
   to each unit's time); ``ep = 1`` for other models;
-* pipeline degree ``pp``: the divisors of ``world / tp`` (``dp = world / (pp * tp)``;
-  the global batch must split evenly over the ``dp`` replicas);
+* context-parallel degree ``cp``, when the sequence is long (at least
+  ``SearchSpace.min_cp_sequence`` tokens) and the model's attention was found
+  (``PlanInputs.cp_attention``): the divisors of ``world / tp`` that the sequence
+  (``2 cp`` chunks) and, for all-to-all, the heads allow. Each degree is laid out from
+  one CP rank's share (``mpar.partition._cp_share.cp_share``: activations and
+  per-sample time ``1/cp``, attention traffic added to each unit's time, ZeRO over
+  dp x cp). At the same time and memory a candidate without cp is preferred, so cp
+  wins where one sequence's activations overflow the cap and dp cannot help;
+  Context and expert parallelism are not combined (the config refuses both above 1):
+  layouts with ``cp > 1`` and ``ep > 1`` are skipped;
+* pipeline degree ``pp``: the divisors of ``world / (tp * cp)`` (``dp = world / (pp *
+  tp * cp)``; the global batch must split evenly over the ``dp`` replicas);
 * microbatches ``m``: the divisors of the per-replica batch, so every microbatch
   has the same whole number of samples;
 * schedule (``interleaved`` 1F1B, ``simple`` GPipe; ``zero_bubble`` and ``zbv`` on
@@ -48,6 +58,7 @@ from mpar._size import parse_bytes
 from mpar.config._schema import CheckpointingKind
 from mpar.errors import PartitionError
 from mpar.partition._cost import CostModel
+from mpar.partition._cp_share import cp_comm_s, cp_refusal, cp_share
 from mpar.partition._ep_share import EPSplits, ep_comm_s, ep_share
 from mpar.partition._memory_model import Checkpointing, unit_state_bytes
 from mpar.partition._plan_inputs import ConfigDict, PlanInputs, config_dict
@@ -100,6 +111,8 @@ NO_TP_PLAN = "tensor-parallel degree > 1 for a model without a TP plan"
 TP_PP = "pipeline degree that does not divide world / tp"
 ACTIVE = "active_microbatches the schedule cannot run with (above m, or below its least)"
 EP_REFUSED = "expert-parallel degree that does not divide dp or the experts per layer"
+CP_REFUSED = "context-parallel degree the model cannot split by (sequence, heads, attention)"
+CP_WITH_EP = "context and expert parallelism together (not supported yet)"
 
 Shape = tuple[int, int, int, str, int]
 """(pp, dp, microbatches, pipeline, virtual stages) of a candidate."""
@@ -133,6 +146,14 @@ class SearchSpace:
     expert_parallel_degrees: tuple[int, ...] | None = None
     """Only these ep degrees (None: every divisor of dp that the model's expert counts
     take; 1 without experts)."""
+    context_parallel_degrees: tuple[int, ...] | None = None
+    """Only these CP degrees (None: 1, and where the sequence has at least
+    ``min_cp_sequence`` tokens every divisor of ``world / tp`` the model's attention
+    allows)."""
+    min_cp_sequence: int = 2048
+    """Shortest sequence for which context parallelism is searched (without
+    ``context_parallel_degrees``): below it activations rarely dominate and the
+    attention traffic costs more than it saves."""
 
     def __post_init__(self) -> None:
         bad = [p for p in self.pipelines if p not in SEARCHABLE]
@@ -192,6 +213,11 @@ class Candidate:
     def expert_parallel_degree(self) -> int:
         """Ranks splitting each MoE layer's experts (folded into dp)."""
         return self.inputs.grid.ep
+
+    @property
+    def context_parallel_degree(self) -> int:
+        """Ranks splitting each sequence; the figures are one CP rank's."""
+        return self.inputs.grid.cp
 
     @property
     def virtual_stages(self) -> int:
@@ -260,6 +286,7 @@ class Candidate:
             "host_memory_bytes": list(self.host_memory_bytes),
             "tensor_parallel_degree": i.grid.tp,
             "expert_parallel_degree": i.grid.ep,
+            "context_parallel_degree": i.grid.cp,
             "max_host_memory_bytes": self.max_host_memory_bytes,
         }
 
@@ -284,6 +311,8 @@ class SearchResult:
     """The cap on each rank's host memory (None: none)."""
     tp_degrees: tuple[int, ...] = (1,)
     """The TP degrees searched."""
+    cp_degrees: tuple[int, ...] = (1,)
+    """The CP degrees searched."""
     ep_degrees: tuple[int, ...] = (1,)
     """The ep degrees searched."""
     headroom: float = 0.0
@@ -341,6 +370,8 @@ class SearchResult:
             "tp_degrees": list(self.tp_degrees),
             "expert_parallel_degree": best.expert_parallel_degree,
             "ep_degrees": list(self.ep_degrees),
+            "context_parallel_degree": best.context_parallel_degree,
+            "cp_degrees": list(self.cp_degrees),
             "predicted": {
                 "step_time_s": best.step_time_s,
                 "bubble": best.bubble,
@@ -458,7 +489,9 @@ def _runs(base: PlanInputs, shape: Shape) -> bool:
     return cap is None or least_active_microbatches(pipeline, pp, v) <= cap <= m
 
 
-def _inputs(base: PlanInputs, shape: Shape, knobs: Knobs, tp: int, ep: int = 1) -> PlanInputs:
+def _inputs(
+    base: PlanInputs, shape: Shape, knobs: Knobs, tp: int, ep: int = 1, cp: int = 1
+) -> PlanInputs:
     """The run of one candidate: ``base`` (device, its memory, the TP splits, the ZeRO
     gather and bucket, the cap and split backward) with the candidate's knobs, laid
     out for speed under the cap (memory weight 0)."""
@@ -466,7 +499,7 @@ def _inputs(base: PlanInputs, shape: Shape, knobs: Knobs, tp: int, ep: int = 1) 
     zero, opt, par, ckpt, precision = knobs
     return dataclasses.replace(
         base,
-        grid=GridShape(pp=pp, dp=dp, tp=tp, ep=ep),
+        grid=GridShape(pp=pp, dp=dp, tp=tp, ep=ep, cp=cp),
         schedule=dataclasses.replace(
             base.schedule, pipeline=pipeline, virtual_stages=v, microbatches=m
         ),
@@ -583,6 +616,7 @@ def _preference(c: Candidate) -> tuple[float, ...]:
     """Faster first; at equal time (to 1e-9) the smaller peak, then the simpler layout."""
     time = float(f"{c.step_time_s or 0.0:.9g}")
     features = (
+        c.context_parallel_degree,
         c.tensor_parallel_degree,
         c.expert_parallel_degree,
         c.zero_stage,
@@ -635,7 +669,7 @@ def search(
     cap = inputs.device_memory or 0
     inputs = dataclasses.replace(inputs, device_memory=int(cap * (1 - headroom)))
     reject: Counter[str] = Counter()
-    profiles: dict[tuple[int, int], ModelProfile] = {}
+    profiles: dict[Axes, ModelProfile] = {}
     todo = _layouts(profile, inputs, global_batch, profile_batch, space, cost, reject, profiles)
     best, evaluated, count = _Ranking(top, todo), 0, 0
     states: dict[tuple[object, ...], float] = {}
@@ -647,29 +681,36 @@ def search(
             reject[UNLAID] += 1
             continue
         evaluated += 1
-        if _state_bound(profiles[run.grid.tp, run.grid.ep], run, cost, states) > (
-            run.device_memory or 0
-        ):
+        if _state_bound(profiles[_axes(run)], run, cost, states) > (run.device_memory or 0):
             reject[OVER_CAP] += 1
             continue
-        cand = _evaluate(profiles[run.grid.tp, run.grid.ep], run, size, scale, cost)
+        cand = _evaluate(profiles[_axes(run)], run, size, scale, cost)
         if cand is None:
             reject[OVER_CAP] += 1
         elif _over_host(cand, host_cap):
             reject[OVER_HOST] += 1
         else:
             count += 1
-            best.offer(profiles[run.grid.tp, run.grid.ep], cand, scale, order, cost)
+            best.offer(profiles[_axes(run)], cand, scale, order, cost)
     if best.skipped:
         reject[SLOWER] += best.skipped
     return SearchResult(
         best.best.ranked(), dict(reject), evaluated, count, world_size, global_batch,
         cap, profile_batch, cost, space, device=inputs.device, headroom=headroom,
-        host_memory=host_cap, tp_degrees=tuple(dict.fromkeys(tp for tp, _ in profiles)),
-        ep_degrees=tuple(sorted({ep for _, ep in profiles})) or (1,),
+        host_memory=host_cap, tp_degrees=tuple(dict.fromkeys(tp for tp, _, _ in profiles)),
+        ep_degrees=tuple(sorted({ep for _, ep, _ in profiles})) or (1,),
+        cp_degrees=tuple(sorted({cp for _, _, cp in profiles})) or (1,),
         notes=_tp_notes(world_size, space, _splits_of(inputs)),
         alternatives=best.alternatives(),
     )  # fmt: skip
+
+
+Axes = tuple[int, int, int]
+"""(tp, ep, cp): the degrees one rank's share of the profile depends on."""
+
+
+def _axes(run: PlanInputs) -> Axes:
+    return run.grid.tp, run.grid.ep, run.grid.cp
 
 
 Layout = tuple[float, PlanInputs, int, float]
@@ -684,33 +725,39 @@ def _layouts(
     space: SearchSpace,
     cost: CostModel,
     reject: Counter[str],
-    profiles: dict[tuple[int, int], ModelProfile],
+    profiles: dict[Axes, ModelProfile],
 ) -> list[Layout]:
     """Every layout of the space that can run, with a lower bound of its step time
     (``_work_bound``), cheapest bound first (ties in enumeration order); the others
-    counted in ``reject``. Fills ``profiles`` with one TP and EP rank's profile per
-    (tp, ep)."""
+    counted in ``reject``. Fills ``profiles`` with one TP, EP and CP rank's profile
+    per (tp, ep, cp)."""
     world_size, splits = inputs.grid.world_size, _splits_of(inputs)
     experts = inputs.ep_splits or EPSplits()
     todo: list[Layout] = []
-    work: dict[tuple[int, int, float, bool], float] = {}  # per-unit costs, summed once per key
-    for tp in _tp_degrees(world_size, space, splits, reject):
-        tp_space = _space_for(space, world_size // tp, reject)
-        if tp_space is None:
+    work: dict[tuple[int, int, int, float, bool], float] = {}  # per-unit costs, summed once per key
+    for tp, cp in _inner_degrees(world_size, space, inputs, splits, reject):
+        inner_space = _space_for(space, world_size // (tp * cp), reject)
+        if inner_space is None:
             continue
-        tp_profile = tp_share(profile, splits, tp)
-        for shape in _shapes(len(profile.units), world_size // tp, global_batch, tp_space, reject):
+        share = cp_share(
+            tp_share(profile, splits, tp), inputs.cp_attention, cp, _method(inputs), tp
+        )
+        world = world_size // (tp * cp)
+        for shape in _shapes(len(profile.units), world, global_batch, inner_space, reject):
             if not _runs(inputs, shape):
                 reject[ACTIVE] += 1
                 continue
             size = global_batch // shape[1] // shape[2]
             scale = size / profile_batch
             for ep in _ep_degrees(shape[1], space, experts, reject):
-                if (tp, ep) not in profiles:
-                    profiles[tp, ep] = ep_share(tp_profile, experts, ep, shape[1])
-                for knobs in _knobs(shape[1], space, reject, inputs.device):
-                    run = _inputs(inputs, shape, knobs, tp, ep)
-                    bound = _work_bound(profiles[tp, ep], run, scale, cost, work)
+                if cp > 1 and ep > 1:  # refused by the config: not laid out
+                    reject[CP_WITH_EP] += 1
+                    continue
+                if (tp, ep, cp) not in profiles:
+                    profiles[tp, ep, cp] = ep_share(share, experts, ep, shape[1])
+                for knobs in _knobs(shape[1] * cp, space, reject, inputs.device):
+                    run = _inputs(inputs, shape, knobs, tp, ep, cp)
+                    bound = _work_bound(profiles[tp, ep, cp], run, scale, cost, work)
                     todo.append((bound, run, size, scale))
     order = sorted(range(len(todo)), key=lambda i: todo[i][0])  # stable: ties keep their order
     return [todo[i] for i in order]
@@ -721,10 +768,11 @@ def _state_bound(
 ) -> float:
     """A lower bound of ``run``'s busiest rank before laying it out: its process and
     the ranks' average state (parameters, gradients, optimizer; ``unit_state_bytes``).
-    ``states`` caches the units' summed state per (tp, ep, dp, ZeRO, offload, precision)."""
+    ``states`` caches the units' summed state per (tp, ep, cp, dp, ZeRO, offload,
+    precision)."""
     z = run.zero
     g = run.grid
-    key = (g.tp, g.ep, g.dp, z.stage, z.offload_optimizer, z.offload_params, run.precision)
+    key = (g.tp, g.ep, g.cp, g.dp, z.stage, z.offload_optimizer, z.offload_params, run.precision)
     layout = run.memory_layout(1.0)
     if key not in states:
         states[key] = math.fsum(unit_state_bytes(u, layout) for u in profile.units)
@@ -736,18 +784,20 @@ def _work_bound(
     run: PlanInputs,
     scale: float,
     cost: CostModel,
-    work: dict[tuple[int, int, float, bool], float],
+    work: dict[tuple[int, int, int, float, bool], float],
 ) -> float:
     """A lower bound of ``run``'s step time before laying it out: its ranks' average
     work, ``m`` microbatches of every unit's forward and backward (and recomputation)
     over ``pp`` ranks; the busiest rank's work (``lower_bound_s``) is at least that.
-    ``work`` caches the units' summed seconds per (tp, ep, microbatch scale, mixed)."""
-    key = (run.grid.tp, run.grid.ep, scale, run.precision != "fp32")
+    ``work`` caches the units' summed seconds per (tp, ep, cp, microbatch scale, mixed)."""
+    key = (*_axes(run), scale, run.precision != "fp32")
     if key not in work:
         layout = run.memory_layout(scale)
         s = scale * layout.dtype_factor
         comm = [
-            tp_comm_s(u, s, cost.tp_bandwidth) + ep_comm_s(u, s, cost.ep_bandwidth)
+            tp_comm_s(u, s, cost.tp_bandwidth)
+            + ep_comm_s(u, s, cost.ep_bandwidth)
+            + cp_comm_s(u, scale, layout.dtype_factor, cost.cp_bandwidth)
             for u in profile.units
         ]
         work[key] = math.fsum(unit_time(u, layout, cost) + t for u, t in zip(profile.units, comm))
@@ -790,6 +840,7 @@ def space_around(inputs: PlanInputs, auto: Collection[str]) -> SearchSpace:
         microbatch_choices=None if "microbatches" in auto else (s.microbatches,),
         tensor_parallel_degrees=(inputs.grid.tp,),
         expert_parallel_degrees=(inputs.grid.ep,),
+        context_parallel_degrees=(inputs.grid.cp,),
     )
 
 
@@ -820,6 +871,40 @@ def _ep_degrees(dp: int, space: SearchSpace, experts: EPSplits, reject: Counter[
     if len(kept) < len(wanted):
         reject[EP_REFUSED] += len(wanted) - len(kept)
     return kept
+
+
+def _method(inputs: PlanInputs) -> str:
+    return inputs.context_parallel_method
+
+
+def _inner_degrees(
+    world: int, space: SearchSpace, inputs: PlanInputs, splits: TPSplits, reject: Counter[str]
+) -> list[tuple[int, int]]:
+    """(tp, cp) pairs to search: TP degrees the plan accepts, each with the CP degrees
+    that divide what it leaves of ``world`` and that the attention allows."""
+    out = []
+    for tp in _tp_degrees(world, space, splits, reject):
+        for cp in _cp_degrees(world // tp, space, inputs, tp):
+            why = cp_refusal(inputs.cp_attention, cp, _method(inputs), tp)
+            if why is None:
+                out.append((tp, cp))
+            else:
+                reject[CP_REFUSED] += 1
+    return out
+
+
+def _cp_degrees(world: int, space: SearchSpace, inputs: PlanInputs, tp: int) -> list[int]:
+    if space.context_parallel_degrees is not None:
+        for cp in space.context_parallel_degrees:
+            if world % cp:
+                raise PartitionError(
+                    f"context-parallel degree {cp} does not divide the world size / tp {world}"
+                )
+        return list(space.context_parallel_degrees)
+    attention = inputs.cp_attention
+    if attention is None or attention.sequence < space.min_cp_sequence:
+        return [1]
+    return _divisors(world)
 
 
 def _space_for(space: SearchSpace, world: int, reject: Counter[str]) -> SearchSpace | None:
@@ -895,6 +980,13 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.2f}"
 
 
+def _grid_label(c: Candidate, with_cp: bool) -> str:
+    axes = [c.pipeline_parallel_degree, c.data_parallel_degree, c.tensor_parallel_degree]
+    if with_cp:
+        axes.insert(2, c.context_parallel_degree)
+    return "x".join(str(a) for a in axes)
+
+
 def _row(rank: str, c: Candidate, result: SearchResult) -> tuple[str, ...]:
     offload = "+".join(
         n for n, on in (("opt", c.offload_optimizer), ("param", c.offload_params)) if on
@@ -903,7 +995,7 @@ def _row(rank: str, c: Candidate, result: SearchResult) -> tuple[str, ...]:
     tokens, mfu = result.tokens_per_s_per_device(c), result.mfu(c)
     return (
         rank,
-        f"{c.pipeline_parallel_degree}x{c.data_parallel_degree}x{c.tensor_parallel_degree}{ep}",
+        _grid_label(c, max(result.cp_degrees) > 1) + ep,
         str(c.virtual_stages),
         f"{c.microbatches}x{c.microbatch_size}",
         _schedule_name(c),
@@ -939,9 +1031,11 @@ def render(result: SearchResult) -> str:
         f"{result.headroom:.0%} headroom), global batch {result.global_batch}; "
         f"{result.evaluated} layouts laid out, {result.fitting} fit"
     )
+    with_cp = max(result.cp_degrees) > 1
     rows = [
-        ("#", "pp x dp x tp", "v", "m x size", "schedule", "zero", "offload", "ckpt", "precision",
-         "step ms", "bubble", "peak GiB", "host GiB", "tok/s/dev", "MFU"),
+        ("#", "pp x dp x cp x tp" if with_cp else "pp x dp x tp", "v", "m x size", "schedule",
+         "zero", "offload", "ckpt", "precision", "step ms", "bubble", "peak GiB", "host GiB",
+         "tok/s/dev", "MFU"),
         *(_row(str(i + 1), c, result) for i, c in enumerate(result.ranked)),
         *(_row("+", c, result) for c in result.alternatives),
     ]  # fmt: skip
@@ -961,7 +1055,8 @@ def render(result: SearchResult) -> str:
     lines += [
         "",
         f"cost model: links {cost.link_bandwidth}, dp {cost.dp_bandwidth}, tp "
-        f"{cost.tp_bandwidth}, {_ep_bandwidth(result)}host "
+        f"{cost.tp_bandwidth}, {_ep_bandwidth(result)}"
+        f"{f'cp {cost.cp_bandwidth}, ' if with_cp else ''}host "
         f"{cost.host_bandwidth} B/s; bf16 speedup x{cost.mixed_speedup:g}; profiled at "
         f"{result.profile_batch} sample(s) per microbatch, scaled linearly",
         _where_note(result.device),

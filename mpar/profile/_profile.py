@@ -113,6 +113,13 @@ class UnitProfile:
     the input and the output gradient of each linear layer whose weight W computes
     (``runtime._split_backward``; counted for every ``F.linear`` on a trainable
     parameter); the zero-bubble schedules hold them for each microbatch whose W waits."""
+    cp_comm_bytes: int = 0
+    """Bytes one rank sends for the unit's attention over its context-parallel group per
+    microbatch, in the compute dtype (counted at 4 bytes an element); 0 except in a CP
+    rank's profile (``mpar.partition._cp_share``)."""
+    cp_comm_fp32_bytes: int = 0
+    """Of the same traffic, what travels in float32 whatever the precision (the ring's
+    dK and dV)."""
 
     @property
     def state_bytes(self) -> int:

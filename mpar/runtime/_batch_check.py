@@ -9,8 +9,9 @@ each rank takes a fingerprint of its microbatches — per tensor its shape,
 dtype and two sums over a strided sample of at most ~512 elements — and after
 the step (where every rank is at the same point, before the optimizer steps)
 one all-gather compares them within every model replica: the ranks of one
-data-parallel rank, its pipeline stages and (with tensor parallelism) their
-TP ranks. A mismatch raises
+data-parallel rank, its pipeline stages and (with tensor or context parallelism)
+their TP and CP ranks — the fingerprints are taken before the sequences are cut
+for context parallelism. A mismatch raises
 :class:`~mpar.errors.BatchMismatchError` on every rank, naming the ranks and
 the fix (shard by ``dp_rank()``/``dp_size()``, or ``mpar.data_sampler``).
 """
@@ -108,15 +109,23 @@ def mismatches(
 
 def replicas(grid: Grid) -> list[list[int]]:
     """The ranks of each model replica (one data-parallel rank): its pipeline stages
-    and their tensor-parallel ranks, which all read the same batch."""
+    and their tensor- and context-parallel ranks, which all read the same batch."""
     return [
-        sorted(grid.rank_of(p, d, t) for p in range(grid.pp_size) for t in range(grid.tp_size))
+        sorted(
+            grid.rank_of(p, d, t, c)
+            for p in range(grid.pp_size)
+            for t in range(grid.tp_size)
+            for c in range(grid.cp_size)
+        )
         for d in range(grid.dp_size)
     ]
 
 
 def _label(grid: Grid) -> str:
-    return "pipeline" if grid.tp_size == 1 else "model replica (pipeline x tensor parallel)"
+    inner = [n for n, size in (("tensor", grid.tp_size), ("context", grid.cp_size)) if size > 1]
+    if not inner:
+        return "pipeline"
+    return f"model replica (pipeline x {' x '.join(f'{n} parallel' for n in inner)})"
 
 
 def batch_check_due(calls: int) -> bool:
@@ -134,7 +143,7 @@ def due_fingerprint(
     """Before a step: this rank's fingerprint when the step is checked (``due()``
     counts the step and says whether), else None (always None, and nothing counted,
     when a model replica is one rank)."""
-    if grid.pp_size * grid.tp_size == 1 or not due():
+    if grid.pp_size * grid.tp_size * grid.cp_size == 1 or not due():
         return None
     return fingerprint(args, kwargs)
 
@@ -153,7 +162,8 @@ def check_same_batch(grid: ProcessGrid, mine: list[Print] | None) -> None:
         shown = first_few(found, 4)
         raise BatchMismatchError(
             f"the ranks of a {_label(layout)} were given different batches: {shown}. Every "
-            "rank of a pipeline (and of a tensor-parallel group) must call the step with the "
+            "rank of a pipeline (and of a tensor- or context-parallel group) must call the "
+            "step with the "
             "same batch (stage 0 reads the inputs, the last stage the targets). Shard the data by data-parallel rank, not by "
             "global rank: DataLoader(dataset, sampler=mpar.data_sampler(dataset)), or "
             "DistributedSampler(dataset, num_replicas=mpar.dp_size(), rank=mpar.dp_rank())"

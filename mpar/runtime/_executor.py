@@ -50,12 +50,14 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 import torch
 
 from mpar import _device
+from mpar._cp_context import using
 from mpar._tree import tree_leaves, tree_map
 from mpar.comm import State
 from mpar.comm._progress import PROGRESS
 from mpar.comm._types import Transfer, TransferLabel
 from mpar.errors import StepError
 from mpar.runtime._activations import ActivationMemory, storage_bytes
+from mpar.runtime._cp_outputs import combine_over_cp
 from mpar.runtime._microbatch import Microbatches
 from mpar.runtime._output import StepOutput, check_gatherable, detach, detach_to_cpu
 from mpar.runtime._precision import cast_floats, compute_dtype
@@ -423,10 +425,11 @@ class StepRun:
         stage = self.stages.modules[s]
         config, device = self.st.config, self.st.device
         try:
-            if self.training and torch.is_grad_enabled():
-                with self.memory.counting(stage, s, j, (args, tuple(kwargs), kwargs)):
-                    return self._computing(run_stage, stage, args, kwargs, config, device)
-            return self._computing(run_stage, stage, args, kwargs, config, device)
+            with using(self.batches.context(j)):  # context parallelism: j's sequence split
+                if self.training and torch.is_grad_enabled():
+                    with self.memory.counting(stage, s, j, (args, tuple(kwargs), kwargs)):
+                        return self._computing(run_stage, stage, args, kwargs, config, device)
+                return self._computing(run_stage, stage, args, kwargs, config, device)
         finally:
             self.sharding.after_forward(s)
 
@@ -451,7 +454,8 @@ class StepRun:
     def _last_stage_forward(self, j: int) -> None:
         self.calling = call = _Call(j)
         try:
-            result = self._computing(self.fn.call, j)
+            with using(self.batches.context(j)):
+                result = self._computing(self.fn.call, j)
         finally:
             self.calling = None
         _device.after_action(self.st.device)
@@ -462,6 +466,8 @@ class StepRun:
         results[j] = detach(result)  # stays on the device until the step's last
         if len(results) == self.num_microbatches:
             mine = detach_to_cpu([results[j] for j in range(self.num_microbatches)])
+            if self.batches.contexts is not None:  # the CP group's pieces, put together
+                mine = combine_over_cp(mine, self.batches.contexts, self.st.grid)
             self.transfers.send_outputs((mine, list(self.batches.sizes)))
 
     def _prepare_backward(self, s: int, *, arm: bool) -> None:
@@ -492,7 +498,8 @@ class StepRun:
         work = self.pending.weight_work.pop((s, j), None)
         if work is None:
             raise StepError(f"internal: {s}W{j} runs before {s}I{j}")
-        self._computing(work)
+        with using(self.batches.context(j)):
+            self._computing(work)
         self.sharding.fold_grads()  # fp32 gradients: add what W wrote outside autograd
         self.memory.weights_done(s, j)
         _device.after_action(self.st.device)
@@ -511,7 +518,9 @@ class StepRun:
             loss = self.per_microbatch.losses.pop(j, None)
             if loss is None:
                 return [], None
-            scaled = loss * (self.batches.weights[j] / self.st.grid.dp_size)  # one operation
+            context = self.batches.context(j)  # a CP rank's share of the sequence's loss
+            share = 1.0 if context is None else context.loss_weight
+            scaled = loss * (self.batches.weights[j] * share / self.st.grid.dp_size)
             loss_scale = self.sharding.loss_scale
             if loss_scale != 1.0:  # fp16: dynamic loss scaling
                 scaled = scaled * loss_scale
@@ -520,6 +529,10 @@ class StepRun:
         return ([], None) if out_grads is None else _gradient_pairs(outputs, out_grads)
 
     def _backward_input(self, s: int, j: int, *, split: bool) -> None:
+        with using(self.batches.context(j)):  # a recomputed forward needs j's split
+            self._backward_input_of(s, j, split=split)
+
+    def _backward_input_of(self, s: int, j: int, *, split: bool) -> None:
         inputs, outputs = self.pending.saved.pop((s, j))
         dropped = self.memory.drop(s, j, (inputs, outputs))
         roots, root_grads = self._roots(s, j, outputs)

@@ -19,6 +19,8 @@ the split.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -39,9 +41,10 @@ from mpar.tensor_parallel import TPLayout, apply_layout
 
 if TYPE_CHECKING:
     from mpar.config import Config
-    from mpar.partition import Plan, PlanInputs
+    from mpar.partition import CPAttention, Plan, PlanInputs
     from mpar.partition._ep_share import EPSplits
     from mpar.partition._tp_share import TPSplits
+    from mpar.profile import ModelProfile
     from mpar.topology import Grid
 
 __all__ = ["LocalStages", "build_local_stages", "planner_inputs"]
@@ -76,15 +79,41 @@ def planner_inputs(
     device: torch.device,
     tp_splits: TPSplits | None = None,
     ep_splits: EPSplits | None = None,
+    cp_attention: CPAttention | None = None,
 ) -> PlanInputs:
     """What the partition and the ``"auto"`` search plan for: ``config`` on this job's
-    ``grid`` (``ProcessGrid.topology``) and ``device``, with the model's TP splits (and
-    what its experts weigh under expert parallelism)."""
+    ``grid`` (``ProcessGrid.topology``) and ``device``, with the model's TP splits (what
+    its experts weigh under expert parallelism) and, under context parallelism, where it
+    attends. Where no attention was measured (the runtime refuses such a model at its
+    first step) the CP ranks are planned as data parallel ones: the same sharding, no
+    attention traffic."""
     from mpar.partition import plan_inputs
     from mpar.partition._plan_inputs import plan_device
 
     kind = plan_device(device.type)
-    return plan_inputs(config, grid.shape, device=kind, tp_splits=tp_splits, ep_splits=ep_splits)
+    inputs = plan_inputs(config, grid.shape, device=kind, tp_splits=tp_splits, ep_splits=ep_splits)
+    shape = inputs.grid
+    if shape.cp == 1:
+        return inputs
+    if cp_attention is None or not cp_attention.found:
+        folded = dataclasses.replace(shape, dp=shape.dp * shape.cp, cp=1)
+        return dataclasses.replace(inputs, grid=folded)
+    return dataclasses.replace(inputs, cp_attention=cp_attention)
+
+
+def cp_attention_of(
+    module: nn.Module,
+    profile: ModelProfile,
+    example: tuple[tuple[Any, ...], dict[str, Any]],
+    grid: Grid,
+    profiled_cp: int,
+) -> CPAttention | None:
+    """Under context parallelism, where the profiled model attends (else None)."""
+    if grid.cp_size == 1:
+        return None
+    from mpar.context_parallel import measure_cp_attention
+
+    return measure_cp_attention(module, profile, example, profiled_cp)
 
 
 def _decide_boundaries(
@@ -95,6 +124,7 @@ def _decide_boundaries(
     st: State,
     tp: TPLayout | None = None,
     ep: EPLayout | None = None,
+    profiled_cp: int = 1,
 ) -> tuple[list[int], Plan | None]:
     from mpar.expert_parallel import measure_ep_splits
     from mpar.partition import make_plan, manual_boundaries
@@ -130,7 +160,9 @@ def _decide_boundaries(
     experts = None
     if ep is not None:
         experts = measure_ep_splits(module, profile, (args, kwargs), plan=cfg.ep_plan)
-    inputs = planner_inputs(cfg, st.grid.topology, st.device, splits, experts)
+    grid = st.grid.topology
+    attention = cp_attention_of(module, profile, (args, kwargs), grid, profiled_cp)
+    inputs = planner_inputs(cfg, grid, st.device, splits, ep_splits=experts, cp_attention=attention)
     plan = make_plan(profile, inputs)
     return list(plan.boundaries), plan
 
@@ -187,15 +219,20 @@ def build_local_stages(
     dynamic_axes: Sequence[int] = (0,),
     tp: TPLayout | None = None,
     ep: EPLayout | None = None,
+    capture_whole: bool = False,
+    profiled_cp: int = 1,
 ) -> LocalStages:
     """Partition ``module`` (identically on every rank) and keep this rank's stages;
     traced stages accept any size of the ``dynamic_axes`` of their inputs. With a
     tensor-parallel layout ``tp`` (an expert-parallel layout ``ep``), the model is
     profiled and partitioned whole, then made this rank's TP share (its experts' share)
-    before it is split into stages."""
+    before it is split into stages. ``capture_whole``: one stage is captured as a graph
+    too (context parallelism replaces calls in it), not run as the module itself.
+    ``profiled_cp``: the CP degree the example's sequences are cut by already (the
+    first step's: ``cp``; example inputs: 1)."""
     num_stages = st.config.num_stages
     meta = _has_meta(module)  # tensors get storage later, on this rank's share only
-    if num_stages == 1:
+    if num_stages == 1 and not capture_whole:
         tp_split = _apply_tp(module, tp, st)
         experts = _apply_ep(module, ep, st)
         if not meta:
@@ -223,13 +260,15 @@ def build_local_stages(
         with torch.no_grad(), preserved_state(module):
             units = find_units(module, args, kwargs)
     units = _experts_whole(units, ep)
-    decision: Any = None
-    if st.layout.rank == 0:
+    decision: Any = ("ok", [0], None) if num_stages == 1 else None
+    if decision is None and st.layout.rank == 0:
         try:
-            decision = ("ok", *_decide_boundaries(module, args, kwargs, units, st, tp, ep))
+            decided = _decide_boundaries(module, args, kwargs, units, st, tp, ep, profiled_cp)
+            decision = ("ok", *decided)
         except Exception as exc:  # every rank must learn of the failure, not hang
             decision = ("error", exc, None)
-    decision = broadcast_object_world(decision, st.grid, src=0)
+    if num_stages > 1:
+        decision = broadcast_object_world(decision, st.grid, src=0)
     if decision[0] == "error":
         raise decision[1]
     _, boundaries, plan = decision
@@ -322,11 +361,13 @@ def _tied_groups(
         pp_ranks = sorted({home(s) for s, _ in group})
         if len(pp_ranks) < 2:
             continue  # every copy is the same Parameter object on one rank
-        for d in range(grid.dp_size):  # every rank creates every group, in order
-            for t in range(grid.tp_size):
-                handle = grid.new_group([grid.rank_of(p, d, t) for p in pp_ranks])
-                if (d, t) != (grid.dp_rank, grid.tp_rank) or grid.pp_rank not in pp_ranks:
-                    continue
-                s, name = next((s, n) for s, n in group if s in mine)
-                out.append((handle, mine[s].get_parameter(name)))
+        here = (grid.dp_rank, grid.tp_rank, grid.cp_rank)
+        for d, t, c in itertools.product(  # every rank creates every group, in order
+            range(grid.dp_size), range(grid.tp_size), range(grid.cp_size)
+        ):
+            handle = grid.new_group([grid.rank_of(p, d, t, c) for p in pp_ranks])
+            if (d, t, c) != here or grid.pp_rank not in pp_ranks:
+                continue
+            s, name = next((s, n) for s, n in group if s in mine)
+            out.append((handle, mine[s].get_parameter(name)))
     return out

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from mpar._cp_context import CPContext
 from mpar.errors import StepError
 
 __all__ = ["Microbatches", "split_microbatches"]
@@ -30,6 +31,13 @@ class Microbatches:
     args: list[tuple[object, ...]]
     kwargs: list[dict[str, object]]
     sizes: list[int]
+    contexts: list[CPContext] | None = None
+    """Under context parallelism: each microbatch's sequence split (``args``/``kwargs``
+    hold this rank's tokens); None otherwise."""
+
+    def context(self, j: int) -> CPContext | None:
+        """Microbatch ``j``'s context-parallel context, or None."""
+        return None if self.contexts is None else self.contexts[j]
 
     @property
     def weights(self) -> list[float]:

@@ -15,10 +15,25 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mpar._cp_context import current, using
 from mpar.comm import ProcessGrid, State
-from mpar.comm._collectives import all_gather_object_ep, all_gather_object_pp, all_gather_object_tp
+from mpar.comm._collectives import (
+    all_gather_object_ep,
+    all_gather_object_pp,
+    all_gather_object_tp,
+    all_reduce_pp,
+)
 from mpar.comm._lifecycle import session
 from mpar.config import Config
+from mpar.context_parallel import (
+    FOUND,
+    CallPlan,
+    check_found,
+    check_heads,
+    install_hf,
+    prepare_call,
+    replace_sdpa,
+)
 from mpar.errors import StepError
 from mpar.expert_parallel import EPLayout
 from mpar.partition import Plan
@@ -92,6 +107,17 @@ class _Capture:
 
     active: bool = False
     inputs: tuple[Args, Kwargs] | None = None
+
+
+@dataclass
+class _CPModel:
+    """Under context parallelism: how the model's calls get global positions and shifted
+    labels, whether Hugging Face's attention interface was pointed at mpar's, and
+    whether the first step must still check that attention was found."""
+
+    calls: CallPlan
+    hf: bool
+    unchecked: bool = False
 
 
 class _Steps:
@@ -172,6 +198,11 @@ class DistributedModel:
         """How tensor parallelism splits this model (None at tensor_parallel_degree 1)."""
         self.ep_layout: EPLayout | None = _ep_layout(module, self.grid, self.config, self.tp_layout)
         """How expert parallelism splits this model's experts (None at ep degree 1)."""
+        self._cp: _CPModel | None = None
+        if self.grid.cp_size > 1:
+            method = self.config.context_parallel_method
+            check_heads(module, self.grid.cp_size, self.grid.tp_size, method)
+            self._cp = _CPModel(CallPlan(module), install_hf(module, method))
         process.models.add(self)
         if example_inputs is not None or example_kwargs is not None:
             args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
@@ -216,10 +247,13 @@ class DistributedModel:
     def partitioned(self) -> bool:
         return self.stages is not None
 
-    def _partition(self, args: Args, kwargs: Kwargs) -> None:
+    def _partition(self, args: Args, kwargs: Kwargs, profiled_cp: int = 1) -> None:
+        """Partition from one microbatch's inputs, their sequences already cut by
+        ``profiled_cp`` (the first step's: this rank's share; example inputs: whole)."""
         from mpar.meta import start_materialize
 
         st = self._run
+        FOUND["calls"] = 0
         self.stages = build_local_stages(
             self.module,
             args,
@@ -228,7 +262,11 @@ class DistributedModel:
             dynamic_axes=self.options.dynamic_axes,
             tp=self.tp_layout,
             ep=self.ep_layout,
+            capture_whole=self._cp is not None and not self._cp.hf,
+            profiled_cp=profiled_cp,
         )
+        if self._cp is not None:
+            self._replace_attention(self.stages)
         for stage in self.stages.modules.values():
             stage.train(self.module.training)
         # A meta model gets storage here: this rank's stages only, bucket by bucket.
@@ -250,10 +288,26 @@ class DistributedModel:
         for hook in hooks:
             hook(self)
 
+    def _replace_attention(self, stages: LocalStages) -> None:
+        """Context parallelism: point the stages' attention at the CP operators (Hugging
+        Face's already is, since ``__init__``); every rank of the pipeline learns whether
+        the model had any."""
+        method = self.config.context_parallel_method
+        found = FOUND["calls"]
+        for s, stage in stages.modules.items():
+            found += replace_sdpa(stage, method, f"stage {s} of {type(self.module).__name__}")
+        if stages.num_stages == 1 and not hasattr(stages.modules[0], "programs"):
+            assert self._cp is not None
+            self._cp.unchecked = True  # the model itself: its calls are counted as it runs
+            return
+        total = torch.tensor([found], dtype=torch.long)
+        all_reduce_pp(total, self.grid)
+        check_found(int(total.item()), self.module)
+
     def ensure_partitioned(self, fn: StepFunction, batches: Microbatches) -> None:
         if self.stages is None:
             args, kwargs = self.capture(fn, batches, 0)
-            self._partition(args, kwargs)
+            self._partition(args, kwargs, self.grid.cp_size)
 
     @property
     def plan(self) -> Plan | _ManualPlan | None:
@@ -319,6 +373,9 @@ class DistributedModel:
         finally:
             self.active_run = None
         self.activation_peak_bytes = run.peak_activation_bytes
+        if self._cp is not None and self._cp.unchecked:  # the model's own code ran: attention?
+            self._cp.unchecked = False
+            check_found(FOUND["calls"], self.module)
         placed = self._steps.placement.after_step(self._run, training, run.timeline)
         if placed is not None:  # every rank, at the same step: measured W placement
             self._steps.schedules[False] = self._lowered(placed)
@@ -330,7 +387,8 @@ class DistributedModel:
         """Run the step function for microbatch ``j`` until it calls the model."""
         self._capture = _Capture(active=True)
         try:
-            fn(self, *batches.args[j], **batches.kwargs[j])
+            with using(batches.context(j)):
+                fn(self, *batches.args[j], **batches.kwargs[j])
         except Captured:
             assert self._capture.inputs is not None
             return self._capture.inputs
@@ -341,6 +399,8 @@ class DistributedModel:
         )
 
     def __call__(self, *args: object, **kwargs: object) -> object:
+        if self._cp is not None:
+            kwargs = prepare_call(self._cp.calls, args, kwargs, current())
         if self._capture.active:
             self._capture.inputs = (args, kwargs)
             raise Captured

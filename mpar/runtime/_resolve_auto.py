@@ -13,6 +13,9 @@ resolved config (``model.config`` shows it; ``mpar.config()`` keeps what
 Under tensor parallelism the search keeps the configured degree and lays out one TP
 rank's share of the profile (``mpar.partition._tp_share``), read from the model's checked
 TP layout as the partition reads it (``mpar.tensor_parallel.measure_tp_splits``).
+Under context parallelism it keeps the configured degree and lays out one CP rank's
+share (``mpar.partition._cp_share``) of the profile of whole sequences, with the
+attention found in it (``mpar.context_parallel.measure_cp_attention``).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ def _choose(
     from mpar.meta import find_units_meta
     from mpar.partition import find_units, search, space_around
     from mpar.profile import preserved_state, profile_mode, profile_model
-    from mpar.runtime._local_stages import planner_inputs
+    from mpar.runtime._local_stages import cp_attention_of, planner_inputs
     from mpar.tensor_parallel import measure_tp_splits
 
     cfg = st.config
@@ -65,7 +68,9 @@ def _choose(
         from mpar.expert_parallel import measure_ep_splits
 
         experts = measure_ep_splits(module, profile, (args, kwargs), plan=cfg.ep_plan)
-    inputs = planner_inputs(cfg, st.grid.topology, st.device, splits, experts)
+    grid = st.grid.topology  # whole sequences here: the batch is not cut yet
+    attention = cp_attention_of(module, profile, (args, kwargs), grid, profiled_cp=1)
+    inputs = planner_inputs(cfg, grid, st.device, splits, ep_splits=experts, cp_attention=attention)
     result = search(
         profile,
         inputs,

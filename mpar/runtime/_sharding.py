@@ -31,7 +31,8 @@ def make_sharded(
     example: Inputs | None = None,
     materialize: Callable[[torch.Tensor], None] | None = None,
 ) -> ShardedStages | None:
-    """ZeRO sharding of this rank's stages over its data-parallel group.
+    """ZeRO sharding of this rank's stages over its data-parallel (x context-parallel)
+    group: the ranks that hold the same parameters.
 
     Every training layout goes through it (ZeRO stage 0 is plain data
     parallelism over the same flat buckets); None only without data parallelism,
@@ -43,7 +44,7 @@ def make_sharded(
     bucket copies it (see ``mpar.meta``).
     """
     zero, dtype = st.config.zero, compute_dtype(st.config)
-    if zero.stage == 0 and dtype is None and st.grid.dp_size == 1 and not stages.tied_groups:
+    if zero.stage == 0 and dtype is None and st.grid.dp_cp_size == 1 and not stages.tied_groups:
         return None
     groups = _unit_groups(stages, st, example)
     owners: dict[int, list[list[nn.Parameter]]] = {}
@@ -62,9 +63,9 @@ def make_sharded(
     sharded = ShardedStages(
         stages.modules,
         zero,
-        group=st.grid.dp_group,
-        group_ranks=st.grid.dp_ranks,
-        rank_in_group=st.grid.dp_rank,
+        group=st.grid.dp_cp_group,  # the ranks holding these parameters: dp x cp
+        group_ranks=st.grid.dp_cp_ranks,
+        rank_in_group=st.grid.dp_cp_rank,
         device=st.device,
         compute_dtype=dtype,
         reduce_dtype=reduce_dtype(st.config),

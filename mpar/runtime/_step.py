@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -64,6 +66,23 @@ def _prepare(
         _device.to_device(batches.kwargs, st.device),
         batches.sizes,
     )
+
+
+def _shard_sequences(
+    fn: StepFunction, model: DistributedModel, batches: Microbatches
+) -> Microbatches:
+    """Under context parallelism, this CP rank's share of every microbatch's sequences
+    (``mpar.context_parallel``); the batches unchanged otherwise."""
+    grid = model.grid
+    if grid.cp_size == 1:
+        return batches
+    from mpar.context_parallel import shard_batches
+
+    names = list(inspect.signature(fn).parameters)[1:]
+    args, kwargs, contexts = shard_batches(
+        batches.args, batches.kwargs, names, grid.cp_size, grid.cp_rank
+    )
+    return dataclasses.replace(batches, args=args, kwargs=kwargs, contexts=contexts)
 
 
 def _execute(fn: StepFunction, model: DistributedModel, batches: Microbatches) -> StepOutput:
@@ -135,6 +154,11 @@ def step(
     the microbatch) to train; without ``model.backward`` the step is
     forward-only. Gradients accumulated over the microbatches equal those of
     the whole batch. Returns a :class:`StepOutput`, the same on every rank.
+
+    Under context parallelism (``context_parallel_degree`` > 1) each microbatch's
+    sequences (axis 1) are then cut among the CP group's ranks, which were given the
+    same batch; see ``docs/context_parallel.md`` for what is cut and read by name
+    (``input_ids``, ``position_ids``, ``attention_mask``, ``labels``).
     """
     if fn is None:
         return functools.partial(
@@ -147,6 +171,7 @@ def step(
     def wrapper(model: DistributedModel, *args: object, **kwargs: object) -> StepOutput:
         batches = _prepare(fn, model, args, kwargs, non_split_inputs, input_split_axes)
         prints = due_fingerprint(model.grid, model.due_batch_check, batches.args, batches.kwargs)
+        batches = _shard_sequences(fn, model, batches)  # after the check: CP ranks agree
         outputs = _execute(fn, model, batches)
         check_same_batch(model.grid, prints)
         return outputs

@@ -158,3 +158,15 @@ def test_finetune_mixtral_example_ep2_pp2_round_trips_through_hf(tmp_path):
         tmp_path / "out", output_loading_info=True
     )
     assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+@pytest.mark.slow  # the context-parallel grid is in tests/multiproc/test_context_parallel.py
+@pytest.mark.timeout(300)
+def test_long_context_example_splits_each_sequence_and_learns():
+    pytest.importorskip("transformers")
+    out = _launch(
+        2, "llama_cp2.json", "finetune_long_context.py", "--steps", "12", "--seq", "256",
+        timeout=290,
+    )  # fmt: skip
+    assert "cp=2 (ring), 256 tokens per sequence, 128 per rank" in out
+    assert _final_loss(out) < 4.6, out[-2000:]  # below ln(128): it learns to count

@@ -150,26 +150,39 @@ def _mesh_and_fallback_groups(config):
     def ranks(g):
         return [
             sorted(dist.get_process_group_ranks(getattr(g, f"{a}_group")))
-            for a in ("pp", "dp", "tp")
+            for a in ("pp", "dp", "cp", "tp", "dp_cp")
         ]
 
     out = {
         "mesh": (grid.mesh.mesh_dim_names, tuple(grid.mesh.shape), grid.mesh.get_coordinate()),
-        "coords": (grid.pp_rank, grid.dp_rank, grid.tp_rank),
+        "coords": (grid.pp_rank, grid.dp_rank, grid.cp_rank, grid.tp_rank),
         "mesh_groups": ranks(grid),
         "fallback_groups": ranks(fallback),
-        "expected": [sorted(grid.pp_ranks), sorted(grid.dp_ranks), sorted(grid.tp_ranks)],
+        "expected": [
+            sorted(ranks)
+            for ranks in (
+                grid.pp_ranks,
+                grid.dp_ranks,
+                grid.cp_ranks,
+                grid.tp_ranks,
+                grid.dp_cp_ranks,
+            )
+        ],
     }
     mpar.shutdown()
     return out
 
 
-@pytest.mark.parametrize("placement", ["cluster", "spread"])
-def test_the_device_mesh_holds_the_grid_groups_as_new_group_would(placement):
-    """The DeviceMesh over (pp, dp, tp) gives each rank the groups of the pure grid, the
-    same as the ``new_group`` path that MPI and XLA backends take."""
-    config = {"pipeline_parallel_degree": 2, "placement_strategy": placement}
+@pytest.mark.parametrize(
+    ("placement", "cp", "shape"),
+    [("cluster", 1, (2, 2, 1, 1)), ("spread", 1, (2, 2, 1, 1)), ("cluster", 2, (2, 1, 2, 1))],
+)
+def test_the_device_mesh_holds_the_grid_groups_as_new_group_would(placement, cp, shape):
+    """The DeviceMesh over (pp, dp, cp, tp) gives each rank the groups of the pure grid,
+    the same as the ``new_group`` path that MPI and XLA backends take (and the dp x cp
+    group, made with ``new_group`` on both paths)."""
+    config = {"pipeline_parallel_degree": 2, "placement_strategy": placement, "cp": cp}
     for r in run_distributed(_mesh_and_fallback_groups, 4, args=(config,), timeout=90):
-        assert r["mesh"][:2] == (("pp", "dp", "tp"), (2, 2, 1))
+        assert r["mesh"][:2] == (("pp", "dp", "cp", "tp"), shape)
         assert tuple(r["mesh"][2]) == r["coords"]
         assert r["mesh_groups"] == r["fallback_groups"] == r["expected"]

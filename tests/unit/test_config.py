@@ -49,6 +49,9 @@ def test_accepted_keys_are_frozen():
         "expert_parallel_degree",
         "ep",
         "ep_plan",
+        "context_parallel_degree",
+        "cp",
+        "context_parallel_method",
     }
 
 
@@ -305,3 +308,13 @@ def test_init_dict_and_launch_config_are_merged(tmp_path, monkeypatch):
     assert load_config({"pipeline_parallel_degree": 2}).pipeline_parallel_degree == 2
     with pytest.raises(ConfigError, match="'partitions' is 4 in the dict .* but 2 in MPAR_CONFIG"):
         load_config({"partitions": 4})
+
+
+def test_context_and_expert_parallel_together_are_refused() -> None:
+    # each axis alone is accepted
+    assert config_from_dict({"context_parallel_degree": 2}).context_parallel_degree == 2
+    assert config_from_dict({"expert_parallel_degree": 2}).expert_parallel_degree == 2
+    with pytest.raises(ConfigError, match="context_parallel_degree and expert_parallel_degree"):
+        config_from_dict({"cp": 2, "ep": 2})
+    with pytest.raises(ConfigError, match="not supported yet"):
+        config_from_dict({"context_parallel_degree": 4, "expert_parallel_degree": 2})

@@ -10,6 +10,10 @@ Notes on the order:
 
 - ``mpar.topology`` (the rank grid and the placement letters) sits under ``config``:
   it is pure geometry, and ``config`` checks ``placement_strategy`` with it.
+- ``mpar._attention_blocks`` (block attention with its log-sum-exp) and
+  ``mpar._cp_context`` (which tokens a context-parallel rank holds, and their masks)
+  are leaves: pure torch, read by the CP operators in ``comm`` and by
+  ``context_parallel`` above them.
 - ``mpar._tp_styles`` (tensor-parallel style names) is a leaf: ``config`` checks a
   ``tp_plan`` with it and ``partition`` reads the parsed styles, below the
   ``tensor_parallel`` package that applies them.
@@ -44,6 +48,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "mpar._compat",
             "mpar._swap",
             "mpar._tp_styles",
+            "mpar._attention_blocks",
+            "mpar._cp_context",
         ),
     ),
     ("schedule", ("mpar.schedule",)),
@@ -54,6 +60,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("partition", ("mpar.partition",)),
     ("comm", ("mpar.comm",)),
     ("tensor_parallel", ("mpar.tensor_parallel", "mpar.expert_parallel")),
+    ("context_parallel", ("mpar.context_parallel",)),
     ("shard", ("mpar.shard",)),
     ("meta", ("mpar.meta",)),
     ("runtime", ("mpar.runtime",)),

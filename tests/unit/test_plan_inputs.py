@@ -173,13 +173,15 @@ def test_the_grid_shape_is_one_record_of_the_axes():
     assert GridShape.for_world(12, pp=2, tp=2) == GridShape(2, 3, 2)
     assert Grid(12, 2, "spread", 2).shape == GridShape(2, 3, 2)
     names = [f.name for f in dataclasses.fields(GridShape)]
-    assert names == ["pp", "dp", "tp", "ep"]
+    assert names == ["pp", "dp", "tp", "ep", "cp"]
     # ep folds into dp: no ranks of its own, and it must divide dp
     assert GridShape.for_world(8, pp=2, ep=2) == GridShape(pp=2, dp=4, ep=2)
     assert GridShape(pp=2, dp=4, ep=2).world_size == 8
     assert Grid(8, 2, "cluster", 1, 2).shape == GridShape(pp=2, dp=4, ep=2)
     with pytest.raises(ConfigError, match="must divide the data-parallel degree 3"):
         GridShape(dp=3, ep=2)
+    assert GridShape.for_world(16, pp=2, tp=2, cp=2) == GridShape(pp=2, dp=2, tp=2, cp=2)
+    assert Grid(16, 2, "spread", 2, cp_size=2).shape == GridShape(pp=2, dp=2, tp=2, cp=2)
     with pytest.raises(ConfigError, match="does not divide"):
         GridShape.for_world(6, pp=4)
     with pytest.raises(ConfigError, match="positive integer"):

@@ -57,9 +57,14 @@ def test_the_tp_axis_is_innermost_and_the_grid_stays_a_bijection(placement):
         for group in grid.tp_groups:  # consecutive ranks: one host
             assert group == list(range(group[0], group[0] + tp))
         mesh = grid.mesh()
-        assert (len(mesh), len(mesh[0]), len(mesh[0][0])) == (pp, grid.dp_size, tp)
+        assert (len(mesh), len(mesh[0]), len(mesh[0][0]), len(mesh[0][0][0])) == (
+            pp,
+            grid.dp_size,
+            1,
+            tp,
+        )
         assert all(
-            mesh[p][d][t] == grid.rank_of(p, d, t)
+            mesh[p][d][0][t] == grid.rank_of(p, d, t)
             for p in range(pp)
             for d in range(grid.dp_size)
             for t in range(tp)
@@ -83,7 +88,7 @@ def test_every_placement_is_a_grid(placement):
         dp = grid.dp_size
         assert dp * pp * tp == world
         coords = [grid.coordinates(r) for r in range(world)]
-        assert sorted(coords) == [
+        assert sorted(c[:3] for c in coords) == [
             (p, d, t) for p in range(pp) for d in range(dp) for t in range(tp)
         ]
         assert all(grid.rank_of(*c) == r for r, c in enumerate(coords))
@@ -95,7 +100,7 @@ def test_every_placement_is_a_grid(placement):
                 assert len({c[:axis] + c[axis + 1 :] for c in seen}) == 1
         mesh = grid.mesh()
         assert all(
-            mesh[p][d][t] == grid.rank_of(p, d, t)
+            mesh[p][d][0][t] == grid.rank_of(p, d, t)
             for p in range(pp)
             for d in range(dp)
             for t in range(tp)
@@ -109,7 +114,7 @@ def test_named_placements_are_permutations():
     for world, pp, tp in [(8, 2, 2), (16, 2, 2), (12, 2, 3)]:
         for name, letters in (("cluster", "DPT"), ("spread", "PDT")):
             named, spelled = make_grid(world, pp, name, tp), make_grid(world, pp, letters, tp)
-            assert named.order == letters
+            assert named.order == letters.replace("T", "CT")
             assert [named.coordinates(r) for r in range(world)] == [
                 spelled.coordinates(r) for r in range(world)
             ]
@@ -118,18 +123,18 @@ def test_named_placements_are_permutations():
 def test_smp_tables():
     """SageMaker model parallelism's examples: 8 ranks, tp 2, pp 2, dp 2."""
     dpt = make_grid(8, 2, "DPT", tp_size=2)
-    assert [dpt.coordinates(r) for r in range(8)] == [
+    assert [dpt.coordinates(r)[:3] for r in range(8)] == [
         (0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1), (0, 1, 0), (0, 1, 1), (1, 1, 0), (1, 1, 1)
     ]  # fmt: skip
     ptd = make_grid(8, 2, "PTD", tp_size=2)
-    assert [ptd.coordinates(r) for r in range(8)] == [
+    assert [ptd.coordinates(r)[:3] for r in range(8)] == [
         (0, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1), (1, 0, 0), (1, 1, 0), (1, 0, 1), (1, 1, 1)
     ]  # fmt: skip
     tpd = make_grid(4, 2, "TPD", tp_size=2)  # pp 2 x tp 2: the TP groups far apart
     assert tpd.tp_groups == [[0, 2], [1, 3]] and tpd.pp_groups == [[0, 1], [2, 3]]
     assert "grid 2 (pp) x 1 (dp) x 2 (tp), TPD" in str(tpd)
     assert "pp_rank 1: 1,3" in str(tpd)
-    assert "cluster (DPT)" in str(make_grid(4, 2))
+    assert "cluster (DPCT)" in str(make_grid(4, 2))
 
 
 @pytest.mark.parametrize("bad", ["DP", "DPTT", "dpt", "XYZ", "", "clustered", 3, None])
@@ -140,3 +145,47 @@ def test_bad_placements_name_the_accepted_forms(bad):
         make_grid(4, 2, bad)
     with pytest.raises(ConfigError, match="placement_strategy"):
         config_from_dict({"placement_strategy": bad})
+
+
+@pytest.mark.parametrize("placement", ["cluster", "spread", "CDPT", "TCPD", "DPT", "TPD"])
+def test_the_cp_axis_is_a_fourth_axis(placement):
+    """Groups along cp (and dp x cp) partition the world; cp sits right outside tp in the
+    named placements and where a three-letter placement leaves it out."""
+    for world, pp, tp, cp in [(8, 2, 1, 2), (16, 2, 2, 2), (8, 1, 2, 4), (24, 1, 3, 2)]:
+        grid = make_grid(world, pp, placement, tp_size=tp, cp_size=cp)
+        assert grid.dp_size * pp * tp * cp == world
+        coords = [grid.coordinates(r) for r in range(world)]
+        assert len(set(coords)) == world
+        assert all(grid.rank_of(*c) == r for r, c in enumerate(coords))
+        for groups, axis in ((grid.cp_groups, 3), (grid.tp_groups, 2), (grid.dp_groups, 1)):
+            assert sorted(r for g in groups for r in g) == list(range(world))
+            for group in groups:
+                assert [coords[r][axis] for r in group] == list(range(len(group)))
+        for group in grid.dp_cp_groups:  # the ranks of one stage and TP piece
+            assert len(group) == grid.dp_size * cp
+            assert len({(coords[r].pp, coords[r].tp) for r in group}) == 1
+        mesh = grid.mesh()
+        assert all(mesh[c.pp][c.dp][c.cp][c.tp] == r for r, c in enumerate(coords))
+    if placement in ("cluster", "spread", "DPT"):
+        grid = make_grid(16, 2, placement, tp_size=2, cp_size=2)
+        assert grid.order.endswith("CT")
+        assert grid.cp_groups[0] == [0, 2]  # next to the TP group's two ranks
+
+
+def test_cp_grid_errors_name_the_degrees():
+    with pytest.raises(ConfigError, match="context parallel degree 3 must divide the world size 8"):
+        make_grid(8, 1, cp_size=3)
+    with pytest.raises(ConfigError, match="pipeline degree 8 .* / context parallel degree 2"):
+        make_grid(8, 8, cp_size=2)
+    assert "2 (cp)" in str(make_grid(8, 2, cp_size=2))
+    with pytest.raises(ConfigError, match="C \\(context parallel\\)"):
+        make_grid(4, 2, "DPCC")
+
+
+def test_expert_groups_stay_inside_their_context_parallel_coordinate() -> None:
+    # ep 1 with cp 2: every rank's edp group (its dp group) holds the rank itself
+    grid = make_grid(8, 1, "cluster", 1, cp_size=2)
+    for rank in range(8):
+        assert rank in grid.edp_group(rank)
+        assert grid.edp_group(rank) == grid.dp_group(0, 0, grid.coordinates(rank).cp)
+        assert grid.ep_group(rank) == [rank]
