@@ -43,10 +43,6 @@ _TILE_ELEMENTS = 1 << 24
 """Most score elements one matmul tile holds (64 MiB of float32) on the math kernel."""
 
 
-def _fused(q: torch.Tensor) -> bool:
-    return q.device.type == "cpu"
-
-
 def _grouped(k: torch.Tensor, groups: int) -> torch.Tensor:
     """``k`` ([B, Hkv, S, D]) with each key/value head repeated for its query heads."""
     return k if groups == 1 else k.repeat_interleave(groups, dim=1)
@@ -62,13 +58,21 @@ def _causal(sq: int, sk: int, device: torch.device) -> torch.Tensor:
 
 
 def block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: BlockMask,
+    scale: float,
+    *,
+    fused: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of queries ``q`` [B, H, Sq, D] on keys/values ``k``, ``v``
     [B, Hkv, Sk, D]: ``out`` in float32 [B, H, Sq, D], ``lse`` float32 [B, H, Sq]
-    (``-inf`` for a row that sees no key)."""
+    (``-inf`` for a row that sees no key). ``fused``: torch's CPU flash kernel (the
+    device seam decides: ``mpar._device.has_cpu_flash_attention``), else float32
+    matmuls."""
     groups = q.shape[1] // k.shape[1]
-    if _fused(q):
+    if fused:
         return _fused_forward(q, _grouped(k, groups), _grouped(v, groups), mask, scale)
     return _math_forward(q, k, v, mask, scale)
 
@@ -151,11 +155,14 @@ def block_backward(
     lse: torch.Tensor,
     mask: BlockMask,
     scale: float,
+    *,
+    fused: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Float32 gradients ``(dq, dk, dv)`` of one block, from the rows' *final* ``out``
-    and ``lse`` (see the module docstring); ``dk``, ``dv`` have ``k``'s heads."""
+    and ``lse`` (see the module docstring); ``dk``, ``dv`` have ``k``'s heads;
+    ``fused`` as for :func:`block_forward`."""
     groups = q.shape[1] // k.shape[1]
-    if _fused(q):
+    if fused:
         return _fused_backward(dout, q, k, v, out, lse, mask, scale, groups)
     return _math_backward(dout, q, k, v, out, lse, mask, scale)
 

@@ -50,6 +50,7 @@ from mpar._tree import tree_map
 from mpar.errors import ConfigError
 
 __all__ = [
+    "has_cpu_flash_attention",
     "activation_offload",
     "can_free_storage",
     "after_action",
@@ -311,6 +312,12 @@ def p2p_device(device: torch.device, backend: str) -> torch.device:
 def on_host(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is in host memory (numpy can write it in place)."""
     return is_host(tensor.device)
+
+
+def has_cpu_flash_attention(tensor: torch.Tensor) -> bool:
+    """Whether block attention on ``tensor``'s device runs torch's CPU flash kernel (which
+    returns the log-sum-exp); elsewhere it is float32 matmuls (``mpar._attention_blocks``)."""
+    return tensor.device.type == "cpu"
 
 
 def is_host(device: torch.device) -> bool:

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mpar import _device
 from mpar._attention_blocks import block_backward, block_forward, merge_into
 from mpar._cp_context import (
     CPContext,
@@ -208,9 +209,10 @@ def _attend(
     caller: :func:`_empty_acc` gives zeros and -inf)."""
     out, lse = acc
     seen: set[int] = set()
+    fused = _device.has_cpu_flash_attention(q)
     for qp, kp, mask in pairs:
         rows, cols = qp.local, kp.local
-        o, l_ = block_forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], mask, scale)
+        o, l_ = block_forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], mask, scale, fused=fused)
         if qp.offset in seen or not fresh:
             merge_into(out[:, :, rows], lse[:, :, rows], o, l_)
         else:  # the first block of these queries: nothing to merge with yet
@@ -308,6 +310,7 @@ def _block_grads(
     """Add the gradients of the blocks ``pairs`` to ``grads`` (dq, dk, dv)."""
     q, _, _, out, lse = saved
     dq, dk, dv = grads
+    fused = _device.has_cpu_flash_attention(q)
     for qp, kp, mask in pairs:
         rows, cols = qp.local, kp.local
         a, b, c = block_backward(
@@ -319,6 +322,7 @@ def _block_grads(
             lse[:, :, rows],
             mask,
             scale,
+            fused=fused,
         )
         dq[:, :, rows] += a
         dk[:, :, cols] += b

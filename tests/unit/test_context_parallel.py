@@ -75,11 +75,11 @@ def _reference(q, k, v, mask, scale):
 
 
 @pytest.mark.parametrize("kernel", ["fused", "math"])
-def test_blocks_merge_to_whole_attention_and_back(kernel, monkeypatch):
+def test_blocks_merge_to_whole_attention_and_back(kernel):
     """Attention computed key block by key block and merged by log-sum-exp equals the
     whole attention; block gradients from the final out and lse sum to its gradients
     (grouped-query heads, a row that sees nothing, a causal block)."""
-    monkeypatch.setattr(blocks, "_fused", lambda q: kernel == "fused")
+    fused = kernel == "fused"
     torch.manual_seed(0)
     b, h, hkv, s, d = 2, 4, 2, 12, 8
     q = torch.randn(b, h, s, d, requires_grad=True)
@@ -93,19 +93,22 @@ def test_blocks_merge_to_whole_attention_and_back(kernel, monkeypatch):
     spans = [slice(0, 4), slice(4, 8), slice(8, 12)]
     for cols in spans:
         o, l_ = blocks.block_forward(q.detach(), k[:, :, cols].detach(), v[:, :, cols].detach(),
-                                     mask[..., cols], 0.3)  # fmt: skip
+                                     mask[..., cols], 0.3, fused=fused)  # fmt: skip
         blocks.merge_into(out, lse, o, l_)
     assert_close(out, want.detach(), atol=1e-5, rtol=1e-5)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for cols in spans:
         a, b_, c = blocks.block_backward(dout, q.detach(), k[:, :, cols].detach(),
-                                         v[:, :, cols].detach(), out, lse, mask[..., cols], 0.3)  # fmt: skip
+                                         v[:, :, cols].detach(), out, lse, mask[..., cols], 0.3,
+                                         fused=fused)  # fmt: skip
         dq += a
         dk[:, :, cols] += b_
         dv[:, :, cols] += c
     for mine, ref in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
         assert_close(mine, ref, atol=1e-5, rtol=1e-5)
-    o, l_ = blocks.block_forward(q.detach(), k.detach(), v.detach(), blocks.CAUSAL, 0.3)
+    o, l_ = blocks.block_forward(
+        q.detach(), k.detach(), v.detach(), blocks.CAUSAL, 0.3, fused=fused
+    )
     causal = torch.ones(s, s, dtype=torch.bool).tril().expand(b, 1, s, s)
     assert_close(o, _reference(q, k, v, causal, 0.3).detach(), atol=1e-5, rtol=1e-5)
 

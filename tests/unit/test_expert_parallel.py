@@ -65,7 +65,8 @@ def test_ep_groups_fold_into_dp(placement):
     for rank in range(16):
         ep, edp = grid.ep_group(rank), grid.edp_group(rank)
         coords = [grid.coordinates(r) for r in ep + edp]
-        assert {(p, t) for p, _, t in coords} == {grid.coordinates(rank)[::2]}
+        me = grid.coordinates(rank)
+        assert {(c.pp, c.tp, c.cp) for c in coords} == {(me.pp, me.tp, me.cp)}
         assert set(ep) & set(edp) == {rank}
         assert len(ep) == 2 and len(edp) == 2
         ep_rank, edp_rank = grid.ep_coordinates(rank)
