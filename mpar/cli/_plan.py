@@ -151,6 +151,16 @@ def add_parser(
         "measured 5MiB, 6MiB more per pipeline rank, 12MiB more under bf16/fp16); set it "
         "for your device, e.g. 1GiB",
     )
+    _add_parallel_arguments(parser)
+    parser.add_argument("--meta", action="store_true", help="build and profile on the meta device")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    _add_auto_arguments(parser)
+    parser.set_defaults(run=run)
+    return parser
+
+
+def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """The tensor- and expert-parallel degrees and their links."""
     parser.add_argument(
         "--tp",
         type=int,
@@ -184,11 +194,6 @@ def add_parser(
         help="bytes/s per rank in the expert all-to-alls, e.g. 50GB (default: the link "
         "bandwidth); 'none' leaves them out",
     )
-    parser.add_argument("--meta", action="store_true", help="build and profile on the meta device")
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    _add_auto_arguments(parser)
-    parser.set_defaults(run=run)
-    return parser
 
 
 def _add_auto_arguments(parser: argparse.ArgumentParser) -> None:

@@ -233,20 +233,7 @@ def build_local_stages(
     num_stages = st.config.num_stages
     meta = _has_meta(module)  # tensors get storage later, on this rank's share only
     if num_stages == 1 and not capture_whole:
-        tp_split = _apply_tp(module, tp, st)
-        experts = _apply_ep(module, ep, st)
-        if not meta:
-            _device.move_module(module, st.device)
-        names = {n: n for n, _ in list(module.named_parameters()) + list(module.named_buffers())}
-        return LocalStages(
-            1,
-            {0: module},
-            {0: names},
-            unit_names=[["<whole model>"]],
-            tp_size=st.grid.tp_size,
-            tp_split=tp_split,
-            expert_params=experts,
-        )
+        return _one_stage(module, st, meta=meta, tp=tp, ep=ep)
     from mpar.meta import find_units_meta
     from mpar.partition import find_units, split_module
     from mpar.profile import preserved_state, profile_mode
@@ -260,18 +247,10 @@ def build_local_stages(
         with torch.no_grad(), preserved_state(module):
             units = find_units(module, args, kwargs)
     units = _experts_whole(units, ep)
-    decision: Any = ("ok", [0], None) if num_stages == 1 else None
-    if decision is None and st.layout.rank == 0:
-        try:
-            decided = _decide_boundaries(module, args, kwargs, units, st, tp, ep, profiled_cp)
-            decision = ("ok", *decided)
-        except Exception as exc:  # every rank must learn of the failure, not hang
-            decision = ("error", exc, None)
-    if num_stages > 1:
-        decision = broadcast_object_world(decision, st.grid, src=0)
-    if decision[0] == "error":
-        raise decision[1]
-    _, boundaries, plan = decision
+    if num_stages == 1:  # one stage captured whole (context parallelism): nothing to decide
+        boundaries, plan = [0], None
+    else:
+        boundaries, plan = _agreed_boundaries(module, args, kwargs, units, st, tp, ep, profiled_cp)
     tp_split = _apply_tp(module, tp, st)  # profiled whole; split as this rank's TP share
     experts = _apply_ep(module, ep, st)  # and its experts' share
     dtype = compute_dtype(st.config)
@@ -298,6 +277,51 @@ def build_local_stages(
         tp_split=tp_split,
         expert_params=experts,
     )
+
+
+def _one_stage(
+    module: nn.Module, st: State, *, meta: bool, tp: TPLayout | None, ep: EPLayout | None
+) -> LocalStages:
+    """No pipeline: the whole model is the one stage (this rank's TP and experts' share)."""
+    tp_split = _apply_tp(module, tp, st)
+    experts = _apply_ep(module, ep, st)
+    if not meta:
+        _device.move_module(module, st.device)
+    names = {n: n for n, _ in list(module.named_parameters()) + list(module.named_buffers())}
+    return LocalStages(
+        1,
+        {0: module},
+        {0: names},
+        unit_names=[["<whole model>"]],
+        tp_size=st.grid.tp_size,
+        tp_split=tp_split,
+        expert_params=experts,
+    )
+
+
+def _agreed_boundaries(
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    units: list[str],
+    st: State,
+    tp: TPLayout | None,
+    ep: EPLayout | None,
+    profiled_cp: int,
+) -> tuple[list[int], Plan | None]:
+    """Rank 0 decides the stage boundaries (and the plan) and every rank gets them; a
+    failure there is raised on every rank (none waits for a decision that never comes)."""
+    decision: Any = None
+    if st.layout.rank == 0:
+        try:
+            decided = _decide_boundaries(module, args, kwargs, units, st, tp, ep, profiled_cp)
+            decision = ("ok", *decided)
+        except Exception as exc:
+            decision = ("error", exc, None)
+    decision = broadcast_object_world(decision, st.grid, src=0)
+    if decision[0] == "error":
+        raise decision[1]
+    return decision[1], decision[2]
 
 
 def _apply_ep(module: nn.Module, ep: EPLayout | None, st: State) -> frozenset[int]:

@@ -1,4 +1,5 @@
-"""No class in mpar/ keeps more than 15 fields unless it is a plain record.
+"""No class in mpar/ keeps more than 15 fields unless it is a plain record, and no
+function is longer than 80 lines.
 
 A class whose methods assign many ``self.x`` is doing too many things; what belongs
 together goes into a record of its own (as ``runtime._executor.StepRun`` keeps its
@@ -14,6 +15,7 @@ from pathlib import Path
 
 MPAR = Path(__file__).resolve().parents[2] / "mpar"
 MOST = 15
+LONGEST = 80
 
 
 def _is_record(cls: ast.ClassDef) -> bool:
@@ -69,3 +71,18 @@ def test_the_count_sees_fields_assigned_in_any_method() -> None:
     assert len(_fields(cls)) == 16 and not _is_record(cls)
     record = ast.parse("@dataclass\nclass R:\n    a: int\n").body[0]
     assert isinstance(record, ast.ClassDef) and _is_record(record)
+
+
+def _long_functions() -> list[str]:
+    found = []
+    for path in sorted(MPAR.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > LONGEST:
+                    found.append(f"{path.relative_to(MPAR.parent)}: {node.name} ({lines} lines)")
+    return found
+
+
+def test_no_function_is_longer_than_eighty_lines() -> None:
+    assert _long_functions() == []
