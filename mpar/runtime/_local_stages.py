@@ -104,7 +104,7 @@ def planner_inputs(
 def cp_attention_of(
     module: nn.Module,
     profile: ModelProfile,
-    example: tuple[tuple[Any, ...], dict[str, Any]],
+    example: tuple[tuple[object, ...], dict[str, object]],
     grid: Grid,
     profiled_cp: int,
 ) -> CPAttention | None:
@@ -118,8 +118,8 @@ def cp_attention_of(
 
 def _decide_boundaries(
     module: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
     units: list[str],
     st: State,
     tp: TPLayout | None = None,
@@ -212,8 +212,8 @@ def _module_device(module: nn.Module) -> torch.device:
 
 def build_local_stages(
     module: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
     st: State,
     *,
     dynamic_axes: Sequence[int] = (0,),
@@ -301,8 +301,8 @@ def _one_stage(
 
 def _agreed_boundaries(
     module: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
     units: list[str],
     st: State,
     tp: TPLayout | None,

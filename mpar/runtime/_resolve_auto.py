@@ -40,7 +40,7 @@ __all__ = ["resolve_auto"]
 
 
 def _choose(
-    model: DistributedModel, fn: Callable[..., Any], whole: Any, st: State
+    model: DistributedModel, fn: Callable[..., object], whole: Any, st: State
 ) -> dict[str, Any]:
     """Rank 0: profile on the replica's batch and search; returns the resolved values."""
     from mpar.meta import find_units_meta
@@ -100,10 +100,10 @@ def _apply(cfg: Config, chosen: Mapping[str, Any]) -> Config:
 
 
 def resolve_auto(
-    fn: Callable[..., Any],
+    fn: Callable[..., object],
     model: DistributedModel,
-    args: Sequence[Any],
-    kwargs: Mapping[str, Any],
+    args: Sequence[object],
+    kwargs: Mapping[str, object],
     st: State,
     *,
     non_split_inputs: Sequence[str] = (),
