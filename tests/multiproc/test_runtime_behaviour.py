@@ -341,7 +341,7 @@ def test_shutdown_resets_the_caches_and_init_starts_afresh(tmp_path):
         assert first["after"] == second["after"] == (0, 0, -1)  # -1: no step started
         assert second["during"] == first["during"]  # nothing left over from the first init
         assert first["loss"] == second["loss"]
-        assert first["mesh"] == (("pp", "dp", "tp"), (2, 1, 1))
+        assert first["mesh"] == (("pp", "dp", "cp", "tp"), (2, 1, 1, 1))
 
 
 _HEAD = 512  # a wide last layer: what its W keeps (its output gradient) dwarfs what it saves

@@ -61,7 +61,7 @@ def _send_and_fail(root: str, how: str) -> None:
     if mpar.rank() == 0:
         pending = PendingSends()
         label = TransferLabel(Transfer.ACTIVATIONS, 1, 0)
-        send_payload((torch.ones(4, 8),), 1, 2, label, pending, state().p2p_links)
+        send_payload((torch.ones(4, 8),), 1, label, pending, state().p2p_links)
         mpar.barrier()  # waits for rank 1, which never comes
     _wait_for_ring(root)
     if how == "raise":
