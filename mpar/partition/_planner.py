@@ -476,6 +476,23 @@ def optimizer_step(
     return out
 
 
+def _per_rank_step_bytes(
+    stages: Sequence[StagePlan],
+    units: Sequence[UnitProfile],
+    inputs: PlanInputs,
+    scale: float,
+    per_unit: Callable[[UnitProfile], float],
+) -> list[int]:
+    """Per rank: ``per_unit(unit)`` summed over the rank's units, times ``scale`` (of
+    one microbatch's profile) for every microbatch of the step."""
+    by_name = {u.name: u for u in units}
+    step = scale * inputs.schedule.microbatches
+    return [
+        int(step * sum(per_unit(by_name[n]) for s in stages if s.rank == r for n in s.units))
+        for r in range(inputs.grid.pp)
+    ]
+
+
 def tp_step_bytes(
     stages: Sequence[StagePlan],
     units: Sequence[UnitProfile],
@@ -483,12 +500,8 @@ def tp_step_bytes(
     inputs: PlanInputs,
 ) -> list[int]:
     """Per rank: bytes one TP rank sends in TP collectives per step (every microbatch)."""
-    by_name = {u.name: u for u in units}
-    scale = layout.microbatch_scale * layout.dtype_factor * inputs.schedule.microbatches
-    return [
-        int(scale * sum(by_name[n].tp_comm_bytes for s in stages if s.rank == r for n in s.units))
-        for r in range(inputs.grid.pp)
-    ]
+    scale = layout.microbatch_scale * layout.dtype_factor
+    return _per_rank_step_bytes(stages, units, inputs, scale, lambda u: u.tp_comm_bytes)
 
 
 def ep_step_bytes(
@@ -498,12 +511,8 @@ def ep_step_bytes(
     inputs: PlanInputs,
 ) -> list[int]:
     """Per rank: bytes one rank sends in expert all-to-alls per step (every microbatch)."""
-    by_name = {u.name: u for u in units}
-    scale = layout.microbatch_scale * layout.dtype_factor * inputs.schedule.microbatches
-    return [
-        int(scale * sum(by_name[n].ep_comm_bytes for s in stages if s.rank == r for n in s.units))
-        for r in range(inputs.grid.pp)
-    ]
+    scale = layout.microbatch_scale * layout.dtype_factor
+    return _per_rank_step_bytes(stages, units, inputs, scale, lambda u: u.ep_comm_bytes)
 
 
 def cp_step_bytes(
@@ -513,21 +522,14 @@ def cp_step_bytes(
     inputs: PlanInputs,
 ) -> list[int]:
     """Per rank: bytes one CP rank sends for attention per step (every microbatch)."""
-    by_name = {u.name: u for u in units}
-    scale = layout.microbatch_scale * inputs.schedule.microbatches
     f = layout.dtype_factor
-    return [
-        int(
-            scale
-            * sum(
-                by_name[n].cp_comm_bytes * f + by_name[n].cp_comm_fp32_bytes
-                for s in stages
-                if s.rank == r
-                for n in s.units
-            )
-        )
-        for r in range(inputs.grid.pp)
-    ]
+    return _per_rank_step_bytes(
+        stages,
+        units,
+        inputs,
+        layout.microbatch_scale,
+        lambda u: u.cp_comm_bytes * f + u.cp_comm_fp32_bytes,
+    )
 
 
 def rank_overheads(
