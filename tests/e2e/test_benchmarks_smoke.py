@@ -5,39 +5,19 @@ CSV's row stays out of the "best" ratios."""
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        return False
+from tests.e2e._bench_smoke import ROOT, installed, run_quick
 
 
 @pytest.mark.slow  # 30-50 s; the pipeline transparency and zero-bubble tests cover the runtime
 @pytest.mark.timeout(180)
 def test_pipeline_benchmark_quick(tmp_path: Path) -> None:
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "pipeline.py"),
-        "--quick",
-        "--mpar-csv",
-        str(ROOT / "benchmarks" / "schedules" / "p2_m4_last_stage_weights_last.csv"),
-        "--out",
-        str(tmp_path),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads((tmp_path / "pipeline.json").read_text())
+    csv = ROOT / "benchmarks" / "schedules" / "p2_m4_last_stage_weights_last.csv"
+    report: Any = run_quick("pipeline", ["--mpar-csv", str(csv)], tmp_path, timeout=170)
     hand_placed = [row for row in report["rows"] if row["split"] == "uniform (schedule CSV)"]
     assert len(hand_placed) == 1 and hand_placed[0]["status"] == "ok", hand_placed
     assert hand_placed[0]["schedule"].endswith("p2_m4_last_stage_weights_last.csv")
@@ -46,7 +26,7 @@ def test_pipeline_benchmark_quick(tmp_path: Path) -> None:
     assert set(rows) == {"mpar", "torch", "deepspeed"}
     for framework, module in [("mpar", "mpar"), ("torch", "torch"), ("deepspeed", "deepspeed")]:
         row = rows[framework]
-        if not _installed(module):
+        if not installed(module):
             assert row["status"] == "skipped", row
             continue
         assert row["status"] == "ok", row.get("reason")

@@ -5,32 +5,19 @@ warm-up losses), and the search finds a longest length for each."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.e2e._bench_smoke import run_quick
 
 
 @pytest.mark.slow  # the default suite's context-parallel tests cover the runtime
 @pytest.mark.timeout(600)
 def test_cp_benchmark_quick(tmp_path: Path) -> None:
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "context_parallel.py"),
-        "--quick",
-        "--engines",
-        "mpar:ring",
-        "mpar:all_to_all",
-        "--out",
-        str(tmp_path),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=590, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads((tmp_path / "context_parallel.json").read_text())
+    engines = ["--engines", "mpar:ring", "mpar:all_to_all"]
+    report: Any = run_quick("context_parallel", engines, tmp_path, timeout=590)
     rows = {row["engine"]: row for row in report["rows"]}
     assert set(rows) == {"mpar:ring", "mpar:all_to_all"}
     for row in rows.values():

@@ -5,24 +5,18 @@ half the experts per rank and its all-to-alls send bytes (ep = 1 none)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.e2e._bench_smoke import run_quick
 
 
 @pytest.mark.slow  # about 60 s on an idle 2-core machine
 @pytest.mark.timeout(400)
 def test_ep_benchmark_quick(tmp_path: Path) -> None:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "expert_parallel.py"), "--quick",
-           "--frameworks", "mpar", "--out", str(tmp_path)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=390, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads((tmp_path / "expert_parallel.json").read_text())
+    report: Any = run_quick("expert_parallel", ["--frameworks", "mpar"], tmp_path, timeout=390)
     assert (tmp_path / "expert_parallel.md").is_file()
     rows = {row["case"]: row for row in report["rows"]}
     ep2, ep1 = rows["mpar ep=2 zero3"], rows["mpar ep=1 zero3"]

@@ -5,32 +5,19 @@ parameter bytes, which are the counted ones)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.e2e._bench_smoke import run_quick
 
 
 @pytest.mark.slow  # 14 s; the default suite's TP grid covers the runtime
 @pytest.mark.timeout(180)
 def test_tp_benchmark_quick(tmp_path: Path) -> None:
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "tensor_parallel.py"),
-        "--quick",
-        "--frameworks",
-        "mpar",
-        "torch",
-        "--out",
-        str(tmp_path),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads((tmp_path / "tensor_parallel.json").read_text())
+    frameworks = ["--frameworks", "mpar", "torch"]
+    report: Any = run_quick("tensor_parallel", frameworks, tmp_path, timeout=170)
     rows = {row["framework"]: row for row in report["rows"]}
     assert set(rows) == {"mpar", "torch"}
     expected = report["meta"]["expected_local_parameter_bytes"]

@@ -4,15 +4,13 @@ markdown; peers that are not installed are reported as skipped, not failed."""
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.e2e._bench_smoke import installed, run_quick
+
 PEERS = {
     "deepspeed": "deepspeed",
     "fsdp2": "torch.distributed.fsdp",
@@ -21,20 +19,10 @@ PEERS = {
 }
 
 
-def _installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        return False
-
-
 @pytest.mark.slow  # 40 s; the ZeRO grids of the default suite cover the runtime
 @pytest.mark.timeout(170)
 def test_zero_benchmark_quick(tmp_path: Path) -> None:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "zero.py"), "--quick", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=160, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads((tmp_path / "zero.json").read_text())
+    report: Any = run_quick("zero", [], tmp_path, timeout=160)
     rows = {(r["framework"], r["stage"], r["offload"]): r for r in report["rows"]}
     assert set(rows) == {
         ("mpar", 1, False),
@@ -45,7 +33,7 @@ def test_zero_benchmark_quick(tmp_path: Path) -> None:
         ("fairscale", 2, False),
     }
     for (framework, _, _), row in rows.items():
-        if framework != "mpar" and not _installed(PEERS[framework]):
+        if framework != "mpar" and not installed(PEERS[framework]):
             assert row["status"] == "skipped", row
             continue
         assert row["status"] == "ok", row.get("reason")
