@@ -317,15 +317,39 @@ def zero_working_set_bytes(units: Sequence[UnitProfile], layout: MemoryLayout) -
         return 0.0
     groups = _gather_groups(units, layout.gather)
     params = [sum(u.param_bytes for u in group) for group in groups]
-    return max((_group_moment(groups, params, layout, g) for g in range(len(groups))), default=0.0)
+    neighbours = _gathered_neighbours(params)
+    return max(
+        (_group_moment(groups, params, neighbours, layout, g) for g in range(len(groups))),
+        default=0.0,
+    )
+
+
+def _gathered_neighbours(params: Sequence[int]) -> list[int]:
+    """Per group, the larger of its nearest neighbours' parameter bytes before and after
+    it among the groups with any (the prefetch skips groups with nothing to gather); one
+    pass each way, not a scan per group."""
+    before, after = [0] * len(params), [0] * len(params)
+    last = 0
+    for g, p in enumerate(params):
+        before[g] = last
+        last = p or last
+    last = 0
+    for g in range(len(params) - 1, -1, -1):
+        after[g] = last
+        last = params[g] or last
+    return [max(b, a) for b, a in zip(before, after)]
 
 
 def _group_moment(
-    groups: Sequence[Sequence[UnitProfile]], params: Sequence[int], layout: MemoryLayout, g: int
+    groups: Sequence[Sequence[UnitProfile]],
+    params: Sequence[int],
+    neighbours: Sequence[int],
+    layout: MemoryLayout,
+    g: int,
 ) -> float:
     """The working set while group ``g`` is differentiated: its parameters and a
     neighbour's gathered (ZeRO-3), and its gradients (ZeRO-2/3); ``params``: each
-    group's parameter bytes."""
+    group's parameter bytes; ``neighbours``: ``_gathered_neighbours(params)``."""
     c, sharded = layout.dtype_factor, layout.data_parallel_degree > 1
     extra = 0.0
     if layout.zero_stage >= 2 and sharded:
@@ -334,10 +358,7 @@ def _group_moment(
         copies = layout.grad_factor + (0.0 if layout.gather == "chunk" else c)
         extra += copies * sum(u.grad_bytes for u in groups[g])
     if layout.zero_stage == 3 and (sharded or layout.offload_params):
-        # the prefetch skips groups with nothing to gather: neighbours among the others
-        before = next((p for p in reversed(params[:g]) if p), 0)
-        after = next((p for p in params[g + 1 :] if p), 0)
-        extra += c * (params[g] + max(before, after))
+        extra += c * (params[g] + neighbours[g])
     return extra
 
 

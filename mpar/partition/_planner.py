@@ -68,7 +68,13 @@ from mpar.partition._prediction import (
     predict,
     split_backward_gain,
 )
-from mpar.partition._solver import _fmt, memory_weight_for, solve, stage_costs
+from mpar.partition._solver import (
+    DeferredError,
+    _fmt,
+    memory_weight_for,
+    solve,
+    stage_costs,
+)
 from mpar.partition._tp_share import tp_comm_s, tp_share
 
 if TYPE_CHECKING:
@@ -265,8 +271,14 @@ def lay_out(
     except PartitionError as exc:
         if cap_rank is None:
             raise
-        held = reserve_parts(units, layout, max(flight), messages)
-        raise PartitionError(f"{exc}. {_cap_note(cap_rank, process, v, held)}") from None
+
+        solver = exc  # ``exc`` is unbound when the except block ends
+
+        def why() -> str:  # composed only when read (the search reads none)
+            held = reserve_parts(units, layout, max(flight), messages)
+            return f"{solver}. {_cap_note(cap_rank, process, v, held)}"
+
+        raise DeferredError(why) from None
     home = _placement(s.pipeline, p * v, p)
     stages = _stage_plans(units, starts, home, flight, layout, comm, compute, messages, tp, cp)
     step = optimizer_step(stages, units, layout, p)

@@ -113,6 +113,10 @@ ACTIVE = "active_microbatches the schedule cannot run with (above m, or below it
 EP_REFUSED = "expert-parallel degree that does not divide dp or the experts per layer"
 CP_REFUSED = "context-parallel degree the model cannot split by (sequence, heads, attention)"
 CP_WITH_EP = "context and expert parallelism together (not supported yet)"
+CP_DOMINATED = (
+    "context parallelism over whole samples (the same layout at cp 1 with dp x cp is as "
+    "small and faster)"
+)
 
 Shape = tuple[int, int, int, str, int]
 """(pp, dp, microbatches, pipeline, virtual stages) of a candidate."""
@@ -748,6 +752,7 @@ def _layouts(
                 reject[ACTIVE] += 1
                 continue
             size = global_batch // shape[1] // shape[2]
+            dominated = _cp_dominated(space, cp, size)
             scale = size / profile_batch
             for ep in _ep_degrees(shape[1], space, experts, reject):
                 if cp > 1 and ep > 1:  # refused by the config: not laid out
@@ -756,11 +761,25 @@ def _layouts(
                 if (tp, ep, cp) not in profiles:
                     profiles[tp, ep, cp] = ep_share(share, experts, ep, shape[1])
                 for knobs in _knobs(shape[1] * cp, space, reject, inputs.device):
+                    if dominated:
+                        reject[CP_DOMINATED] += 1
+                        continue
                     run = _inputs(inputs, shape, knobs, tp, ep, cp)
                     bound = _work_bound(profiles[tp, ep, cp], run, scale, cost, work)
                     todo.append((bound, run, size, scale))
     order = sorted(range(len(todo)), key=lambda i: todo[i][0])  # stable: ties keep their order
     return [todo[i] for i in order]
+
+
+def _cp_dominated(space: SearchSpace, cp: int, size: int) -> bool:
+    """Whether a layout at ``cp > 1`` with ``size`` samples per microbatch is dominated:
+    where ``cp`` divides ``size``, the layout at ``cp = 1`` and ``dp x cp`` replicas with
+    the same pp, tp, schedule, microbatches and knobs (searched whenever the space leaves
+    cp free) gives each rank the same tokens a microbatch (``size / cp`` whole
+    sequences instead of ``size`` sequences' ``1/cp``), so the same activations, state
+    (ZeRO over dp x cp either way) and work, without the attention traffic. Context
+    parallelism helps only below one sample per rank's microbatch."""
+    return cp > 1 and size % cp == 0 and space.context_parallel_degrees is None
 
 
 def _state_bound(

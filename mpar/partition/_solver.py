@@ -25,12 +25,19 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from mpar.config import MEMORY_WEIGHT_FOR
 from mpar.errors import PartitionError
 
-__all__ = ["memory_weight_for", "min_memory_for", "min_stages_for", "solve", "stage_costs"]
+__all__ = [
+    "DeferredError",
+    "memory_weight_for",
+    "min_memory_for",
+    "min_stages_for",
+    "solve",
+    "stage_costs",
+]
 
 _REL_TOL = 1e-12
 _MAX_PROBES = 200
@@ -224,24 +231,25 @@ def solve(
     cap = math.inf if memory_cap is None else float(memory_cap)
     starts = _min_bottleneck(costs, num_stages, cap)
     if starts is None:
-        raise _NoFit(list(memory or []), num_stages, cap, names)
+        inputs = (list(memory or []), num_stages, cap, names)
+        raise DeferredError(lambda: _no_fit_message(*inputs))
     return starts
 
 
-class _NoFit(PartitionError):
-    """No split fits the cap; the message (which solves again without a cap to say what
-    would fit) is composed only when read: the auto search discards thousands."""
+class DeferredError(PartitionError):
+    """A ``PartitionError`` whose message is composed only when read: the auto search
+    discards tens of thousands of layouts that do not fit, and composing why (the no-fit
+    message solves again without a cap; the planner adds what the cap reserves) cost
+    more than laying them out."""
 
-    def __init__(
-        self, memory: list[float], num_stages: int, cap: float, names: Sequence[str] | None
-    ) -> None:
+    def __init__(self, compose: Callable[[], str]) -> None:
         super().__init__()
-        self._inputs = (memory, num_stages, cap, names)
-        self._message: str | None = None
+        self._compose: Callable[[], str] | None = compose
+        self._message = ""
 
     def __str__(self) -> str:
-        if self._message is None:
-            self._message = _no_fit_message(*self._inputs)
+        if self._compose is not None:
+            self._message, self._compose = self._compose(), None
         return self._message
 
     def __reduce__(self) -> tuple[type[PartitionError], tuple[str]]:

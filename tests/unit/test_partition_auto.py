@@ -364,3 +364,23 @@ def test_a_plan_that_does_not_fit_says_what_the_cap_reserves():
     # activations sent, one gradient receive posted), not 128
     assert "boundary tensors kept for backward (2 x 64.00 MiB) 128.00 MiB" in text
     assert "pipeline messages (3 x 64.00 MiB: sends held until the peer takes them" in text
+
+
+def test_the_search_composes_no_message_for_the_layouts_it_rejects(monkeypatch):
+    """Why a layout does not fit (the solver's no-fit message solves again; the planner
+    adds what the cap reserves) is composed only when read: the search rejects
+    thousands and reads none (it cost half the search's time for a 70B at 64 ranks)."""
+    import mpar.partition._planner as planner
+    import mpar.partition._solver as solver
+
+    composed: list[str] = []
+    monkeypatch.setattr(solver, "_no_fit_message", lambda *a: composed.append("solver") or "")
+    real = planner.reserve_parts
+    monkeypatch.setattr(planner, "reserve_parts", lambda *a: composed.append("reserve") or real(*a))
+    prof = _profile(8, out=64 * MiB, act=64 * MiB)
+    result = search(prof, _run(world=2, device_memory="600MiB"), global_batch=64, headroom=0.0)
+    assert result.rejected["over memory cap"] > 0 and composed == []
+    with pytest.raises(PartitionError) as info:
+        make_plan(prof, _run(2, microbatches=128, device_memory="300MiB"))
+    assert composed == [] and "The cap per stage" in str(info.value)
+    assert composed == ["reserve", "solver"] or composed == ["solver", "reserve"]

@@ -23,6 +23,7 @@ from mpar.partition import (
     search,
 )
 from mpar.partition._cp_share import cp_refusal, cp_share
+from mpar.partition._search import CP_DOMINATED
 from mpar.profile import ModelProfile, UnitProfile
 from mpar.topology import GridShape
 
@@ -189,3 +190,38 @@ def test_search_space_can_fix_the_cp_degree():
             global_batch=1,
             space=dataclasses.replace(space, context_parallel_degrees=(3,)),
         )
+
+
+def _cp_twin(c: dict[str, object]) -> tuple[object, ...]:
+    """What a layout keeps when cp folds into dp (the layout at cp 1 and dp x cp)."""
+    dp = int(c["data_parallel_degree"]) * int(c["context_parallel_degree"])  # type: ignore[call-overload]
+    keep = ("pipeline_parallel_degree", "microbatches", "pipeline", "virtual_stages",
+            "zero_stage", "offload_optimizer", "offload_params", "activation_checkpointing",
+            "precision", "tensor_parallel_degree")  # fmt: skip
+    return (dp, *(c[k] for k in keep))
+
+
+def test_search_skips_cp_over_whole_samples_as_dominated_by_cp_1():
+    """At cp > 1 with whole samples per microbatch (cp divides the microbatch size), the
+    layout at cp 1 with dp x cp holds the same bytes and is faster (no attention
+    traffic): the search counts those layouts and lays none out, and ranks the rest as
+    the search that lays out every cp degree does."""
+    base = PlanInputs(GridShape(dp=4), device_memory=2**40, cp_attention=ATTENTION)
+    space = SearchSpace(zero_stages=(0, 1), precisions=("fp32",), checkpointing=(False,))
+    free = search(_profile(), base, global_batch=8, space=space, top=10_000)
+    fixed = dataclasses.replace(space, context_parallel_degrees=(1, 2, 4))
+    every = search(_profile(), base, global_batch=8, space=fixed, top=10_000)
+    rows = [c.to_dict() for c in every.ranked]
+    dominated = [c for c in rows if c["microbatch_size"] % c["context_parallel_degree"] == 0
+                 and c["context_parallel_degree"] > 1]  # fmt: skip
+    assert len(dominated) == 45  # the pinned count of skipped layouts
+    twins = {_cp_twin(c): c for c in rows if c["context_parallel_degree"] == 1}
+    for c in dominated:
+        twin = twins[_cp_twin(c)]
+        assert twin["max_rank_memory_bytes"] == c["max_rank_memory_bytes"]
+        assert twin["step_time_s"] < c["step_time_s"]
+    assert free.rejected[CP_DOMINATED] == len(dominated)
+    assert free.evaluated == every.evaluated - len(dominated)
+    assert [c.to_dict() for c in free.ranked] == [c for c in rows if c not in dominated]
+    best = search(_profile(), base, global_batch=8, space=space, top=3)
+    assert [c.to_dict() for c in best.ranked] == rows[:3]
