@@ -25,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,8 @@ __all__ = [
     "launcher",
     "measured_steps",
     "missing_module",
+    "round_ratios",
+    "run_rounds",
 ]
 
 
@@ -217,3 +219,45 @@ def _every_rank(value: dict[str, int]) -> list[dict[str, int]]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
     return out
+
+
+def run_rounds(
+    runs: dict[str, list[dict[str, Any]]],
+    rounds: int,
+    run: Callable[[str], dict[str, Any]],
+    show: Callable[[str, dict[str, Any]], str],
+    skip: dict[str, str | None],
+    stop: Callable[[str, int, dict[str, Any]], str | None],
+    prefix: str = "",
+    after_round: Callable[[], object] | None = None,
+) -> None:
+    """``rounds`` rounds of one job per name of ``runs``, the order reversed every other
+    round (so neither side always runs first on a machine whose load drifts), appended
+    to ``runs[name]`` as they come.
+
+    ``run(name)`` runs one job; a name whose ``skip`` reason is set is recorded as
+    skipped instead; ``stop(name, round, got)`` gives the reason to skip it in later
+    rounds (a peer that failed), or None. Each job prints ``[<prefix>r/rounds] name:
+    show(name, got)``; ``after_round`` runs after each round (writing what is done)."""
+    names = list(runs)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else list(reversed(names)):
+            if skip.get(name) is not None:
+                runs[name].append({"status": "skipped", "reason": skip[name]})
+                continue
+            got = run(name)
+            runs[name].append(got)
+            print(f"[{prefix}{r + 1}/{rounds}] {name}: {show(name, got)}", flush=True)
+            skip[name] = stop(name, r, got) or skip.get(name)
+        if after_round is not None:
+            after_round()
+
+
+def round_ratios(ours: Sequence[dict[str, Any]], other: Sequence[dict[str, Any]]) -> list[float]:
+    """Per round where both ran: the other's median step time over ours (> 1: ours is
+    faster)."""
+    return [
+        b["median_step_s"] / a["median_step_s"]
+        for a, b in zip(ours, other, strict=False)
+        if a["status"] == "ok" and b["status"] == "ok"
+    ]

@@ -48,7 +48,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _harness import launch_job  # noqa: E402
+from _harness import launch_job, round_ratios, run_rounds  # noqa: E402
 from cp_peers.common import CPCase, CPSpec  # noqa: E402
 
 ENGINES = ("mpar:ring", "mpar:all_to_all", "deepspeed:ulysses", "torch:context_parallel")
@@ -118,21 +118,25 @@ def _throughput(args: argparse.Namespace, spec: CPSpec, pythons: dict[str, str |
     for seq in args.seqs:
         at = CPSpec(**{**spec.__dict__, "seq": seq})
         mine = runs.setdefault(str(seq), {e: [] for e in args.engines})
-        skip = {e: None if pythons[e] else "not installed" for e in args.engines}
-        for r in range(args.rounds):
-            order = list(mine) if r % 2 == 0 else list(reversed(mine))
-            for engine in order:
-                if skip[engine] is not None:
-                    mine[engine].append({"status": "skipped", "reason": skip[engine]})
-                    continue
-                fw, method = engine.split(":")
-                case = CPCase(fw, method, args.cp, at, args.warmup, args.steps)
-                got = _job(args, case, pythons[engine] or sys.executable)
-                mine[engine].append(got)
-                print(f"[seq {seq} {r + 1}/{args.rounds}] {engine}: {_shown(got, at)}", flush=True)
-                if got["status"] != "ok" and fw != "mpar":
-                    skip[engine] = got["reason"]
-            write()
+        skip: dict[str, str | None] = {
+            e: None if pythons[e] else "not installed" for e in args.engines
+        }
+
+        def one(engine: str, at: CPSpec = at) -> dict[str, Any]:
+            fw, method = engine.split(":")
+            case = CPCase(fw, method, args.cp, at, args.warmup, args.steps)
+            return _job(args, case, pythons[engine] or sys.executable)
+
+        run_rounds(
+            mine, args.rounds, one, lambda _e, got, at=at: _shown(got, at), skip,
+            _peer_failed,
+            prefix=f"seq {seq} ", after_round=write,
+        )  # fmt: skip
+
+
+def _peer_failed(engine: str, _round: int, got: dict[str, Any]) -> str | None:
+    """A peer that failed is skipped in later rounds (mpar is run again)."""
+    return got["reason"] if got["status"] != "ok" and not engine.startswith("mpar:") else None
 
 
 def _longest(args: argparse.Namespace, spec: CPSpec, pythons: dict[str, str | None],
@@ -208,11 +212,7 @@ def _ratios(seq: int, spec: CPSpec, runs: dict[str, list[dict[str, Any]]]) -> li
     out = []
     peer = runs.get("deepspeed:ulysses", [])
     for engine in ("mpar:ring", "mpar:all_to_all"):
-        per_round = [
-            b["median_step_s"] / a["median_step_s"]
-            for a, b in zip(runs.get(engine, []), peer, strict=False)
-            if a["status"] == "ok" and b["status"] == "ok"
-        ]
+        per_round = round_ratios(runs.get(engine, []), peer)
         if per_round:
             out.append({"seq": seq, "engine": engine, "ratio": statistics.median(per_round),
                         "per_round": per_round})  # fmt: skip

@@ -47,7 +47,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _harness import launch_job  # noqa: E402
+from _harness import launch_job, round_ratios, run_rounds  # noqa: E402
 from ep_peers.common import EPCase, EPSpec, a2a_formula  # noqa: E402
 
 TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
@@ -106,28 +106,25 @@ def _run_case(case: EPCase, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_rounds(args: argparse.Namespace, cases: list[EPCase]) -> dict[str, list[dict[str, Any]]]:
+    by_name = {c.name: c for c in cases}
     runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in cases}
     skip: dict[str, str | None] = {c.name: None for c in cases}
     for c in cases:
         if c.framework == "deepspeed":
             skip[c.name] = _deepspeed_missing(args.deepspeed_python)
-    for r in range(args.rounds):
-        order = cases if r % 2 == 0 else list(reversed(cases))
-        for case in order:
-            if skip[case.name] is not None:
-                runs[case.name].append({"status": "skipped", "reason": skip[case.name]})
-                continue
-            got = _run_case(case, args)
-            runs[case.name].append(got)
-            tokens = case.world * case.model.tokens
-            shown = (
-                f"{tokens / got['median_step_s']:.0f} tokens/s (load {got['load_before']:.1f})"
-                if got["status"] == "ok"
-                else f"{got['status']}: {got['reason'].strip().splitlines()[0][:200]}"
-            )
-            print(f"[{r + 1}/{args.rounds}] {case.name}: {shown}", flush=True)
-            if got["status"] != "ok" and case.framework != "mpar":
-                skip[case.name] = f"failed in round {r + 1}: {got['reason']}"
+
+    def shown(name: str, got: dict[str, Any]) -> str:
+        tokens = by_name[name].world * by_name[name].model.tokens
+        if got["status"] == "ok":
+            return f"{tokens / got['median_step_s']:.0f} tokens/s (load {got['load_before']:.1f})"
+        return f"{got['status']}: {got['reason'].strip().splitlines()[0][:200]}"
+
+    def stop(name: str, r: int, got: dict[str, Any]) -> str | None:
+        if got["status"] != "ok" and by_name[name].framework != "mpar":
+            return f"failed in round {r + 1}: {got['reason']}"
+        return None
+
+    run_rounds(runs, args.rounds, lambda n: _run_case(by_name[n], args), shown, skip, stop)
     return runs
 
 
@@ -196,11 +193,7 @@ def _ratios(world: int, runs: dict[str, list[dict[str, Any]]]) -> list[dict[str,
         ours, other = first.format(w=world), second.format(w=world)
         if ours not in runs or other not in runs:
             continue
-        per_round = [
-            b["median_step_s"] / a["median_step_s"]
-            for a, b in zip(runs[ours], runs[other], strict=False)
-            if a["status"] == "ok" and b["status"] == "ok"
-        ]
+        per_round = round_ratios(runs[ours], runs[other])
         if per_round:
             out.append(
                 {"ours": ours, "other": other, "ratio": statistics.median(per_round),
