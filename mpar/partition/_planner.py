@@ -41,7 +41,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar, cast
 
 from mpar.errors import PartitionError
 from mpar.partition._cost import CostModel, step_overhead_s
@@ -84,6 +84,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Laid",
     "Method",
+    "UnitCache",
     "lay_out",
     "make_plan",
     "process_bytes",
@@ -241,31 +242,28 @@ def lay_out(
     cost: CostModel,
     microbatch_scale: float = 1.0,
     method: str = "profile",
+    cache: UnitCache | None = None,
 ) -> Laid:
     """Partition for one run and compute every stage's memory and time (no simulation).
 
     ``profile`` is one TP rank's (``tp_share``) of one CP rank's (``cp_share``); the cap
-    is ``inputs.device_memory``."""
+    is ``inputs.device_memory``. ``cache``: per-unit figures shared with other layouts
+    of the same profile (the search's)."""
     p, s, layout = inputs.grid.pp, inputs.schedule, inputs.memory_layout(microbatch_scale)
     v, m, k = s.virtual_stages, s.microbatches, s.active_microbatches
     flight = list(in_flight_per_rank(p, v, m, s.pipeline, k))
     messages = message_counts(p, v, m, s.pipeline, k)
-    units = profile.units
-    memory, reserve = unit_memory(units, layout, max(flight), messages)
+    units, cache = profile.units, cache or UnitCache()
+    held = cache.get(("state", id(units), layout), lambda: static_unit_memory(units, layout))
+    memory, reserve = unit_memory(units, layout, max(flight), messages, held)
     process = process_bytes(p, cost, layout)
     cap_rank, weight = (
         inputs.device_memory,
         memory_weight_for(inputs.optimize, inputs.memory_weight),
     )
     cap = None if cap_rank is None else max((cap_rank - process) / v - reserve, 0.0)
-    comm = _comm(units, layout, cost.link_bandwidth)
-    scale = microbatch_scale * layout.dtype_factor
-    tp = [
-        tp_comm_s(u, scale, cost.tp_bandwidth) + ep_comm_s(u, scale, cost.ep_bandwidth)
-        for u in units
-    ]
-    cp = [cp_comm_s(u, microbatch_scale, layout.dtype_factor, cost.cp_bandwidth) for u in units]
-    compute = [unit_time(u, layout, cost) + t + c for u, t, c in zip(units, tp, cp)]
+    key = ("time", id(units), microbatch_scale, layout.precision, cost)
+    comm, tp, cp, compute = cache.get(key, lambda: _unit_times(units, layout, cost))
     try:
         starts = _boundaries(profile, method, p * v, memory, weight, cap, comm, compute)
     except PartitionError as exc:
@@ -290,6 +288,50 @@ def lay_out(
     ]
     host = host_memory(stages, units, layout, p)
     return Laid(starts, stages, layout, weight, memory, comm, compute, rank_memory, host, step)
+
+
+UnitTimes = tuple[list[float] | None, list[float], list[float], list[float]]
+"""Per unit: pipeline transfer, TP and EP collective, CP attention traffic and total
+seconds of one microbatch (``_unit_times``)."""
+
+
+def _unit_times(units: Sequence[UnitProfile], layout: MemoryLayout, cost: CostModel) -> UnitTimes:
+    comm = _comm(units, layout, cost.link_bandwidth)
+    scale = layout.microbatch_scale * layout.dtype_factor
+    tp = [
+        tp_comm_s(u, scale, cost.tp_bandwidth) + ep_comm_s(u, scale, cost.ep_bandwidth)
+        for u in units
+    ]
+    cp = [
+        cp_comm_s(u, layout.microbatch_scale, layout.dtype_factor, cost.cp_bandwidth) for u in units
+    ]
+    compute = [unit_time(u, layout, cost) + t + c for u, t, c in zip(units, tp, cp)]
+    return comm, tp, cp, compute
+
+
+_T = TypeVar("_T")
+
+
+class UnitCache:
+    """Per-unit figures many layouts share, kept by one search: each unit's state and
+    ZeRO working set per memory layout, and its seconds per microbatch size and
+    precision (the layouts that differ only in schedule, virtual stages or pipeline
+    degree reuse them). Keys name the profile's units by identity: a cache serves the
+    profiles that stay alive while it does (the search's, one per parallel degree)."""
+
+    def __init__(self) -> None:
+        self._store: dict[tuple[object, ...], object] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: tuple[object, ...], make: Callable[[], _T]) -> _T:
+        """The value kept under ``key``, made by ``make()`` the first time."""
+        if key in self._store:
+            self.hits += 1
+            return cast(_T, self._store[key])
+        self.misses += 1
+        value = self._store[key] = make()
+        return value
 
 
 def unit_time(unit: UnitProfile, layout: MemoryLayout, cost: CostModel) -> float:
@@ -347,8 +389,10 @@ def unit_memory(
     layout: MemoryLayout,
     in_flight: int,
     transfers: Sequence[MessageCounts] = (),
+    static: StaticMemory | None = None,
 ) -> tuple[list[float], float]:
-    """Per-unit memory for the solver, and the bytes to reserve below the cap.
+    """Per-unit memory for the solver, and the bytes to reserve below the cap
+    (``static``: ``static_unit_memory(units, layout)``, computed when not given).
 
     Additive parts go to the units (states, saved activations per microbatch in
     flight or one microbatch's recomputed ones, the loss on the last unit, the ZeRO
@@ -356,13 +400,24 @@ def unit_memory(
     (kept boundary tensors, message buffers, the ZeRO working set by unit or group)
     is bounded by the largest boundary and units and reserved from the cap.
     """
-    working, working_reserve = working_set_for_solver(units, layout)
+    states, working, working_reserve = static or static_unit_memory(units, layout)
     memory = [
-        unit_state_bytes(u, layout) + unit_held_bytes(u, layout, in_flight) + w
-        for u, w in zip(units, working)
+        state + unit_held_bytes(u, layout, in_flight) + w
+        for u, state, w in zip(units, states, working)
     ]
     memory[-1] += loss_bytes(units[-1], layout, in_flight)
     return memory, _reserve(units, layout, in_flight, transfers, working_reserve).total
+
+
+StaticMemory = tuple[list[float], list[float], float]
+"""Per unit: state bytes and ZeRO working set for the solver; the working set's reserve
+(what a layout's memory needs whatever its schedule)."""
+
+
+def static_unit_memory(units: Sequence[UnitProfile], layout: MemoryLayout) -> StaticMemory:
+    """The schedule-independent part of :func:`unit_memory`."""
+    working, reserve = working_set_for_solver(units, layout)
+    return [unit_state_bytes(u, layout) for u in units], working, reserve
 
 
 @dataclass(frozen=True)

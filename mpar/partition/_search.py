@@ -62,7 +62,13 @@ from mpar.partition._cp_share import cp_comm_s, cp_refusal, cp_share
 from mpar.partition._ep_share import EPSplits, ep_comm_s, ep_share
 from mpar.partition._memory_model import Checkpointing, unit_state_bytes
 from mpar.partition._plan_inputs import ConfigDict, PlanInputs, config_dict
-from mpar.partition._planner import lay_out, process_bytes, rank_overheads, unit_time
+from mpar.partition._planner import (
+    UnitCache,
+    lay_out,
+    process_bytes,
+    rank_overheads,
+    unit_time,
+)
 from mpar.partition._prediction import lower_bound_s, predict
 from mpar.partition._tp_share import TPSplits, tp_comm_s, tp_share
 from mpar.schedule import least_active_microbatches
@@ -516,12 +522,17 @@ def _inputs(
 
 
 def _evaluate(
-    profile: ModelProfile, inputs: PlanInputs, size: int, scale: float, cost: CostModel
+    profile: ModelProfile,
+    inputs: PlanInputs,
+    size: int,
+    scale: float,
+    cost: CostModel,
+    cache: UnitCache,
 ) -> Candidate | None:
     """Lay out one candidate (``profile``: one TP rank's); None when it does not fit."""
     cap = inputs.device_memory or 0
     try:
-        laid = lay_out(profile, inputs, cost=cost, microbatch_scale=scale)
+        laid = lay_out(profile, inputs, cost=cost, microbatch_scale=scale, cache=cache)
     except PartitionError:
         return None
     if max(laid.rank_memory) > cap:
@@ -540,8 +551,10 @@ def _evaluate(
     )  # fmt: skip
 
 
-def _simulate(profile: ModelProfile, c: Candidate, scale: float, cost: CostModel) -> None:
-    laid = lay_out(profile, c.inputs, cost=cost, microbatch_scale=scale)
+def _simulate(
+    profile: ModelProfile, c: Candidate, scale: float, cost: CostModel, cache: UnitCache
+) -> None:
+    laid = lay_out(profile, c.inputs, cost=cost, microbatch_scale=scale, cache=cache)
     makespan, bubble = predict(laid.stages, c.inputs, cost)
     c.step_time_s, c.bubble = makespan + c.overhead_s, bubble
 
@@ -582,10 +595,11 @@ def _family(run: PlanInputs) -> Family:
 class _Ranking:
     """The overall top and each family's fastest, fed in lower-bound order."""
 
-    def __init__(self, top: int, todo: Sequence[Layout]) -> None:
+    def __init__(self, top: int, todo: Sequence[Layout], cache: UnitCache) -> None:
         self.best = _Top(top)
         self.families = {_family(run): _Top(1) for _b, run, _s, _x in todo}
         self.skipped = 0
+        self.cache = cache
 
     def limit(self, run: PlanInputs) -> float:
         """The bound above which ``run`` can enter neither the top nor its family's."""
@@ -602,7 +616,7 @@ class _Ranking:
         if cand.lower_bound_s > self.limit(cand.inputs):
             self.skipped += 1
             return
-        _simulate(profile, cand, scale, cost)
+        _simulate(profile, cand, scale, cost, self.cache)
         self.best.add(cand, order)
         self.families[_family(cand.inputs)].add(cand, order)
 
@@ -675,7 +689,8 @@ def search(
     reject: Counter[str] = Counter()
     profiles: dict[Axes, ModelProfile] = {}
     todo = _layouts(profile, inputs, global_batch, profile_batch, space, cost, reject, profiles)
-    best, evaluated, count = _Ranking(top, todo), 0, 0
+    cache = UnitCache()  # per-unit figures shared by the layouts of one profile
+    best, evaluated, count = _Ranking(top, todo, cache), 0, 0
     states: dict[tuple[object, ...], float] = {}
     for order, (bound, run, size, scale) in enumerate(todo):
         if bound > best.done:  # this one and every later one is slower than all kept
@@ -688,7 +703,7 @@ def search(
         if _state_bound(profiles[_axes(run)], run, cost, states) > (run.device_memory or 0):
             reject[OVER_CAP] += 1
             continue
-        cand = _evaluate(profiles[_axes(run)], run, size, scale, cost)
+        cand = _evaluate(profiles[_axes(run)], run, size, scale, cost, cache)
         if cand is None:
             reject[OVER_CAP] += 1
         elif _over_host(cand, host_cap):

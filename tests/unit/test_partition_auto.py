@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import textwrap
+from collections import Counter
 
 import pytest
 
@@ -384,3 +385,27 @@ def test_the_search_composes_no_message_for_the_layouts_it_rejects(monkeypatch):
         make_plan(prof, _run(2, microbatches=128, device_memory="300MiB"))
     assert composed == [] and "The cap per stage" in str(info.value)
     assert composed == ["reserve", "solver"] or composed == ["solver", "reserve"]
+
+
+def test_the_search_reuses_each_units_figures_across_layouts(monkeypatch):
+    """Each unit's state and working set are computed once per memory layout, and its
+    seconds once per microbatch size and precision (``UnitCache``), not once per layout
+    laid out: the counts are pinned, and the ranking is the one computed afresh each time."""
+    import mpar.partition._planner as planner
+
+    made: Counter[str] = Counter()
+    for name in ("static_unit_memory", "_unit_times"):
+        real = getattr(planner, name)
+        monkeypatch.setattr(planner, name, lambda *a, f=real, n=name: made.update([n]) or f(*a))
+    prof = _profile(8, act=32 * MiB)
+    base = _run(world=8, device_memory="4GiB")
+    cached = search(prof, base, global_batch=32, top=3)
+    once = dict(made)
+    made.clear()
+    monkeypatch.setattr(planner.UnitCache, "get", lambda self, key, make: make())
+    afresh = search(prof, base, global_batch=32, top=3)
+    assert [c.to_dict() for c in cached.ranked] == [c.to_dict() for c in afresh.ranked]
+    # 1172 layouts laid out (782 evaluated, some over the cap before laying out, and the
+    # simulated ones again): 216 memory layouts, 6 microbatch sizes and precisions
+    assert made == {"static_unit_memory": 1172, "_unit_times": 1172}
+    assert once == {"static_unit_memory": 216, "_unit_times": 6}
