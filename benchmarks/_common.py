@@ -11,14 +11,13 @@ way (:func:`time_steps`).
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from _harness import JsonCase
 from torch import nn
 
 from mpar.testing.models import Block, GPTConfig
@@ -77,8 +76,10 @@ the placement only if steps 7 to 12, alternating it with ZB-H1's order, show it 
 
 
 @dataclass(frozen=True)
-class Case:
+class Case(JsonCase):
     """One run: a framework and schedule on a pp x dp layout, timed for ``steps`` steps."""
+
+    MODEL = ModelSpec
 
     framework: str
     """``mpar``, ``torch`` (torch.distributed.pipelining) or ``deepspeed``."""
@@ -101,15 +102,6 @@ class Case:
     @property
     def num_stages(self) -> int:
         return self.pp * self.virtual_stages
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> Case:
-        raw = json.loads(text)
-        raw["model"] = ModelSpec(**raw["model"])
-        return cls(**raw)
 
 
 class Embedding(nn.Module):

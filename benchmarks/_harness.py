@@ -16,6 +16,7 @@ On CUDA the same numbers come from ``torch.cuda.max_memory_allocated``.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -27,12 +28,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Self
 
 HERE = Path(__file__).resolve().parent
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 __all__ = [
+    "JsonCase",
     "RssSampler",
     "job_env",
     "launch_job",
@@ -78,6 +80,24 @@ class RssSampler:
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, self.current())
+
+
+class JsonCase:
+    """A benchmark case (a dataclass) that travels to its job's workers as JSON: its
+    ``model`` field is a dataclass of the type ``MODEL`` names, and its lists come back
+    as tuples."""
+
+    MODEL: ClassVar[type]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))  # type: ignore[call-overload]
+
+    @classmethod
+    def from_json(cls, text: str) -> Self:
+        raw = json.loads(text)
+        raw = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}
+        raw["model"] = cls.MODEL(**raw["model"])
+        return cls(**raw)
 
 
 def job_env(threads: int, mmap_threshold: bool = True) -> dict[str, str]:

@@ -17,14 +17,13 @@ per sample. What differs is who splits the sequence and how attention sees all o
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from _harness import JsonCase
 from torch import nn
 
 __all__ = [
@@ -64,9 +63,11 @@ class CPSpec:
 
 
 @dataclass(frozen=True)
-class CPCase:
+class CPCase(JsonCase):
     """One job: an engine training the model at ``cp`` on ``cp`` processes. ``lengths``
     set: no timing, one step at each length (longest-sequence search, ``cap`` bytes)."""
+
+    MODEL = CPSpec
 
     framework: str
     """``mpar``, ``deepspeed`` (Ulysses) or ``torch`` (``context_parallel``)."""
@@ -78,16 +79,6 @@ class CPCase:
     steps: int = 4
     lengths: tuple[int, ...] = ()
     cap: int = 0
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> CPCase:
-        raw = json.loads(text)
-        raw["model"] = CPSpec(**raw["model"])
-        raw["lengths"] = tuple(raw["lengths"])
-        return cls(**raw)
 
 
 class Block(nn.Module):

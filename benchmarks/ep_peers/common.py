@@ -20,13 +20,12 @@ none).
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from _harness import JsonCase
 from torch import nn
 
 __all__ = [
@@ -69,8 +68,10 @@ class EPSpec:
 
 
 @dataclass(frozen=True)
-class EPCase:
+class EPCase(JsonCase):
     """One job: an engine training the model on ``world`` ranks."""
+
+    MODEL = EPSpec
 
     framework: str
     """``mpar`` or ``deepspeed``."""
@@ -84,15 +85,6 @@ class EPCase:
     @property
     def name(self) -> str:
         return f"{self.framework} ep={self.ep}" + (f" zero{self.zero}" if self.zero else "")
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> EPCase:
-        raw = json.loads(text)
-        raw["model"] = EPSpec(**raw["model"])
-        return cls(**raw)
 
 
 class ExpertMLP(nn.Module):

@@ -12,14 +12,13 @@ batch, which every tensor-parallel rank sees whole (dp = 1).
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from _harness import JsonCase
 from torch import nn
 
 from mpar.testing.models import GPTConfig, TinyGPT
@@ -68,8 +67,10 @@ class TPSpec:
 
 
 @dataclass(frozen=True)
-class TPCase:
+class TPCase(JsonCase):
     """One job: an engine training the model at ``tp`` on ``tp`` processes."""
+
+    MODEL = TPSpec
 
     framework: str
     """``mpar``, ``torch`` (DTensor ``parallelize_module``) or ``deepspeed`` (AutoTP)."""
@@ -77,15 +78,6 @@ class TPCase:
     model: TPSpec
     warmup: int = 2
     steps: int = 5
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> TPCase:
-        raw = json.loads(text)
-        raw["model"] = TPSpec(**raw["model"])
-        return cls(**raw)
 
 
 def make_model(spec: TPSpec) -> TinyGPT:

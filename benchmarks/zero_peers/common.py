@@ -9,8 +9,6 @@ gradients over the replicas, so each step follows the whole-batch gradient).
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -18,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _harness import JsonCase
 from torch import nn
 
 __all__ = [
@@ -51,8 +50,10 @@ class MLPSpec:
 
 
 @dataclass(frozen=True)
-class ZeroCase:
+class ZeroCase(JsonCase):
     """One run: a framework at a ZeRO stage (or its equivalent) on ``dp`` ranks."""
+
+    MODEL = MLPSpec
 
     framework: str
     """``mpar``, ``deepspeed``, ``fsdp2``, ``torch_zero`` (ZeroRedundancyOptimizer + DDP)
@@ -72,15 +73,6 @@ class ZeroCase:
 
     def label(self) -> str:
         return f"{self.framework} z{self.stage}{' offload' if self.offload else ''} dp{self.dp}"
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> ZeroCase:
-        raw = json.loads(text)
-        raw["model"] = MLPSpec(**raw["model"])
-        return cls(**raw)
 
 
 def make_mlp(spec: MLPSpec) -> nn.Sequential:
