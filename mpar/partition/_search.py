@@ -19,7 +19,11 @@
   one CP rank's share (``mpar.partition._cp_share.cp_share``: activations and
   per-sample time ``1/cp``, attention traffic added to each unit's time, ZeRO over
   dp x cp). At the same time and memory a candidate without cp is preferred, so cp
-  wins where one sequence's activations overflow the cap and dp cannot help;
+  wins where one sequence's activations overflow the cap and dp cannot help. A layout
+  at ``cp > 1`` whose microbatch holds whole samples per CP rank (``cp`` divides the
+  microbatch size) is dominated by the same layout at ``cp = 1`` with ``dp x cp``
+  replicas (same tokens per rank and microbatch, same state, no attention traffic) and
+  is not laid out (counted as ``CP_DOMINATED``) when the space leaves cp free;
   Context and expert parallelism are not combined (the config refuses both above 1):
   layouts with ``cp > 1`` and ``ep > 1`` are skipped;
 * pipeline degree ``pp``: the divisors of ``world / (tp * cp)`` (``dp = world / (pp *
