@@ -61,6 +61,7 @@ LIMITS_S = {
     "train_plain": 80,
     "train_offload": 120,
     "pp2": 60,
+    "plan": 60,
     "sanity": 40,
 }
 """Each part's time limit on the GPU: 8 minutes 30 s in all."""
@@ -329,6 +330,44 @@ def part_pp2(device: str) -> dict[str, Any]:
     return {"ranks": ranks}
 
 
+def plan(cpu: bool, trains: dict[str, dict[str, Any]], limit: float) -> dict[str, Any]:
+    """``mpar plan`` of each training's config (meta profile, this device) against what
+    the training measured: the planner's rank peak and the allocator's peak of a step."""
+    factory = "benchmarks.gpu.probes:" + ("gpt_tiny" if cpu else "gpt_1b")
+    found: dict[str, Any] = {"ok": True, "seconds": 0.0}
+    for zero, train in trains.items():
+        config = {**train.get("config", {})}
+        if not config:
+            continue
+        path = Path(f"/tmp/mpar-check-{zero}-{os.getpid()}.json")
+        keys = ("microbatches", "bf16", "zero", "pipeline_parallel_degree")
+        path.write_text(json.dumps({k: config[k] for k in keys if k in config}))
+        cmd = [sys.executable, "-m", "mpar", "plan", "--model", factory, "--config", str(path)]
+        cmd += ["--world-size", "1", "--device", "cpu" if cpu else "cuda", "--meta", "--json"]
+        code, text, took = _run(cmd, limit, env=_env())
+        found["seconds"] += took
+        if code != 0:
+            found.update(ok=False, log=text[-3000:])
+            return found
+        predicted = json.loads(text[text.index("{") :])
+        measured = _measured_peak(train)
+        rank = predicted["rank_memory_bytes"][0]
+        found[zero] = {
+            "predicted_bytes": rank,
+            "process_bytes": predicted["process_bytes"],
+            "measured_device_peak": measured,
+            "ratio": None if not measured else measured / (rank - predicted["process_bytes"]),
+        }
+    return found
+
+
+def _measured_peak(train: dict[str, Any]) -> int | None:
+    for row in (train.get("memory") or {}).values():
+        if "device_peak" in row:
+            return int(row["device_peak"])
+    return None
+
+
 def dependencies() -> dict[str, Any]:
     """What the check needs, looked up before anything runs: a clear list of what is missing."""
     import importlib.util
@@ -401,11 +440,18 @@ def run_check(cpu: bool, out: Path, steps: int) -> int:
     else:
         report["pp2"] = child("pp2", ["--device", device], limits["pp2"])
     _say("pp2", report["pp2"], _syncs_line(report["pp2"]))
+    trains = {z: report[f"train_{z}"] for z in ZERO}
+    if cpu:  # mpar plan's CLI has its own tests; on the GPU it calibrates against the trainings
+        report["plan"] = {"ok": True, "skipped": "--cpu", "seconds": 0.0}
+    else:
+        report["plan"] = plan(cpu, trains, limits["plan"])
+    _say("plan", report["plan"], _plan_line(report["plan"]))
     report["sanity"] = child("sanity", ["--device", device], limits["sanity"])
     _say(
         "sanity", report["sanity"], f"max |mpar - eager| = {report['sanity'].get('max_param_diff')}"
     )
-    parts = ("dependencies", "install", "tests", *(f"train_{z}" for z in ZERO), "pp2", "sanity")
+    parts = ("dependencies", "install", "tests", *(f"train_{z}" for z in ZERO), "pp2", "plan")
+    parts += ("sanity",)
     report["ok"] = all(report[p]["ok"] for p in parts)
     report["seconds"] = time.perf_counter() - start
     out.mkdir(parents=True, exist_ok=True)
@@ -415,6 +461,19 @@ def run_check(cpu: bool, out: Path, steps: int) -> int:
         f"gpu check: {'passed' if report['ok'] else 'FAILED'} in {report['seconds']:.0f} s; {path}"
     )
     return 0 if report["ok"] else 1
+
+
+def _plan_line(found: dict[str, Any]) -> str:
+    rows = [(z, found[z]) for z in ZERO if isinstance(found.get(z), dict)]
+    return "; ".join(
+        f"{z}: predicted {r['predicted_bytes'] / 2**30:.2f} GiB, measured "
+        + (
+            "-"
+            if r["measured_device_peak"] is None
+            else f"{r['measured_device_peak'] / 2**30:.2f} GiB"
+        )
+        for z, r in rows
+    )
 
 
 def _syncs_line(pp2: dict[str, Any]) -> str:

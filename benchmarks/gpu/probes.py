@@ -180,3 +180,36 @@ def pp2_stage_pair(steps: int, microbatches: int) -> dict[str, Any]:
     result["memory"] = mpar.memory_report()
     mpar.shutdown()
     return result
+
+
+def gpt(size: str = "sanity") -> tuple[Any, Any]:
+    """``mpar plan --model benchmarks.gpu.probes:gpt`` factory: the check's GPT of
+    ``size`` and one microbatch of its token ids (the 1B one: ``probes:gpt_1b``)."""
+    import torch
+
+    from mpar.testing.models import GPTConfig, TinyGPT
+
+    sizes = {
+        "1b": (
+            dict(vocab_size=32768, d_model=2048, num_layers=18, num_heads=16, d_ffn=8192),
+            1024,
+            4,
+        ),
+        "sanity": (
+            dict(vocab_size=1024, d_model=256, num_layers=4, num_heads=4, d_ffn=1024),
+            128,
+            4,
+        ),
+        "tiny": (dict(vocab_size=128, d_model=32, num_layers=2, num_heads=2, d_ffn=64), 16, 2),
+    }
+    kwargs, seq, batch = sizes[size]
+    model = TinyGPT(GPTConfig(**kwargs, max_seq_len=seq))
+    return model, torch.randint(0, kwargs["vocab_size"], (batch, seq))
+
+
+def gpt_1b() -> tuple[Any, Any]:
+    return gpt("1b")
+
+
+def gpt_tiny() -> tuple[Any, Any]:
+    return gpt("tiny")
