@@ -50,11 +50,12 @@ def count_syncs(device: str) -> Iterator[dict[str, Any]]:
         try:
             yield found
         finally:
+            inside = list(caught)  # before the mode is reset (which may warn itself)
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    syncs = [w for w in inside if "synchroniz" in str(w.message).lower()]
     found["cuda_sync_warnings"] = len(syncs) if cuda else None
-    found["cuda_sync_sites"] = [_where(w) for w in caught if "synchroniz" in str(w.message).lower()]
+    found["cuda_sync_sites"] = [_where(w) for w in syncs]
     found["ledger"] = _device.SYNCS.take()
 
 
