@@ -53,8 +53,19 @@ CUDA_TESTS = [
     "tests/multiproc/test_cuda_ranks.py",
     "tests/unit/test_device.py",
 ]
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
-"""Dense bf16 peak FLOP/s by GPU name (no sparsity)."""
+PEAK_BF16_FLOPS = {
+    "NVIDIA H100 80GB HBM3": 989e12,  # SXM5
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H200": 989e12,
+    "NVIDIA H200 NVL": 835e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+}
+"""Dense bf16 peak FLOP/s (no sparsity) by the exact name ``torch.cuda.get_device_name``
+gives: the SXM, PCIe and NVL boards of one chip differ (NVIDIA's data sheets)."""
 LIMITS_S = {
     "install": 60,
     "tests": 150,
@@ -187,7 +198,7 @@ def _throughput(
     cfg = SIZES[size][0]
     flops_per_token = 6 * params + 12 * cfg["num_layers"] * cfg["d_model"] * SEQ[size]
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
-    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+    peak = PEAK_BF16_FLOPS.get(name)  # an unknown board: no MFU rather than a wrong one
     out: dict[str, Any] = {"params": params, "tokens_per_step": tokens, "device_name": name}
     out["flops_per_token"] = flops_per_token
     out["peak_flops"] = peak
