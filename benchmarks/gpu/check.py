@@ -130,7 +130,7 @@ def _sync(device: str) -> None:
 
 def part_train(size: str, device: str, steps: int, zero: str, out: Path | None) -> dict[str, Any]:
     """bf16 (CUDA) or fp32 (CPU) training, plain or with ZeRO-3 and optimizer offload:
-    throughput, the host synchronizations of one steady step and (plain) a profiled step."""
+    throughput, the host synchronizations of one steady step and a profiled step."""
     import torch
     from probes import count_syncs, profile_step
 
@@ -183,8 +183,7 @@ def part_train(size: str, device: str, steps: int, zero: str, out: Path | None) 
     with count_syncs(device) as syncs:
         one_step()
     result["syncs"] = syncs
-    if zero == "plain":
-        result["profile"] = profile_step(one_step, out, f"profile_{zero}")
+    result["profile"] = profile_step(one_step, out, f"profile_{zero}")  # streams, overlap
     mpar.shutdown()
     return result
 
@@ -518,7 +517,10 @@ def _say(part: str, result: dict[str, Any], detail: str = "") -> None:
         print(f"  syncs in one step: {syncs.get('cuda_sync_warnings')} CUDA, {syncs.get('ledger')}")
     if result.get("profile"):
         prof = result["profile"]
-        print(f"  attention: {prof['attention_backend']}; streams {prof['streams']}")
+        print(
+            f"  attention: {prof['attention_backend']}; GPU events per stream {prof['streams']};"
+            f" {prof['overlap_us'] / 1e3:.1f} ms with two streams busy"
+        )
     if not result["ok"] and result.get("log"):
         print(result["log"][-3000:], flush=True)
 
