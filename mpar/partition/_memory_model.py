@@ -52,6 +52,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from mpar.config._schema import BlockCheckpointing
 from mpar.errors import PartitionError
 from mpar.schedule._csv import is_csv_path
 
@@ -72,6 +73,8 @@ __all__ = [
     "transfer_bytes",
     "unit_activation_bytes",
     "Checkpointing",
+    "SELECTIVE_KEPT",
+    "block_strategy",
     "recompute_peak_bytes",
     "unit_held_bytes",
     "unit_host_bytes",
@@ -82,9 +85,25 @@ __all__ = [
 
 _PRECISIONS: tuple[PrecisionKind, ...] = ("fp32", "bf16", "fp16")
 
-Checkpointing = bool | Literal["block"]
+Checkpointing = bool | Literal["block"] | BlockCheckpointing
 """Activation checkpointing as the planner models it: off, by stage chunk (True), or
-by block ("block": each unit keeps its input and is recomputed alone)."""
+by block ("block": each unit keeps its input and is recomputed alone; a
+:class:`~mpar.config.BlockCheckpointing`: every k-th unit, selectively or not, as the
+config's ``activation_checkpointing`` runs it)."""
+
+SELECTIVE_KEPT = 0.5
+"""The share of a block's saved activations that selective checkpointing keeps (its
+matrix products' outputs), an estimate: in a transformer block the products' outputs
+(q, k, v, attention out, MLP up and down) are about half of what the block saves."""
+
+
+def block_strategy(checkpointing: Checkpointing) -> BlockCheckpointing | None:
+    """The per-block strategy of ``checkpointing`` ("block": every unit), else None."""
+    if isinstance(checkpointing, BlockCheckpointing):
+        return checkpointing
+    return BlockCheckpointing() if checkpointing == "block" else None
+
+
 PlanDevice = Literal["cuda", "xla", "cpu"]
 """A device kind the ranks compute on; on ``"cpu"`` host memory is the device's memory."""
 DEVICES: tuple[PlanDevice, ...] = ("cuda", "xla", "cpu")
@@ -127,7 +146,8 @@ class MemoryLayout:
     precision: PrecisionKind = "fp32"
     """"fp32", or "bf16" / "fp16" mixed precision (compute dtype, fp32 master weights)."""
     activation_checkpointing: Checkpointing = False
-    """False; True: by stage chunk; "block": by unit (``unit_held_bytes``)."""
+    """False; True: by stage chunk; "block" or a ``BlockCheckpointing``: by unit
+    (``unit_held_bytes``)."""
     offload_optimizer: bool = False
     offload_params: bool = False
     microbatch_scale: float = 1.0
@@ -377,8 +397,13 @@ def unit_held_bytes(unit: UnitProfile, layout: MemoryLayout, in_flight: int) -> 
     kept = unit.weight_work_bytes * layout.microbatch_scale * layout.dtype_factor
     if not layout.weight_work:
         kept = 0.0
-    if layout.activation_checkpointing == "block":  # the one recomputed: recompute_peak_bytes
-        return (min(saved, boundary_bytes(unit, layout)) + kept) * in_flight
+    strategy = block_strategy(layout.activation_checkpointing)
+    if strategy is not None:  # the one recomputed: recompute_peak_bytes
+        held = min(saved, boundary_bytes(unit, layout))
+        if strategy.mode == "selective":
+            held = max(held, SELECTIVE_KEPT * saved)
+        share = 1.0 / strategy.every  # of the units checkpointed, on average
+        return (share * held + (1.0 - share) * max(saved, kept) + share * kept) * in_flight
     if layout.activation_checkpointing:
         return saved + kept * in_flight
     return max(saved, kept) * in_flight
@@ -388,7 +413,8 @@ def recompute_peak_bytes(units: Sequence[UnitProfile], layout: MemoryLayout) -> 
     """Under per-block checkpointing, what a stage of ``units`` adds while it recomputes:
     one block's saved activations at a time, the largest (0 otherwise: chunk
     checkpointing counts the whole chunk's in ``unit_held_bytes``)."""
-    if layout.activation_checkpointing != "block":
+    strategy = block_strategy(layout.activation_checkpointing)
+    if strategy is None:
         return 0.0
     return max((unit_activation_bytes(u, layout) for u in units), default=0.0)
 

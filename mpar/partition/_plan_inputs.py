@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, TypeAlias
 
 from mpar._size import parse_bytes
+from mpar.config._schema import BlockCheckpointing
 from mpar.errors import PartitionError
 from mpar.partition._memory_model import (
     _PRECISIONS,
@@ -242,7 +243,7 @@ def plan_inputs(
         ),
         precision=config.precision,
         low_precision_grads=config.low_precision_grads,
-        activation_checkpointing=config.checkpointing,
+        activation_checkpointing=planned_checkpointing(config),
         device=device,
         device_memory=None if memory is None else parse_bytes(memory),
         optimize=config.optimize,
@@ -252,6 +253,24 @@ def plan_inputs(
         context_parallel_method=config.context_parallel_method,
         cp_attention=cp_attention,
     )
+
+
+def planned_checkpointing(config: Config) -> Checkpointing:
+    """``activation_checkpointing`` as the planner models it: true by stage chunk,
+    ``"block"`` for every block, the :class:`~mpar.config.BlockCheckpointing` itself
+    for every k-th block or selectively (what the runtime runs, in each case)."""
+    strategy = config.block_checkpointing
+    if strategy is None:
+        return config.chunk_checkpointing
+    return "block" if strategy == BlockCheckpointing() else strategy
+
+
+def _checkpointing_value(checkpointing: Checkpointing) -> bool | str | ConfigDict:
+    """The config value of the planner's ``checkpointing`` (a dict for every k-th block
+    or selective, as ``mpar.init`` takes it)."""
+    if isinstance(checkpointing, BlockCheckpointing):
+        return {"mode": checkpointing.mode, "every": checkpointing.every}
+    return checkpointing
 
 
 def config_dict(inputs: PlanInputs) -> ConfigDict:
@@ -276,7 +295,7 @@ def config_dict(inputs: PlanInputs) -> ConfigDict:
         "virtual_stages": s.virtual_stages,
         "ddp": True,
         "zero": zero,
-        "activation_checkpointing": inputs.activation_checkpointing,
+        "activation_checkpointing": _checkpointing_value(inputs.activation_checkpointing),
         "bf16": inputs.precision == "bf16",
         "fp16": inputs.precision == "fp16",
         "grad_reduce_dtype": inputs.precision if inputs.low_precision_grads else "fp32",

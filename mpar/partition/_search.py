@@ -55,7 +55,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, get_args
 
 from mpar._size import parse_bytes
-from mpar.config._schema import CheckpointingKind
+from mpar.config._schema import BlockCheckpointing, CheckpointingKind
 from mpar.errors import PartitionError
 from mpar.partition._cost import CostModel
 from mpar.partition._cp_share import cp_comm_s, cp_refusal, cp_share
@@ -166,9 +166,13 @@ class SearchSpace:
             raise PartitionError(f"max_virtual_stages must be >= 1, got {self.max_virtual_stages}")
         if not set(self.zero_stages) <= {0, 1, 2, 3} or not self.zero_stages:
             raise PartitionError(f"zero_stages must be within 0-3, got {self.zero_stages}")
-        if not set(self.checkpointing) <= {False, True, "block"} or not self.checkpointing:
+        allowed = (False, True, "block")
+        if not self.checkpointing or not all(
+            c in allowed or isinstance(c, BlockCheckpointing) for c in self.checkpointing
+        ):
             raise PartitionError(
-                f"checkpointing must be within False, True, 'block'; got {self.checkpointing}"
+                "checkpointing must be within False, True, 'block' or BlockCheckpointing "
+                f"strategies; got {self.checkpointing}"
             )
         if not set(self.precisions) <= {"fp32", "bf16", "fp16"} or not self.precisions:
             raise PartitionError(
@@ -609,7 +613,21 @@ class _Ranking:
         return sorted(kept, key=_preference)
 
 
-_CHECKPOINTING_ORDER: dict[Checkpointing, int] = {False: 0, True: 1, "block": 2}
+def _checkpointing_order(c: Checkpointing) -> int:
+    """Simpler first: off, by chunk, every block, then the finer per-block strategies."""
+    if isinstance(c, BlockCheckpointing):
+        return 3
+    return 2 if c == "block" else int(c)
+
+
+def checkpointing_label(c: Checkpointing) -> str:
+    """How the plan table names ``c``: "-", "chunk", "block", "block/2", "selective"."""
+    if isinstance(c, BlockCheckpointing):
+        every = f"/{c.every}" if c.every > 1 else ""
+        return f"{c.mode}{every}"
+    if c == "block":
+        return "block"
+    return "chunk" if c else "-"
 
 
 def _preference(c: Candidate) -> tuple[float, ...]:
@@ -621,7 +639,7 @@ def _preference(c: Candidate) -> tuple[float, ...]:
         c.expert_parallel_degree,
         c.zero_stage,
         c.offload_optimizer + c.offload_params,
-        _CHECKPOINTING_ORDER[c.activation_checkpointing],
+        _checkpointing_order(c.activation_checkpointing),
     )
     return (time, c.max_rank_memory_bytes, *features, c.virtual_stages)
 
@@ -1001,7 +1019,7 @@ def _row(rank: str, c: Candidate, result: SearchResult) -> tuple[str, ...]:
         _schedule_name(c),
         str(c.zero_stage),
         offload or "-",
-        {False: "-", True: "chunk", "block": "block"}[c.activation_checkpointing],
+        checkpointing_label(c.activation_checkpointing),
         c.precision,
         f"{(c.step_time_s or 0.0) * 1e3:.4g}",
         f"{(c.bubble or 0.0):.1%}",
