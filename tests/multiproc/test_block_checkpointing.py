@@ -203,3 +203,39 @@ STRATEGIES = ["block", "selective", {"mode": "selective", "every": 2}]
 @pytest.mark.parametrize("layout", GRID, ids=["zb", "gpipe-v2", "zbv", "pp2-z3", "tp2", "z2"])
 def test_llama_grid(layout, strategy):
     _llama({**layout, "activation_checkpointing": strategy})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_context_parallel_ring_under_nccl_rules_and_all_to_all():
+    """cp 2: the ring (recomputed inside the backward, its exchanges under NCCL's rules),
+    the captured plain GPT selectively, and the all-to-all."""
+    from tests.multiproc import _cp_cases as cases
+
+    jobs = [
+        ({"cp": 2, "activation_checkpointing": "block", "nccl_rules": True}, "llama", "plain"),
+        ({"cp": 2, "activation_checkpointing": "selective"}, "gpt", "plain"),
+        (
+            {"cp": 2, "activation_checkpointing": "block", "context_parallel_method": "all_to_all"},
+            "qwen2",
+            "plain",
+        ),
+    ]
+    results = run_distributed(cases.train_each, 2, args=(jobs, 2), timeout=880)
+    for i, (_, family, kind) in enumerate(jobs):
+        cases.check([r[i] for r in results], cases.reference(family, 2, kind=kind))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_expert_parallel_zero3():
+    from tests.multiproc import _moe_cases as cases
+
+    config = {
+        "expert_parallel_degree": 2,
+        "microbatches": 2,
+        "zero": {"stage": 3},
+        "activation_checkpointing": "block",
+    }
+    results = run_distributed(cases.train_ranks, 2, args=(["mixtral"], config, 2), timeout=880)
+    cases.check(results, ["mixtral"], 2, 2, 2)
