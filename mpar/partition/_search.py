@@ -852,7 +852,7 @@ def space_around(inputs: PlanInputs, auto: Collection[str]) -> SearchSpace:
         pipeline_degrees=(inputs.grid.pp,),
         zero_stages=stages,
         offload_choices=(offload,),
-        checkpointing=(False, True) if "activation_checkpointing" in auto else (checkpointing,),
+        checkpointing=CHECKPOINTING if "activation_checkpointing" in auto else (checkpointing,),
         precisions=(inputs.precision,),
         virtual_stage_choices=None if "virtual_stages" in auto else (s.virtual_stages,),
         microbatch_choices=None if "microbatches" in auto else (s.microbatches,),
