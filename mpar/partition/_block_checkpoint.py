@@ -78,8 +78,13 @@ to store); a batched product larger than both its operands is recomputed instead
 _BATCHED = (_aten.bmm.default, _aten.baddbmm.default)
 
 
-def _numel(value: object) -> int:
-    return value.numel() if isinstance(value, torch.Tensor) else 0
+def _scores(a: object, b: object) -> bool:
+    """Whether the batched product ``a @ b`` outnumbers both of its operands (attention
+    scores: sequence x sequence per head, from q and k of sequence x head size)."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() < 2:
+        return False
+    out = a.numel() // max(1, a.shape[-1]) * b.shape[-1]
+    return out > max(a.numel(), b.numel())
 
 
 def selective_policy(
@@ -87,18 +92,8 @@ def selective_policy(
 ) -> CheckpointPolicy:
     """Keep the outputs of :data:`KEPT_OPS`, recompute everything else; attention
     scores (a batched product whose result outnumbers both operands) are recomputed."""
-    if op not in KEPT_OPS:
+    if op not in KEPT_OPS or (op in _BATCHED and _scores(args[-2], args[-1])):
         return CheckpointPolicy.PREFER_RECOMPUTE
-    if op in _BATCHED:
-        a, b = args[-2], args[-1]
-        rows, cols = (
-            (a.shape[-2], b.shape[-1])
-            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-            else (0, 0)
-        )
-        batch = a.numel() // max(1, a.shape[-2] * a.shape[-1]) if isinstance(a, torch.Tensor) else 0
-        if batch * rows * cols > max(_numel(a), _numel(b)):
-            return CheckpointPolicy.PREFER_RECOMPUTE
     return CheckpointPolicy.MUST_SAVE
 
 
