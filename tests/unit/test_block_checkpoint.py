@@ -175,3 +175,19 @@ def test_planned_activation_bytes_follow_the_strategy():
         }.items()
     }
     assert held == {"none": 1000, "block": 100, "every2": 550, "selective": 500}
+
+
+def test_the_plan_table_names_each_strategy():
+    from mpar.partition._search import checkpointing_label
+
+    labels = [
+        checkpointing_label(c)
+        for c in (
+            False,
+            True,
+            "block",
+            BlockCheckpointing("block", 2),
+            BlockCheckpointing("selective"),
+        )
+    ]
+    assert labels == ["-", "chunk", "block", "block/2", "selective"]
