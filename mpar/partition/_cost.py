@@ -84,9 +84,10 @@ class CostModel:
     model (every rank captures the whole model before it keeps its stages): the routing's
     data-dependent shapes (unbacked sizes, their guards and fake tensors) and the larger
     graphs of torch.export leave objects and heap behind. Measured on the calibration
-    grid's pp 2 x dp 2 ep 2 row (4 MoE layers of 8 experts): 24.4 MiB at rest besides
-    tensors against 10.7 MiB for the dense pp 2 x dp 2 row in the same harness, on every
-    rank; neither grows after the first step. Counted where the plan knows the experts
+    grid's pp 2 x dp 2 ep 2 row (4 MoE layers of 8 experts): 24.1-25.1 MiB at rest
+    besides tensors on every rank against 7.1-7.9 MiB on the dense pp 2 rows, and 24.4
+    against 10.7 MiB in a second script measuring both alike (13.7 MiB: 3.4 per layer);
+    neither grows after the first step. Counted where the plan knows the experts
     (``PlanInputs.ep_splits``: at ep > 1, and in ``mpar plan`` for a model with experts)."""
     mixed_process_bytes: float = 12 * 2**20
     """More per rank under bf16/fp16 mixed precision: what the CPU runtime's
