@@ -471,6 +471,7 @@ def process_overrides(text: str | None) -> dict[str, int]:
     return {
         "process_bytes": parse_bytes(text),
         "pipeline_process_bytes": 0,
+        "moe_pipeline_process_bytes": 0,
         "mixed_process_bytes": 0,
     }
 

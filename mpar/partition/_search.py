@@ -62,7 +62,7 @@ from mpar.partition._cp_share import cp_comm_s, cp_refusal, cp_share
 from mpar.partition._ep_share import EPSplits, ep_comm_s, ep_share
 from mpar.partition._memory_model import Checkpointing, unit_state_bytes
 from mpar.partition._plan_inputs import ConfigDict, PlanInputs, config_dict
-from mpar.partition._planner import lay_out, process_bytes, rank_overheads, unit_time
+from mpar.partition._planner import lay_out, moe_layers, process_bytes, rank_overheads, unit_time
 from mpar.partition._prediction import lower_bound_s, predict
 from mpar.partition._tp_share import TPSplits, tp_comm_s, tp_share
 from mpar.schedule import least_active_microbatches
@@ -794,7 +794,7 @@ def _state_bound(
     layout = run.memory_layout(1.0)
     if key not in states:
         states[key] = math.fsum(unit_state_bytes(u, layout) for u in profile.units)
-    return process_bytes(g.pp, cost, layout) + states[key] / g.pp * (1 - 1e-9)
+    return process_bytes(g.pp, cost, layout, moe_layers(run)) + states[key] / g.pp * (1 - 1e-9)
 
 
 def _work_bound(
