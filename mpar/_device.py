@@ -532,12 +532,34 @@ def after_optimizer_step(device: torch.device) -> None:
 # ---------------------------------------------------------------- statistics
 
 
+def reset_peak(device: torch.device) -> None:
+    """Start a new peak of ``device``'s allocator (each step, for ``memory_report``);
+    a no-op where the device keeps no statistics."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def total_memory(device: torch.device | str) -> int | None:
+    """The memory of ``device`` (or of the device a kind such as ``"auto"`` picks) in
+    bytes, read from the device (CUDA), else None (the planner's ``device_memory``
+    when the config leaves it out)."""
+    if isinstance(device, str):
+        if device not in ("auto", "cuda") or not torch.cuda.is_available():
+            return None
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return None
+
+
 def memory_stats(device: torch.device) -> dict[str, int]:
-    """Allocator statistics of ``device`` in bytes: ``allocated`` and ``peak``
+    """Allocator statistics of ``device`` in bytes: ``allocated``, ``peak`` (since the
+    last :func:`reset_peak`) and, on CUDA, ``reserved`` (held by the caching allocator),
     where the device reports them (CUDA; XLA on TPU/GPU), else empty (CPU, PJRT CPU)."""
     if device.type == "cuda":
         return {
             "allocated": int(torch.cuda.memory_allocated(device)),
+            "reserved": int(torch.cuda.memory_reserved(device)),
             "peak": int(torch.cuda.max_memory_allocated(device)),
         }
     if device.type == "xla":

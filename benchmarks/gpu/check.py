@@ -53,10 +53,31 @@ CUDA_TESTS = [
     "tests/multiproc/test_cuda_ranks.py",
     "tests/unit/test_device.py",
 ]
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
-"""Dense bf16 peak FLOP/s by GPU name (no sparsity)."""
-LIMITS_S = {"install": 60, "tests": 180, "train": 180, "sanity": 60}
-"""Each part's time limit on the GPU: 8 minutes in all."""
+PEAK_BF16_FLOPS = {
+    "NVIDIA H100 80GB HBM3": 989e12,  # SXM5
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H200": 989e12,
+    "NVIDIA H200 NVL": 835e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+}
+"""Dense bf16 peak FLOP/s (no sparsity) by the exact name ``torch.cuda.get_device_name``
+gives: the SXM, PCIe and NVL boards of one chip differ (NVIDIA's data sheets)."""
+LIMITS_S = {
+    "install": 60,
+    "tests": 150,
+    "train_plain": 80,
+    "train_offload": 120,
+    "pp2": 60,
+    "plan": 60,
+    "sanity": 40,
+}
+"""Each part's time limit on the GPU: 8 minutes 30 s in all."""
+ZERO = {"plain": {"stage": 0}, "offload": {"stage": 3, "offload_optimizer": "cpu"}}
+"""The two trainings of the ~1B GPT: plain bf16 (ZeRO-0), and ZeRO-3 with AdamW on the host."""
 CPU_LIMIT_S = 300
 """Each part's time limit in ``--cpu`` mode (seconds unloaded; CI machines may be busy)."""
 SIZES = {
@@ -107,16 +128,22 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def part_train(size: str, device: str, steps: int) -> dict[str, Any]:
-    """bf16 (CUDA) or fp32 (CPU) training with ZeRO-3 and optimizer offload; throughput."""
+def part_train(size: str, device: str, steps: int, zero: str, out: Path | None) -> dict[str, Any]:
+    """bf16 (CUDA) or fp32 (CPU) training, plain or with ZeRO-3 and optimizer offload:
+    throughput, the host synchronizations of one steady step and a profiled step."""
     import torch
+    from probes import count_syncs, profile_step
 
     import mpar
 
     microbatches, per_mb = SIZES[size][1:]
-    zero = {"stage": 3, "offload_optimizer": "cpu"}
     mpar.init(
-        {"device": device, "bf16": device == "cuda", "microbatches": microbatches, "zero": zero}
+        {
+            "device": device,
+            "bf16": device == "cuda",
+            "microbatches": microbatches,
+            "zero": ZERO[zero],
+        }
     )
     net = _gpt(size, device)
     params = sum(p.numel() for p in net.parameters())
@@ -147,6 +174,16 @@ def part_train(size: str, device: str, steps: int) -> dict[str, Any]:
     result.update(losses=losses, memory=mpar.memory_report(), config=mpar.config().to_dict())
     if device == "cuda":
         result["max_memory_allocated"] = int(torch.cuda.max_memory_allocated())
+
+    def one_step() -> None:
+        train(model, x, y)
+        opt.step()
+        opt.zero_grad()
+
+    with count_syncs(device) as syncs:
+        one_step()
+    result["syncs"] = syncs
+    result["profile"] = profile_step(one_step, out, f"profile_{zero}")  # streams, overlap
     mpar.shutdown()
     return result
 
@@ -160,7 +197,7 @@ def _throughput(
     cfg = SIZES[size][0]
     flops_per_token = 6 * params + 12 * cfg["num_layers"] * cfg["d_model"] * SEQ[size]
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
-    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+    peak = PEAK_BF16_FLOPS.get(name)  # an unknown board: no MFU rather than a wrong one
     out: dict[str, Any] = {"params": params, "tokens_per_step": tokens, "device_name": name}
     out["flops_per_token"] = flops_per_token
     out["peak_flops"] = peak
@@ -203,7 +240,7 @@ def part_sanity(device: str) -> dict[str, Any]:
             opt.step()
             opt.zero_grad()
     got, want = model.state_dict(), eager.state_dict()
-    diff = max(float((got[k].float() - v.float()).abs().max()) for k, v in want.items())
+    diff = max(float((got[k].cpu().float() - v.cpu().float()).abs().max()) for k, v in want.items())
     torch.testing.assert_close(
         torch.tensor(losses["mpar"]), torch.tensor(losses["eager"]), rtol=1e-4, atol=1e-5
     )
@@ -291,6 +328,72 @@ def _out_dir(arg: str | None) -> Path:
     return Path(arg or os.environ.get("OUT") or ROOT / "benchmarks" / "results" / "gpu")
 
 
+def part_pp2(device: str) -> dict[str, Any]:
+    """A pp=2 stage pair on one GPU (two ranks, gloo host-staged): host synchronizations
+    of a steady step per rank."""
+    from probes import pp2_stage_pair
+
+    from mpar.testing import run_distributed
+
+    env = {"CUDA_VISIBLE_DEVICES": "0"} if device == "cuda" else {}
+    ranks = run_distributed(pp2_stage_pair, 2, args=(5, 8), env=env, timeout=50)  # steady: 5th
+    return {"ranks": ranks}
+
+
+def plan(cpu: bool, trains: dict[str, dict[str, Any]], limit: float) -> dict[str, Any]:
+    """``mpar plan`` of each training's config (meta profile, this device) against what
+    the training measured: the planner's rank peak and the allocator's peak of a step."""
+    factory = "benchmarks.gpu.probes:" + ("gpt_tiny" if cpu else "gpt_1b")
+    found: dict[str, Any] = {"ok": True, "seconds": 0.0}
+    for zero, train in trains.items():
+        config = {**train.get("config", {})}
+        if not config:
+            continue
+        path = Path(f"/tmp/mpar-check-{zero}-{os.getpid()}.json")
+        keys = ("microbatches", "bf16", "zero", "pipeline_parallel_degree")
+        path.write_text(json.dumps({k: config[k] for k in keys if k in config}))
+        cmd = [sys.executable, "-m", "mpar", "plan", "--model", factory, "--config", str(path)]
+        cmd += ["--world-size", "1", "--device", "cpu" if cpu else "cuda", "--meta", "--json"]
+        code, text, took = _run(cmd, limit, env=_env())
+        found["seconds"] += took
+        if code != 0:
+            found.update(ok=False, log=text[-3000:])
+            return found
+        predicted = json.loads(text[text.index("{") :])
+        measured = _measured_peak(train)
+        rank = predicted["rank_memory_bytes"][0]
+        found[zero] = {
+            "predicted_bytes": rank,
+            "process_bytes": predicted["process_bytes"],
+            "measured_device_peak": measured,
+            "ratio": None if not measured else measured / (rank - predicted["process_bytes"]),
+        }
+    return found
+
+
+def _measured_peak(train: dict[str, Any]) -> int | None:
+    for row in (train.get("memory") or {}).values():
+        if "device_peak" in row:
+            return int(row["device_peak"])
+    return None
+
+
+def dependencies() -> dict[str, Any]:
+    """What the check needs, looked up before anything runs: a clear list of what is missing."""
+    import importlib.util
+
+    missing = [m for m in ("torch", "pytest", "numpy") if importlib.util.find_spec(m) is None]
+    found: dict[str, Any] = {"missing": missing, "seconds": 0.0}
+    if not missing:
+        import torch
+
+        found["cuda_available"] = torch.cuda.is_available()
+    found["ok"] = not missing
+    if missing:
+        found["log"] = f"missing Python packages: {', '.join(missing)}; carry them as wheels"
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -300,37 +403,65 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--steps", type=int, default=None, help="timed training steps (5; --cpu: 2)"
     )
-    parser.add_argument("--part", choices=["train", "sanity"], help=argparse.SUPPRESS)
+    parser.add_argument("--part", choices=["train", "sanity", "pp2"], help=argparse.SUPPRESS)
     parser.add_argument("--size", default="1b", help=argparse.SUPPRESS)
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
+    parser.add_argument("--zero", default="offload", choices=list(ZERO), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.part:  # a child: one part, its result as a JSON line
         if args.part == "train":
-            result = part_train(args.size, args.device, args.steps)
+            out = _out_dir(args.out)
+            result = part_train(args.size, args.device, args.steps, args.zero, out)
+        elif args.part == "pp2":
+            result = part_pp2(args.device)
         else:
             result = part_sanity(args.device)
-        print("RESULT " + json.dumps(result))
+        print("RESULT " + json.dumps(result, default=str))
         return 0
     return run_check(args.cpu, _out_dir(args.out), args.steps or (2 if args.cpu else 5))
+
+
+_REPORT: tuple[dict[str, Any], Path] | None = None
+"""The report being written and its path (set by :func:`run_check`)."""
 
 
 def run_check(cpu: bool, out: Path, steps: int) -> int:
     start = time.perf_counter()
     device, size = ("cpu", "tiny") if cpu else ("cuda", "1b")
     report: dict[str, Any] = {"mode": "cpu" if cpu else "gpu", "environment": _environment()}
+    global _REPORT
+    _REPORT = (report, out / ("check_cpu.json" if cpu else "check.json"))
     limits = {part: CPU_LIMIT_S if cpu else limit for part, limit in LIMITS_S.items()}
+    report["dependencies"] = dependencies()
+    _say("dependencies", report["dependencies"])
+    if not report["dependencies"]["ok"]:
+        return 2
     report["install"] = install(cpu, limits["install"])
     _say("install", report["install"])
     report["tests"] = tests(cpu, limits["tests"])
     _say("tests", report["tests"], f"{report['tests']['counts']}")
-    train_args = ["--size", size, "--device", device, "--steps", str(steps)]
-    report["train"] = child("train", train_args, limits["train"])
-    _say("train", report["train"], _throughput_line(report["train"]))
+    for zero in ZERO:
+        train_args = ["--size", size, "--device", device, "--steps", str(steps), "--zero", zero]
+        part = f"train_{zero}"
+        report[part] = child("train", [*train_args, "--out", str(out)], limits[part])
+        _say(part, report[part], _throughput_line(report[part]))
+    if cpu:  # two more processes for what the main suite's pipeline tests already cover
+        report["pp2"] = {"ok": True, "skipped": "--cpu", "seconds": 0.0}
+    else:
+        report["pp2"] = child("pp2", ["--device", device], limits["pp2"])
+    _say("pp2", report["pp2"], _syncs_line(report["pp2"]))
+    trains = {z: report[f"train_{z}"] for z in ZERO}
+    if cpu:  # mpar plan's CLI has its own tests; on the GPU it calibrates against the trainings
+        report["plan"] = {"ok": True, "skipped": "--cpu", "seconds": 0.0}
+    else:
+        report["plan"] = plan(cpu, trains, limits["plan"])
+    _say("plan", report["plan"], _plan_line(report["plan"]))
     report["sanity"] = child("sanity", ["--device", device], limits["sanity"])
     _say(
         "sanity", report["sanity"], f"max |mpar - eager| = {report['sanity'].get('max_param_diff')}"
     )
-    parts = ("install", "tests", "train", "sanity")
+    parts = ("dependencies", "install", "tests", *(f"train_{z}" for z in ZERO), "pp2", "plan")
+    parts += ("sanity",)
     report["ok"] = all(report[p]["ok"] for p in parts)
     report["seconds"] = time.perf_counter() - start
     out.mkdir(parents=True, exist_ok=True)
@@ -340,6 +471,28 @@ def run_check(cpu: bool, out: Path, steps: int) -> int:
         f"gpu check: {'passed' if report['ok'] else 'FAILED'} in {report['seconds']:.0f} s; {path}"
     )
     return 0 if report["ok"] else 1
+
+
+def _plan_line(found: dict[str, Any]) -> str:
+    rows = [(z, found[z]) for z in ZERO if isinstance(found.get(z), dict)]
+    return "; ".join(
+        f"{z}: predicted {r['predicted_bytes'] / 2**30:.2f} GiB, measured "
+        + (
+            "-"
+            if r["measured_device_peak"] is None
+            else f"{r['measured_device_peak'] / 2**30:.2f} GiB"
+        )
+        for z, r in rows
+    )
+
+
+def _syncs_line(pp2: dict[str, Any]) -> str:
+    ranks = pp2.get("ranks") or []
+    return "; ".join(
+        f"rank {r['rank']}: {r['syncs'].get('cuda_sync_warnings')} CUDA syncs, ledger "
+        f"{r['syncs'].get('ledger')}"
+        for r in ranks
+    )
 
 
 def _throughput_line(train: dict[str, Any]) -> str:
@@ -354,8 +507,20 @@ def _throughput_line(train: dict[str, Any]) -> str:
 
 
 def _say(part: str, result: dict[str, Any], detail: str = "") -> None:
+    if _REPORT is not None:  # saved after every part: a check stopped midway keeps what ran
+        _REPORT[1].parent.mkdir(parents=True, exist_ok=True)
+        _REPORT[1].write_text(json.dumps(_REPORT[0], indent=2, default=str) + "\n")
     state = "ok" if result["ok"] else "FAILED"
     print(f"gpu check: {part}: {state} ({result['seconds']:.0f} s) {detail}".rstrip(), flush=True)
+    if result.get("syncs"):
+        syncs = result["syncs"]
+        print(f"  syncs in one step: {syncs.get('cuda_sync_warnings')} CUDA, {syncs.get('ledger')}")
+    if result.get("profile"):
+        prof = result["profile"]
+        print(
+            f"  attention: {prof['attention_backend']}; GPU events per stream {prof['streams']};"
+            f" {prof['overlap_us'] / 1e3:.1f} ms with two streams busy"
+        )
     if not result["ok"] and result.get("log"):
         print(result["log"][-3000:], flush=True)
 

@@ -443,11 +443,16 @@ def for_cluster(profile: ModelProfile, preset: Cluster | None, speedup: float) -
 
 def device_memory_of(args: argparse.Namespace, preset: Cluster | None) -> int | None:
     """``--device-memory`` in bytes, else the ``--cluster``'s (not a preset assumed from
-    ``--device``), else None."""
+    ``--device``), else the memory of this machine's device when the plan is for it
+    (CUDA), else None."""
+    from mpar import _device
+
     if args.device_memory is not None:
         return parse_bytes(args.device_memory)
     named = getattr(args, "cluster", None) is not None
-    return preset.memory_bytes if named and preset is not None else None
+    if named and preset is not None:
+        return preset.memory_bytes
+    return _device.total_memory(str(getattr(args, "device", None) or "auto"))
 
 
 def device_kind(requested: str | None, configured: str = "auto") -> str:

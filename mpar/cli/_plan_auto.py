@@ -26,6 +26,7 @@ def _options(
     from mpar.cli._plan import (
         cp_bandwidth,
         device_kind,
+        device_memory_of,
         ep_bandwidth,
         link_bandwidth,
         process_overrides,
@@ -33,8 +34,11 @@ def _options(
     )
     from mpar.partition import CostModel, SearchSpace
 
-    if args.device_memory is None and args.cluster is None:
-        raise ValueError("--auto needs --device-memory (bytes per rank, e.g. 80GiB) or --cluster")
+    if device_memory_of(args, None) is None and args.cluster is None:
+        raise ValueError(
+            "--auto needs --device-memory (bytes per rank, e.g. 80GiB) or --cluster "
+            "(read from the device when planning for this machine's GPU)"
+        )
     if args.global_batch is None:
         raise ValueError("--auto needs --global-batch (samples per step over all replicas)")
     if args.config is not None:

@@ -193,6 +193,16 @@ def _checked_same_config(config: Config, world_size: int, owns: bool) -> None:
         raise
 
 
+def _check_device_memory(config: Config, device: torch.device) -> None:
+    """ "auto" keys need the memory per rank: the config's, else the device's own (CUDA)."""
+    if config.auto_keys and config.device_memory is None and _device.total_memory(device) is None:
+        raise ConfigError(
+            f"config keys {list(config.auto_keys)} are 'auto' but 'device_memory' is not set "
+            f"and the {device.type} device does not report its memory; the planner needs the "
+            'memory per rank, e.g. "device_memory": "16GiB"'
+        )
+
+
 def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None) -> Config:
     """Start mpar in this process; returns the resolved configuration.
 
@@ -219,6 +229,7 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
         cp_size=resolved.context_parallel_degree,
     )
     device = _device.pick_device(resolved.device, layout.local_rank)
+    _check_device_memory(resolved, device)
     backend = _pick_backend(resolved, device)
     _device.check_ranks_per_device(device, backend, layout.local_size)
     _device.set_threads(layout.local_size)

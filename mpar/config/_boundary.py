@@ -179,6 +179,12 @@ def _zero_from(raw: Mapping[str, object]) -> ZeroConfig:
     return ZeroConfig(**merged)
 
 
+def _readable(device: object) -> bool:
+    """Whether the device may be one whose memory the planner reads (CUDA): then a
+    missing ``device_memory`` is checked by ``mpar.init``, once the device is picked."""
+    return device in ("auto", "cuda")
+
+
 def _auto_requests(raw: Mapping[str, object], values: dict[str, object]) -> tuple[str, ...]:
     """Keys given as "auto"; their values become placeholders until the planner runs."""
     zero = raw.get("zero")
@@ -188,10 +194,10 @@ def _auto_requests(raw: Mapping[str, object], values: dict[str, object]) -> tupl
     for key in found:
         if key in values:
             values[key] = False if key == "activation_checkpointing" else 1
-    if found and raw.get("device_memory") is None:
+    if found and raw.get("device_memory") is None and not _readable(raw.get("device", "auto")):
         raise ConfigError(
             f"config keys {found} are 'auto' but 'device_memory' is not set; the planner needs "
-            'the memory per rank, e.g. "device_memory": "16GiB"'
+            'the memory per rank, e.g. "device_memory": "16GiB" (read from the device on CUDA)'
         )
     return tuple(found)
 

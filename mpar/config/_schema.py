@@ -118,6 +118,11 @@ def _check_memory(value: object) -> None:
         raise ConfigError(f"config key 'device_memory' is {value!r}; it must be > 0")
 
 
+def _device_memory_readable(config: Config) -> bool:
+    """See ``mpar.config._boundary._readable``: checked by ``mpar.init`` on "auto"/"cuda"."""
+    return config.device in ("auto", "cuda")
+
+
 @dataclass(frozen=True)
 class ZeroConfig:
     """ZeRO sharding across each pipeline stage's data-parallel group."""
@@ -458,7 +463,7 @@ class Config:
                 "config key 'offload_activations' is true but 'activation_checkpointing' is off; "
                 "offloading keeps checkpointed activations, so turn checkpointing on"
             )
-        if self.auto_keys and self.device_memory is None:
+        if self.auto_keys and self.device_memory is None and not _device_memory_readable(self):
             raise ConfigError(
                 f"config keys {list(self.auto_keys)} are 'auto' but 'device_memory' is not set"
             )

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from mpar import _device
 from mpar.comm import ProcessGrid
 from mpar.comm._consistency import first_few, gather_from_every_rank
 from mpar.errors import BatchMismatchError
@@ -58,25 +59,35 @@ def _tensors(value: object, where: str) -> Iterator[tuple[str, torch.Tensor]]:
             yield from _tensors(item, f"{where}[{key!r}]")
 
 
-def _sums(t: torch.Tensor) -> tuple[float, float]:
+def _sums(t: torch.Tensor) -> torch.Tensor:
+    """The two sums (float64, where ``t`` is) over a strided sample of ``t``."""
     flat = t.detach().reshape(-1)
     if flat.numel() == 0:
-        return 0.0, 0.0
+        return torch.zeros(2, dtype=torch.float64, device=t.device)
     sample = flat[:: max(1, flat.numel() // _SAMPLE)].to(torch.float64)
     sample = torch.nan_to_num(sample.real if sample.is_complex() else sample)
     weights = torch.arange(1, sample.numel() + 1, dtype=torch.float64, device=sample.device)
-    both = torch.stack([sample.sum(), (sample * weights).sum()]).tolist()
-    return float(both[0]), float(both[1])
+    return torch.stack([sample.sum(), (sample * weights).sum()])
 
 
 def fingerprint(args: list[tuple[object, ...]], kwargs: list[dict[str, object]]) -> list[Print]:
-    """The fingerprint of every tensor of every microbatch (a small list)."""
-    out: list[Print] = []
+    """The fingerprint of every tensor of every microbatch (a small list). The sums of
+    the tensors of one device come to the host in one copy: one synchronization per
+    device, however many microbatches."""
+    found: list[tuple[str, torch.Tensor]] = []
     for m, (a, k) in enumerate(zip(args, kwargs)):
-        found = [*_tensors(list(a), f"microbatch {m} args"), *_tensors(k, f"microbatch {m} kwargs")]
-        for where, t in found:
-            out.append((where, tuple(t.shape), str(t.dtype), *_sums(t)))
-    return out
+        found += [
+            *_tensors(list(a), f"microbatch {m} args"),
+            *_tensors(k, f"microbatch {m} kwargs"),
+        ]
+    sums: list[tuple[float, float]] = [(0.0, 0.0)] * len(found)
+    for device in {t.device for _, t in found}:
+        mine = [i for i, (_, t) in enumerate(found) if t.device == device]
+        _device.SYNCS.count("batch check fingerprints")
+        values = torch.stack([_sums(found[i][1]) for i in mine]).tolist()
+        for i, pair in zip(mine, values):
+            sums[i] = (float(pair[0]), float(pair[1]))
+    return [(where, tuple(t.shape), str(t.dtype), *pair) for (where, t), pair in zip(found, sums)]
 
 
 def _first_difference(a: list[Print], b: list[Print]) -> str:

@@ -57,7 +57,11 @@ def memory_report() -> dict[str, dict[str, int]]:
     gradients, else the stage's. On devices
     whose allocator keeps statistics (CUDA; XLA on TPU/GPU) the device's row
     also has ``device_allocated`` and ``device_peak``: the allocator's current
-    and peak bytes, everything included (not reset by mpar).
+    bytes, and its peak since the last step began (CUDA: reset as each
+    ``@mpar.step`` call starts, so the peak covers that step, and the optimizer
+    step and anything else run after it; XLA: since the process started),
+    everything included; on CUDA also ``device_reserved``, what the caching
+    allocator holds.
     """
     process = session()
     st = process.state
@@ -88,3 +92,5 @@ def _add_allocator_stats(report: dict[str, dict[str, int]], device: torch.device
         row = report.setdefault(str(device), dict.fromkeys(_CATEGORIES, 0))
         row["device_allocated"] = stats["allocated"]
         row["device_peak"] = stats["peak"]
+        if "reserved" in stats:
+            row["device_reserved"] = stats["reserved"]

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mpar import _device
 from mpar.comm import State
 from mpar.comm._collectives import broadcast_object_world
 from mpar.config import Config
@@ -50,6 +51,8 @@ def _choose(
     from mpar.tensor_parallel import measure_tp_splits
 
     cfg = st.config
+    if cfg.device_memory is None:  # on CUDA: the device's own memory (the config allows it)
+        cfg = dataclasses.replace(cfg, device_memory=_device.total_memory(st.device))
     args, kwargs = model.capture(fn, whole, 0)
     module = model.module
     mode = profile_mode(module, cfg.device_memory)  # meta: nothing runs for real

@@ -53,6 +53,7 @@ def _prepare(
             non_split_inputs=non_split_inputs, input_split_axes=input_split_axes,
         )  # fmt: skip
     st = model.run_state
+    _device.reset_peak(st.device)  # memory_report's device_peak: since this step began
     batches = split_microbatches(
         fn,
         (model, *args),

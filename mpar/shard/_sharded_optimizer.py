@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from mpar import _device
 from mpar.shard._bucket import FlatBucket
 from mpar.shard._flat_layout import Segment, segments_of
 from mpar.shard._state_dict import SHARDED_FORMAT, gather_full_state, split_full_state
@@ -58,14 +59,44 @@ def _runs(bucket: FlatBucket, segment: Segment) -> tuple[ParamRun, ...]:
     return tuple(out)
 
 
+_HOST_FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+"""Optimizers with a fused CPU kernel (one vectorised, multi-threaded pass over each
+flat shard instead of one pass per elementwise operation)."""
+
+
+def fuses_on_host(optimizer: torch.optim.Optimizer, sharded: ShardedStages) -> bool:
+    """Whether the rebuilt optimizer steps with the fused CPU kernel: its state is
+    offloaded from an accelerator to the host, its class has one, and the user chose
+    neither ``fused``, ``foreach``, ``differentiable`` nor ``capturable``. The update is
+    the same arithmetic; on the host the fused kernel is about 5x faster (a 50M-element
+    AdamW step: 0.13 s against 0.73 s on two cores), and the host step is what limits
+    an offloaded step's speed (docs/devices.md)."""
+    options = optimizer.defaults
+    chosen = any(options.get(k) is not None for k in ("fused", "foreach")) or any(
+        options.get(k) for k in ("differentiable", "capturable")
+    )
+    on_host = all(_device.on_host(b.master) for b in sharded.buckets)
+    return (
+        type(optimizer) in _HOST_FUSED
+        and not chosen
+        and on_host
+        and not _device.is_host(sharded.device)
+        and bool(sharded.buckets)
+    )
+
+
 def _rebuild(
-    optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]
+    optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]], fused: bool = False
 ) -> torch.optim.Optimizer:
-    """``type(optimizer)`` over ``groups``, with the constructor arguments it accepts."""
+    """``type(optimizer)`` over ``groups``, with the constructor arguments it accepts
+    (and ``fused=True`` when ``fused``: see :func:`fuses_on_host`)."""
     cls = type(optimizer)
     accepted = inspect.signature(cls.__init__).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
     kwargs = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
+    if fused:
+        kwargs["fused"] = True
+        groups = [{**g, "fused": True} for g in groups]
     return cls(groups, **kwargs)
 
 
@@ -97,7 +128,11 @@ class ShardedOptimizer:
             options = {k: v for k, v in group.items() if k != "params"}
             params = [sp.param for sp in self.segments if sp.segment.group == g]
             groups.append({**options, "params": params})
-        self.inner = _rebuild(optimizer, groups)
+        self.fused_on_host = fuses_on_host(optimizer, sharded)
+        """Stepping with the fused CPU kernel, which the user did not ask for: state
+        dicts show the user's own ``fused`` option."""
+        self.user_fused = optimizer.defaults.get("fused")
+        self.inner = _rebuild(optimizer, groups, self.fused_on_host)
 
     def _make_segments(self, group_of: Callable[[int], int | None]) -> list[SegmentParam]:
         out = []

@@ -112,6 +112,8 @@ def gather_full_state(opt: ShardedOptimizer) -> dict[str, Any]:
     start = 0
     for size, group in zip(opt.group_sizes, opt.inner.param_groups):
         options = {k: v for k, v in group.items() if k != "params"}
+        if opt.fused_on_host:  # mpar's choice, not the user's: saved as the user set it
+            options["fused"] = opt.user_fused
         groups.append({**options, "params": list(range(start, start + size))})
         start += size
     return {"state": dict(sorted(state.items())), "param_groups": groups}
@@ -165,5 +167,7 @@ def split_full_state(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> dict[
     groups = []
     for saved, group in zip(state_dict["param_groups"], opt.inner.param_groups):
         options = {k: v for k, v in saved.items() if k != "params"}
+        if opt.fused_on_host:
+            options["fused"] = True
         groups.append({**options, "params": [ids[id(p)] for p in group["params"]]})
     return {"state": inner_state, "param_groups": groups}

@@ -27,11 +27,14 @@ def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
     assert report["install"]["ok"], report["install"]
     assert report["tests"]["counts"].get("skipped", 0) >= 3  # collected, no GPU here
     assert "failed" not in report["tests"]["counts"]
-    train = report["train"]
+    assert report["dependencies"]["ok"] and report["train_plain"]["ok"]
+    assert report["train_plain"]["profile"]["attention_backend"] is not None
+    train = report["train_offload"]
     assert train["ok"] and train["step_tokens_per_s"] > 0 and train["compute_mfu"] is None
     assert train["params"] > 0 and train["memory"]["cpu"]["optimizer"] > 0
     assert all(math.isfinite(v) for v in train["losses"])
     assert train["losses"][-1] < train["losses"][0]  # one batch, trained on: the loss falls
+    assert train["syncs"]["ledger"].get("offload copies", 0) >= 1  # counted by reason
     sanity = report["sanity"]
     assert sanity["ok"] and sanity["max_param_diff"] <= 1e-5
     assert len(sanity["losses"]["mpar"]) == len(sanity["losses"]["eager"]) == 3

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from mpar.runtime._batch_check import FIRST_STEPS
 from mpar.testing import run_distributed
 
 
@@ -58,7 +59,8 @@ def test_a_pipeline_step_waits_for_the_host_a_constant_number_of_times(case):
     by_m = {}
     for m in (4, 8):
         config = {"pipeline_parallel_degree": 2, "microbatches": m, **extra}
-        by_m[m] = run_distributed(_counts, 2, args=(config, 2), timeout=120)
+        # the step after the batch checks of the first steps (each one host read)
+        by_m[m] = run_distributed(_counts, 2, args=(config, FIRST_STEPS + 1), timeout=120)
     first, last = ({**more}, {"step outputs to the host": 1, **more})
     for m, (rank0, rank1) in by_m.items():
         assert rank0 == first and rank1 == last, (m, rank0, rank1)

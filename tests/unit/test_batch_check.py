@@ -44,3 +44,15 @@ def test_a_replica_is_a_pipeline_with_its_tensor_parallel_ranks():
     assert replicas(Grid(4, 2, placement="spread")) == [[0, 2], [1, 3]]
     assert replicas(Grid(8, 2, tp_size=2)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert replicas(Grid(4, 1, tp_size=2)) == [[0, 1], [2, 3]]  # TP alone: one batch per group
+
+
+def test_a_fingerprint_reads_the_host_once_per_device():
+    from mpar import _device
+
+    args = [(torch.randn(4, 8), torch.arange(4)) for _ in range(8)]
+    _device.SYNCS.take()
+    prints = fingerprint(args, [{} for _ in args])
+    assert _device.SYNCS.take() == {"batch check fingerprints": 1}
+    assert len(prints) == 16 and prints[0][1] == (4, 8)
+    again = fingerprint([(a.clone(), b.clone()) for a, b in args], [{} for _ in args])
+    assert again == prints  # the same batch, the same fingerprint

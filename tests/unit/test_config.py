@@ -270,7 +270,7 @@ def test_auto_values_need_device_memory_and_hold_placeholders():
     assert cfg.zero.stage == 1  # the smallest stage its offload setting allows, until resolved
     assert load_config(cfg.to_dict()) == cfg  # unresolved keys round-trip as "auto"
     with pytest.raises(ConfigError, match="device_memory"):
-        load_config({"microbatches": "auto"})
+        load_config({"microbatches": "auto", "device": "cpu"})
     pp_auto = load_config({"pipeline_parallel_degree": "auto", "device_memory": "16GiB"})
     with pytest.raises(ConfigError, match="mpar plan --auto"):
         pp_auto.check_world_size(4)

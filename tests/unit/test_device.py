@@ -192,3 +192,50 @@ def test_sync_debug_turns_torch_mode_on_in_a_step_and_exempts_the_ledger(monkeyp
     with _device.sync_debug():
         _device.host_value(torch.tensor(1.0), "a read")
     assert calls == []
+
+
+def test_device_memory_is_read_from_the_device_where_one_is_there(monkeypatch):
+    """Without ``device_memory`` an "auto" config is refused on the CPU; on CUDA the
+    device's memory is read (stood in for here), by the config and by ``mpar plan``."""
+    import argparse
+
+    import mpar
+    from mpar.cli._plan import device_memory_of
+    from mpar.config import config_from_dict
+
+    with pytest.raises(ConfigError, match="'device_memory' is not set"):
+        config_from_dict({"microbatches": "auto", "device": "cpu"})
+    if not torch.cuda.is_available():
+        assert _device.total_memory("auto") is None and _device.total_memory(CPU) is None
+        with pytest.raises(ConfigError, match="does not report its memory"):  # at init
+            mpar.init({"microbatches": "auto"})
+    assert mpar.is_initialized() is False
+    monkeypatch.setattr(_device, "total_memory", lambda device: 80 * 2**30)
+    assert config_from_dict({"microbatches": "auto"}).auto_keys == ("microbatches",)
+    args = argparse.Namespace(device_memory=None, cluster=None, device="cuda")
+    assert device_memory_of(args, None) == 80 * 2**30
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_memory_report_on_cuda_gives_reserved_and_each_steps_own_peak():
+    import mpar
+
+    mpar.init({"device": "cuda", "microbatches": 1})
+    model = mpar.DistributedModel(torch.nn.Linear(256, 256).cuda())
+
+    @mpar.step
+    def forward(m, x):
+        loss = m(x).square().mean()
+        m.backward(loss)
+        return loss
+
+    try:
+        peaks = []
+        for rows in (8192, 64):  # a big step, then a small one
+            forward(model, torch.randn(rows, 256, device="cuda"))
+            row = mpar.memory_report()[str(torch.device("cuda", 0))]
+            assert row["device_reserved"] >= row["device_allocated"] > 0
+            peaks.append(row["device_peak"])
+        assert peaks[1] < peaks[0] - 4 * 8192 * 256  # the second peak is the second step's
+    finally:
+        mpar.shutdown()
