@@ -239,3 +239,28 @@ def test_memory_report_on_cuda_gives_reserved_and_each_steps_own_peak():
         assert peaks[1] < peaks[0] - 4 * 8192 * 256  # the second peak is the second step's
     finally:
         mpar.shutdown()
+
+
+def test_side_streams_only_where_the_backend_takes_the_devices_tensors():
+    """ZeRO's collectives go on CUDA side streams with NCCL (or a group of one, which
+    never communicates); host-staged backends and the CPU keep the one host stream, whose
+    tickets wait for the collective's handle as before."""
+    from mpar import _streams
+
+    assert isinstance(_streams.streams_for(CUDA, "nccl"), _streams.CudaStreams)
+    assert isinstance(_streams.streams_for(CUDA, None), _streams.CudaStreams)
+    assert not isinstance(_streams.streams_for(CUDA, "gloo"), _streams.CudaStreams)
+    host = _streams.streams_for(CPU, "gloo")
+    assert not host.overlaps and not isinstance(host, _streams.CudaStreams)
+
+    class Handle:
+        waited = 0
+
+        def wait(self):
+            Handle.waited += 1
+
+    ticket = host.issue("gather", "x", Handle)
+    assert Handle.waited == 0  # issued, not waited
+    ticket.wait()
+    ticket.wait()
+    assert Handle.waited == 1
