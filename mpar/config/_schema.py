@@ -41,6 +41,8 @@ ContextParallelMethod = Literal["ring", "all_to_all"]
 PrecisionKind = Literal["fp32", "bf16", "fp16"]
 """What ``bf16`` / ``fp16`` choose: fp32, or that mixed precision."""
 GradReduceKind = Literal["fp32", "bf16", "fp16"]
+ReduceKind = Literal["microbatch", "step"]
+"""When ZeRO 2/3 reduce-scatter gradients by unit (``zero.reduce``)."""
 """``grad_reduce_dtype``: fp32, or the compute dtype of that mixed precision."""
 
 _EVERY_K = '{"mode": "block" | "selective", "every": k}'
@@ -186,8 +188,25 @@ class ZeroConfig:
     ``n`` consecutive units; ``"chunk"`` on the whole stage at once (fewer, larger
     collectives; the chunk's full parameters and gradients in memory)."""
 
+    prefetch: int = 1
+    """ZeRO-3 by unit or group: how many groups are gathered ahead of the one computing
+    (the prefetch budget, in groups; FSDP2 and DeepSpeed prefetch too). Each runs on
+    its own stream on CUDA, and the compute stream waits only for the group it is
+    about to run. 0 gathers each group when it is needed; more overlaps better with
+    slow links, for that many more groups' parameters in memory."""
+
+    reduce: ReduceKind = "microbatch"
+    """ZeRO 2 and 3 by unit or group: when gradients are reduce-scattered.
+    ``"microbatch"`` after every backward of each group (only the group being
+    differentiated holds full-size gradients: least memory, the gradients travel
+    once per microbatch); ``"step"`` once per step (gradients accumulate full-size
+    across microbatches, as by chunk, and travel once, overlapped with the last
+    backward). By chunk, and at ZeRO 0-1, gradients are reduced once per step."""
+
     def __post_init__(self) -> None:
         _check_int("zero.stage", self.stage, minimum=0, maximum=3)
+        _check_int("zero.prefetch", self.prefetch, minimum=0)
+        _fail_choice("zero.reduce", self.reduce, ("microbatch", "step"))
         if self.gather not in ("unit", "chunk") and (
             isinstance(self.gather, bool) or not isinstance(self.gather, int) or self.gather < 1
         ):

@@ -167,7 +167,9 @@ def step_overhead_s(
     """Seconds one rank spends per step on data-parallel sync and offload (its stages' units).
 
     ``pipeline`` and ``virtual_stages`` are accepted for schedules whose gathers differ;
-    ZeRO-3 gathers per action, or per step by chunk (:func:`zero3_gathers_per_step`).
+    ZeRO-3 gathers per action, or per step by chunk (:func:`zero3_gathers_per_step`);
+    ZeRO 2/3 reduce-scatter per microbatch by unit with ``reduce: "microbatch"``, else
+    once per step (``MemoryLayout.reduces_per_microbatch``).
     """
     units = [u for group in groups for u in group]
     c, dp, z = layout.dtype_factor, layout.data_parallel_degree, layout.zero_stage
@@ -177,7 +179,12 @@ def step_overhead_s(
     seconds = 0.0
     if dp > 1 and cost.dp_bandwidth is not None:
         share = (dp - 1) / dp
-        moved = share * (grads + gathers * params) if z == 3 else 2 * share * grads
+        # reduce-scatters: once a step, or per microbatch (``zero.reduce``); ZeRO 0-1
+        # all-reduce (twice a reduce-scatter's traffic) once a step
+        reduced = grads * (microbatches if layout.reduces_per_microbatch else 1)
+        moved = share * (reduced + gathers * params) if z >= 2 else 2 * share * grads
+        if z == 2:
+            moved += share * params  # the updated shards all-gathered after the step
         seconds += moved / cost.dp_bandwidth
     if layout.offload_optimizer:
         shard_grads, shard_params = grads / layout.shards, params / layout.shards

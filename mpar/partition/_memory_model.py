@@ -165,6 +165,13 @@ class MemoryLayout:
     """The device kind the ranks compute on: ``"cuda"`` / ``"xla"`` (offloaded state
     leaves the device for the host) or ``"cpu"`` (the host *is* the device: offloaded
     state counts in the same memory)."""
+    prefetch: int = 1
+    """ZeRO-3 by unit or group: groups gathered ahead of the one computing
+    (``zero.prefetch``)."""
+    reduce: str = "microbatch"
+    """ZeRO 2/3 by unit or group: ``"microbatch"`` reduce-scatters each group's gradients
+    after each of its backwards; ``"step"`` accumulates the stage's full-size gradients
+    and reduces them once a step (``zero.reduce``)."""
     weight_work: bool = False
     """Whether the schedule splits the backward (:func:`may_split_backward`, with the
     config's ``split_backward`` on): a microbatch whose W waits holds its linear layers'
@@ -201,11 +208,25 @@ class MemoryLayout:
         if not self.microbatch_scale > 0:
             raise PartitionError(f"microbatch_scale must be > 0, got {self.microbatch_scale!r}")
         _check_gather(self.gather)
+        if (
+            isinstance(self.prefetch, bool)
+            or not isinstance(self.prefetch, int)
+            or self.prefetch < 0
+        ):
+            raise PartitionError(f"prefetch must be an int >= 0, got {self.prefetch!r}")
+        if self.reduce not in ("microbatch", "step"):
+            raise PartitionError(f'reduce must be "microbatch" or "step", got {self.reduce!r}')
         if self.device not in DEVICES:
             raise PartitionError(
                 f"device must be one of {', '.join(DEVICES)} (the kind the ranks compute on), "
                 f"got {self.device!r}"
             )
+
+    @property
+    def reduces_per_microbatch(self) -> bool:
+        """Whether ZeRO 2/3 reduce-scatter per group after each backward (``"unit"`` or
+        groups with ``reduce: "microbatch"``), rather than once per step."""
+        return self.zero_stage >= 2 and self.gather != "chunk" and self.reduce == "microbatch"
 
     @property
     def host_is_device(self) -> bool:
@@ -319,7 +340,11 @@ def zero_working_set_bytes(units: Sequence[UnitProfile], layout: MemoryLayout) -
       forward or backward order); at ZeRO-2/3, after a group's backward, its
       gradients exist twice (autograd's ``.grad`` and the flat buffer they are copied
       into for the reduce-scatter, ``FlatBucket.reduce_unit``). The figure is the
-      largest over the stage's groups of the two together;
+      largest over the stage's groups of the two together. ``layout.prefetch`` groups
+      are gathered ahead instead of one. With ``reduce: "step"`` the stage's
+      gradients accumulate full-size (:func:`_step_grad_bytes`, additive over the
+      units) and a group's ``.grad`` exist once more only where they fold into that
+      buffer (ZeRO-3, or an fp32 buffer under mixed precision);
     * ``"chunk"``: at ZeRO-3 the whole stage is gathered from its UNSHARD to its
       RESHARD, and at ZeRO-2/3 its gradients accumulate into a full-size buffer
       (``FlatBucket.staging``, the ``.grad`` are views of it) from its first backward
@@ -337,7 +362,21 @@ def zero_working_set_bytes(units: Sequence[UnitProfile], layout: MemoryLayout) -
         return 0.0
     groups = _gather_groups(units, layout.gather)
     params = [sum(u.param_bytes for u in group) for group in groups]
-    return max((_group_moment(groups, params, layout, g) for g in range(len(groups))), default=0.0)
+    moment = max(
+        (_group_moment(groups, params, layout, g) for g in range(len(groups))), default=0.0
+    )
+    return moment + sum(_step_grad_bytes(u, layout) for u in units)
+
+
+def _step_grad_bytes(unit: UnitProfile, layout: MemoryLayout) -> float:
+    """A unit's full-size gradients held from the stage's first backward to its
+    once-per-step reduction (``reduce: "step"`` by unit or group; by chunk
+    :func:`_group_moment` counts them with the chunk), else 0."""
+    if layout.zero_stage < 2 or layout.gather == "chunk" or layout.reduces_per_microbatch:
+        return 0.0
+    if layout.data_parallel_degree == 1:
+        return 0.0
+    return layout.grad_factor * unit.grad_bytes
 
 
 def _group_moment(
@@ -350,13 +389,21 @@ def _group_moment(
     extra = 0.0
     if layout.zero_stage >= 2 and sharded:
         # by chunk the .grad are views of (or folded into) the flat buffer; by unit
-        # autograd's compute-dtype .grad and the flat buffer exist together
-        copies = layout.grad_factor + (0.0 if layout.gather == "chunk" else c)
+        # autograd's compute-dtype .grad and the flat buffer exist together; reduced
+        # once a step, they fold into the flat buffer (_step_grad_bytes) as they come
+        if layout.gather == "chunk":
+            copies = layout.grad_factor
+        elif layout.reduces_per_microbatch:
+            copies = layout.grad_factor + c
+        else:  # .grad folded (ZeRO-3's released parameters, an fp32 buffer) or views
+            folds = layout.zero_stage == 3 or layout.grad_factor != c
+            copies = c if folds else 0.0
         extra += copies * sum(u.grad_bytes for u in groups[g])
     if layout.zero_stage == 3 and (sharded or layout.offload_params):
         # the prefetch skips groups with nothing to gather: neighbours among the others
-        before = next((p for p in reversed(params[:g]) if p), 0)
-        after = next((p for p in params[g + 1 :] if p), 0)
+        n = layout.prefetch
+        before = sum([p for p in reversed(params[:g]) if p][:n])
+        after = sum([p for p in params[g + 1 :] if p][:n])
         extra += c * (params[g] + max(before, after))
     return extra
 
@@ -375,8 +422,12 @@ def working_set_for_solver(
         return [zero_working_set_bytes([u], layout) for u in units], 0.0
     n = 1 if layout.gather == "unit" else int(layout.gather)
     offsets = range(min(n, len(units)))
-    reserve = max((zero_working_set_bytes(units[o:], layout) for o in offsets), default=0.0)
-    return [0.0] * len(units), reserve
+    steps = [_step_grad_bytes(u, layout) for u in units]  # additive: to the units
+    reserve = max(
+        (zero_working_set_bytes(units[o:], layout) - sum(steps[o:]) for o in offsets),
+        default=0.0,
+    )
+    return steps, reserve
 
 
 def unit_activation_bytes(unit: UnitProfile, layout: MemoryLayout) -> float:

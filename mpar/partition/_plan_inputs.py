@@ -106,6 +106,10 @@ class ZeroSetup:
     ``effective_gather``)."""
     bucket_bytes: int = 25 * 2**20
     """One gradient-reduction bucket (``zero.bucket_mb``)."""
+    prefetch: int = 1
+    """ZeRO-3 groups gathered ahead (``zero.prefetch``)."""
+    reduce: str = "microbatch"
+    """When ZeRO 2/3 reduce-scatter by unit: ``"microbatch"`` or ``"step"`` (``zero.reduce``)."""
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
@@ -180,6 +184,8 @@ class PlanInputs:
             bucket_bytes=zero.bucket_bytes,
             low_precision_grads=self.low_precision_grads and self.precision != "fp32",
             gather=effective_gather(s.pipeline, zero.gather),
+            prefetch=zero.prefetch,
+            reduce=zero.reduce,
             device=self.device,
             weight_work=split,
             expert_parallel_degree=self.grid.ep,
@@ -240,6 +246,8 @@ def plan_inputs(
             zero.offload_params == "cpu",
             zero.gather,
             int(zero.bucket_mb * 2**20),
+            zero.prefetch,
+            zero.reduce,
         ),
         precision=config.precision,
         low_precision_grads=config.low_precision_grads,
@@ -287,6 +295,10 @@ def config_dict(inputs: PlanInputs) -> ConfigDict:
         zero["gather"] = z.gather
     if z.bucket_bytes != ZeroSetup.bucket_bytes:
         zero["bucket_mb"] = z.bucket_bytes / 2**20
+    if z.prefetch != ZeroSetup.prefetch:
+        zero["prefetch"] = z.prefetch
+    if z.reduce != ZeroSetup.reduce:
+        zero["reduce"] = z.reduce
     config: ConfigDict = {
         "pipeline_parallel_degree": inputs.grid.pp,
         "tensor_parallel_degree": inputs.grid.tp,
