@@ -611,7 +611,7 @@ def _markdown(report: dict[str, Any]) -> str:
         f"{meta['warmup']} warm-up + "
         f"{meta['steps']} timed steps; {meta['threads']} thread(s) per rank; the plans' "
         "default cost model (10 GB/s links, process memory 5 MiB + 6 MiB on pipeline ranks "
-        "+ 12 MiB under bf16/fp16; device cpu). "
+        "and 3.5 MiB more per MoE layer there + 12 MiB under bf16/fp16; device cpu). "
         "Measured = peak of the sampled *anonymous* resident memory (RSS less file-backed "
         "code pages) above its value before the model was built "
         "(MALLOC_MMAP_THRESHOLD_=65536); RSS = the same for the whole resident set. "

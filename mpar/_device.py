@@ -20,6 +20,8 @@ The rest of mpar asks this module instead of testing ``device.type``:
   (activation checkpointing's RNG handling on XLA).
 * **synchronisation and step hooks**: :func:`synchronize` (timing),
   :func:`after_action` and :func:`after_optimizer_step` (XLA graph cuts, see below).
+* **streams and events**: :mod:`mpar._streams` (ZeRO's gathers, copies and
+  reductions on side streams on CUDA; one stream elsewhere).
 * **memory**: :func:`memory_stats`; :func:`storage_key` and :func:`same_memory`
   (storage identity without data pointers, which XLA tensors lack).
 
@@ -40,7 +42,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from types import ModuleType
 from typing import TypeVar
 
@@ -57,11 +59,14 @@ __all__ = [
     "after_optimizer_step",
     "copy_",
     "copy_to_host",
+    "counted_wait",
     "check_backend",
     "check_ranks_per_device",
     "default_backend",
     "SYNCS",
+    "SYNC_DEBUG_ENV",
     "SyncLedger",
+    "sync_debug",
     "free_storage",
     "group_backends",
     "host_buffer",
@@ -121,8 +126,66 @@ SYNCS = SyncLedger()
 
 def host_value(tensor: torch.Tensor, reason: str) -> float | int | bool:
     """``tensor.item()``, counted in :data:`SYNCS` under ``reason``."""
+    with counted_wait(reason):
+        return tensor.item()
+
+
+@contextlib.contextmanager
+def counted_wait(reason: str) -> Iterator[None]:
+    """A host wait for the device inside: counted in :data:`SYNCS` under ``reason``
+    (and so exempt from :func:`sync_debug`)."""
     SYNCS.count(reason)
-    return tensor.item()
+    with _counted():
+        yield
+
+
+SYNC_DEBUG_ENV = "MPAR_SYNC_DEBUG"
+"""``warn`` or ``error``: inside a step's schedule and the optimizer's step and clipping
+on CUDA, ``torch.cuda.set_sync_debug_mode`` that mode, with the ledger's own waits
+exempt: a host synchronisation the ledger does not count warns (or raises), so the
+ledger's count is every wait there is (the GPU check runs with it)."""
+
+_debugging = False
+"""Whether :func:`sync_debug` is active (the ledger's waits then exempt themselves)."""
+
+
+@contextlib.contextmanager
+def sync_debug() -> Iterator[None]:
+    """The steady-state part of a step: with :data:`SYNC_DEBUG_ENV` set and CUDA in use,
+    torch's sync debug mode is on inside (restored after); nothing otherwise."""
+    global _debugging
+    mode = os.environ.get(SYNC_DEBUG_ENV, "")
+    if mode not in ("", "warn", "error"):
+        raise ConfigError(
+            f"environment variable {SYNC_DEBUG_ENV} is {mode!r}; use 'warn' or 'error' "
+            "(report or refuse host synchronisations the sync ledger does not count), "
+            "or leave it unset"
+        )
+    if not mode or _debugging or not torch.cuda.is_initialized():
+        yield
+        return
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    _debugging = True
+    try:
+        yield
+    finally:
+        _debugging = False
+        torch.cuda.set_sync_debug_mode(before)
+
+
+@contextlib.contextmanager
+def _counted() -> Iterator[None]:
+    """A wait the ledger counts: exempt from :func:`sync_debug`."""
+    if not _debugging:
+        yield
+        return
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
 
 
 # ---------------------------------------------------------------- placement
@@ -354,7 +417,8 @@ def wait_copies(device: torch.device, reason: str = "wait for host copies") -> N
     (counted in :data:`SYNCS`)."""
     SYNCS.count(reason)
     if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
+        with _counted():
+            torch.cuda.current_stream(device).synchronize()
 
 
 class _XlaRandom:
@@ -447,7 +511,8 @@ def synchronize(devices: Iterable[torch.device]) -> None:
     SYNCS.count("synchronize")
     kinds = {d.type for d in devices}
     if "cuda" in kinds and torch.cuda.is_available():
-        torch.cuda.synchronize()
+        with _counted():
+            torch.cuda.synchronize()
     if "xla" in kinds:
         _xla().sync(wait=True)
 

@@ -225,7 +225,7 @@ def _add_auto_arguments(parser: argparse.ArgumentParser) -> None:
         "--block-checkpointing",
         action="store_true",
         help="also try per-block activation checkpointing (activation_checkpointing: "
-        "'block'; tried by default once the runtime's config takes that value)",
+        "'block'); tried by default now, the flag is kept and changes nothing",
     )
     auto.add_argument("--max-virtual-stages", type=int, default=4, help="(4)")
     auto.add_argument("--top", type=int, default=10, help="candidates to rank (10)")
@@ -471,6 +471,7 @@ def process_overrides(text: str | None) -> dict[str, int]:
     return {
         "process_bytes": parse_bytes(text),
         "pipeline_process_bytes": 0,
+        "moe_pipeline_process_bytes": 0,
         "mixed_process_bytes": 0,
     }
 

@@ -377,22 +377,41 @@ def _all_to_all(x: torch.Tensor, g: _CPGroup) -> torch.Tensor:
     return out
 
 
+def _runs(layout: TokenLayout) -> list[tuple[int, int, int, int]]:
+    """``(rank, local start, global start, length)`` of every contiguous run of tokens of
+    ``layout`` (each rank's runs in local order)."""
+    out = []
+    for rank in range(layout.size):
+        local = 0
+        for start, length in layout.runs(rank):
+            out.append((rank, local, start, length))
+            local += length
+    return out
+
+
 def _heads(x: torch.Tensor, g: _CPGroup, layout: TokenLayout) -> torch.Tensor:
-    """[B, H, S/cp, D] this rank's tokens -> [B, H/cp, S, D] natural order."""
+    """[B, H, S/cp, D] this rank's tokens -> [B, H/cp, S, D] natural order. Two copies:
+    into the send buffer (head group first) and, run by run, from the received pieces
+    into natural order (any strides of ``x``)."""
     b, h, s, d = x.shape
-    pieces = x.reshape(b, g.size, h // g.size, s, d).movedim(1, 0)
-    got = _all_to_all(pieces, g)  # [cp (source rank), B, H/cp, S/cp, D]
-    whole = got.movedim(0, 2).reshape(b, h // g.size, g.size * s, d)
-    return whole.index_select(2, layout.inverse.to(x.device))
+    n = g.size
+    got = _all_to_all(x.reshape(b, n, h // n, s, d).movedim(1, 0), g)  # [n (source), ...]
+    whole = x.new_empty((b, h // n, n * s, d))
+    for rank, local, start, length in _runs(layout):
+        whole[:, :, start : start + length] = got[rank, :, :, local : local + length]
+    return whole
 
 
 def _sequence(x: torch.Tensor, g: _CPGroup, layout: TokenLayout) -> torch.Tensor:
-    """The inverse of :func:`_heads`."""
+    """The inverse of :func:`_heads`, also in two copies: run by run into the send buffer
+    [cp (destination), B, H/cp, S/cp, D], and from the received pieces (head groups)."""
     b, hg, length, d = x.shape
-    order = x.index_select(2, layout.order.to(x.device))
-    pieces = order.reshape(b, hg, g.size, length // g.size, d).movedim(2, 0)
-    got = _all_to_all(pieces, g)  # [cp (head group), B, H/cp, S/cp, D]
-    return got.movedim(0, 1).reshape(b, g.size * hg, length // g.size, d)
+    n = g.size
+    send = x.new_empty((n, b, hg, length // n, d))
+    for rank, local, start, size in _runs(layout):
+        send[rank, :, :, local : local + size] = x[:, :, start : start + size]
+    got = _all_to_all(send, g)  # [cp (head group), B, H/cp, S/cp, D]
+    return got.movedim(0, 1).reshape(b, n * hg, length // n, d)
 
 
 @torch.library.custom_op("mpar::cp_to_heads", mutates_args=())
@@ -447,7 +466,7 @@ def _swap_back(ctx: Any, grad: torch.Tensor, to_heads: bool) -> tuple[Any, ...]:
     if context is None or g.size == 1:
         return grad.clone(), None
     swap = _heads if to_heads else _sequence
-    return swap(grad.contiguous(), g, context.layout), None
+    return swap(grad, g, context.layout), None
 
 
 cp_to_heads.register_autograd(
@@ -471,9 +490,15 @@ def cp_local_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` [B, H, S, D] on ``k``, ``v`` [B, Hkv, S, D], the whole sequence
     in natural order (between ``cp_to_heads`` and ``cp_to_sequence``), masked as the
-    current context says: ``(out, lse)``."""
+    current context says: ``(out, lse)``. One block (no mask beyond causality, or a
+    short sequence) is the kernel's own result, with nothing to merge."""
+    pairs = _natural_pairs(q.shape[2], causal, window)
+    if len(pairs) == 1:
+        fused = _device.has_cpu_flash_attention(q)
+        out, lse = block_forward(q, k, v, pairs[0][2], scale, fused=fused)
+        return out.to(q.dtype), lse
     acc = _empty_acc(q, v)
-    _attend(q, k, v, _natural_pairs(q.shape[2], causal, window), scale, acc, fresh=True)
+    _attend(q, k, v, pairs, scale, acc, fresh=True)
     return acc[0].to(q.dtype), acc[1]
 
 
@@ -489,10 +514,15 @@ def _local_backward(ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor) -> tuple[
     saved = ctx.saved_tensors
     q, k, v = saved[:3]
     scale, causal, window = ctx.args
-    dq, dk, dv = _zeros(q, k, v)
     with using(ctx.context):
         pairs = _natural_pairs(q.shape[2], causal, window)
-    _block_grads(dout, saved, (k, v), pairs, scale, (dq, dk, dv))
+    if len(pairs) == 1:  # one block: its gradients whole, nothing to add up
+        fused = _device.has_cpu_flash_attention(q)
+        out, lse = saved[3:]
+        dq, dk, dv = block_backward(dout, q, k, v, out, lse, pairs[0][2], scale, fused=fused)
+    else:
+        dq, dk, dv = _zeros(q, k, v)
+        _block_grads(dout, saved, (k, v), pairs, scale, (dq, dk, dv))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 

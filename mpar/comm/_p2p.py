@@ -435,8 +435,8 @@ def _write_control(
 def _read_control(message: torch.Tensor) -> list[int]:
     if _device.on_host(message):  # (numpy: fewer calls, see _Message)
         return list(message.numpy()[:_CONTROL_BYTES].view("<i8").tolist())
-    _device.SYNCS.count("p2p control words")  # read from the device before the body
-    return list(message[:_CONTROL_BYTES].view(torch.int64).tolist())
+    with _device.counted_wait("p2p control words"):  # read from the device before the body
+        return list(message[:_CONTROL_BYTES].view(torch.int64).tolist())
 
 
 def _label_in(words: list[int]) -> TransferLabel | None:

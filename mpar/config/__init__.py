@@ -9,6 +9,7 @@ from mpar.config._boundary import (
 )
 from mpar.config._schema import (
     MEMORY_WEIGHT_FOR,
+    BlockCheckpointing,
     Config,
     PrecisionKind,
     ZeroConfig,
@@ -19,6 +20,7 @@ __all__ = [
     "ENV_VAR",
     "MEMORY_WEIGHT_FOR",
     "TRACE_ENV_VAR",
+    "BlockCheckpointing",
     "Config",
     "PrecisionKind",
     "ZeroConfig",

@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mpar.config._schema import Config, ZeroConfig
+from mpar.config._schema import BlockCheckpointing, Config, ZeroConfig
 from mpar.errors import ConfigError, ConfigTypeError
 
 __all__ = [
@@ -179,6 +179,18 @@ def _zero_from(raw: Mapping[str, object]) -> ZeroConfig:
     return ZeroConfig(**merged)
 
 
+_BLOCK_KEYS = tuple(f.name for f in BlockCheckpointing.__dataclass_fields__.values())
+
+
+def _block_checkpointing_from(raw: Mapping[object, object]) -> BlockCheckpointing:
+    """``activation_checkpointing`` given as a dict: ``{"mode": ..., "every": k}``."""
+    for key in raw:
+        if key not in _BLOCK_KEYS:
+            raise _unknown_key(str(key), " in 'activation_checkpointing'", _BLOCK_KEYS)
+    merged: dict[str, Any] = {str(k): v for k, v in raw.items()}  # checked by the dataclass
+    return BlockCheckpointing(**merged)
+
+
 def _readable(device: object) -> bool:
     """Whether the device may be one whose memory the planner reads (CUDA): then a
     missing ``device_memory`` is checked by ``mpar.init``, once the device is picked."""
@@ -224,6 +236,10 @@ def config_from_dict(raw: Mapping[str, object] | None) -> Config:
         values[canonical] = value
     auto = _auto_requests(raw, values)
     values["zero"] = _zero_from(raw)
+    if isinstance(values.get("activation_checkpointing"), Mapping):
+        values["activation_checkpointing"] = _block_checkpointing_from(
+            values["activation_checkpointing"]
+        )
     if isinstance(values.get("trace"), os.PathLike):
         values["trace"] = os.fspath(values["trace"])
     return Config(**values, auto_keys=auto)

@@ -22,7 +22,7 @@ from mpar.schedule._generators import least_active_microbatches
 from mpar.schedule._registry import PIPELINES, check_csv_schedule
 from mpar.topology import GridShape, placement_axes
 
-__all__ = ["Config", "PrecisionKind", "ZeroConfig"]
+__all__ = ["BlockCheckpointing", "Config", "PrecisionKind", "ZeroConfig"]
 
 PipelineKind = str
 """A name in ``mpar.schedule.PIPELINES`` or the path of a schedule CSV file."""
@@ -33,12 +33,20 @@ PlacementKind = str
 OffloadKind = Literal["none", "cpu"]
 DeviceKind = Literal["auto", "cpu", "cuda", "xla"]
 BackendKind = Literal["auto", "gloo", "nccl", "xla", "mpi"]
-CheckpointingKind = Literal["none", "each"]
+CheckpointingKind = Literal["none", "each", "block", "selective"]
+"""``activation_checkpointing`` as a word: off, each stage chunk, each block, each block
+selectively (see :class:`BlockCheckpointing`)."""
+BlockMode = Literal["block", "selective"]
 ContextParallelMethod = Literal["ring", "all_to_all"]
 PrecisionKind = Literal["fp32", "bf16", "fp16"]
 """What ``bf16`` / ``fp16`` choose: fp32, or that mixed precision."""
 GradReduceKind = Literal["fp32", "bf16", "fp16"]
+ReduceKind = Literal["microbatch", "step"]
+"""When ZeRO 2/3 reduce-scatter gradients by unit (``zero.reduce``)."""
 """``grad_reduce_dtype``: fp32, or the compute dtype of that mixed precision."""
+
+_EVERY_K = '{"mode": "block" | "selective", "every": k}'
+"""How the error messages spell the dict form of ``activation_checkpointing``."""
 
 #: Largest ``timeout_s`` (about 31 years): process-group timeouts must stay representable.
 MAX_TIMEOUT_S = 1e9
@@ -122,6 +130,35 @@ def _device_memory_readable(config: Config) -> bool:
 
 
 @dataclass(frozen=True)
+class BlockCheckpointing:
+    """Per-block activation checkpointing: ``activation_checkpointing`` given as
+    ``"block"``, ``"selective"`` or ``{"mode": "block" | "selective", "every": k}``.
+
+    The blocks are the partition units (a transformer block, the embedding, the head:
+    what ``mpar.partition.find_units`` finds), at every pipeline degree."""
+
+    mode: BlockMode = "block"
+    """``"block"``: a checkpointed block keeps only its inputs and recomputes its whole
+    forward in its backward. ``"selective"``: it also keeps the outputs of its matrix
+    products and fused attention (``mm``, ``addmm``, ``bmm``, ``baddbmm``,
+    ``scaled_dot_product_*``), except a batched product whose result is larger than
+    both of its operands (attention scores, sequence x sequence per head); it
+    recomputes the rest (norms, activations, softmax, dropout, elementwise ops)."""
+
+    every: int = 1
+    """Checkpoint every ``every``-th block: the blocks ``0, every, 2 * every, ...`` of
+    each stage, counted from the stage's first unit; 1 checkpoints every block."""
+
+    def __post_init__(self) -> None:
+        _fail_choice("activation_checkpointing.mode", self.mode, ("block", "selective"))
+        _check_int("activation_checkpointing.every", self.every, minimum=1)
+
+    def checkpoints(self, block: int) -> bool:
+        """Whether the stage's ``block``-th unit (from 0) is checkpointed."""
+        return block % self.every == 0
+
+
+@dataclass(frozen=True)
 class ZeroConfig:
     """ZeRO sharding across each pipeline stage's data-parallel group."""
 
@@ -151,8 +188,25 @@ class ZeroConfig:
     ``n`` consecutive units; ``"chunk"`` on the whole stage at once (fewer, larger
     collectives; the chunk's full parameters and gradients in memory)."""
 
+    prefetch: int = 1
+    """ZeRO-3 by unit or group: how many groups are gathered ahead of the one computing
+    (the prefetch budget, in groups; FSDP2 and DeepSpeed prefetch too). Each runs on
+    its own stream on CUDA, and the compute stream waits only for the group it is
+    about to run. 0 gathers each group when it is needed; more overlaps better with
+    slow links, for that many more groups' parameters in memory."""
+
+    reduce: ReduceKind = "microbatch"
+    """ZeRO 2 and 3 by unit or group: when gradients are reduce-scattered.
+    ``"microbatch"`` after every backward of each group (only the group being
+    differentiated holds full-size gradients: least memory, the gradients travel
+    once per microbatch); ``"step"`` once per step (gradients accumulate full-size
+    across microbatches, as by chunk, and travel once, overlapped with the last
+    backward). By chunk, and at ZeRO 0-1, gradients are reduced once per step."""
+
     def __post_init__(self) -> None:
         _check_int("zero.stage", self.stage, minimum=0, maximum=3)
+        _check_int("zero.prefetch", self.prefetch, minimum=0)
+        _fail_choice("zero.reduce", self.reduce, ("microbatch", "step"))
         if self.gather not in ("unit", "chunk") and (
             isinstance(self.gather, bool) or not isinstance(self.gather, int) or self.gather < 1
         ):
@@ -266,9 +320,11 @@ class Config:
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     """ZeRO sharding settings (see :class:`ZeroConfig`)."""
 
-    activation_checkpointing: bool | CheckpointingKind = False
+    activation_checkpointing: bool | CheckpointingKind | BlockCheckpointing = False
     """Recompute activations in backward: false / ``"none"``; true / ``"each"``: every
-    stage chunk keeps only its inputs and recomputes its forward during its backward."""
+    stage chunk keeps only its inputs and recomputes its forward during its backward;
+    ``"block"``, ``"selective"`` or ``{"mode": ..., "every": k}`` (a
+    :class:`BlockCheckpointing` inside): block by block (see :attr:`block_checkpointing`)."""
 
     offload_activations: bool = False
     """Keep checkpointed activations on the CPU (needs ``activation_checkpointing``)."""
@@ -385,11 +441,11 @@ class Config:
             _check_bool(key, getattr(self, key))
         _check_int("default_partition", self.default_partition, minimum=0)
         placement_axes(self.placement_strategy)
-        if not isinstance(self.activation_checkpointing, bool):
+        if not isinstance(self.activation_checkpointing, bool | BlockCheckpointing):
             _fail_choice(
                 "activation_checkpointing",
                 self.activation_checkpointing,
-                (True, False, "none", "each"),
+                (True, False, "none", "each", "block", "selective", _EVERY_K),
             )
         _fail_choice("device", self.device, ("auto", "cpu", "cuda", "xla"))
         _fail_choice("backend", self.backend, ("auto", "gloo", "nccl", "xla", "mpi"))
@@ -527,8 +583,23 @@ class Config:
     @property
     def checkpointing(self) -> bool:
         """Whether activations are recomputed in backward (``activation_checkpointing``
-        true or ``"each"``)."""
+        anything but false / ``"none"``)."""
         return self.activation_checkpointing not in (False, "none")
+
+    @property
+    def chunk_checkpointing(self) -> bool:
+        """Whether each stage chunk is recomputed whole (true / ``"each"``)."""
+        return self.activation_checkpointing in (True, "each")
+
+    @property
+    def block_checkpointing(self) -> BlockCheckpointing | None:
+        """The per-block strategy (``"block"``, ``"selective"``, a dict), else None."""
+        value = self.activation_checkpointing
+        if isinstance(value, BlockCheckpointing):
+            return value
+        if value in ("block", "selective"):
+            return BlockCheckpointing(mode=value)
+        return None
 
     def grid_shape(self, world_size: int) -> GridShape:
         """The rank grid of this layout on ``world_size`` ranks (checked against it):

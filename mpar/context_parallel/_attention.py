@@ -93,7 +93,7 @@ def attend(
     if kv_heads % cp:  # fewer key/value heads than ranks: each rank takes its queries' copy
         k = k.repeat_interleave(heads // kv_heads, dim=1)
         v = v.repeat_interleave(heads // kv_heads, dim=1)
-    q, k, v = (cp_to_heads(t.contiguous(), CP_GROUP) for t in (q, k, v))
+    q, k, v = (cp_to_heads(t, CP_GROUP) for t in (q, k, v))  # any strides: one copy each
     out, _ = cp_local_attention(q, k, v, scale, causal, window)
     return cp_to_sequence(out, CP_GROUP)
 

@@ -173,7 +173,7 @@ def shard_microbatch(
 
 class CallPlan:
     """What :func:`prepare_call` does to one model's calls (read once from the model; a
-    Hugging Face causal LM's loss function is wrapped here, see :func:`_causal_lm_loss`)."""
+    Hugging Face causal LM's loss function is wrapped here, see :class:`ShiftedOverCP`)."""
 
     def __init__(self, module: nn.Module) -> None:
         try:
@@ -188,16 +188,24 @@ class CallPlan:
         )
         """A Hugging Face causal LM: its loss shifts ``labels`` along the sequence."""
         if self.causal_lm:
-            wrapped = _causal_lm_loss(getattr(module, "loss_function"))  # noqa: B009
+            wrapped = ShiftedOverCP(getattr(module, "loss_function"))  # noqa: B009
             setattr(module, "loss_function", wrapped)  # noqa: B010 - Hugging Face's setter
 
 
-def _causal_lm_loss(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+class ShiftedOverCP:
     """Hugging Face's causal-LM loss with the labels shifted over the whole sequence
     (``cp_shift_labels``: the next token may be on another CP rank) and divided by the
-    whole microbatch's count of targets: each rank's loss is its share of the sum."""
+    whole microbatch's count of targets: each rank's loss is its share of the sum.
 
-    def loss(
+    The loss it wraps is its ``__wrapped__`` (``inspect.unwrap``'s convention) and is
+    looked up at each call: tensor parallelism puts its vocabulary-parallel loss there
+    (``mpar.tensor_parallel._vocab.use_vocab_parallel_loss``), under this shift."""
+
+    def __init__(self, inner: Callable[..., torch.Tensor]) -> None:
+        self.__wrapped__ = inner
+
+    def __call__(
+        self,
         logits: torch.Tensor,
         labels: torch.Tensor,
         vocab_size: int,
@@ -209,7 +217,7 @@ def _causal_lm_loss(original: Callable[..., torch.Tensor]) -> Callable[..., torc
         if shift_labels is None:
             shift_labels, count = cp_shift_labels(labels, ignore_index, CP_GROUP)
             num_items_in_batch = count if num_items_in_batch is None else num_items_in_batch
-        return original(
+        return self.__wrapped__(
             logits,
             labels,
             vocab_size,
@@ -218,8 +226,6 @@ def _causal_lm_loss(original: Callable[..., torch.Tensor]) -> Callable[..., torc
             shift_labels=shift_labels,
             **kwargs,
         )
-
-    return loss
 
 
 def _batch_size(kwargs: dict[str, object], args: tuple[object, ...]) -> int:

@@ -79,6 +79,16 @@ class CostModel:
     split stage graphs (torch.fx nodes with their metadata) and the heap they leave;
     measured 5.5-6.4 MiB on every pipeline rank of the calibration grid (a 6-layer GPT:
     it grows with the traced graph, not with tensor sizes)."""
+    moe_pipeline_process_bytes: float = 3.5 * 2**20
+    """More per rank of a pipeline (pp > 1) for each mixture-of-experts layer of the whole
+    model (every rank captures the whole model before it keeps its stages): the routing's
+    data-dependent shapes (unbacked sizes, their guards and fake tensors) and the larger
+    graphs of torch.export leave objects and heap behind. Measured on the calibration
+    grid's pp 2 x dp 2 ep 2 row (4 MoE layers of 8 experts): 24.1-25.1 MiB at rest
+    besides tensors on every rank against 7.1-7.9 MiB on the dense pp 2 rows, and 24.4
+    against 10.7 MiB in a second script measuring both alike (13.7 MiB: 3.4 per layer);
+    neither grows after the first step. Counted where the plan knows the experts
+    (``PlanInputs.ep_splits``: at ep > 1, and in ``mpar plan`` for a model with experts)."""
     mixed_process_bytes: float = 12 * 2**20
     """More per rank under bf16/fp16 mixed precision: what the CPU runtime's
     low-precision kernels keep besides tensors (measured on the calibration grid; on
@@ -103,7 +113,12 @@ class CostModel:
         for name in ("host_bandwidth", "host_optimizer_rate", "mixed_speedup"):
             if not getattr(self, name) > 0:
                 raise PartitionError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("process_bytes", "pipeline_process_bytes", "mixed_process_bytes"):
+        for name in (
+            "process_bytes",
+            "pipeline_process_bytes",
+            "moe_pipeline_process_bytes",
+            "mixed_process_bytes",
+        ):
             if not getattr(self, name) >= 0:
                 raise PartitionError(
                     f"{name} must be >= 0 bytes (0 leaves it out), got {getattr(self, name)!r}"
@@ -152,7 +167,9 @@ def step_overhead_s(
     """Seconds one rank spends per step on data-parallel sync and offload (its stages' units).
 
     ``pipeline`` and ``virtual_stages`` are accepted for schedules whose gathers differ;
-    ZeRO-3 gathers per action, or per step by chunk (:func:`zero3_gathers_per_step`).
+    ZeRO-3 gathers per action, or per step by chunk (:func:`zero3_gathers_per_step`);
+    ZeRO 2/3 reduce-scatter per microbatch by unit with ``reduce: "microbatch"``, else
+    once per step (``MemoryLayout.reduces_per_microbatch``).
     """
     units = [u for group in groups for u in group]
     c, dp, z = layout.dtype_factor, layout.data_parallel_degree, layout.zero_stage
@@ -162,7 +179,12 @@ def step_overhead_s(
     seconds = 0.0
     if dp > 1 and cost.dp_bandwidth is not None:
         share = (dp - 1) / dp
-        moved = share * (grads + gathers * params) if z == 3 else 2 * share * grads
+        # reduce-scatters: once a step, or per microbatch (``zero.reduce``); ZeRO 0-1
+        # all-reduce (twice a reduce-scatter's traffic) once a step
+        reduced = grads * (microbatches if layout.reduces_per_microbatch else 1)
+        moved = share * (reduced + gathers * params) if z >= 2 else 2 * share * grads
+        if z == 2:
+            moved += share * params  # the updated shards all-gathered after the step
         seconds += moved / cost.dp_bandwidth
     if layout.offload_optimizer:
         shard_grads, shard_params = grads / layout.shards, params / layout.shards

@@ -48,10 +48,12 @@ profiled samples), an approximation that ignores fixed per-call costs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import collections
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from mpar.config._schema import BlockCheckpointing
 from mpar.errors import PartitionError
 from mpar.schedule._csv import is_csv_path
 
@@ -72,6 +74,8 @@ __all__ = [
     "transfer_bytes",
     "unit_activation_bytes",
     "Checkpointing",
+    "SELECTIVE_KEPT",
+    "block_strategy",
     "recompute_peak_bytes",
     "unit_held_bytes",
     "unit_host_bytes",
@@ -82,9 +86,25 @@ __all__ = [
 
 _PRECISIONS: tuple[PrecisionKind, ...] = ("fp32", "bf16", "fp16")
 
-Checkpointing = bool | Literal["block"]
+Checkpointing = bool | Literal["block"] | BlockCheckpointing
 """Activation checkpointing as the planner models it: off, by stage chunk (True), or
-by block ("block": each unit keeps its input and is recomputed alone)."""
+by block ("block": each unit keeps its input and is recomputed alone; a
+:class:`~mpar.config.BlockCheckpointing`: every k-th unit, selectively or not, as the
+config's ``activation_checkpointing`` runs it)."""
+
+SELECTIVE_KEPT = 0.5
+"""The share of a block's saved activations that selective checkpointing keeps (its
+matrix products' outputs), an estimate: in a transformer block the products' outputs
+(q, k, v, attention out, MLP up and down) are about half of what the block saves."""
+
+
+def block_strategy(checkpointing: Checkpointing) -> BlockCheckpointing | None:
+    """The per-block strategy of ``checkpointing`` ("block": every unit), else None."""
+    if isinstance(checkpointing, BlockCheckpointing):
+        return checkpointing
+    return BlockCheckpointing() if checkpointing == "block" else None
+
+
 PlanDevice = Literal["cuda", "xla", "cpu"]
 """A device kind the ranks compute on; on ``"cpu"`` host memory is the device's memory."""
 DEVICES: tuple[PlanDevice, ...] = ("cuda", "xla", "cpu")
@@ -127,7 +147,8 @@ class MemoryLayout:
     precision: PrecisionKind = "fp32"
     """"fp32", or "bf16" / "fp16" mixed precision (compute dtype, fp32 master weights)."""
     activation_checkpointing: Checkpointing = False
-    """False; True: by stage chunk; "block": by unit (``unit_held_bytes``)."""
+    """False; True: by stage chunk; "block" or a ``BlockCheckpointing``: by unit
+    (``unit_held_bytes``)."""
     offload_optimizer: bool = False
     offload_params: bool = False
     microbatch_scale: float = 1.0
@@ -145,6 +166,13 @@ class MemoryLayout:
     """The device kind the ranks compute on: ``"cuda"`` / ``"xla"`` (offloaded state
     leaves the device for the host) or ``"cpu"`` (the host *is* the device: offloaded
     state counts in the same memory)."""
+    prefetch: int = 1
+    """ZeRO-3 by unit or group: groups gathered ahead of the one computing
+    (``zero.prefetch``)."""
+    reduce: str = "microbatch"
+    """ZeRO 2/3 by unit or group: ``"microbatch"`` reduce-scatters each group's gradients
+    after each of its backwards; ``"step"`` accumulates the stage's full-size gradients
+    and reduces them once a step (``zero.reduce``)."""
     weight_work: bool = False
     """Whether the schedule splits the backward (:func:`may_split_backward`, with the
     config's ``split_backward`` on): a microbatch whose W waits holds its linear layers'
@@ -181,11 +209,25 @@ class MemoryLayout:
         if not self.microbatch_scale > 0:
             raise PartitionError(f"microbatch_scale must be > 0, got {self.microbatch_scale!r}")
         _check_gather(self.gather)
+        if (
+            isinstance(self.prefetch, bool)
+            or not isinstance(self.prefetch, int)
+            or self.prefetch < 0
+        ):
+            raise PartitionError(f"prefetch must be an int >= 0, got {self.prefetch!r}")
+        if self.reduce not in ("microbatch", "step"):
+            raise PartitionError(f'reduce must be "microbatch" or "step", got {self.reduce!r}')
         if self.device not in DEVICES:
             raise PartitionError(
                 f"device must be one of {', '.join(DEVICES)} (the kind the ranks compute on), "
                 f"got {self.device!r}"
             )
+
+    @property
+    def reduces_per_microbatch(self) -> bool:
+        """Whether ZeRO 2/3 reduce-scatter per group after each backward (``"unit"`` or
+        groups with ``reduce: "microbatch"``), rather than once per step."""
+        return self.zero_stage >= 2 and self.gather != "chunk" and self.reduce == "microbatch"
 
     @property
     def host_is_device(self) -> bool:
@@ -299,7 +341,11 @@ def zero_working_set_bytes(units: Sequence[UnitProfile], layout: MemoryLayout) -
       forward or backward order); at ZeRO-2/3, after a group's backward, its
       gradients exist twice (autograd's ``.grad`` and the flat buffer they are copied
       into for the reduce-scatter, ``FlatBucket.reduce_unit``). The figure is the
-      largest over the stage's groups of the two together;
+      largest over the stage's groups of the two together. ``layout.prefetch`` groups
+      are gathered ahead instead of one. With ``reduce: "step"`` the stage's
+      gradients accumulate full-size (:func:`_step_grad_bytes`, additive over the
+      units) and a group's ``.grad`` exist once more only where they fold into that
+      buffer (ZeRO-3, or an fp32 buffer under mixed precision);
     * ``"chunk"``: at ZeRO-3 the whole stage is gathered from its UNSHARD to its
       RESHARD, and at ZeRO-2/3 its gradients accumulate into a full-size buffer
       (``FlatBucket.staging``, the ``.grad`` are views of it) from its first backward
@@ -317,27 +363,41 @@ def zero_working_set_bytes(units: Sequence[UnitProfile], layout: MemoryLayout) -
         return 0.0
     groups = _gather_groups(units, layout.gather)
     params = [sum(u.param_bytes for u in group) for group in groups]
-    neighbours = _gathered_neighbours(params)
-    return max(
+    neighbours = _gathered_neighbours(params, layout.prefetch)
+    moment = max(
         (_group_moment(groups, params, neighbours, layout, g) for g in range(len(groups))),
         default=0.0,
     )
+    return moment + sum(_step_grad_bytes(u, layout) for u in units)
 
 
-def _gathered_neighbours(params: Sequence[int]) -> list[int]:
-    """Per group, the larger of its nearest neighbours' parameter bytes before and after
-    it among the groups with any (the prefetch skips groups with nothing to gather); one
-    pass each way, not a scan per group."""
-    before, after = [0] * len(params), [0] * len(params)
-    last = 0
-    for g, p in enumerate(params):
-        before[g] = last
-        last = p or last
-    last = 0
-    for g in range(len(params) - 1, -1, -1):
-        after[g] = last
-        last = params[g] or last
+def _gathered_neighbours(params: Sequence[int], n: int) -> list[int]:
+    """Per group, the larger of the summed parameter bytes of its ``n`` nearest groups
+    before it and of its ``n`` nearest after it, among the groups with any (the prefetch
+    skips groups with nothing to gather); one pass each way, not a scan per group."""
+
+    def nearest(order: Iterable[int]) -> list[int]:
+        sums: list[int] = []
+        kept: collections.deque[int] = collections.deque(maxlen=max(n, 0))
+        for p in order:
+            sums.append(sum(kept))
+            if p:
+                kept.append(p)
+        return sums
+
+    before, after = nearest(params), nearest(reversed(params))[::-1]
     return [max(b, a) for b, a in zip(before, after)]
+
+
+def _step_grad_bytes(unit: UnitProfile, layout: MemoryLayout) -> float:
+    """A unit's full-size gradients held from the stage's first backward to its
+    once-per-step reduction (``reduce: "step"`` by unit or group; by chunk
+    :func:`_group_moment` counts them with the chunk), else 0."""
+    if layout.zero_stage < 2 or layout.gather == "chunk" or layout.reduces_per_microbatch:
+        return 0.0
+    if layout.data_parallel_degree == 1:
+        return 0.0
+    return layout.grad_factor * unit.grad_bytes
 
 
 def _group_moment(
@@ -349,13 +409,20 @@ def _group_moment(
 ) -> float:
     """The working set while group ``g`` is differentiated: its parameters and a
     neighbour's gathered (ZeRO-3), and its gradients (ZeRO-2/3); ``params``: each
-    group's parameter bytes; ``neighbours``: ``_gathered_neighbours(params)``."""
+    group's parameter bytes; ``neighbours``: ``_gathered_neighbours(params, prefetch)``."""
     c, sharded = layout.dtype_factor, layout.data_parallel_degree > 1
     extra = 0.0
     if layout.zero_stage >= 2 and sharded:
         # by chunk the .grad are views of (or folded into) the flat buffer; by unit
-        # autograd's compute-dtype .grad and the flat buffer exist together
-        copies = layout.grad_factor + (0.0 if layout.gather == "chunk" else c)
+        # autograd's compute-dtype .grad and the flat buffer exist together; reduced
+        # once a step, they fold into the flat buffer (_step_grad_bytes) as they come
+        if layout.gather == "chunk":
+            copies = layout.grad_factor
+        elif layout.reduces_per_microbatch:
+            copies = layout.grad_factor + c
+        else:  # .grad folded (ZeRO-3's released parameters, an fp32 buffer) or views
+            folds = layout.zero_stage == 3 or layout.grad_factor != c
+            copies = c if folds else 0.0
         extra += copies * sum(u.grad_bytes for u in groups[g])
     if layout.zero_stage == 3 and (sharded or layout.offload_params):
         extra += c * (params[g] + neighbours[g])
@@ -376,8 +443,12 @@ def working_set_for_solver(
         return [zero_working_set_bytes([u], layout) for u in units], 0.0
     n = 1 if layout.gather == "unit" else int(layout.gather)
     offsets = range(min(n, len(units)))
-    reserve = max((zero_working_set_bytes(units[o:], layout) for o in offsets), default=0.0)
-    return [0.0] * len(units), reserve
+    steps = [_step_grad_bytes(u, layout) for u in units]  # additive: to the units
+    reserve = max(
+        (zero_working_set_bytes(units[o:], layout) - sum(steps[o:]) for o in offsets),
+        default=0.0,
+    )
+    return steps, reserve
 
 
 def unit_activation_bytes(unit: UnitProfile, layout: MemoryLayout) -> float:
@@ -398,8 +469,13 @@ def unit_held_bytes(unit: UnitProfile, layout: MemoryLayout, in_flight: int) -> 
     kept = unit.weight_work_bytes * layout.microbatch_scale * layout.dtype_factor
     if not layout.weight_work:
         kept = 0.0
-    if layout.activation_checkpointing == "block":  # the one recomputed: recompute_peak_bytes
-        return (min(saved, boundary_bytes(unit, layout)) + kept) * in_flight
+    strategy = block_strategy(layout.activation_checkpointing)
+    if strategy is not None:  # the one recomputed: recompute_peak_bytes
+        held = min(saved, boundary_bytes(unit, layout))
+        if strategy.mode == "selective":
+            held = max(held, SELECTIVE_KEPT * saved)
+        share = 1.0 / strategy.every  # of the units checkpointed, on average
+        return (share * held + (1.0 - share) * max(saved, kept) + share * kept) * in_flight
     if layout.activation_checkpointing:
         return saved + kept * in_flight
     return max(saved, kept) * in_flight
@@ -409,7 +485,8 @@ def recompute_peak_bytes(units: Sequence[UnitProfile], layout: MemoryLayout) -> 
     """Under per-block checkpointing, what a stage of ``units`` adds while it recomputes:
     one block's saved activations at a time, the largest (0 otherwise: chunk
     checkpointing counts the whole chunk's in ``unit_held_bytes``)."""
-    if layout.activation_checkpointing != "block":
+    strategy = block_strategy(layout.activation_checkpointing)
+    if strategy is None:
         return 0.0
     return max((unit_activation_bytes(u, layout) for u in units), default=0.0)
 

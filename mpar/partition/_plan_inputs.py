@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, TypeAlias
 
 from mpar._size import parse_bytes
+from mpar.config._schema import BlockCheckpointing
 from mpar.errors import PartitionError
 from mpar.partition._memory_model import (
     _PRECISIONS,
@@ -105,6 +106,10 @@ class ZeroSetup:
     ``effective_gather``)."""
     bucket_bytes: int = 25 * 2**20
     """One gradient-reduction bucket (``zero.bucket_mb``)."""
+    prefetch: int = 1
+    """ZeRO-3 groups gathered ahead (``zero.prefetch``)."""
+    reduce: str = "microbatch"
+    """When ZeRO 2/3 reduce-scatter by unit: ``"microbatch"`` or ``"step"`` (``zero.reduce``)."""
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
@@ -179,6 +184,8 @@ class PlanInputs:
             bucket_bytes=zero.bucket_bytes,
             low_precision_grads=self.low_precision_grads and self.precision != "fp32",
             gather=effective_gather(s.pipeline, zero.gather),
+            prefetch=zero.prefetch,
+            reduce=zero.reduce,
             device=self.device,
             weight_work=split,
             expert_parallel_degree=self.grid.ep,
@@ -239,10 +246,12 @@ def plan_inputs(
             zero.offload_params == "cpu",
             zero.gather,
             int(zero.bucket_mb * 2**20),
+            zero.prefetch,
+            zero.reduce,
         ),
         precision=config.precision,
         low_precision_grads=config.low_precision_grads,
-        activation_checkpointing=config.checkpointing,
+        activation_checkpointing=planned_checkpointing(config),
         device=device,
         device_memory=None if memory is None else parse_bytes(memory),
         optimize=config.optimize,
@@ -252,6 +261,24 @@ def plan_inputs(
         context_parallel_method=config.context_parallel_method,
         cp_attention=cp_attention,
     )
+
+
+def planned_checkpointing(config: Config) -> Checkpointing:
+    """``activation_checkpointing`` as the planner models it: true by stage chunk,
+    ``"block"`` for every block, the :class:`~mpar.config.BlockCheckpointing` itself
+    for every k-th block or selectively (what the runtime runs, in each case)."""
+    strategy = config.block_checkpointing
+    if strategy is None:
+        return config.chunk_checkpointing
+    return "block" if strategy == BlockCheckpointing() else strategy
+
+
+def _checkpointing_value(checkpointing: Checkpointing) -> bool | str | ConfigDict:
+    """The config value of the planner's ``checkpointing`` (a dict for every k-th block
+    or selective, as ``mpar.init`` takes it)."""
+    if isinstance(checkpointing, BlockCheckpointing):
+        return {"mode": checkpointing.mode, "every": checkpointing.every}
+    return checkpointing
 
 
 def config_dict(inputs: PlanInputs) -> ConfigDict:
@@ -268,6 +295,10 @@ def config_dict(inputs: PlanInputs) -> ConfigDict:
         zero["gather"] = z.gather
     if z.bucket_bytes != ZeroSetup.bucket_bytes:
         zero["bucket_mb"] = z.bucket_bytes / 2**20
+    if z.prefetch != ZeroSetup.prefetch:
+        zero["prefetch"] = z.prefetch
+    if z.reduce != ZeroSetup.reduce:
+        zero["reduce"] = z.reduce
     config: ConfigDict = {
         "pipeline_parallel_degree": inputs.grid.pp,
         "tensor_parallel_degree": inputs.grid.tp,
@@ -276,7 +307,7 @@ def config_dict(inputs: PlanInputs) -> ConfigDict:
         "virtual_stages": s.virtual_stages,
         "ddp": True,
         "zero": zero,
-        "activation_checkpointing": inputs.activation_checkpointing,
+        "activation_checkpointing": _checkpointing_value(inputs.activation_checkpointing),
         "bf16": inputs.precision == "bf16",
         "fp16": inputs.precision == "fp16",
         "grad_reduce_dtype": inputs.precision if inputs.low_precision_grads else "fp32",

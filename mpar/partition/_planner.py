@@ -87,6 +87,7 @@ __all__ = [
     "UnitCache",
     "lay_out",
     "make_plan",
+    "moe_layers",
     "process_bytes",
     "rank_overheads",
     "unit_memory",
@@ -147,7 +148,7 @@ def make_plan(
         True,
         cost.link_bandwidth,
         overhead_s=overhead,
-        process_bytes=int(process_bytes(grid.pp, cost, laid.layout)),
+        process_bytes=int(process_bytes(grid.pp, cost, laid.layout, moe_layers(inputs))),
         host_memory_bytes=laid.host_memory,
         optimizer_step_bytes=laid.optimizer_step,
         microbatch_size=microbatch_size,
@@ -256,7 +257,7 @@ def lay_out(
     units, cache = profile.units, cache or UnitCache()
     held = cache.get(("state", id(units), layout), lambda: static_unit_memory(units, layout))
     memory, reserve = unit_memory(units, layout, max(flight), messages, held)
-    process = process_bytes(p, cost, layout)
+    process = process_bytes(p, cost, layout, moe_layers(inputs))
     cap_rank, weight = (
         inputs.device_memory,
         memory_weight_for(inputs.optimize, inputs.memory_weight),
@@ -273,8 +274,8 @@ def lay_out(
         solver = exc  # ``exc`` is unbound when the except block ends
 
         def why() -> str:  # composed only when read (the search reads none)
-            held = reserve_parts(units, layout, max(flight), messages)
-            return f"{solver}. {_cap_note(cap_rank, process, v, held)}"
+            parts = reserve_parts(units, layout, max(flight), messages)
+            return f"{solver}. {_cap_note(cap_rank, process, v, parts)}"
 
         raise DeferredError(why) from None
     home = _placement(s.pipeline, p * v, p)
@@ -502,12 +503,20 @@ def _cap_note(device: float, process: float, v: int, reserve: Reserve) -> str:
     )
 
 
-def process_bytes(p: int, cost: CostModel, layout: MemoryLayout | None = None) -> float:
+def process_bytes(
+    p: int, cost: CostModel, layout: MemoryLayout | None = None, moe_layers: int = 0
+) -> float:
     """Memory a rank's process holds besides tensors (``CostModel.process_bytes``, plus
-    ``pipeline_process_bytes`` when the model is split into a pipeline and
-    ``mixed_process_bytes`` under bf16/fp16)."""
+    ``pipeline_process_bytes`` and ``moe_pipeline_process_bytes`` per MoE layer of the
+    model when it is split into a pipeline, and ``mixed_process_bytes`` under bf16/fp16)."""
     mixed = cost.mixed_process_bytes if layout is not None and layout.mixed else 0.0
-    return cost.process_bytes + (cost.pipeline_process_bytes if p > 1 else 0.0) + mixed
+    pipeline = cost.pipeline_process_bytes + moe_layers * cost.moe_pipeline_process_bytes
+    return cost.process_bytes + (pipeline if p > 1 else 0.0) + mixed
+
+
+def moe_layers(inputs: PlanInputs) -> int:
+    """The model's mixture-of-experts layers, where the plan knows its experts."""
+    return 0 if inputs.ep_splits is None else len(inputs.ep_splits.experts)
 
 
 def host_memory(

@@ -59,7 +59,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, get_args
 
 from mpar._size import parse_bytes
-from mpar.config._schema import CheckpointingKind
+from mpar.config._schema import BlockCheckpointing, CheckpointingKind
 from mpar.errors import PartitionError
 from mpar.partition._cost import CostModel
 from mpar.partition._cp_share import cp_comm_s, cp_refusal, cp_share
@@ -69,6 +69,7 @@ from mpar.partition._plan_inputs import ConfigDict, PlanInputs, config_dict
 from mpar.partition._planner import (
     UnitCache,
     lay_out,
+    moe_layers,
     process_bytes,
     rank_overheads,
     unit_time,
@@ -180,9 +181,13 @@ class SearchSpace:
             raise PartitionError(f"max_virtual_stages must be >= 1, got {self.max_virtual_stages}")
         if not set(self.zero_stages) <= {0, 1, 2, 3} or not self.zero_stages:
             raise PartitionError(f"zero_stages must be within 0-3, got {self.zero_stages}")
-        if not set(self.checkpointing) <= {False, True, "block"} or not self.checkpointing:
+        allowed = (False, True, "block")
+        if not self.checkpointing or not all(
+            c in allowed or isinstance(c, BlockCheckpointing) for c in self.checkpointing
+        ):
             raise PartitionError(
-                f"checkpointing must be within False, True, 'block'; got {self.checkpointing}"
+                "checkpointing must be within False, True, 'block' or BlockCheckpointing "
+                f"strategies; got {self.checkpointing}"
             )
         if not set(self.precisions) <= {"fp32", "bf16", "fp16"} or not self.precisions:
             raise PartitionError(
@@ -631,7 +636,21 @@ class _Ranking:
         return sorted(kept, key=_preference)
 
 
-_CHECKPOINTING_ORDER: dict[Checkpointing, int] = {False: 0, True: 1, "block": 2}
+def _checkpointing_order(c: Checkpointing) -> int:
+    """Simpler first: off, by chunk, every block, then the finer per-block strategies."""
+    if isinstance(c, BlockCheckpointing):
+        return 3
+    return 2 if c == "block" else int(c)
+
+
+def checkpointing_label(c: Checkpointing) -> str:
+    """How the plan table names ``c``: "-", "chunk", "block", "block/2", "selective"."""
+    if isinstance(c, BlockCheckpointing):
+        every = f"/{c.every}" if c.every > 1 else ""
+        return f"{c.mode}{every}"
+    if c == "block":
+        return "block"
+    return "chunk" if c else "-"
 
 
 def _preference(c: Candidate) -> tuple[float, ...]:
@@ -643,7 +662,7 @@ def _preference(c: Candidate) -> tuple[float, ...]:
         c.expert_parallel_degree,
         c.zero_stage,
         c.offload_optimizer + c.offload_params,
-        _CHECKPOINTING_ORDER[c.activation_checkpointing],
+        _checkpointing_order(c.activation_checkpointing),
     )
     return (time, c.max_rank_memory_bytes, *features, c.virtual_stages)
 
@@ -814,7 +833,7 @@ def _state_bound(
     layout = run.memory_layout(1.0)
     if key not in states:
         states[key] = math.fsum(unit_state_bytes(u, layout) for u in profile.units)
-    return process_bytes(g.pp, cost, layout) + states[key] / g.pp * (1 - 1e-9)
+    return process_bytes(g.pp, cost, layout, moe_layers(run)) + states[key] / g.pp * (1 - 1e-9)
 
 
 def _work_bound(
@@ -872,7 +891,7 @@ def space_around(inputs: PlanInputs, auto: Collection[str]) -> SearchSpace:
         pipeline_degrees=(inputs.grid.pp,),
         zero_stages=stages,
         offload_choices=(offload,),
-        checkpointing=(False, True) if "activation_checkpointing" in auto else (checkpointing,),
+        checkpointing=CHECKPOINTING if "activation_checkpointing" in auto else (checkpointing,),
         precisions=(inputs.precision,),
         virtual_stage_choices=None if "virtual_stages" in auto else (s.virtual_stages,),
         microbatch_choices=None if "microbatches" in auto else (s.microbatches,),
@@ -1039,7 +1058,7 @@ def _row(rank: str, c: Candidate, result: SearchResult) -> tuple[str, ...]:
         _schedule_name(c),
         str(c.zero_stage),
         offload or "-",
-        {False: "-", True: "chunk", "block": "block"}[c.activation_checkpointing],
+        checkpointing_label(c.activation_checkpointing),
         c.precision,
         f"{(c.step_time_s or 0.0) * 1e3:.4g}",
         f"{(c.bubble or 0.0):.1%}",

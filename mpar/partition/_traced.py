@@ -33,6 +33,7 @@ from mpar.partition._graph import StageGraph, cut_graph
 if TYPE_CHECKING:
     from sympy import Expr
 
+    from mpar.config import BlockCheckpointing
     from mpar.partition._gates import UnitGate
 
 __all__ = ["TracedStage", "traced_stages"]
@@ -67,6 +68,8 @@ class _Program:
     """The final stage only."""
     graph: fx.Graph | None = None
     """The graph ``fn`` was generated from (without unit gates)."""
+    gated: fx.Graph | None = None
+    """``graph`` with unit gates, once they are installed."""
 
 
 def _compile(graph: fx.Graph, name: str) -> tuple[Callable[..., Sequence[object]], str]:
@@ -159,6 +162,30 @@ class TracedStage(nn.Module):
         self._root = weakref.ref(root)
         self._root_training = root.training
         self.training = root.training
+        self._blocks: tuple[Sequence[str], BlockCheckpointing] | None = None
+        """(this stage's units, the strategy) of per-block checkpointing, else None."""
+
+    def checkpoint_blocks(self, units: Sequence[str], strategy: BlockCheckpointing) -> None:
+        """Recompute ``units`` (this stage's, in order) block by block in backward, as
+        ``strategy`` chooses (:mod:`mpar.partition._block_checkpoint`); every later
+        regeneration of the code (unit gates, replaced calls) keeps it."""
+        self._blocks = (list(units), strategy)
+        for training, program in self.programs.items():
+            graph = program.gated or program.graph
+            assert graph is not None
+            self._regenerate(training, program, graph)
+
+    def _regenerate(self, training: bool, program: _Program, graph: fx.Graph) -> None:
+        """``program``'s code from ``graph``, its checkpointed blocks outlined."""
+        mode = _MODES[training]
+        if self._blocks is not None:
+            from mpar.partition._block_checkpoint import checkpoint_graph
+
+            prefix = f"mpar_block_{mode}_"
+            graph, regions = checkpoint_graph(graph, *self._blocks, prefix)
+            for i, region in enumerate(regions):
+                object.__setattr__(self, f"{prefix}{i}", region)
+        program.fn, program.source = _compile(graph, f"stage {self.index} {mode}")
 
     def install_unit_gates(
         self, groups: Sequence[Sequence[str]], gate: UnitGate | None
@@ -181,8 +208,8 @@ class TracedStage(nn.Module):
                 if isinstance(obj, nn.Parameter):
                     previous = found.get(id(obj), -1)
                     found[id(obj)] = group if previous in (-1, group) else None
-            gated = gate_graph(program.graph, groups)
-            program.fn, program.source = _compile(gated, f"stage {self.index} {_MODES[training]}")
+            program.gated = gate_graph(program.graph, groups)
+            self._regenerate(training, program, program.gated)
         object.__setattr__(self, GATE_ATTR, gate)
         for p in self.parameters():
             found.setdefault(id(p), None)
@@ -207,8 +234,7 @@ class TracedStage(nn.Module):
             for node in nodes:
                 node.target = replacement
             if nodes:
-                name = f"stage {self.index} {_MODES[training]}"
-                program.fn, program.source = _compile(program.graph, name)
+                self._regenerate(training, program, program.graph)
             count += len(nodes) if training else 0
         return count
 

@@ -151,6 +151,10 @@ class DistributedOptimizer:
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Update this rank's parameters (those of other stages have no gradient here)."""
+        with _device.sync_debug():
+            return self._step(closure)
+
+    def _step(self, closure: Callable[[], float] | None) -> float | None:
         self._apply_pending()
         sharded = self.sharded_optimizer()
         if sharded is not None:
@@ -220,6 +224,10 @@ class DistributedOptimizer:
         The norm is the one ``torch.nn.utils.clip_grad_norm_`` would compute on
         the unwrapped model's whole-batch gradients.
         """
+        with _device.sync_debug():
+            return self._clip_grad_norm(max_norm, norm_type)
+
+    def _clip_grad_norm(self, max_norm: float, norm_type: float) -> torch.Tensor:
         sharded = self.sharded_optimizer()
         if sharded is not None:
             return self._clip_sharded(sharded, max_norm, norm_type)

@@ -465,7 +465,9 @@ class StepRun:
         results = self.per_microbatch.results
         results[j] = detach(result)  # stays on the device until the step's last
         if len(results) == self.num_microbatches:
-            mine = detach_to_cpu([results[j] for j in range(self.num_microbatches)])
+            mine = [results[j] for j in range(self.num_microbatches)]
+            if self.st.grid.world_size > 1:  # gathered now; one rank's wait to be read
+                mine = detach_to_cpu(mine)
             if self.batches.contexts is not None:  # the CP group's pieces, put together
                 mine = combine_over_cp(mine, self.batches.contexts, self.st.grid)
             self.transfers.send_outputs((mine, list(self.batches.sizes)))

@@ -71,6 +71,9 @@ class LocalStages:
     expert_params: frozenset[int] = frozenset()
     """``id`` of every parameter of this rank's experts under expert parallelism (their
     gradients and ZeRO state live on the expert-data-parallel group)."""
+    checkpointed: dict[int, list[str]] = field(default_factory=dict)
+    """Stage index -> the units recomputed block by block (per-block activation
+    checkpointing), only for stages on this rank."""
 
 
 def planner_inputs(

@@ -43,7 +43,8 @@ from mpar.runtime._executor import Args, Captured, Kwargs, StepCalls, StepRun
 from mpar.runtime._local_stages import LocalStages, build_local_stages
 from mpar.runtime._microbatch import Microbatches
 from mpar.runtime._placement import MeasuredPlacement
-from mpar.runtime._sharding import gathered, make_sharded
+from mpar.runtime._recompute import checkpoint_blocks
+from mpar.runtime._sharding import gathered, make_sharded, stage_units
 from mpar.runtime._transfers import step_signature
 from mpar.schedule import Schedule
 from mpar.shard import ShardedStages
@@ -269,6 +270,7 @@ class DistributedModel:
             self._replace_attention(self.stages)
         for stage in self.stages.modules.values():
             stage.train(self.module.training)
+        self._checkpoint_blocks(self.stages, (args, kwargs))
         # A meta model gets storage here: this rank's stages only, bucket by bucket.
         overwritten = {k for h in self.after_partition for k in getattr(h, "overwrites", ())}
         materializer = start_materialize(
@@ -287,6 +289,19 @@ class DistributedModel:
         hooks, self.after_partition = self.after_partition, []
         for hook in hooks:
             hook(self)
+
+    def _checkpoint_blocks(self, stages: LocalStages, example: tuple[Args, Kwargs]) -> None:
+        """Per-block activation checkpointing: every local stage's chosen units recompute
+        one by one (``runtime._recompute``); a stage that is the whole model learns its
+        units from ``example`` (the first microbatch's inputs)."""
+        strategy = self.config.block_checkpointing
+        if strategy is None:
+            return
+        for s, stage in stages.modules.items():
+            units = stage_units(stages, s, self._run, example)
+            if units and s < len(stages.unit_names):
+                stages.unit_names[s] = units  # found once: ZeRO's unit groups read them
+            stages.checkpointed[s] = checkpoint_blocks(stage, units, strategy)
 
     def _replace_attention(self, stages: LocalStages) -> None:
         """Context parallelism: point the stages' attention at the CP operators (Hugging

@@ -85,14 +85,27 @@ class StepOutput:
 
     ``outputs[i]`` is the value the step function returned for global
     microbatch ``i``; ``sizes[i]`` is its number of samples.
+
+    ``on_device``: the outputs are still where the step computed them (a job of one
+    rank, where nothing has to be gathered): they are copied to the host, in one
+    counted wait, when first read (:attr:`outputs` and every method but ``len``), so
+    a step whose outputs nobody reads never waits for the device.
     """
 
-    def __init__(self, outputs: list[Any], sizes: list[int]) -> None:
-        self.outputs = outputs
+    def __init__(self, outputs: list[Any], sizes: list[int], *, on_device: bool = False) -> None:
+        self._values = outputs
+        self._on_device = on_device
         self.sizes = sizes
 
+    @property
+    def outputs(self) -> list[Any]:
+        """Every microbatch's output, on the host."""
+        if self._on_device:
+            self._values, self._on_device = detach_to_cpu(self._values), False
+        return self._values
+
     def __len__(self) -> int:
-        return len(self.outputs)
+        return len(self._values)
 
     def __iter__(self) -> Any:
         return iter(self.outputs)
@@ -101,7 +114,8 @@ class StepOutput:
         """``out[i]``: microbatch ``i``'s output; ``out["loss"]``: a StepOutput of that
         field of dict outputs (``out["loss"].reduce_mean()``)."""
         if isinstance(index, str):
-            return StepOutput([o[index] for o in self.outputs], self.sizes)
+            picked = [o[index] for o in self._values]
+            return StepOutput(picked, self.sizes, on_device=self._on_device)
         return self.outputs[index]
 
     def __repr__(self) -> str:

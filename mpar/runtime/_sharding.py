@@ -19,7 +19,7 @@ from mpar.shard import ShardedStages
 from mpar.shard._bucket_layout import GroupInfo
 from mpar.shard._unit_gather import WeightGradHooks
 
-__all__ = ["gathered", "make_sharded"]
+__all__ = ["gathered", "make_sharded", "stage_units"]
 
 Inputs = tuple[tuple[object, ...], dict[str, object]]
 """A model call's ``(args, kwargs)``."""
@@ -89,6 +89,26 @@ def _other_stages_parameters(s: int, stages: LocalStages) -> set[int]:
     return {id(p) for t, m in stages.modules.items() if t != s for p in m.parameters()}
 
 
+def stage_units(stages: LocalStages, s: int, st: State, example: Inputs | None) -> list[str]:
+    """Stage ``s``'s partition units in order; for a stage that is the whole model
+    (``pipeline_parallel_degree`` 1), found from ``example`` (none without it)."""
+    names = stages.unit_names[s] if s < len(stages.unit_names) else []
+    if names != ["<whole model>"]:
+        return names
+    if example is None:
+        return []
+    from mpar.meta import find_units_meta, has_meta
+    from mpar.partition import find_units
+    from mpar.profile import preserved_state
+
+    module = stages.modules[s]
+    args, kwargs = _device.to_device(example, st.device)
+    if has_meta(module):
+        return find_units_meta(module, args, kwargs)
+    with torch.no_grad(), preserved_state(module):
+        return find_units(module, args, kwargs)
+
+
 def _unit_groups(
     stages: LocalStages, st: State, example: Inputs | None
 ) -> dict[int, list[list[str]]]:
@@ -98,21 +118,8 @@ def _unit_groups(
     if cfg.zero.stage < 2 or gather == "chunk":
         return {}
     out: dict[int, list[list[str]]] = {}
-    for s, module in stages.modules.items():
-        names = stages.unit_names[s] if s < len(stages.unit_names) else []
-        if names == ["<whole model>"]:
-            if example is None:
-                continue
-            from mpar.meta import find_units_meta, has_meta
-            from mpar.partition import find_units
-            from mpar.profile import preserved_state
-
-            args, kwargs = _device.to_device(example, st.device)
-            if has_meta(module):
-                names = find_units_meta(module, args, kwargs)
-            else:
-                with torch.no_grad(), preserved_state(module):
-                    names = find_units(module, args, kwargs)
+    for s in stages.modules:
+        names = stage_units(stages, s, st, example)
         if len(names) > 1:
             out[s] = group_units(names, gather)
     return out

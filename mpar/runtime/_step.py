@@ -91,7 +91,8 @@ def _execute(fn: StepFunction, model: DistributedModel, batches: Microbatches) -
     st = model.run_state
     PROGRESS.begin_step()
     try:
-        run = model.run_step(fn, batches)
+        with _device.sync_debug():
+            run = model.run_step(fn, batches)
     except BaseException:
         exit_if_reported()
         PROGRESS.end_step(ok=False)

@@ -245,4 +245,4 @@ class Transfers:
             outs, replica_sizes = replica
             outputs.extend(outs)
             sizes.extend(replica_sizes)
-        return StepOutput(outputs, sizes)
+        return StepOutput(outputs, sizes, on_device=self.st.grid.world_size == 1)

@@ -72,7 +72,7 @@ from enum import Enum
 import torch
 from torch import nn
 
-from mpar import _device
+from mpar import _device, _streams
 from mpar.comm._shard_comm import all_gather_flat, broadcast_flat
 from mpar.comm._types import Work
 from mpar.shard._bucket_grads import BucketGrads
@@ -110,8 +110,15 @@ class FlatBucket(LayoutView):
         self.layout = layout
         self.users: set[object] = set()
         """Local stages (or other keys) that currently hold this (ZeRO-3) bucket gathered."""
-        self.gathering: Work | None = None
-        """ZeRO-3: the work handle of a gather started but not yet waited for."""
+        self.gathering: _streams.Ticket | None = None
+        """ZeRO-3: the gather started but not yet waited for (on the ``gather`` stream)."""
+        self.dropped: list[_streams.Ticket] = []
+        """ZeRO-3: gathers freed unused (a prefetch no hook read), which may still read
+        ``shard``: the compute stream waits for them before the optimizer writes it
+        (:meth:`settle`), not when they are dropped."""
+        self.fenced = False
+        """ZeRO-3: the gather stream is ordered after the last write of the parameters on
+        the compute stream (see :meth:`_gather`)."""
         self.residence = Residence.REPLICATED if layout.zero_stage < 3 else Residence.SHARDED
         self.full = torch.empty(0, dtype=self.dtype, device=self.device)
         """All ``P`` parameters (no memory while :attr:`residence` is ``SHARDED``)."""
@@ -197,15 +204,48 @@ class FlatBucket(LayoutView):
         for p in self.params:
             p.data = empty
 
-    def _device_shard(self) -> torch.Tensor:
-        return _device.to_device(self.shard, self.device)
+    @property
+    def label(self) -> str:
+        """The bucket in words, for the streams' records: ``"stage 1 bucket 3"``."""
+        return f"stage {self.spec.stage} bucket@{self.spec.slots[0].index}"
 
-    def _gather(self) -> Work | None:
-        """Start gathering every rank's shard into ``full``."""
-        return all_gather_flat(
-            self.full, self._device_shard(), group=self.comm.group, size=self.comm.size,
-            async_op=True,
-        )  # fmt: skip
+    def _gather(self) -> _streams.Ticket:
+        """Start gathering every rank's shard into ``full`` on the ``gather`` stream.
+
+        An offloaded shard is first copied to the device on the ``copy_in`` stream,
+        and the gather waits for that copy only. The first gather after the
+        parameters were written on the compute stream (an optimizer step, a load)
+        is fenced behind that write, once; later ones wait for nothing the compute
+        stream does. ``full`` is allocated on the gather stream (so its memory is
+        reused in that stream's order) and marked as used by the compute stream
+        when the compute stream first reads it (:meth:`wait_gathered`)."""
+        streams, after = self.streams, []
+        shard = self.shard
+        if not self.fenced:
+            streams.fence("gather", self.label)
+            streams.fence("copy_in", self.label)
+            self.fenced = True
+        if self.offload_params:
+            moved: list[torch.Tensor] = []
+            copy = lambda: moved.append(_device.to_device(self.shard, self.device))  # noqa: E731
+            after.append(streams.issue("copy_in", self.label, copy))
+            shard = moved[0]
+            streams.used_on(shard, "gather")  # made on copy_in, read by the gather
+
+        def gather() -> Work | None:
+            self._grow_full()
+            return all_gather_flat(
+                self.full, shard, group=self.comm.group, size=self.comm.size, async_op=True
+            )
+
+        return streams.issue("gather", self.label, gather, after=after)
+
+    def _grow_full(self) -> None:
+        """Give ``full`` its memory back (on the current stream)."""
+        if self.full.numel() == 0 or not _device.can_free_storage(self.device):
+            self.full = torch.empty(self.spec.padded, dtype=self.dtype, device=self.device)
+        else:
+            _device.restore_storage(self.full)
 
     # ------------------------------------------------------- ZeRO-3 gathering
     def acquire(self, stage: object, *, wait: bool = True) -> None:
@@ -220,10 +260,6 @@ class FlatBucket(LayoutView):
             if wait:
                 self.wait_gathered()
             return
-        if self.full.numel() == 0 or not _device.can_free_storage(self.device):
-            self.full = torch.empty(self.spec.padded, dtype=self.dtype, device=self.device)
-        else:
-            _device.restore_storage(self.full)
         self.gathering = self._gather()
         self.residence = Residence.GATHERED
         self._bind_params()
@@ -256,10 +292,27 @@ class FlatBucket(LayoutView):
             p.data = view
 
     def wait_gathered(self) -> None:
-        """Wait for a gather started by ``acquire(..., wait=False)`` (no-op otherwise)."""
-        work, self.gathering = self.gathering, None
-        if work is not None:
-            work.wait()
+        """Make the compute stream wait for a gather started by ``acquire(...,
+        wait=False)`` (no-op otherwise): it is about to read these parameters."""
+        ticket, self.gathering = self.gathering, None
+        if ticket is not None:
+            ticket.wait()
+            self.streams.used_on(self.full, _streams.COMPUTE)
+
+    def _drop_gather(self) -> None:
+        """Before ``full`` is freed: a gather nobody waited for (an unused prefetch)
+        finishes on its own stream. The compute stream does not wait for it: ``full``
+        was allocated on the gather stream, so its memory is reused in that order."""
+        ticket, self.gathering = self.gathering, None
+        if ticket is not None:
+            self.streams.wait(ticket, "gather")
+            self.dropped.append(ticket)
+
+    def settle(self) -> None:
+        """End of the step's schedule: the compute stream waits for the gathers dropped
+        unused, which read ``shard`` that the optimizer is about to update."""
+        while self.dropped:
+            self.dropped.pop().wait()
 
     def release(self, stage: object) -> None:
         """Drop ``stage``'s use (a stage index, or any key a caller acquired with);
@@ -270,7 +323,7 @@ class FlatBucket(LayoutView):
         if self.residence is Residence.SHARDED:  # the shapes of acquire_shapes, if any
             self._release_params()
             return
-        self.wait_gathered()  # never free a buffer a collective is still writing
+        self._drop_gather()  # never free a buffer a collective is still writing
         if _device.can_free_storage(self.device):
             _device.free_storage(self.full)
         else:
@@ -283,6 +336,7 @@ class FlatBucket(LayoutView):
         the original dtype, the same on every rank of the group (no communication;
         under mixed precision ``master`` keeps the full precision of ``flat``)."""
         self.wait_gathered()
+        self.fenced = False
         lo, hi = self.opt_range
         with torch.no_grad():
             self.master.copy_(flat[lo:hi])
@@ -305,6 +359,7 @@ class FlatBucket(LayoutView):
         """After the gathered parameters were overwritten in place (e.g. by
         ``load_state_dict``): refresh this rank's shard and master copy from them."""
         self.wait_gathered()
+        self.fenced = False
         if self.residence is Residence.SHARDED:
             return
         local = self.full[self.lo : self.hi]
@@ -322,6 +377,7 @@ class FlatBucket(LayoutView):
         Stages 1-2 all-gather the updated slices into ``full``; stage 3 writes
         its shard and re-gathers a bucket that is currently gathered.
         """
+        self.fenced = False  # the next gather reads what the optimizer wrote
         lo, hi = self.opt_range
         if self.residence is Residence.REPLICATED:
             local = self.full[lo:hi]

@@ -23,9 +23,8 @@ from typing import NamedTuple
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from mpar import _device
+from mpar import _device, _streams
 from mpar.comm._shard_comm import all_reduce_flat, reduce_scatter_flat
-from mpar.comm._types import Work
 from mpar.shard._bucket_layout import BucketLayout, LayoutView, ReduceOptions
 
 __all__ = ["BucketGrads", "GradPhase", "Held"]
@@ -54,12 +53,17 @@ class Held(Enum):
     """In ``grad_full`` (ZeRO-0) or ``grad_shard``."""
     HOST = "host"
     """Offloaded: ``cpu_grad`` holds this step's sum (what lands later is added to it)."""
+    COPYING = "copying"
+    """Offloaded: the step's last reduction is being copied to ``cpu_grad`` on the
+    ``copy_out`` stream, from the backward (its ticket in ``unwaited``);
+    :meth:`BucketGrads.finish_reduce` makes it ``HOST``."""
 
 
 class _Reduction(NamedTuple):
-    """A reduction in flight: its work handle, where the result lands, and the buffer sent."""
+    """A reduction in flight: its ticket (``reduce`` stream), where the result lands, and
+    the buffer sent."""
 
-    work: Work | None
+    work: _streams.Ticket
     out: torch.Tensor
     flat: torch.Tensor
 
@@ -80,6 +84,9 @@ class BucketGrads(LayoutView):
         """The flat gradient buffer ``.grad`` views point into (see :meth:`bind_grads`)."""
         self.pending: _Reduction | None = None
         """The reduction in flight (phase ``REDUCING_EARLY`` or ``REDUCING``)."""
+        self.unwaited: list[_streams.Ticket] = []
+        """Reductions landed on the ``reduce`` stream (:meth:`retire`) that the compute
+        stream has not waited for yet: it does before the optimizer reads the result."""
         self.grad_full: torch.Tensor | None = None
         self.spare_grad: torch.Tensor | None = None
         """Stages 0-1: the last ``grad_full``, kept by ``zero_grad(set_to_none=True)``
@@ -92,7 +99,6 @@ class BucketGrads(LayoutView):
         self.fold_hooks: list[RemovableHandle] = []
         """While ``staging`` folds (:attr:`folds_grads`): the parameters' post-accumulate
         hooks that add each new ``.grad`` into it."""
-        self._slot_of = {id(p): slot for p, slot in zip(self.params, self.spec.slots)}
 
     @property
     def per_unit(self) -> bool:
@@ -108,9 +114,14 @@ class BucketGrads(LayoutView):
         """Start the reduction from the backward, once every parameter's gradient is final.
 
         Post-accumulate-grad hooks count the parameters whose gradient the
-        next backward accumulates; the last one starts :meth:`start_reduce`.
+        next backward accumulates; the last one starts :meth:`start_reduce`. A unit
+        bucket reduces from the backward anyway: armed, its next reduction is known
+        to be the step's last (its offloaded copy can start right away).
         """
         self.disarm()
+        if self.per_unit:
+            self.phase = GradPhase.ARMED
+            return
         self.hooks = [p.register_post_accumulate_grad_hook(self._arrive) for p in self.params]
         self.phase = GradPhase.ARMED
 
@@ -126,7 +137,7 @@ class BucketGrads(LayoutView):
         self.arrived.add(id(param))
         if len(self.arrived) == len(self.params):
             self.disarm()
-            self.start_reduce()
+            self.start_reduce(last=True)
             self.phase = GradPhase.REDUCING_EARLY
 
     def reduce(self) -> None:
@@ -138,17 +149,18 @@ class BucketGrads(LayoutView):
         if self.phase is GradPhase.REDUCING_EARLY:
             self.phase = GradPhase.REDUCING
         else:
-            self.start_reduce()
+            self.start_reduce(last=True)
 
     def reduce_unit(self) -> None:
         """Unit bucket: start reduce-scattering the gradients its parameters got since
         the last call (``.grad`` as autograd allocated them), to be added to
-        ``grad_shard``. The previous reduction is finished first, so at most one is
-        in flight; no-op when no parameter has a gradient."""
+        ``grad_shard``. The previous reduction is retired first (:meth:`retire`), so at
+        most one is in flight; no-op when no parameter has a gradient."""
         if all(p.grad is None for p in self.params):
             return
-        self.finish_reduce(to_host=False)
-        self.start_reduce()
+        last = self.phase is GradPhase.ARMED
+        self.retire()
+        self.start_reduce(last=last)
 
     def bind_grads(self) -> None:
         """Before the stage's first backward of a step: make every parameter's
@@ -163,7 +175,7 @@ class BucketGrads(LayoutView):
             return  # already bound or in flight
         if self.zero_stage == 0 and self.has_grad:
             return  # start_reduce raises the error that explains this
-        if self.folds_grads:
+        if self.folds_grads or self._released():
             self._bind_folding()
             return
         if self.grad_full is not None:
@@ -172,9 +184,20 @@ class BucketGrads(LayoutView):
         for slot, p, shape in zip(self.spec.slots, self.params, self.shapes):
             p.grad = self.staging[slot.offset : slot.offset + slot.numel].view(shape)
 
+    def _released(self) -> bool:
+        """ZeRO-3 parameters released (shapeless) now: ``.grad`` cannot be bound to them
+        (by unit with ``zero.reduce: "step"``, the stage's units are gathered one at a
+        time), so the gradients fold into ``staging`` as they arrive."""
+        return any(p.shape != shape for p, shape in zip(self.params, self.shapes))
+
+    @property
+    def folding(self) -> bool:
+        """``staging`` is bound by folding (:meth:`_bind_folding`)."""
+        return bool(self.fold_hooks)
+
     def _bind_folding(self) -> None:
-        """:meth:`bind_grads` when ``.grad`` (compute dtype) cannot view the fp32 buffer:
-        ``staging`` starts from the gradients that exist, and a post-accumulate hook on
+        """:meth:`bind_grads` when ``.grad`` cannot view the buffer (compute-dtype ``.grad``
+        and an fp32 buffer, or released ZeRO-3 parameters, :meth:`_released`): ``staging`` starts from the gradients that exist, and a post-accumulate hook on
         every parameter adds each ``.grad`` autograd produces into it and drops it (as
         Megatron's fp32 ``main_grad``). Gradients written outside autograd (split
         backward's W) are added by :meth:`fold_all`, which the runtime calls after W."""
@@ -186,9 +209,9 @@ class BucketGrads(LayoutView):
     def fold(self, param: torch.Tensor) -> None:
         """Add ``param.grad`` into ``staging`` (when folding, bound and it has one) and
         drop it: the next backward starts a new compute-dtype gradient."""
-        if self.staging is None or param.grad is None or not self.folds_grads:
+        if self.staging is None or param.grad is None or not self.folding:
             return
-        slot = self._slot_of[id(param)]
+        slot = self.layout.slot_of[id(param)]
         self.staging[slot.offset : slot.offset + slot.numel].add_(param.grad.reshape(-1))
         param.grad = None
 
@@ -231,11 +254,13 @@ class BucketGrads(LayoutView):
                 "reductions needs ZeRO stage 1, 2 or 3)"
             )
 
-    def start_reduce(self) -> None:
-        """Flatten the parameters' gradients and start their (async) reduction."""
+    def start_reduce(self, *, last: bool = False) -> None:
+        """Flatten the parameters' gradients and start their (async) reduction; ``last``:
+        the step's last one for this bucket (an offloaded result starts its copy to the
+        host right behind it, :meth:`_copy_out`)."""
         self._check_can_reduce()
         own = self._grad_as_flat() if self.staging is None else None
-        if self.staging is not None and self.folds_grads:
+        if self.staging is not None and self.folding:
             flat, self.staging = self._unbind_folding(), None
         elif self.staging is not None:
             flat, self.staging = self._fill_flat(self.staging), None
@@ -245,23 +270,69 @@ class BucketGrads(LayoutView):
             flat = self._fill_flat(self._flat_grad())
         for p in self.params:
             p.grad = None  # stage 0 points it into the reduced buffer when done
+        self.pending = self._issue(flat)
+        self.phase = GradPhase.REDUCING
+        if last and self._copies_early():
+            self._copy_out(self.pending)
+
+    def _copies_early(self) -> bool:
+        """Whether the step's last reduction is copied to the host from the backward:
+        offloaded, on side streams, a plain copy (not added to a sum already there,
+        not a tied bucket, summed over its group after landing)."""
+        return (
+            self.offload_optimizer
+            and self.zero_stage >= 1
+            and self.streams.overlaps
+            and self.held is not Held.HOST
+            and self.options.tied_group is None
+        )
+
+    def _copy_out(self, reduction: _Reduction) -> None:
+        """Copy ``reduction``'s result to ``cpu_grad`` on the ``copy_out`` stream, after
+        the reduction only (per bucket, during the backward, as DeepSpeed's offload);
+        the compute stream waits for the copy in :meth:`finish_reduce`."""
+        if self.cpu_grad is None:
+            self.cpu_grad = _device.host_buffer(
+                reduction.out.numel(), self.master_dtype, self.device
+            )
+        cpu, out = self.cpu_grad, reduction.out
+        self.streams.used_on(out, "copy_out")  # made on compute or reduce, read here
+
+        def copy() -> None:
+            _device.copy_(cpu, out)
+
+        ticket = self.streams.issue("copy_out", self._label, copy, after=[reduction.work])
+        self.unwaited.append(ticket)
+        self.held = Held.COPYING
+
+    @property
+    def _label(self) -> str:
+        return f"stage {self.spec.stage} bucket@{self.spec.slots[0].index}"
+
+    def _issue(self, flat: torch.Tensor) -> _Reduction:
+        """Start the reduction of ``flat`` on the ``reduce`` stream, ordered after the
+        gradients the compute stream has produced so far (a fence, not a wait of the
+        compute stream). ``flat`` was made on the compute stream and is read by the
+        reduce stream: marked as used there, so its memory outlives the reduction
+        even once :meth:`_land` drops it."""
         group, size = self.comm.group, self.comm.size
+        streams, label = self.streams, self._label
+        streams.fence("reduce", label)
+        streams.used_on(flat, "reduce")
         if self.zero_stage == 0:
-            work = all_reduce_flat(flat, group=group, size=size, async_op=True)
-            self.pending = _Reduction(work, flat, flat)
+            out = flat
+            run = lambda: all_reduce_flat(flat, group=group, size=size, async_op=True)  # noqa: E731
         elif self.grad_shard is not None and self.options.tied_group is None:
             # the sum lands in the reduced shard: no shard-sized buffer in between
             # (tied copies are summed over their group per reduction, so not those)
             out = self.grad_shard
-            work = reduce_scatter_flat(
+            run = lambda: reduce_scatter_flat(  # noqa: E731
                 out, flat, group=group, size=size, async_op=True, accumulate=True
             )
-            self.pending = _Reduction(work, out, flat)
         else:
             out = torch.empty(self.spec.shard_numel, dtype=self.grad_dtype, device=self.device)
-            work = reduce_scatter_flat(out, flat, group=group, size=size, async_op=True)
-            self.pending = _Reduction(work, out, flat)
-        self.phase = GradPhase.REDUCING
+            run = lambda: reduce_scatter_flat(out, flat, group=group, size=size, async_op=True)  # noqa: E731
+        return _Reduction(streams.issue("reduce", label, run), out, flat)
 
     def _grad_as_flat(self) -> torch.Tensor | None:
         """The only parameter's ``.grad`` itself as the buffer the reduce-scatter sends
@@ -304,6 +375,18 @@ class BucketGrads(LayoutView):
         whole step would; the copy to the offloaded optimizer happens once, at
         the end of the step.
         """
+        if not to_host:
+            self.retire()
+            return
+        while self.unwaited:
+            self.unwaited.pop(0).wait()
+        if self.phase is GradPhase.ARMED:  # a unit bucket whose last backward reduced nothing
+            self.phase = GradPhase.IDLE
+        if self.held is Held.COPYING:  # copied from the backward (_copy_out)
+            if self.pending is not None:
+                self._land(self.pending)
+            self.held, self.grad_shard = Held.HOST, None
+            return
         if self.pending is None:
             if to_host and self.offload_optimizer and self.grad_shard is not None:
                 self._to_cpu_grad(self.grad_shard)  # what earlier units' reductions left
@@ -317,11 +400,28 @@ class BucketGrads(LayoutView):
         elif self.held is Held.NONE:
             self.held = Held.DEVICE
 
-    def _land(self, reduction: _Reduction) -> torch.Tensor:
-        """Wait for ``reduction``; keep its result (``grad_full`` or ``grad_shard``)."""
+    def retire(self) -> None:
+        """Land the reduction in flight on the ``reduce`` stream, without the compute
+        stream waiting for it (a unit bucket between two of its backwards): the next
+        reduction of this bucket follows it on that stream, and the compute stream
+        waits for both in :meth:`finish_reduce`, where the optimizer needs them. On the
+        host's one stream this waits for the collective, freeing the buffer it sent."""
+        if self.pending is None:
+            return
+        ticket = self.pending.work
+        self.streams.wait(ticket, "reduce")
+        self.unwaited.append(ticket)
+        with self.streams.on("reduce"):  # what landing computes follows the reduction
+            self._land(self.pending, wait=False)
+        if self.held is Held.NONE:
+            self.held = Held.DEVICE
+
+    def _land(self, reduction: _Reduction, *, wait: bool = True) -> torch.Tensor:
+        """Wait for ``reduction`` (the compute stream, unless ``wait`` is false: see
+        :meth:`retire`); keep its result (``grad_full`` or ``grad_shard``)."""
         work, out, flat = reduction
         self.pending, self.phase = None, GradPhase.IDLE
-        if work is not None:
+        if wait:
             work.wait()
         if self.zero_stage >= 1 and flat is not out and _device.can_free_storage(flat.device):
             # the sent buffer is scratch: free it now, as the next unit's reduction may
@@ -350,8 +450,8 @@ class BucketGrads(LayoutView):
         if self.cpu_grad is None:
             self.cpu_grad = _device.host_buffer(reduced.numel(), self.master_dtype, self.device)
         if self.held is Held.HOST and self.zero_stage >= 1:
-            _device.SYNCS.count("offloaded gradient sum")  # a blocking copy to the host
-            self.cpu_grad.add_(reduced.to("cpu"))
+            with _device.counted_wait("offloaded gradient sum"):  # a blocking copy
+                self.cpu_grad.add_(reduced.to("cpu"))
         else:
             _device.copy_(self.cpu_grad, reduced)
         if self.zero_stage >= 1:
@@ -467,5 +567,6 @@ def _on(factor: float | torch.Tensor, device: torch.device) -> float | torch.Ten
     if not isinstance(factor, torch.Tensor) or factor.device == device:
         return factor
     if _device.is_host(device) and not _device.on_host(factor):
-        _device.SYNCS.count("scale factor to the host optimizer")
+        with _device.counted_wait("scale factor to the host optimizer"):
+            return factor.to(device)
     return factor.to(device)

@@ -9,14 +9,17 @@ bucket is made.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from mpar import _streams
 from mpar.comm._types import ProcessGroup
-from mpar.shard._flat_layout import BucketSpec
+from mpar.shard._flat_layout import BucketSpec, SlotSpec
 
 __all__ = ["BucketLayout", "GroupInfo", "LayoutView", "ReduceOptions"]
 
@@ -61,6 +64,11 @@ class BucketLayout:
     offload_params: bool
     own: tuple[int, int]
     """``[lo, hi)``: this rank's slice of the padded buffer."""
+
+    @functools.cached_property
+    def slot_of(self) -> dict[int, SlotSpec]:
+        """``id(param)`` -> its slot in the flat buffer."""
+        return {id(p): slot for p, slot in zip(self.params, self.spec.slots)}
 
     @classmethod
     def make(
@@ -157,6 +165,13 @@ class LayoutView:
         return self.layout.grad_dtype
 
     @property
+    def streams(self) -> _streams.Streams:
+        """The device seam's streams for this bucket's collectives and copies: side
+        streams where the group's backend communicates the device's tensors in place
+        (NCCL on CUDA), else the host's one stream (:mod:`mpar._streams`)."""
+        return _streams.streams_for(self.device, _backend(self.comm))
+
+    @property
     def folds_grads(self) -> bool:
         """Whether gradients accumulate in a dtype above the parameters' (bf16 / fp16
         parameters, fp32 gradient buffers): ``.grad`` cannot view them."""
@@ -182,3 +197,10 @@ class LayoutView:
     def opt_range(self) -> tuple[int, int]:
         """Elements of the padded buffer this rank's optimizer updates."""
         return self.layout.opt_range
+
+
+def _backend(comm: GroupInfo) -> str | None:
+    """``comm``'s backend (None for a group of one: it never communicates)."""
+    if comm.size == 1 or not dist.is_initialized():
+        return None
+    return str(dist.get_backend(comm.group))

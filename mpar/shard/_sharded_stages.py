@@ -77,13 +77,16 @@ class _BucketPlan:
     tp_size: int
     unread: frozenset[int]
     """``id`` of the parameters whose gradient reads none of their values."""
+    per_microbatch: bool = True
+    """``zero.reduce`` is ``"microbatch"``: unit groups reduce after each backward (else
+    their buckets accumulate full-size gradients and reduce once per step)."""
 
     def reduce_options(self, first: nn.Parameter, zero_stage: int) -> ReduceOptions:
         """How the bucket whose first parameter is ``first`` reduces its gradients."""
         tied = id(first) in self.tied
         group = self.tied.get(id(first))
         return ReduceOptions(
-            per_unit=id(first) in self.unit_of and zero_stage >= 2,
+            per_unit=id(first) in self.unit_of and zero_stage >= 2 and self.per_microbatch,
             tied_group=group,
             tied_size=group_size(group) if tied else 1,
             # the same on every TP rank: its norm counts once
@@ -252,6 +255,7 @@ class ShardedStages:
             tp_split=frozenset(tp_split) if tp_size > 1 else None,
             tp_size=tp_size,
             unread=frozenset(unread_in_backward),
+            per_microbatch=zero.reduce == "microbatch",
         )
         self.buckets = self._make_buckets(owned, plan, materialize)
         self.tied_buckets = [self._bucket_of(p) for _, p in tied]
@@ -324,6 +328,7 @@ class ShardedStages:
                 ordered,
                 gather=self.zero.stage == 3,
                 reshard_after_forward=self.zero.reshard_after_forward,
+                prefetch=self.zero.prefetch,
                 on_gather=self._note_gathered,
                 on_grads=self._note_grads,
                 unread_in_backward=[
@@ -530,17 +535,19 @@ class ShardedStages:
         reduction then starts as soon as autograd has accumulated the last of
         its gradients, overlapping communication with the rest of the
         backward. ``reduce_grads(s)`` is still called after it and starts the
-        buckets whose parameters got no gradient.
+        buckets whose parameters got no gradient. Unit buckets reduce from the
+        backward anyway; for them this marks the coming reduction as the step's
+        last, whose offloaded result is then copied to the host right behind it.
         """
         for bucket in self._stage(s).owned:
-            if not bucket.grads.per_unit:
-                bucket.grads.arm()
+            bucket.grads.arm()  # a unit bucket: marks its next reduction as the last
 
     def finish_grads(self) -> None:
         """Wait for every pending reduction (end of the step's schedule); tied
         parameters' gradients are then summed over their groups, in ``tied`` order."""
         tied = {id(b) for b in self.tied_buckets}
         for bucket in self.buckets:
+            bucket.settle()
             if id(bucket) not in tied:
                 bucket.grads.finish_reduce()
         for bucket in self.tied_buckets:

@@ -112,6 +112,7 @@ class UnitGather:
         *,
         gather: bool,
         reshard_after_forward: bool,
+        prefetch: int = 1,
         on_gather: object = None,
         on_grads: object = None,
         unread_in_backward: Sequence[bool] = (),
@@ -124,6 +125,8 @@ class UnitGather:
         self.gather = gather
         """ZeRO-3: gather and free the groups' parameters (else only reduce per group)."""
         self.reshard_after_forward = reshard_after_forward
+        self.prefetch = prefetch
+        """Groups gathered ahead of the one computing (``zero.prefetch``)."""
         self.on_gather = on_gather
         """Called with no argument after each gather starts (peak accounting)."""
         self.on_grads = on_grads
@@ -157,15 +160,18 @@ class UnitGather:
                 bucket.release(group.key)
 
     def _prefetch(self, g: int, step: int) -> None:
-        """Start gathering the nearest group from ``g`` on (``step`` +1 or -1) that has
-        parameters: groups without any (an activation function) are skipped, and so,
-        in a backward (``step`` -1), are groups whose backward reads none."""
-        while self.gather and 0 <= g < len(self.groups):
+        """Start gathering the nearest ``prefetch`` groups from ``g`` on (``step`` +1 or
+        -1) that have parameters: groups without any (an activation function) are
+        skipped, and so, in a backward (``step`` -1), are groups whose backward reads
+        none. A gather only starts here; the compute stream waits for it in the hook
+        of the group that reads it (``pre_forward`` / ``pre_backward``)."""
+        budget = self.prefetch
+        while self.gather and budget > 0 and 0 <= g < len(self.groups):
             group = self.groups[g]
             if group.buckets and not (step < 0 and group.unread_in_backward):
                 if not group.holds:
                     self._hold(group, _PREFETCH, wait=False)
-                return
+                budget -= 1
             g += step
 
     # ------------------------------------------------------------------ hooks

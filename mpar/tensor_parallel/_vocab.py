@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +62,8 @@ def _causal_head(module: nn.Module) -> nn.Linear | None:
     causal = _hf_causal_loss()
     if not isinstance(head, nn.Linear) or causal is None or not _calls_loss_function(module):
         return None
-    return head if getattr(module, "loss_function", None) is causal else None
+    loss = getattr(module, "loss_function", None)
+    return head if loss is not None and inspect.unwrap(loss) is causal else None
 
 
 def vocab_plan(module: nn.Module, tp: int) -> dict[str, str]:
@@ -114,6 +116,19 @@ def use_vocab_parallel_loss(module: nn.Module, styles: dict[str, Style], group: 
     style = styles.get(name or "")
     if style is None or style.kind != "colwise" or style.gather_output:
         return False
-    # Hugging Face's loss_function property has a setter; nn.Module's typing does not know it
-    setattr(module, "loss_function", functools.partial(causal_lm_loss, group=group))  # noqa: B010
+    _replace_causal_loss(module, functools.partial(causal_lm_loss, group=group))
     return True
+
+
+def _replace_causal_loss(module: nn.Module, loss: Callable[..., torch.Tensor]) -> None:
+    """Put ``loss`` where ``module``'s Hugging Face causal-LM loss is: its ``loss_function``
+    itself, or the innermost ``__wrapped__`` of the wrappers around it (context
+    parallelism's label shift, ``mpar.context_parallel._shard.ShiftedOverCP``, stays
+    outside and hands the vocabulary-parallel loss its shifted labels and count)."""
+    causal = _hf_causal_loss()
+    holder: object = module
+    attr = "loss_function"
+    while getattr(holder, attr) is not causal:
+        holder, attr = getattr(holder, attr), "__wrapped__"
+    # Hugging Face's loss_function property has a setter; nn.Module's typing does not know it
+    setattr(holder, attr, loss)

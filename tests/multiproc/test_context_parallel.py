@@ -53,14 +53,16 @@ def test_cp2_hugging_face_and_packed_documents():
     assert len(resolved) == 1 and cases.BATCH % resolved.pop() == 0
 
 
-def test_cp2_with_pipeline_and_with_zero3_offload():
+def test_cp2_with_pipeline_with_zero3_offload_and_with_tensor_parallel():
     """cp 2 x pp 2 (1F1B, the plain GPT: scaled_dot_product_attention in the captured
-    stages), and cp 2 x dp 2 with ZeRO-3 and CPU offload (Mistral's sliding window, all-
-    to-all): gradients summed and ZeRO sharded over dp x cp."""
+    stages), cp 2 x dp 2 with ZeRO-3 and CPU offload (Mistral's sliding window, all-
+    to-all): gradients summed and ZeRO sharded over dp x cp; and cp 2 x tp 2 (Llama, the
+    ring): the labels shifted over the CP group feed the vocabulary-parallel loss."""
     pp = {"cp": 2, "pipeline_parallel_degree": 2, "microbatches": 2}
     zero = {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"}
     zero3 = {"cp": 2, "zero": zero, "context_parallel_method": "all_to_all"}
-    _run_each(4, [(pp, "gpt", "plain"), (zero3, "mistral", "plain")])
+    tp = {"cp": 2, "tensor_parallel_degree": 2}
+    _run_each(4, [(pp, "gpt", "plain"), (zero3, "mistral", "plain"), (tp, "llama", "plain")])
 
 
 def test_cp2_ring_under_nccl_rules():

@@ -65,3 +65,50 @@ def test_a_pipeline_step_waits_for_the_host_a_constant_number_of_times(case):
     for m, (rank0, rank1) in by_m.items():
         assert rank0 == first and rank1 == last, (m, rank0, rank1)
         assert sum(rank1.values()) <= 4
+
+
+def _one_rank(steps: int) -> dict[str, Any]:
+    import mpar
+    from mpar import _device
+    from tests.multiproc._pipeline_cases import MODELS, batch, loss_fn, make_optimizer
+
+    mpar.init({"microbatches": 4})
+    model = mpar.DistributedModel(MODELS["mlp"]())
+    opt = mpar.DistributedOptimizer(make_optimizer("sgd", model.parameters()))
+
+    @mpar.step
+    def train_step(m: Any, x: Any, y: Any) -> Any:
+        loss = loss_fn(m(x), y)
+        m.backward(loss)
+        return {"loss": loss}
+
+    outs = []
+    for s in range(steps):
+        x, y = batch("mlp", s, 16)
+        _device.SYNCS.take()
+        outs.append(train_step(model, x, y))
+        opt.clip_grad_norm_(0.5)
+        opt.step()
+        opt.zero_grad()
+    in_step = _device.SYNCS.take()
+    losses = [float(out["loss"].reduce_mean()) for out in outs]  # the user's reads
+    read = _device.SYNCS.take()
+    on_host = all(t.device.type == "cpu" for t in outs[-1]["loss"].outputs)
+    mpar.shutdown()
+    return {"in_step": in_step, "read": read, "losses": losses, "on_host": on_host}
+
+
+def test_one_rank_keeps_the_outputs_on_the_device_until_they_are_read():
+    """A job of one rank gathers nothing: the step's outputs stay on the device, the
+    steady step waits for nothing, and reading them is one counted wait per step read;
+    the values are the single process's."""
+    import torch
+
+    from tests.multiproc._pipeline_cases import reference
+
+    steps = FIRST_STEPS + 1
+    (r,) = run_distributed(_one_rank, 1, args=(steps,), timeout=120)
+    assert r["in_step"] == {} and r["read"] == {"step outputs to the host": steps}
+    assert r["on_host"]
+    ref = reference("mlp", "sgd", steps, clip=0.5, batch_size=16)
+    torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]))

@@ -291,9 +291,9 @@ def _embedding_layouts():
                         if len(bucket.params) == 1 and bucket.grads.per_unit:
                             grads, start = bucket.grads, bucket.grads.start_reduce
 
-                            def start_reduce(grads=grads, start=start):
+                            def start_reduce(grads=grads, start=start, **options):
                                 before = grads.params[0].grad.data_ptr()
-                                start()
+                                start(**options)
                                 sent_grad.append(grads.pending.flat.data_ptr() == before)
 
                             grads.start_reduce = start_reduce

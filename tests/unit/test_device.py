@@ -19,14 +19,15 @@ CPU, XLA, CUDA = torch.device("cpu"), torch.device("xla", 0), torch.device("cuda
 
 
 def test_device_branches_live_only_in_the_seam():
-    """The acceptance check of the seam: no other module of mpar tests a device's
-    type, calls torch.cuda or torch_xla, pins memory or copies non-blocking."""
+    """The acceptance check of the seam (``_device.py`` and its side streams,
+    ``_streams.py``): no other module of mpar tests a device's type, calls torch.cuda
+    or torch_xla, pins memory or copies non-blocking."""
     pattern = re.compile(
         r"\.type\s*(==|!=|in\b)|torch\.cuda|torch_xla|pin_memory\s*=|is_pinned|non_blocking\s*="
     )
     hits = []
     for path in sorted((ROOT / "mpar").rglob("*.py")):
-        if path.name == "_device.py":
+        if path.name in ("_device.py", "_streams.py"):  # the seam, and its streams
             continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("#", 1)[0]
@@ -161,6 +162,38 @@ def test_the_sync_ledger_counts_host_reads_by_reason():
     assert _device.SYNCS.take() == {}
 
 
+def test_sync_debug_turns_torch_mode_on_in_a_step_and_exempts_the_ledger(monkeypatch):
+    """With MPAR_SYNC_DEBUG and CUDA in use, torch's sync debug mode is on inside the
+    step and off for the ledger's own waits, so only uncounted syncs warn or raise."""
+    calls: list[object] = []
+    mode = [0]
+
+    def set_mode(value):
+        calls.append(value)
+        mode[0] = value
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: mode[0])
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", set_mode)
+    monkeypatch.setenv(_device.SYNC_DEBUG_ENV, "error")
+    _device.SYNCS.take()
+    with _device.sync_debug():
+        assert _device.host_value(torch.tensor(2.0), "a read") == 2.0
+        with _device.sync_debug():  # nested: stays on
+            pass
+        assert mode[0] == "error"
+    assert calls == ["error", 0, "error", 0]
+    assert _device.SYNCS.take() == {"a read": 1}
+    monkeypatch.setenv(_device.SYNC_DEBUG_ENV, "loud")
+    with pytest.raises(ConfigError, match="MPAR_SYNC_DEBUG is 'loud'"), _device.sync_debug():
+        pass
+    monkeypatch.delenv(_device.SYNC_DEBUG_ENV)
+    calls.clear()
+    with _device.sync_debug():
+        _device.host_value(torch.tensor(1.0), "a read")
+    assert calls == []
+
+
 def test_device_memory_is_read_from_the_device_where_one_is_there(monkeypatch):
     """Without ``device_memory`` an "auto" config is refused on the CPU; on CUDA the
     device's memory is read (stood in for here), by the config and by ``mpar plan``."""
@@ -206,3 +239,28 @@ def test_memory_report_on_cuda_gives_reserved_and_each_steps_own_peak():
         assert peaks[1] < peaks[0] - 4 * 8192 * 256  # the second peak is the second step's
     finally:
         mpar.shutdown()
+
+
+def test_side_streams_only_where_the_backend_takes_the_devices_tensors():
+    """ZeRO's collectives go on CUDA side streams with NCCL (or a group of one, which
+    never communicates); host-staged backends and the CPU keep the one host stream, whose
+    tickets wait for the collective's handle as before."""
+    from mpar import _streams
+
+    assert isinstance(_streams.streams_for(CUDA, "nccl"), _streams.CudaStreams)
+    assert isinstance(_streams.streams_for(CUDA, None), _streams.CudaStreams)
+    assert not isinstance(_streams.streams_for(CUDA, "gloo"), _streams.CudaStreams)
+    host = _streams.streams_for(CPU, "gloo")
+    assert not host.overlaps and not isinstance(host, _streams.CudaStreams)
+
+    class Handle:
+        waited = 0
+
+        def wait(self):
+            Handle.waited += 1
+
+    ticket = host.issue("gather", "x", Handle)
+    assert Handle.waited == 0  # issued, not waited
+    ticket.wait()
+    ticket.wait()
+    assert Handle.waited == 1

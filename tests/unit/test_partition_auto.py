@@ -26,6 +26,7 @@ from mpar.partition._memory_model import (
     stage_extra_bytes,
     transfer_bytes,
     unit_state_bytes,
+    working_set_for_solver,
     zero_working_set_bytes,
 )
 from mpar.profile import ModelProfile, UnitProfile
@@ -100,6 +101,25 @@ def test_zero_working_set_is_two_gathered_units_and_one_gradient_bucket():
     assert zero_working_set_bytes(apart, MemoryLayout(4, 3)) == 2 * 400 + (400 + 100)
 
 
+def test_zero_working_set_counts_the_prefetch_budget_and_reducing_once_a_step():
+    units = [_unit(i, params=p) for i, p in enumerate((100, 400, 300, 200))]
+    # zero.prefetch 2: the unit and its two next (or previous) neighbours gathered
+    two = MemoryLayout(4, 3, prefetch=2)
+    assert zero_working_set_bytes(units, two) == 2 * 400 + (400 + 300 + 200)
+    assert zero_working_set_bytes(units, MemoryLayout(4, 3, prefetch=0)) == 2 * 400 + 400
+    # zero.reduce "step": every unit's gradients in the flat buffer for the step; at
+    # ZeRO-3 one unit's .grad on top while it folds in, at ZeRO-2 (fp32) none
+    step3 = MemoryLayout(4, 3, reduce="step")
+    assert zero_working_set_bytes(units, step3) == 1000 + 400 + (400 + 300)
+    assert zero_working_set_bytes(units, MemoryLayout(4, 2, reduce="step")) == 1000
+    per_unit, reserve = working_set_for_solver(units, step3)
+    assert per_unit == [100, 400, 300, 200] and reserve == 400 + (400 + 300)
+    with pytest.raises(PartitionError, match="reduce"):
+        MemoryLayout(4, 3, reduce="sometimes")
+    with pytest.raises(PartitionError, match="prefetch"):
+        MemoryLayout(4, 3, prefetch=-1)
+
+
 def test_last_stage_holds_the_loss_and_checkpointing_keeps_boundaries():
     units = [_unit(i, out=100, act=1000) for i in range(4)]
     plain = MemoryLayout()
@@ -171,12 +191,16 @@ def test_make_plan_adds_data_parallel_sync_to_the_step():
     # a ring all-reduce moves 2 (dp-1)/dp of the rank's 800 MiB of gradients at 1 GB/s
     assert four.overhead_s == pytest.approx(2 * 0.75 * 800 * MiB / 1e9)
     assert four.step_time_s == pytest.approx(one.step_time_s + four.overhead_s)
-    # ZeRO-3 (unit-granular): gradients reduce-scattered once, parameters gathered for
-    # every forward and every backward of each of the 4 microbatches
-    z3 = make_plan(
-        prof, _run(2, world=8, microbatches=4, zero={"stage": 3}), cost=CostModel(dp_bandwidth=1e9)
+    # ZeRO-3 (unit-granular): parameters gathered for every forward and every backward
+    # of each of the 4 microbatches; gradients reduce-scattered after each microbatch
+    # (zero.reduce "microbatch", the default) or once a step ("step")
+    cost = CostModel(dp_bandwidth=1e9)
+    z3 = make_plan(prof, _run(2, world=8, microbatches=4, zero={"stage": 3}), cost=cost)
+    assert z3.overhead_s == pytest.approx(0.75 * (4 * 800 + 2 * 4 * 800) * MiB / 1e9)
+    once = _run(2, world=8, microbatches=4, zero={"stage": 3, "reduce": "step"})
+    assert make_plan(prof, once, cost=cost).overhead_s == pytest.approx(
+        0.75 * (800 + 2 * 4 * 800) * MiB / 1e9
     )
-    assert z3.overhead_s == pytest.approx(0.75 * (800 + 2 * 4 * 800) * MiB / 1e9)
 
 
 def test_search_ranks_fitting_layouts_fastest_first():
@@ -405,7 +429,7 @@ def test_the_search_reuses_each_units_figures_across_layouts(monkeypatch):
     monkeypatch.setattr(planner.UnitCache, "get", lambda self, key, make: make())
     afresh = search(prof, base, global_batch=32, top=3)
     assert [c.to_dict() for c in cached.ranked] == [c.to_dict() for c in afresh.ranked]
-    # 1172 layouts laid out (782 evaluated, some over the cap before laying out, and the
-    # simulated ones again): 216 memory layouts, 6 microbatch sizes and precisions
-    assert made == {"static_unit_memory": 1172, "_unit_times": 1172}
-    assert once == {"static_unit_memory": 216, "_unit_times": 6}
+    # 1442 layouts laid out (the evaluated ones not over the cap before laying out, and the
+    # simulated ones again): 288 memory layouts, 6 microbatch sizes and precisions
+    assert made == {"static_unit_memory": 1442, "_unit_times": 1442}
+    assert once == {"static_unit_memory": 288, "_unit_times": 6}

@@ -139,6 +139,25 @@ def test_plan_at_ep2_halves_expert_state_and_counts_the_all_to_alls():
         make_plan(profile, PlanInputs(GridShape(pp=2, dp=2, ep=2)))
 
 
+def test_a_pipeline_of_a_moe_model_counts_process_memory_per_moe_layer():
+    """Calibration row 28 (pp 2 x dp 2, ep 2): capturing the routing's data-dependent
+    shapes leaves process memory per MoE layer on every pipeline rank; pp 1 captures
+    nothing, and a plan without the experts charges only the pipeline's own."""
+    _model, cfg, _x, profile, experts = _moe(num_layers=4)
+    cost = CostModel(moe_pipeline_process_bytes=3 * 2**20)
+    run = PlanInputs(GridShape(pp=2, dp=2, ep=2), ScheduleSetup(microbatches=2), ep_splits=experts)
+    moe = make_plan(profile, run, cost=cost)
+    dense = make_plan(profile, dataclasses.replace(run, grid=GridShape(pp=2, dp=2)), cost=cost)
+    assert len(experts.experts) == cfg.num_layers
+    extra = cfg.num_layers * 3 * 2**20
+    assert moe.process_bytes == cost.process_bytes + cost.pipeline_process_bytes + extra
+    flat = make_plan(profile, dataclasses.replace(run, grid=GridShape(dp=4, ep=2)), cost=cost)
+    assert flat.process_bytes == cost.process_bytes
+    assert dense.process_bytes == moe.process_bytes  # the experts are known at ep 1 too
+    with pytest.raises(PartitionError, match="moe_pipeline_process_bytes must be >= 0"):
+        CostModel(moe_pipeline_process_bytes=-1)
+
+
 def test_zero_shards_expert_state_over_the_expert_data_parallel_group():
     _model, cfg, _x, profile, experts = _moe(num_layers=2)
     grid = GridShape(dp=4, ep=2)

@@ -133,7 +133,8 @@ def test_the_record_reads_every_key_the_planner_needs():
             "partitions": 2, "tp": 2, "microbatches": 8, "virtual_stages": 2,
             "pipeline": "zero_bubble", "active_microbatches": 4, "split_backward": False,
             "optimize": "memory", "memory_weight": 0.3, "device_memory": "2GiB",
-            "zero": {"stage": 3, "offload_params": "cpu", "gather": 2, "bucket_mb": 8},
+            "zero": {"stage": 3, "offload_params": "cpu", "gather": 2, "bucket_mb": 8,
+                     "prefetch": 2, "reduce": "step"},
             "fp16": True, "activation_checkpointing": "each",
         }
     )  # fmt: skip
@@ -141,7 +142,9 @@ def test_the_record_reads_every_key_the_planner_needs():
     assert inputs == PlanInputs(
         grid=GridShape(pp=2, dp=4, tp=2),
         schedule=ScheduleSetup("zero_bubble", 2, 8, 4, split_backward=False),
-        zero=ZeroSetup(3, offload_params=True, gather=2, bucket_bytes=8 * 2**20),
+        zero=ZeroSetup(
+            3, offload_params=True, gather=2, bucket_bytes=8 * 2**20, prefetch=2, reduce="step"
+        ),
         precision="fp16",
         activation_checkpointing=True,
         device="xla",

@@ -44,3 +44,34 @@ def test_bad_inputs(one_rank_group):
         vocab_parallel_cross_entropy(logits, torch.zeros(2, 4, dtype=torch.long))
     with pytest.raises(TypeError, match="integer dtype"):
         vocab_parallel_cross_entropy(logits, torch.zeros(2, 3))
+
+
+@pytest.mark.parametrize("cp_first", [True, False])
+def test_under_context_parallelism_the_shift_wraps_the_vocab_parallel_loss(
+    one_rank_group, cp_first
+):
+    """cp x tp on a Hugging Face causal LM: CP's label shift over the whole sequence
+    stays outermost and TP's vocabulary-parallel loss goes inside it, whichever is
+    installed first; the head is still found through CP's wrapper; on one rank the
+    loss is Hugging Face's."""
+    import functools
+
+    from mpar.context_parallel._shard import CallPlan, ShiftedOverCP
+    from mpar.tensor_parallel import STYLES
+    from mpar.tensor_parallel._vocab import causal_lm_loss, use_vocab_parallel_loss, vocab_plan
+    from tests.multiproc._cp_cases import VOCAB, build
+
+    model = build("llama")
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    want = model(input_ids=ids, labels=ids).loss
+    if cp_first:
+        CallPlan(model)
+    assert vocab_plan(model, 2) == {"model.embed_tokens": "embedding_rowwise", "lm_head": "colwise"}
+    assert use_vocab_parallel_loss(model, {"lm_head": STYLES["colwise"]}, TP_GROUP)
+    if not cp_first:
+        CallPlan(model)
+    loss = model.loss_function
+    assert isinstance(loss, ShiftedOverCP)
+    assert isinstance(loss.__wrapped__, functools.partial)
+    assert loss.__wrapped__.func is causal_lm_loss
+    assert_close(model(input_ids=ids, labels=ids).loss, want)
