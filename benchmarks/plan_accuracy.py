@@ -520,13 +520,14 @@ def _auto_plan(cap_mib: int, args: argparse.Namespace) -> dict[str, Any]:
 def _smallest_layout() -> dict[str, Any]:
     """The layout of least predicted peak for issue 27's model (any cap): what a refusal
     is checked against."""
-    from mpar.partition import search
+    from mpar.config import load_config
+    from mpar.partition import plan_inputs, search
     from mpar.profile import profile_model
 
     model, x = issue_model()
     profile = profile_model(model, (x,), repeats=1, warmup=0)
-    result = search(profile, world_size=4, device_memory="64GiB", global_batch=16,
-                    profile_batch=4, top=100000, device="cpu")  # fmt: skip
+    inputs = plan_inputs(load_config({"device_memory": "64GiB"}), 4, device="cpu")
+    result = search(profile, inputs, global_batch=16, profile_batch=4, top=100000)
     best = min(result.ranked, key=lambda c: c.max_rank_memory_bytes)
     return {
         "config": best.config(),
