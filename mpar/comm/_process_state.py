@@ -61,6 +61,12 @@ Kept for the process's lifetime on purpose (never reset):
   backward (``mpar.runtime._split_backward._DEFERRING``).
 - ``mpar.partition._traced._compiled``: a counter that keeps generated class names unique.
 - ``mpar.testing._CONTEXT``: the test harness's process context (the parent process).
+- ``mpar._streams._cuda``: each CUDA device's side streams (gathers, copies, reductions),
+  made once and reused by every ``init``, as torch keeps its own streams.
+- State that a ``with`` block sets and puts back on leaving it:
+  ``mpar._streams._installed`` and ``mpar.testing.streams._LOGS`` (the recording seam
+  of ``mpar.testing.streams.record_streams``) and ``mpar._device._debugging`` (inside
+  a step under ``MPAR_SYNC_DEBUG``).
 - Memoized pure functions (``functools.lru_cache`` in ``mpar.schedule._zero_bubble``,
   ``mpar.partition._planner``): their results depend on their arguments only.
 - Process-wide settings ``init`` makes in torch: the seed and the thread count.

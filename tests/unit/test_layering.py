@@ -55,7 +55,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("schedule", ("mpar.schedule",)),
     ("topology", ("mpar.topology",)),
     ("config", ("mpar.config",)),
-    ("device", ("mpar._device",)),
+    ("device", ("mpar._device", "mpar._streams")),
     ("profile", ("mpar.profile",)),
     ("partition", ("mpar.partition",)),
     ("comm", ("mpar.comm",)),

@@ -133,7 +133,7 @@ def test_search_needs_tp_when_only_a_tp_rank_fits():
     splits = _splits(model, profile, x, degrees=(2,))
     space = SearchSpace(pipeline_degrees=(1,), zero_stages=(0,), offload=False)
     kw = {"global_batch": 2, "profile_batch": B, "space": space, "headroom": 0.0}
-    whole = search(profile, _base(2, 2**30, splits), **kw)
+    whole = search(profile, _base(2, 2**30, splits), **kw, top=1000)  # every fitting layout
     need = min(c.max_rank_memory_bytes for c in whole.ranked if c.tensor_parallel_degree == 1)
     tight = search(profile, _base(2, need - 1, splits), **kw)
     assert tight.best.tensor_parallel_degree == 2

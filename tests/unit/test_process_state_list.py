@@ -22,6 +22,10 @@ KEPT = {
     "mpar.partition._manual._Hook",
     "mpar.partition._traced._compiled",
     "mpar.testing._CONTEXT",
+    "mpar._streams._cuda",
+    "mpar._streams._installed",
+    "mpar._device._debugging",
+    "mpar.testing.streams._LOGS",
 }
 """Kept for the process's lifetime, each named in ``_process_state``'s docstring."""
 
