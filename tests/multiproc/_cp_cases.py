@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tests.multiproc._rss import RssPeak
+
 FAMILIES = ("llama", "qwen2", "mistral", "gpt")
 BATCH = 4
 SEQ = 16
@@ -237,38 +239,6 @@ def _small_mmap_threshold() -> None:
     ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD
 
 
-class _RssPeak:
-    """This process's RSS sampled every 2 ms on a thread (DESIGN.md's peak on the CPU)."""
-
-    def __init__(self) -> None:
-        import os
-        import threading
-
-        self.page = os.sysconf("SC_PAGE_SIZE")
-        self.peak = self.baseline = self.current()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def current(self) -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * self.page
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.current())
-            self._stop.wait(0.002)
-
-    def __enter__(self) -> _RssPeak:
-        self.peak = self.baseline = self.current()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.current())
-
-
 def peak_memory(config: dict[str, Any], seq: int, steps: int = 2) -> dict[str, int]:
     """Rank body: this rank's peak RSS above the RSS before the timed steps while a
     Llama with a long sequence trains (after one warm-up step), and mpar's count of the
@@ -300,7 +270,7 @@ def peak_memory(config: dict[str, Any], seq: int, steps: int = 2) -> dict[str, i
 
     gc.collect()
     mpar.barrier()
-    with _RssPeak() as rss:
+    with RssPeak() as rss:
         for _ in range(steps):
             one()
     report = mpar.memory_report()

@@ -13,13 +13,13 @@ block's recomputed activations at a time.
 from __future__ import annotations
 
 import ctypes
-import threading
 from typing import Any
 
 import torch
 from torch import nn
 
 from mpar.testing import run_distributed
+from tests.multiproc._rss import RssPeak
 
 H, BLOCKS, SEQ, ROWS = 64, 12, 256, 8
 MIB = 2**20
@@ -41,33 +41,6 @@ def _model() -> nn.Module:
     return nn.Sequential(*(_Block() for _ in range(BLOCKS)))
 
 
-class _Rss:
-    """This process's resident set sampled every 2 ms on a thread; ``peak`` since entry."""
-
-    def __init__(self) -> None:
-        self.peak, self._stop = 0, threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    @staticmethod
-    def now() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * 4096
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, self.now())
-
-    def __enter__(self) -> _Rss:
-        self.peak = self.now()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.now())
-
-
 def _peak(checkpointing: object) -> dict[str, Any]:
     """The RSS a training step adds at its peak (the second step: the first partitions)."""
     import mpar
@@ -87,7 +60,7 @@ def _peak(checkpointing: object) -> dict[str, Any]:
     losses = [train(model, x).reduce_mean().item()]
     opt.step()
     opt.zero_grad()
-    with _Rss() as rss:
+    with RssPeak() as rss:
         base = rss.peak
         losses.append(train(model, x).reduce_mean().item())
         opt.step()

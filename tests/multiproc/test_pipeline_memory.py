@@ -6,44 +6,17 @@ measures peaks). ``benchmarks/pipeline_memory.py`` measures m = 8, 32 and 128.""
 from __future__ import annotations
 
 import ctypes
-import threading
 
 import torch
 from torch import nn
 
 from mpar.testing import run_distributed
+from tests.multiproc._rss import RssPeak
 
 H, MICROBATCH, SEQ = 64, 8, 512
 """A message (one microbatch's boundary activation or gradient) is 8 x 512 x 64 fp32:
 1 MiB, above the size the runtime keeps sent messages for reuse."""
 MIB = 2**20
-
-
-class _Rss:
-    """This process's resident set sampled every 2 ms on a thread; ``peak`` since ``reset``."""
-
-    def __init__(self) -> None:
-        self.peak, self._stop = 0, threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    @staticmethod
-    def now() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * 4096
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, self.now())
-
-    def __enter__(self) -> _Rss:
-        self.peak = self.now()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.now())
 
 
 def _held_sends() -> list[int]:
@@ -85,7 +58,7 @@ def _body(microbatches: list[int]) -> list[dict[str, float]]:
         train(model, x)  # partitions; its first transfers agree the shapes
         opt.step()
         held.clear()
-        with _Rss() as rss:
+        with RssPeak() as rss:
             base = rss.peak
             train(model, x)
             opt.step()
