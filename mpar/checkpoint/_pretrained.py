@@ -253,6 +253,8 @@ def _load_partitioned(
     from mpar.meta._owned import fill_bucket, local_shares, stored_range
 
     per_bucket: dict[int, tuple[FlatBucket, dict[int, tuple[int, torch.Tensor]]]] = {}
+    if model.sharded is not None:  # the masters are written: no copy still reads them
+        model.sharded.synchronize()
     with torch.no_grad():
         for key, share in local_shares(model).items():
             if key not in matched:

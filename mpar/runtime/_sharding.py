@@ -112,10 +112,16 @@ def stage_units(stages: LocalStages, s: int, st: State, example: Inputs | None) 
 def _unit_groups(
     stages: LocalStages, st: State, example: Inputs | None
 ) -> dict[int, list[list[str]]]:
-    """Stage -> its unit groups, where ZeRO works unit by unit (see ``_unit_hooks``)."""
+    """Stage -> its unit groups, where ZeRO works unit by unit (see ``_unit_hooks``).
+
+    None where the parameters' group is one rank that keeps them on the device: it
+    has nothing to gather or reduce-scatter (``FlatBucket`` keeps its parameters in
+    place), so unit hooks would only cost time."""
     cfg = st.config
     gather = effective_gather(cfg.pipeline, cfg.zero.gather)  # the planner predicts the same
     if cfg.zero.stage < 2 or gather == "chunk":
+        return {}
+    if st.grid.dp_cp_size == 1 and st.grid.edp_size == 1 and cfg.zero.offload_params != "cpu":
         return {}
     out: dict[int, list[list[str]]] = {}
     for s in stages.modules:

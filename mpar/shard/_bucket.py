@@ -85,7 +85,9 @@ class Residence(Enum):
     """Where a bucket's parameters are (:attr:`FlatBucket.residence`)."""
 
     REPLICATED = "replicated"
-    """ZeRO 0-2: ``full`` holds every parameter, always (``shard`` is a view of it)."""
+    """ZeRO 0-2, and ZeRO-3 in a group of one rank whose shard stays on the device:
+    ``full`` holds every parameter, always (``shard`` is a view of it; a group of one
+    has nothing to gather, so nothing is copied or freed)."""
     SHARDED = "sharded"
     """ZeRO-3, released: only this rank's ``shard``; ``full`` has no memory."""
     GATHERED = "gathered"
@@ -119,7 +121,9 @@ class FlatBucket(LayoutView):
         self.fenced = False
         """ZeRO-3: the gather stream is ordered after the last write of the parameters on
         the compute stream (see :meth:`_gather`)."""
-        self.residence = Residence.REPLICATED if layout.zero_stage < 3 else Residence.SHARDED
+        whole = layout.comm.size == 1 and not layout.offload_params  # the shard is all of it
+        sharded = layout.zero_stage == 3 and not whole
+        self.residence = Residence.SHARDED if sharded else Residence.REPLICATED
         self.full = torch.empty(0, dtype=self.dtype, device=self.device)
         """All ``P`` parameters (no memory while :attr:`residence` is ``SHARDED``)."""
         self.shard = self.full
@@ -192,17 +196,27 @@ class FlatBucket(LayoutView):
         return master
 
     def _bind_params(self) -> None:
-        self._views = [
-            self.full[slot.offset : slot.offset + slot.numel].view(shape)
-            for slot, shape in zip(self.spec.slots, self.shapes)
-        ]
-        for p, view in zip(self.params, self._views):
+        """Point the parameters at their views of ``full``: made once per storage (a
+        freed and regrown ``full`` keeps its storage, and the views stay valid)."""
+        views = self._views
+        if not views or _device.storage_key(views[0]) != _device.storage_key(self.full):
+            views = self._views = [
+                self.full[slot.offset : slot.offset + slot.numel].view(shape)
+                for slot, shape in zip(self.spec.slots, self.shapes)
+            ]
+        for p, view in zip(self.params, views):
             p.data = view
 
     def _release_params(self) -> None:
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for p in self.params:
             p.data = empty
+
+    @property
+    def gathers(self) -> bool:
+        """ZeRO-3 with parameters gathered before use and freed after (not a group of one
+        rank that keeps its shard on the device, whose parameters stay in place)."""
+        return self.residence is not Residence.REPLICATED
 
     @property
     def label(self) -> str:

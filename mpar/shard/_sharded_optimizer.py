@@ -133,6 +133,11 @@ class ShardedOptimizer:
         dicts show the user's own ``fused`` option."""
         self.user_fused = optimizer.defaults.get("fused")
         self.inner = _rebuild(optimizer, groups, self.fused_on_host)
+        self.by_bucket = self.fused_on_host
+        """Step one bucket at a time, each published as soon as it is updated, so that
+        its copy to the device runs while the host updates the next (:meth:`step`).
+        Only for the per-parameter optimizers of :func:`fuses_on_host`, whose update of a
+        parameter reads nothing of the others: the same values either way."""
 
     def _make_segments(self, group_of: Callable[[int], int | None]) -> list[SegmentParam]:
         out = []
@@ -173,16 +178,31 @@ class ShardedOptimizer:
         if closure is not None:
             raise ValueError("ShardedOptimizer.step() does not take a closure")
         self.sharded.synchronize()
-        grads = [bucket.grads.opt_grad() for bucket in self.sharded.buckets]
-        for sp in self.segments:
+        if self.by_bucket:
+            works = []
+            for b, bucket in enumerate(self.sharded.buckets):
+                self._step_buckets([b])
+                works.append(bucket.start_publish())  # copied while the next one steps
+            self.sharded.finish_publish(works)
+            return
+        self._step_buckets(range(len(self.sharded.buckets)))
+        self.sharded.publish_masters()
+
+    def _step_buckets(self, indices: Sequence[int]) -> None:
+        """One step of the inner optimizer over the segments of buckets ``indices``
+        (parameters without a gradient are skipped by every torch optimizer)."""
+        buckets = self.sharded.buckets
+        grads = {b: buckets[b].grads.opt_grad() for b in indices}
+        segments = [sp for sp in self.segments if sp.bucket_index in grads]
+        for sp in segments:
             grad = grads[sp.bucket_index]
             sp.param.grad = None if grad is None else sp.slice(grad)
-        self.inner.step()
-        for sp in self.segments:
+        if any(sp.param.grad is not None for sp in segments):
+            self.inner.step()
+        for sp in segments:
             sp.param.grad = None  # under mixed precision, frees the step's fp32 gradients
-        for bucket in self.sharded.buckets:
-            bucket.grads.stepped()
-        self.sharded.publish_masters()
+        for b in indices:
+            buckets[b].grads.stepped()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.sharded.zero_grad(set_to_none)

@@ -11,7 +11,7 @@ from torch import nn
 
 from mpar import _device
 from mpar.comm._collectives import group_size
-from mpar.comm._types import ProcessGroup
+from mpar.comm._types import ProcessGroup, Work
 from mpar.config import ZeroConfig
 from mpar.shard._bucket import FlatBucket, Residence
 from mpar.shard._bucket_layout import BucketLayout, GroupInfo, ReduceOptions
@@ -81,12 +81,15 @@ class _BucketPlan:
     """``zero.reduce`` is ``"microbatch"``: unit groups reduce after each backward (else
     their buckets accumulate full-size gradients and reduce once per step)."""
 
-    def reduce_options(self, first: nn.Parameter, zero_stage: int) -> ReduceOptions:
-        """How the bucket whose first parameter is ``first`` reduces its gradients."""
+    def reduce_options(self, first: nn.Parameter, zero_stage: int, ranks: int) -> ReduceOptions:
+        """How the bucket whose first parameter is ``first``, sharded over ``ranks``
+        ranks, reduces its gradients (a group of one has nothing to reduce: its unit
+        buckets accumulate in place, once a step, as at ZeRO-0)."""
         tied = id(first) in self.tied
         group = self.tied.get(id(first))
+        per_unit = id(first) in self.unit_of and zero_stage >= 2 and self.per_microbatch
         return ReduceOptions(
-            per_unit=id(first) in self.unit_of and zero_stage >= 2 and self.per_microbatch,
+            per_unit=per_unit and ranks > 1,
             tied_group=group,
             tied_size=group_size(group) if tied else 1,
             # the same on every TP rank: its norm counts once
@@ -267,6 +270,8 @@ class ShardedStages:
         self._stages = self._stage_buckets(stages)
         self.optimizer: ShardedOptimizer | None = None
         self.peaks = Peaks()
+        self._grad_held: dict[int, int] = {}
+        """``id(bucket)`` -> the bytes its gradient buffers held when last measured."""
         """Since the last :meth:`reset_peak` (the runtime resets it at the start of each
         step)."""
 
@@ -342,24 +347,18 @@ class ShardedStages:
     def _note_gathered(self) -> None:
         self.peaks.gathered = max(self.peaks.gathered, self._gathered_bytes())
 
-    def _note_grads(self) -> None:
-        self.peaks.grads = max(self.peaks.grads, self._grad_bytes())
+    def _note_grads(self, changed: Sequence[FlatBucket] | None = None) -> None:
+        """Count the gradient bytes held now into the peak: those of ``changed`` buckets
+        measured afresh, the others' as last measured (None: all afresh). The unit hooks
+        name the buckets they touched, so a hook costs its own buckets, not the stage's."""
+        for bucket in self.buckets if changed is None else changed:
+            self._grad_held[id(bucket)] = _bucket_grad_bytes(bucket)
+        self.peaks.grads = max(self.peaks.grads, sum(self._grad_held.values()))
 
     def _grad_bytes(self) -> int:
-        """Bytes of the gradient buffers held now (each storage once)."""
-        seen: set[int] = set()
-        total = 0
-        for b in self.buckets:
-            tensors: list[torch.Tensor | None] = [*b.grads.in_flight()]
-            if b.grads.per_unit:  # gradients autograd allocated, not yet flattened
-                tensors += [p.grad for p in b.params]
-            for t in tensors:
-                if t is not None:
-                    key = _device.storage_key(t)
-                    if key not in seen:
-                        seen.add(key)
-                        total += t.untyped_storage().nbytes()
-        return total
+        """Bytes of the gradient buffers held now (each storage once per bucket)."""
+        self._grad_held = {id(b): _bucket_grad_bytes(b) for b in self.buckets}
+        return sum(self._grad_held.values())
 
     def _make_buckets(
         self,
@@ -407,7 +406,7 @@ class ShardedStages:
                 offload_optimizer=self.zero.offload_optimizer == "cpu",
                 offload_params=self.zero.offload_params == "cpu",
             )
-            reduce = plan.reduce_options(params[0], self.zero.stage)
+            reduce = plan.reduce_options(params[0], self.zero.stage, comm.size)
             out.append(FlatBucket(layout, reduce=reduce, materialize=materialize))
         return out
 
@@ -570,6 +569,7 @@ class ShardedStages:
     def load_values(self, values: Mapping[int, torch.Tensor]) -> None:
         """Set parameters and master copies from ``id(param) -> tensor`` (every rank
         passes the same values; parameters not in ``values`` keep theirs)."""
+        self.synchronize()
         for bucket in self.buckets:
             ids = [id(p) for p in bucket.params]
             flat = bucket.gather_master() if any(i not in values for i in ids) else None
@@ -588,6 +588,7 @@ class ShardedStages:
     def master_runs(self) -> Iterator[MasterRun]:
         """Each run of a parameter's elements in this rank's slices of the master values
         (what a checkpoint saves and loads of the bucketed parameters)."""
+        self.synchronize()  # a load writes them: no copy to the device still reads them
         for bucket in self.buckets:
             lo, hi = bucket.opt_range
             for slot, param, shape in zip(bucket.spec.slots, bucket.params, bucket.shapes):
@@ -602,13 +603,16 @@ class ShardedStages:
         """Put the master values (updated, or loaded) back into the parameters: rounded
         to the compute dtype, all-gathered where the stage keeps full parameters
         (collective over the group)."""
-        works = [bucket.start_publish() for bucket in self.buckets]
+        self.finish_publish([bucket.start_publish() for bucket in self.buckets])
+
+    def finish_publish(self, works: Sequence[Work | None]) -> None:
+        """Wait for the publishing collectives ``works`` (of every bucket's
+        :meth:`FlatBucket.start_publish`, in bucket order)."""
         for work in works:
             if work is not None:
                 work.wait()
-        if self._offloads:  # the host optimizer writes the masters next: copied out first
-            self._copies_pending = True
-            self.synchronize()
+        if self._offloads:  # copies from the host masters may still be reading them:
+            self._copies_pending = True  # whatever writes them next waits (synchronize)
 
     def flat_buffers(self) -> list[torch.Tensor]:
         """The flat buffers the parameters are views into now (gathered ones at ZeRO-3)."""
@@ -635,7 +639,9 @@ class ShardedStages:
 
     def synchronize(self) -> None:
         """Wait for the non-blocking host/device copies (CUDA offload) issued since the
-        last wait, if any: only the host optimizer's reads and writes need it."""
+        last wait, if any: only the host's reads and writes of what they copy need it
+        (the host optimizer's step; a load into the master values, which the copies
+        that published them to the device may still be reading)."""
         if self._copies_pending:
             self._copies_pending = False
             _device.wait_copies(self.device, "offload copies")
@@ -659,3 +665,19 @@ class ShardedStages:
         if self.optimizer is not None:
             groups["optimizer"] += self.optimizer.state_tensors()
         return count_bytes(groups)
+
+
+def _bucket_grad_bytes(bucket: FlatBucket) -> int:
+    """Bytes of ``bucket``'s gradient buffers held now (each storage once)."""
+    tensors: list[torch.Tensor | None] = [*bucket.grads.in_flight()]
+    if bucket.grads.per_unit:  # gradients autograd allocated, not yet flattened
+        tensors += [p.grad for p in bucket.params]
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if t is not None:
+            key = _device.storage_key(t)
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+    return total

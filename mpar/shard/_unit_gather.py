@@ -114,7 +114,7 @@ class UnitGather:
         reshard_after_forward: bool,
         prefetch: int = 1,
         on_gather: object = None,
-        on_grads: object = None,
+        on_grads: Callable[[Sequence[FlatBucket]], None] | None = None,
         unread_in_backward: Sequence[bool] = (),
         weight_grads: WeightGradHooks | None = None,
     ) -> None:
@@ -130,7 +130,8 @@ class UnitGather:
         self.on_gather = on_gather
         """Called with no argument after each gather starts (peak accounting)."""
         self.on_grads = on_grads
-        """Called with no argument after a group's gradient buffers are bound."""
+        """Called with the buckets whose gradient buffers changed (a group's, before and
+        after its gradients are flattened; those whose reduction finished)."""
         self.weight_grads = weight_grads
         """Makes linear layers' weight gradients wait for :meth:`post_backward` (None:
         they never wait)."""
@@ -227,7 +228,7 @@ class UnitGather:
             or not self.gather
             or x.numel() + rows * weight.shape[0] > weight.numel()
             or not any(weight is p for b in group.buckets if b.grads.per_unit for p in b.params)
-            or not all(_device.can_free_storage(b.device) for b in group.buckets)
+            or not all(b.gathers and _device.can_free_storage(b.device) for b in group.buckets)
         ):
             return _LINEAR(x, weight, bias)
         keep = functools.partial(self._keep_weight_grad, group)
@@ -259,18 +260,21 @@ class UnitGather:
         units = [b for b in group.buckets if b.grads.per_unit]
         if not units:
             return
-        if callable(self.on_grads):
-            self.on_grads()
+        if self.on_grads is not None:
+            self.on_grads(units)
         for bucket in units:
             bucket.grads.reduce_unit()
         self.reducing.append(group)
-        if callable(self.on_grads):
-            self.on_grads()
+        if self.on_grads is not None:
+            self.on_grads(units)
 
     def _finish_reductions(self) -> None:
         while self.reducing:
-            for bucket in self.reducing.pop(0).buckets:
+            buckets = self.reducing.pop(0).buckets
+            for bucket in buckets:
                 bucket.grads.finish_reduce(to_host=False)
+            if self.on_grads is not None:
+                self.on_grads(buckets)  # their flat copies are freed: measured again
 
     # --------------------------------------------------------- stage-level ends
     def start(self, backward: bool) -> None:

@@ -418,3 +418,16 @@ def test_lm_head_weight_gradient_is_computed_after_its_gathered_table_is_freed()
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]))
         for key, value in ref["state"].items():
             torch.testing.assert_close(r["state"][key], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(180)
+def test_zero3_over_one_rank_gathers_nothing_unless_parameters_are_offloaded():
+    """A group of one has nothing to gather: parameters stay in place, no unit hooks,
+    nothing counted as gathered; with ``offload_params`` the host shard is gathered
+    unit by unit as usual. Both train as the single process does."""
+    reference = _reference()
+    for zero, hooked in (({"stage": 3}, False), ({"stage": 3, "offload_params": "cpu"}, True)):
+        (r,) = run_distributed(_train, 1, args=({"zero": zero, "microbatches": 2},))
+        _check(r, reference)
+        assert bool(r["groups"]) is hooked
+        assert (r["report"]["gathered_peak"] > 0) is hooked

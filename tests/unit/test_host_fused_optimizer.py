@@ -55,3 +55,42 @@ def test_the_fused_host_step_is_the_users_update():
             opt.step()
         results.append(param.detach())
     torch.testing.assert_close(results[1], results[0], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_stepping_bucket_by_bucket_is_the_same_update(offload):
+    """``ShardedOptimizer.by_bucket`` (on with the fused host kernel: each bucket is
+    published while the host steps the next) gives the values of one whole step, with
+    two weight-decay groups whose parameters share buckets, over several steps."""
+    from torch import nn
+
+    from mpar.config import ZeroConfig
+    from mpar.shard import ShardedStages
+
+    results = []
+    for by_bucket in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 5), nn.Linear(5, 2))
+        zero = ZeroConfig(
+            1, bucket_mb=40 * 4 / 2**20, **({"offload_optimizer": "cpu"} if offload else {})
+        )
+        sharded = ShardedStages(
+            {0: model}, zero, group=None, group_ranks=[0], rank_in_group=0, device="cpu"
+        )
+        assert len(sharded.buckets) > 2  # small buckets: several steps and publishes
+        decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+        rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+        user = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": rest}], lr=0.05
+        )
+        opt = sharded.wrap_optimizer(user)
+        opt.by_bucket = by_bucket
+        x = torch.randn(8, 6)
+        for _ in range(3):
+            model(x).square().mean().backward()
+            sharded.reduce_grads(0)
+            sharded.finish_grads()
+            opt.step()
+            opt.zero_grad()
+        results.append({k: v.clone() for k, v in model.state_dict().items()})
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)

@@ -35,7 +35,10 @@ def test_zero3_in_one_process_trains_exactly_like_plain_adamw(zero):
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.1)
     sharded = _sharded(3, model, **zero)
     opt = sharded.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=0.1))
-    assert model[0].weight.shape == (0,)  # resharded: only the flat shard is kept
+    # a group of one has nothing to gather: its parameters stay in place, unless they
+    # live on the host (offload_params), when only the flat host shard is kept
+    resharded = zero.get("offload_params") == "cpu"
+    assert model[0].weight.shape == ((0,) if resharded else (5, 4))
     x = torch.randn(6, 4)
     for _ in range(2):
         reference(x).square().mean().backward()
@@ -108,17 +111,22 @@ def test_memory_report_counts_each_storage_once_by_device():
     }
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_a_bucket_names_where_its_parameters_are(stage):
+@pytest.mark.parametrize(
+    "stage, offload_params", [(0, False), (1, False), (2, False), (3, False), (3, True)]
+)
+def test_a_bucket_names_where_its_parameters_are(stage, offload_params):
     from mpar.shard._bucket import Residence
 
     model = _model()
     expected = [p.detach().clone() for p in model.parameters()]
-    sharded = _sharded(stage, model)
+    sharded = _sharded(stage, model, **({"offload_params": "cpu"} if offload_params else {}))
     (bucket,) = sharded.buckets
-    if stage < 3:
-        assert bucket.residence is Residence.REPLICATED
+    if not offload_params:  # below ZeRO-3, and ZeRO-3 in a group of one: nothing to gather
+        assert bucket.residence is Residence.REPLICATED and not bucket.gathers
         assert sharded.flat_buffers() == [bucket.full]
+        sharded.unshard(0)
+        sharded.reshard(0)
+        assert bucket.residence is Residence.REPLICATED and model[0].weight.shape == (5, 4)
         return
     assert bucket.residence is Residence.SHARDED and sharded.flat_buffers() == []
     sharded.unshard(0)
