@@ -133,11 +133,12 @@ class ShardedOptimizer:
         dicts show the user's own ``fused`` option."""
         self.user_fused = optimizer.defaults.get("fused")
         self.inner = _rebuild(optimizer, groups, self.fused_on_host)
-        self.by_bucket = self.fused_on_host
-        """Step one bucket at a time, each published as soon as it is updated, so that
-        its copy to the device runs while the host updates the next (:meth:`step`).
-        Only for the per-parameter optimizers of :func:`fuses_on_host`, whose update of a
-        parameter reads nothing of the others: the same values either way."""
+        self.by_bucket = type(optimizer) in _HOST_FUSED and sharded.offloads
+        """Offloaded: step one bucket at a time, each published as soon as it is updated,
+        so that its copy to the device runs while the host updates the next
+        (:meth:`step`). Only for the per-parameter optimizers of :data:`_HOST_FUSED`,
+        whose update of a parameter reads nothing of the others: the same values either
+        way (and so on the CPU too, where the offload tests run it)."""
 
     def _make_segments(self, group_of: Callable[[int], int | None]) -> list[SegmentParam]:
         out = []

@@ -553,7 +553,7 @@ class ShardedStages:
             bucket.grads.finish_reduce()
         # offloaded gradients are on their way to the host: the host optimizer (or the
         # clipping norm) waits for them when it reads them (:meth:`synchronize`)
-        self._copies_pending = self._offloads
+        self._copies_pending = self.offloads
 
     # ------------------------------------------------------------ full values
     def full_values(self) -> dict[int, torch.Tensor]:
@@ -611,7 +611,7 @@ class ShardedStages:
         for work in works:
             if work is not None:
                 work.wait()
-        if self._offloads:  # copies from the host masters may still be reading them:
+        if self.offloads:  # copies from the host masters may still be reading them:
             self._copies_pending = True  # whatever writes them next waits (synchronize)
 
     def flat_buffers(self) -> list[torch.Tensor]:
@@ -634,7 +634,8 @@ class ShardedStages:
             bucket.grads.zero_grad(set_to_none)
 
     @property
-    def _offloads(self) -> bool:
+    def offloads(self) -> bool:
+        """Whether optimizer state (and with it the master values) lives on the host."""
         return self.zero.offload_optimizer == "cpu" or self.zero.offload_params == "cpu"
 
     def synchronize(self) -> None:
