@@ -72,6 +72,20 @@ def _is_cleanup(failure: RankFailure) -> bool:
     return failure.exitcode == -signal.SIGTERM and not failure.message
 
 
+PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+)
+"""Words of an exception a rank raises because a peer's process went away: a
+consequence of that peer's failure, not a cause (gloo's and NCCL's messages)."""
+
+
+def _peer_gone(failure: RankFailure) -> bool:
+    return any(words in failure.message for words in PEER_GONE)
+
+
 def choose_root(failures: Iterable[RankFailure]) -> RankFailure:
     """The failure that most likely caused the others.
 
@@ -79,7 +93,10 @@ def choose_root(failures: Iterable[RankFailure]) -> RankFailure:
     failure exists. mpar's hang report (``HangError``) comes first: it already
     names the rank that is behind, with its stack. Then a rank killed by a signal
     (SIGKILL, the OOM killer, SIGSEGV): its peers' errors are usually the broken
-    connections it left. Then the earliest recorded exception, then the lowest rank.
+    connections it left. Then the earliest recorded exception that is not a lost
+    connection to a peer (:data:`PEER_GONE`; a loaded machine can record such a
+    consequence before the cause), then any exception, earliest first, then the
+    lowest rank.
     """
     candidates = list(failures)
     if not candidates:
@@ -89,6 +106,7 @@ def choose_root(failures: Iterable[RankFailure]) -> RankFailure:
     def order(f: RankFailure) -> tuple[int, float, int]:
         killed = f.signal_name is not None and not f.message
         first = 0 if f.message.startswith("HangError:") else 1 if killed else 2
+        first += 1 if first == 2 and _peer_gone(f) else 0
         return (first, f.time if f.time is not None else float("inf"), f.rank or 0)
 
     return min(real, key=order)

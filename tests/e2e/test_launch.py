@@ -357,6 +357,18 @@ def test_root_cause_prefers_a_killed_rank_over_its_peers_errors() -> None:
     assert "L: stopped the other ranks: 1" in report
 
 
+def test_root_cause_prefers_an_exception_over_a_lost_peer_recorded_earlier() -> None:
+    """Under load a peer's "connection closed" can be recorded before the exception that
+    closed it (seen on the old-end job: rank 1 named instead of the raising rank 2)."""
+    cause = RankFailure(rank=2, exitcode=1, message="RuntimeError: deliberate failure", time=2.0)
+    gone = "RuntimeError: [gloo/transport/tcp/pair.cc:547] Connection closed by peer [::1]:7"
+    peer = RankFailure(rank=1, exitcode=1, message=gone, time=1.9)
+    assert choose_root([peer, cause]) is cause
+    assert choose_root([peer]) is peer  # alone, it is what there is to say
+    killed = RankFailure(rank=3, exitcode=-9)
+    assert choose_root([peer, cause, killed]) is killed
+
+
 def test_after_a_hang_report_the_quietly_exiting_ranks_are_stopped_not_failed() -> None:
     hang = RankFailure(rank=1, exitcode=1, message="HangError: rank 1 made no progress", time=2.0)
     quiet = RankFailure(rank=0, exitcode=1)
