@@ -5,7 +5,8 @@ job (``mpar launch`` for mpar, ``torchrun`` for the peers), with the same thread
 and allocator settings, and read back what rank 0 wrote to a result file.
 
 Peak memory (DESIGN.md, performance method): each rank samples its own RSS from
-``/proc/self/statm`` every ``RssSampler.interval`` seconds on a thread while the
+``/proc/self/statm`` every ``MPAR_BENCH_RSS_INTERVAL_S`` seconds (default 0.002) on a
+thread (``mpar.testing.rss.RssPeak``) while the
 timed steps run; jobs run with ``MALLOC_MMAP_THRESHOLD_=65536`` so large tensors
 are mmapped and leave RSS as soon as they are freed. ``peak_above_baseline`` is
 the peak over the timed steps minus the RSS right before them (model, optimizer
@@ -24,18 +25,17 @@ import re
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
+from mpar.testing.rss import RssPeak
+
 HERE = Path(__file__).resolve().parent
-PAGE = os.sysconf("SC_PAGE_SIZE")
 
 __all__ = [
     "JsonCase",
-    "RssSampler",
     "job_env",
     "launch_job",
     "launcher",
@@ -44,42 +44,6 @@ __all__ = [
     "round_ratios",
     "run_rounds",
 ]
-
-
-class RssSampler:
-    """This process's RSS, sampled on a thread every ``interval`` s; ``peak`` since ``reset``."""
-
-    def __init__(self, interval: float = 0.002) -> None:
-        self.interval = interval
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    @staticmethod
-    def current() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * PAGE
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.current())
-            self._stop.wait(self.interval)
-
-    def reset(self) -> int:
-        """Start a new peak from now; returns the current RSS."""
-        now = self.current()
-        self.peak = now
-        return now
-
-    def __enter__(self) -> RssSampler:
-        self.reset()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.current())
 
 
 class JsonCase:
@@ -206,7 +170,7 @@ def measured_steps(
     barrier()
     per_step = []
     interval = float(os.environ.get("MPAR_BENCH_RSS_INTERVAL_S", "0.002"))
-    with RssSampler(interval) as rss:
+    with RssPeak(interval) as rss:
         baseline = rss.reset()
         start = time.perf_counter()
         for _ in range(steps):

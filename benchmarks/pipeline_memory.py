@@ -57,11 +57,11 @@ def _block() -> Any:
 
 def _body(microbatches: list[int], steps: int) -> list[dict[str, Any]]:
     import torch
-    from _harness import RssSampler
     from torch import nn
 
     import mpar
     from mpar.comm import _p2p
+    from mpar.testing.rss import RssPeak
 
     ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD_, set in this process
     held: list[int] = []
@@ -92,7 +92,7 @@ def _body(microbatches: list[int], steps: int) -> list[dict[str, Any]]:
         opt.zero_grad()
         held.clear()
         started = time.perf_counter()
-        with RssSampler() as rss:
+        with RssPeak() as rss:
             base = rss.reset()
             for _ in range(steps):
                 train(model, x)

@@ -175,12 +175,12 @@ def step_peak(step: Callable[[], None], barrier: Callable[[], None]) -> int:
     length), sampled every 2 ms; ``MALLOC_MMAP_THRESHOLD_=65536`` is set by the harness."""
     import gc
 
-    from _harness import RssSampler
+    from mpar.testing.rss import RssPeak
 
     step()
     gc.collect()
     barrier()
-    with RssSampler() as rss:
+    with RssPeak() as rss:
         baseline = rss.reset()
         step()
         barrier()

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tests.multiproc._rss import RssPeak
+from mpar.testing.rss import RssPeak
 
 FAMILIES = ("llama", "qwen2", "mistral", "gpt")
 BATCH = 4

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from mpar.testing import run_distributed
-from tests.multiproc._rss import RssPeak
+from mpar.testing.rss import RssPeak
 
 H, BLOCKS, SEQ, ROWS = 64, 12, 256, 8
 MIB = 2**20

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from mpar.testing import run_distributed
-from tests.multiproc._rss import RssPeak
+from mpar.testing.rss import RssPeak
 
 H, MICROBATCH, SEQ = 64, 8, 512
 """A message (one microbatch's boundary activation or gradient) is 8 x 512 x 64 fp32:
