@@ -24,10 +24,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import os
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -38,43 +36,15 @@ import torch
 from torch import nn
 
 from mpar.testing import run_distributed
+from mpar.testing.rss import RssPeak
 
 M_MMAP_THRESHOLD = -3
-PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-class RssSampler:
-    """Peak resident bytes of this process since the last :meth:`reset`."""
-
-    def __init__(self, period_s: float = 0.002) -> None:
-        self.period_s = period_s
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    @staticmethod
-    def rss() -> int:
-        with open("/proc/self/statm") as handle:
-            return int(handle.read().split()[1]) * PAGE
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
-            self.peak = max(self.peak, self.rss())
-
-    def reset(self) -> int:
-        """Start a new window; returns the current resident bytes."""
-        now = self.rss()
-        self.peak = now
-        return now
-
-    def take(self) -> int:
-        time.sleep(3 * self.period_s)
-        return max(self.peak, self.rss())
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
+def _take(sampler: RssPeak) -> int:
+    """The window's peak, once the sampler has seen the last few milliseconds."""
+    time.sleep(3 * sampler.interval)
+    return max(sampler.peak, sampler.now())
 
 
 def _model(layers: int, width: int) -> nn.Module:
@@ -103,26 +73,25 @@ def _rank(
         m.backward(loss)
         return loss
 
-    sampler = RssSampler()
     x = torch.randn(8 * mpar.config().microbatches, width)
     out: dict[str, Any] = {"rank": mpar.rank()}
-    train(model, x)  # the first step partitions and profiles: not counted
-    opt.step()
-    opt.zero_grad()
-    out["rss_between_steps"] = sampler.reset()
-    for _ in range(steps):
-        train(model, x)
+    with RssPeak() as sampler:
+        train(model, x)  # the first step partitions and profiles: not counted
         opt.step()
         opt.zero_grad()
-    out["peak_train"] = sampler.take()
-    out["rss_before_save"] = sampler.reset()
-    mpar.save_checkpoint(root, model, opt)
-    out["peak_save"] = sampler.take()
-    out["rss_before_async_save"] = sampler.reset()
-    mpar.save_checkpoint(root, model, opt, async_save=True).wait()
-    out["peak_async_save"] = sampler.take()
-    out["memory_report"] = mpar.memory_report()
-    sampler.stop()
+        out["rss_between_steps"] = sampler.reset()
+        for _ in range(steps):
+            train(model, x)
+            opt.step()
+            opt.zero_grad()
+        out["peak_train"] = _take(sampler)
+        out["rss_before_save"] = sampler.reset()
+        mpar.save_checkpoint(root, model, opt)
+        out["peak_save"] = _take(sampler)
+        out["rss_before_async_save"] = sampler.reset()
+        mpar.save_checkpoint(root, model, opt, async_save=True).wait()
+        out["peak_async_save"] = _take(sampler)
+        out["memory_report"] = mpar.memory_report()
     return out
 
 
