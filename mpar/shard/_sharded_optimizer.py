@@ -123,6 +123,10 @@ class ShardedOptimizer:
                     group_of[local[id(p)]] = g
                 position += 1
         self.segments = self._make_segments(group_of.get)
+        self.bucket_segments: list[list[SegmentParam]] = [[] for _ in sharded.buckets]
+        """The segments of each bucket (what :meth:`_step_buckets` steps)."""
+        for sp in self.segments:
+            self.bucket_segments[sp.bucket_index].append(sp)
         groups: list[dict[str, Any]] = []
         for g, group in enumerate(optimizer.param_groups):
             options = {k: v for k, v in group.items() if k != "params"}
@@ -194,7 +198,7 @@ class ShardedOptimizer:
         (parameters without a gradient are skipped by every torch optimizer)."""
         buckets = self.sharded.buckets
         grads = {b: buckets[b].grads.opt_grad() for b in indices}
-        segments = [sp for sp in self.segments if sp.bucket_index in grads]
+        segments = [sp for b in indices for sp in self.bucket_segments[b]]
         for sp in segments:
             grad = grads[sp.bucket_index]
             sp.param.grad = None if grad is None else sp.slice(grad)
