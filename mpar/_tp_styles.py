@@ -33,6 +33,10 @@ class Style:
     """rowwise: the input arrives whole; take this rank's piece first."""
     packs: int = 1
     """colwise: the output features are ``packs`` equal blocks split each (fused q|k|v)."""
+    sum_grads: bool = False
+    """replicate: the module's own parameters' gradients are summed over TP (a norm
+    between a colwise and a rowwise layer, Qwen3's per-head ``q_norm``, sees only this
+    rank's heads)."""
 
 
 STYLES: dict[str, Style] = {
@@ -41,13 +45,16 @@ STYLES: dict[str, Style] = {
     "colwise_gather_output": Style("colwise", gather_output=True),
     "rowwise": Style("rowwise"),
     "rowwise_rep": Style("rowwise", split_input=True),
+    "rowwise_split_input": Style("rowwise", split_input=True),
     "embedding_rowwise": Style("embedding_rowwise"),
     "packed_colwise": Style("colwise", packs=2),
     "replicate": Style("replicate"),
+    "replicated_with_grad_allreduce": Style("replicate", sum_grads=True),
     "sequence_parallel": Style("sequence_parallel"),
     "moe_tp_experts": Style("replicate"),
 }
 """The style names a plan may use; ``"packed_colwise:k"`` packs ``k`` blocks.
+``"rowwise_split_input"`` is ``"rowwise_rep"`` (Phi-3's plan spells it so).
 ``"moe_tp_experts"`` (Hugging Face's MoE plans name the experts module so) keeps the
 experts whole on every TP rank: ``expert_parallel_degree`` splits them."""
 

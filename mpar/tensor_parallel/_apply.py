@@ -29,7 +29,9 @@ count from the tensor (``view(b, t, -1, head_dim)``, as Hugging Face's models do
 needs nothing else.
 
 Replicated parameters (norms, embeddings left whole, rowwise biases) see the same
-inputs on every TP rank, so their gradients agree without communication. With
+inputs on every TP rank, so their gradients agree without communication; those of a
+``"replicated_with_grad_allreduce"`` module (a per-head norm between the split layers,
+which sees only this rank's heads) are used through ``tp_copy``, their gradients summed. With
 sequence parallelism (:mod:`mpar.tensor_parallel._sequence`) a rowwise module inside a
 block reduce-scatters its output along the sequence instead (``tp_reduce_scatter``),
 and the parameters between the split layers have their gradients summed over TP.
@@ -53,6 +55,7 @@ from mpar.tensor_parallel._sequence import (
     apply_sequence,
     check_stream,
     plan_sequence,
+    summing_grads,
 )
 from mpar.tensor_parallel._tp_plan import (
     STYLES,
@@ -61,6 +64,7 @@ from mpar.tensor_parallel._tp_plan import (
     TPPlanError,
     check_every_pattern,
     match_plan,
+    match_summed,
 )
 from mpar.tensor_parallel._vocab import use_vocab_parallel_loss, vocab_plan
 
@@ -139,6 +143,10 @@ class TPLayout:
     """Where the plan came from (for messages)."""
     sequence: SequenceLayout | None = None
     """Where sequence parallelism splits the sequence (None: it is off)."""
+    summed: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Module name -> its own parameters, kept whole, whose gradients are summed over TP
+    (``"replicated_with_grad_allreduce"``: Qwen3's and Gemma 3's per-head ``q_norm`` and
+    ``k_norm``, which see only this rank's heads)."""
     vocabulary: tuple[str, ...] = ()
     """The token embedding and LM head mpar split by the vocabulary on its own (a model's
     own or family plan at a degree dividing the vocabulary; ``mpar.tensor_parallel._vocab``)."""
@@ -201,6 +209,7 @@ def plan_layout(
         )
     split_vocabulary = tuple(n for n in vocabulary if styles.get(n) == STYLES[vocabulary[n]])
     layout = TPLayout(tp, styles, source=source, vocabulary=split_vocabulary)
+    layout.summed = match_summed(module, plan)
     owner: dict[int, tuple[str, TPShard | None]] = {}
     for mod_name, mod in module.named_modules(remove_duplicate=False):
         style = styles.get(mod_name)
@@ -239,7 +248,13 @@ def plan_layout(
 
 
 def _parents(styles: dict[str, Style]) -> set[str]:
-    return {name.rpartition(".")[0] for name, s in styles.items() if s.kind == "colwise"}
+    """Modules holding a colwise module that leaves its output split (one gathering its
+    output, Phi-3's ``"colwise_gather_output"`` fused q|k|v, leaves the heads whole)."""
+    return {
+        name.rpartition(".")[0]
+        for name, s in styles.items()
+        if s.kind == "colwise" and not s.gather_output
+    }
 
 
 def _head_counts(
@@ -385,23 +400,23 @@ def _conv1d_rowwise(style: Style, group: str, scatter: str | None) -> Forward:
     return forward
 
 
-def _embedding_rowwise(rank: int, group: str) -> Forward:
+def _embedding_rowwise(rank: int, group: str, own: Forward) -> Forward:
+    """The vocabulary-split lookup around the module's own forward ``own`` (bound), so a
+    subclass's work on the looked-up rows stays: Gemma's embedding scales them by
+    sqrt(hidden). Each output position depends on its own id only, so the rank holding an
+    id's row computes that position and the others' zeros sum it over TP."""
+
     def forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
         rows = self.weight.shape[0]
         lo = rank * rows
         outside = (ids < lo) | (ids >= lo + rows)
         local = (ids - lo).masked_fill(outside, 0)
-        pad = self.padding_idx
-        pad = pad - lo if pad is not None and lo <= pad < lo + rows else None
-        out = F.embedding(
-            local,
-            self.weight,
-            pad,
-            self.max_norm,
-            self.norm_type,
-            self.scale_grad_by_freq,
-            self.sparse,
-        )
+        pad = self.padding_idx  # the whole vocabulary's index (initialisers read it)
+        self.padding_idx = pad - lo if pad is not None and lo <= pad < lo + rows else None
+        try:
+            out = own(local)
+        finally:
+            self.padding_idx = pad
         return tp_reduce(out.masked_fill(outside.unsqueeze(-1), 0.0), group)
 
     return forward
@@ -411,7 +426,9 @@ def _new_forward(
     module: nn.Module, style: Style, rank: int, group: str, scatter: str | None
 ) -> Forward | None:
     if isinstance(module, nn.Embedding):
-        return _embedding_rowwise(rank, group) if style.kind == "embedding_rowwise" else None
+        if style.kind != "embedding_rowwise":
+            return None
+        return _embedding_rowwise(rank, group, module.forward)
     conv1d = not isinstance(module, nn.Linear)
     if style.kind == "colwise":
         return (_conv1d_colwise if conv1d else _linear_colwise)(style, group)
@@ -430,6 +447,9 @@ def apply_layout(module: nn.Module, layout: TPLayout, rank: int, group: str) -> 
         forward = _new_forward(mod, style, rank, group, scatter)
         if forward is not None:
             mod.forward = types.MethodType(forward, mod)
+    for name, names in layout.summed.items():
+        mod = module.get_submodule(name)
+        mod.forward = summing_grads(mod, mod.forward, names, group)
     for _, mod, attr, value in _head_counts(module, layout.modules):
         setattr(mod, attr, value // layout.size)
     if sequence is not None:

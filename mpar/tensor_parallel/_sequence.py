@@ -53,6 +53,7 @@ __all__ = [
     "apply_sequence",
     "plan_sequence",
     "sequence_parallel_on",
+    "summing_grads",
 ]
 
 _FIX = "or use optimize 'speed' (tensor parallelism without sequence parallelism)"
@@ -243,7 +244,7 @@ def _gathering_output(forward: Forward, where: str, group: str) -> Forward:
     return wrapped
 
 
-def _summing_grads(
+def summing_grads(
     module: nn.Module, forward: Forward, names: tuple[str, ...], group: str
 ) -> Forward:
     """``forward`` with each of ``names`` used through ``tp_copy`` (gradient summed over TP)."""
@@ -270,7 +271,7 @@ def apply_sequence(module: nn.Module, layout: SequenceLayout, tp: int, group: st
         mod = module.get_submodule(name)
         if id(mod) not in wrapped:
             wrapped.add(id(mod))
-            mod.forward = _summing_grads(mod, mod.forward, names, group)
+            mod.forward = summing_grads(mod, mod.forward, names, group)
     for name in layout.gathers:
         mod = module.get_submodule(name)
         mod.forward = _on_stream(

@@ -28,6 +28,7 @@ __all__ = [
     "TPPlanError",
     "check_every_pattern",
     "match_plan",
+    "match_summed",
     "name_matches",
     "parse_style",
     "resolve_plan",
@@ -137,6 +138,19 @@ def match_plan(module: nn.Module, plan: Mapping[str, Style]) -> dict[str, Style]
                 if style.kind not in ("replicate", "sequence_parallel"):
                     found[name] = style
                 break
+    return found
+
+
+def match_summed(module: nn.Module, plan: Mapping[str, Style]) -> dict[str, tuple[str, ...]]:
+    """Module name -> its own parameters' names, for every module with parameters whose
+    first matching pattern of ``plan`` is ``"replicated_with_grad_allreduce"`` (kept whole,
+    gradients summed over TP)."""
+    found: dict[str, tuple[str, ...]] = {}
+    for name, mod in module.named_modules():
+        style = next((s for p, s in plan.items() if name and name_matches(p, name)), None)
+        own = tuple(n for n, _ in mod.named_parameters(recurse=False))
+        if style is not None and style.sum_grads and own:
+            found[name] = own
     return found
 
 

@@ -14,6 +14,18 @@ import torch
 from torch import nn
 
 FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "t5", "bert", "vit")
+MORE_FAMILIES = (
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "gpt_neox",
+    "opt",
+    "falcon",
+    "stablelm",
+)
+"""Causal LMs with two blocks, built by :func:`build` like ``FAMILIES`` (their own tests)."""
 BATCH = 8  # global batch per step
 VOCAB = 96
 _DECODER = dict(
@@ -68,7 +80,46 @@ def build(family: str) -> nn.Module:
             num_labels=5,
         )
         return hf.ViTForImageClassification(vit)
-    raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
+    if family in MORE_FAMILIES:
+        return _more(hf, family)
+    raise ValueError(f"unknown family {family!r}; choose from {FAMILIES + MORE_FAMILIES}")
+
+
+def _more(hf: Any, family: str) -> nn.Module:
+    """One of ``MORE_FAMILIES``: two blocks, ids and head sizes fitted to the vocabulary."""
+    small = {**_DECODER, "num_hidden_layers": 2}
+    if family == "qwen3":  # per-head q_norm / k_norm
+        return hf.Qwen3ForCausalLM(hf.Qwen3Config(**small, head_dim=8))
+    if family == "gemma":  # embedding scaled by sqrt(hidden), tied head, pad id 0
+        return hf.GemmaForCausalLM(hf.GemmaConfig(**small, head_dim=8))
+    if family == "gemma2":  # attention and final logit soft-capping
+        return hf.Gemma2ForCausalLM(hf.Gemma2Config(**small, head_dim=8))
+    if family == "gemma3":
+        return hf.Gemma3ForCausalLM(hf.Gemma3TextConfig(**small, head_dim=8))
+    if family == "phi3":  # fused q|k|v and gate|up
+        ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        return hf.Phi3ForCausalLM(hf.Phi3Config(**small, **ids))
+    if family == "gpt_neox":  # fused query_key_value
+        del small["num_key_value_heads"]
+        return hf.GPTNeoXForCausalLM(hf.GPTNeoXConfig(**small))
+    if family == "stablelm":
+        return hf.StableLmForCausalLM(hf.StableLmConfig(**small))
+    if family == "opt":
+        opt = hf.OPTConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            ffn_dim=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            word_embed_proj_dim=32,
+        )
+        opt.dropout = 0.0
+        return hf.OPTForCausalLM(opt)
+    falcon = hf.FalconConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4
+    )
+    return hf.FalconForCausalLM(falcon)
 
 
 def batch(family: str, step: int) -> dict[str, torch.Tensor]:

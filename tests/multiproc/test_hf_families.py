@@ -52,6 +52,9 @@ CAUSAL_LMS = {
     "mistral": ("model.embed_tokens", "lm_head"),
     "qwen2": ("model.embed_tokens", "lm_head"),
     "gpt2": ("transformer.wte", "lm_head"),  # tied: one weight, split once
+    "qwen3": ("model.embed_tokens", "lm_head"),
+    "gemma": ("model.embed_tokens", "lm_head"),  # tied; its own forward scales the rows
+    "phi3": ("model.embed_tokens", "lm_head"),
 }
 
 
@@ -84,6 +87,13 @@ def test_every_family_pp2_dp2(config):
     _check(results, config)
 
 
+MORE_TP = ("qwen3", "gemma", "phi3")
+"""At tp = 2 with their own base_model_tp_plan, each with what the families above lack:
+Qwen3's per-head q_norm / k_norm ("replicated_with_grad_allreduce": whole, gradients
+summed over TP), Gemma's embedding that scales the rows in its own forward (split by the
+vocabulary, the scale kept) and Phi-3's fused layers ("colwise_gather_output",
+"rowwise_split_input": the heads left whole)."""
+
 TP = [
     (2, {"tensor_parallel_degree": 2, "microbatches": 2}),
     pytest.param(
@@ -100,12 +110,14 @@ def test_every_family_tensor_parallel(world, config):
     """No tp_plan given: Llama, Mistral and Qwen2 use their own base_model_tp_plan;
     GPT-2 (fused c_attn, Conv1D), T5 (relative attention bias), BERT and ViT mpar's.
     The causal LMs' embedding and LM head are split by the vocabulary besides (issue 44:
-    transparent, and each rank holds half their bytes; GPT-2's tied pair stays one weight)."""
+    transparent, and each rank holds half their bytes; GPT-2's tied pair stays one weight).
+    At tp = 2 alone, MORE_TP besides."""
+    families = cases.FAMILIES + (MORE_TP if world == 2 else ())
     results = run_distributed(
-        cases.train_ranks, world, args=(list(cases.FAMILIES), config, STEPS), timeout=480
+        cases.train_ranks, world, args=(list(families), config, STEPS), timeout=480
     )
-    _check(results, config)
-    _check_vocabulary_split(results, cases.FAMILIES)
+    _check(results, config, families)
+    _check_vocabulary_split(results, families)
 
 
 SEQUENCE_PARALLEL = [
@@ -170,3 +182,26 @@ def test_every_family_full_grid(world, config):
         cases.train_ranks, world, args=(list(cases.FAMILIES), config, STEPS), timeout=880
     )
     _check(results, config)
+
+
+MORE_GRID = [
+    (4, {"pipeline_parallel_degree": 2, "microbatches": 2}, cases.MORE_FAMILIES),
+    (4, {"pipeline_parallel_degree": 2, "microbatches": 2, "zero": {"stage": 3}}, MORE_TP),
+    (2, {"tensor_parallel_degree": 2, "microbatches": 2}, ("gemma2", "gemma3", "gpt_neox")),
+    (2, {"tensor_parallel_degree": 2, "microbatches": 2, "optimize": "memory"}, MORE_TP),
+    (
+        4,
+        {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 4},
+        ("qwen3", "gemma", "gemma3", "phi3", "gpt_neox"),
+    ),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("world", "config", "families"), MORE_GRID)
+def test_more_families_grid(world, config, families):
+    results = run_distributed(
+        cases.train_ranks, world, args=(list(families), config, STEPS), timeout=880
+    )
+    _check(results, config, families)
