@@ -23,6 +23,7 @@ with none gets :class:`~mpar.errors.ContextParallelError`.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -204,12 +205,36 @@ def hf_sdpa(module: nn.Module) -> Iterator[None]:
             config._attn_implementation = implementation
 
 
+def _own_attention_code(module: nn.Module) -> list[str]:
+    """transformers' modeling files ``module``'s classes come from, when none of them uses
+    the attention interface (Falcon's and Bloom's attention is their own code: it branches
+    on ``_attn_implementation == "sdpa"`` and is eager otherwise); else ``[]``."""
+    files = {
+        type(sub).__module__
+        for sub in module.modules()
+        if type(sub).__module__.startswith("transformers.models.")
+    }
+    if any(hasattr(sys.modules.get(f), "ALL_ATTENTION_FUNCTIONS") for f in files):
+        return []
+    return sorted(files)
+
+
 def install_hf(module: nn.Module, method: str) -> bool:
     """Point every Hugging Face config in ``module`` at mpar's ``method`` attention;
-    False when ``module`` has none (it is not a Hugging Face model)."""
+    False when ``module`` has none (it is not a Hugging Face model). A Hugging Face model
+    whose attention does not go through the interface is refused."""
     configs = _configs(module)
     if not configs:
         return False
+    own = _own_attention_code(module)
+    if own:
+        raise ContextParallelError(
+            f"context parallelism: {type(module).__name__} computes attention in its own code "
+            "rather than through Hugging Face's attention interface "
+            "(config._attn_implementation, transformers' ALL_ATTENTION_FUNCTIONS), which is "
+            f"where mpar splits the sequence ({', '.join(own[:3])}); use "
+            "context_parallel_degree 1 for it"
+        )
     _register(method)
     for config in configs:
         config._attn_implementation = HF_NAMES[method]

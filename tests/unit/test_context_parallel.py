@@ -223,3 +223,18 @@ def test_combining_outputs_gives_the_whole_sequence_and_the_weighted_loss():
     out = combine(pieces, ctx)
     assert out["loss"].item() == pytest.approx(0.25 * 2 + 0.75 * 4)
     assert torch.equal(out["logits"], whole) and out["n"] == 0
+
+
+def test_a_hugging_face_model_with_attention_of_its_own_is_refused_when_wrapped():
+    """Falcon's attention is its own code (eager unless _attn_implementation is "sdpa"):
+    pointed at mpar's attention it failed inside transformers ('Tensor + NoneType')."""
+    hf = pytest.importorskip("transformers")
+    from mpar.context_parallel import install_hf
+
+    small = dict(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
+    falcon = hf.FalconForCausalLM(hf.FalconConfig(**small))
+    with pytest.raises(ContextParallelError, match="FalconForCausalLM computes attention"):
+        install_hf(falcon, "ring")
+    llama = hf.LlamaForCausalLM(hf.LlamaConfig(**small, intermediate_size=32))
+    assert install_hf(llama, "ring")
+    assert llama.config._attn_implementation == "mpar_cp_ring"
