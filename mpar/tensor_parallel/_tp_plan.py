@@ -8,7 +8,7 @@ inside any task head); ``*`` stands for exactly one name component
 
 Where the plan comes from (:func:`resolve_plan`): the config's ``tp_plan``; else
 the model's own ``config.base_model_tp_plan`` (Llama, Mistral, Qwen2 have one);
-else mpar's plan for its family (:data:`FAMILY_PLANS`: GPT-2, BERT, ViT, T5).
+else mpar's plan for its family (:data:`FAMILY_PLANS`: GPT-2, BERT, ViT, OPT, T5).
 """
 
 from __future__ import annotations
@@ -57,6 +57,14 @@ FAMILY_PLANS: dict[str, dict[str, str]] = {
         "layers.*.attention.o_proj": "rowwise",
         "layers.*.mlp.fc1": "colwise",
         "layers.*.mlp.fc2": "rowwise",
+    },
+    "opt": {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.out_proj": "rowwise",
+        "layers.*.fc1": "colwise",
+        "layers.*.fc2": "rowwise",
     },
     "t5": {
         "block.*.layer.*.SelfAttention.q": "colwise",

@@ -187,7 +187,7 @@ def test_every_family_full_grid(world, config):
 MORE_GRID = [
     (4, {"pipeline_parallel_degree": 2, "microbatches": 2}, cases.MORE_FAMILIES),
     (4, {"pipeline_parallel_degree": 2, "microbatches": 2, "zero": {"stage": 3}}, MORE_TP),
-    (2, {"tensor_parallel_degree": 2, "microbatches": 2}, ("gemma2", "gemma3", "gpt_neox")),
+    (2, {"tensor_parallel_degree": 2, "microbatches": 2}, ("gemma2", "gemma3", "gpt_neox", "opt")),
     (2, {"tensor_parallel_degree": 2, "microbatches": 2, "optimize": "memory"}, MORE_TP),
     (
         4,

@@ -143,6 +143,32 @@ def test_hf_plans_resolve():
     plan, source = resolve_plan(gpt2, None)
     layout = plan_layout(gpt2, plan, 2, source)
     assert layout.shards["transformer.h.0.attn.c_attn.weight"] == TPShard(1, 2, packs=3)
+    opt = transformers.OPTForCausalLM(
+        transformers.OPTConfig(
+            hidden_size=32, ffn_dim=64, num_hidden_layers=1, num_attention_heads=4, vocab_size=64
+        )
+    )
+    plan, source = resolve_plan(opt, None)
+    assert source == "mpar's plan for 'opt' models"
+    layout = plan_layout(opt, plan, 2, source)
+    assert layout.shards["model.decoder.layers.0.fc2.weight"] == TPShard(1, 2)
+
+
+def test_hf_per_head_norms_keep_their_weights_and_sum_their_gradients():
+    """Qwen3's own plan names q_norm / k_norm "replicated_with_grad_allreduce" (before:
+    an unknown style); they stay whole, their gradients summed over TP."""
+    transformers = pytest.importorskip("transformers")
+    small = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, vocab_size=64)
+    qwen3 = transformers.Qwen3ForCausalLM(
+        transformers.Qwen3Config(**small, num_hidden_layers=1, num_key_value_heads=2, head_dim=8)
+    )
+    plan, source = resolve_plan(qwen3, None)
+    layout = plan_layout(qwen3, plan, 2, source)
+    assert layout.summed == {
+        "model.layers.0.self_attn.q_norm": ("weight",),
+        "model.layers.0.self_attn.k_norm": ("weight",),
+    }
+    assert "model.layers.0.self_attn.q_norm.weight" not in layout.shards
 
 
 @pytest.mark.parametrize(
