@@ -131,8 +131,8 @@ SLOW = [
         ["mixtral", "qwen2_moe"],
         {**EP2, "zero": {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"}},
     ),
-    # (Qwen3-MoE's own TP plan has a 'replicated_with_grad_allreduce' style mpar's TP lacks)
-    (4, ["mixtral", "qwen2_moe"], {**EP2, "tensor_parallel_degree": 2}),
+    # Qwen3-MoE's own TP plan: q_norm / k_norm 'replicated_with_grad_allreduce'
+    (4, ["mixtral", "qwen2_moe", "qwen3_moe"], {**EP2, "tensor_parallel_degree": 2}),
     (4, ["mixtral"], {"expert_parallel_degree": 4}),
     (4, ["mixtral"], {**EP2, "zero": {"stage": 2}, "activation_checkpointing": True}),
     (
