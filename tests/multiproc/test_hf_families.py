@@ -189,6 +189,17 @@ MORE_GRID = [
     (4, {"pipeline_parallel_degree": 2, "microbatches": 2, "zero": {"stage": 3}}, MORE_TP),
     (2, {"tensor_parallel_degree": 2, "microbatches": 2}, ("gemma2", "gemma3", "gpt_neox", "opt")),
     (2, {"tensor_parallel_degree": 2, "microbatches": 2, "optimize": "memory"}, MORE_TP),
+    (4, {"tensor_parallel_degree": 2, "microbatches": 2, "zero": {"stage": 3}}, MORE_TP),
+    (
+        4,
+        {
+            "pipeline_parallel_degree": 2,
+            "tensor_parallel_degree": 2,
+            "microbatches": 4,
+            "pipeline": "zero_bubble",
+        },
+        ("qwen3", "gemma3"),
+    ),
     (
         4,
         {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 4},
