@@ -218,8 +218,11 @@ class ZeroConfig:
         _fail_choice("zero.offload_optimizer", self.offload_optimizer, ("none", "cpu"))
         _fail_choice("zero.offload_params", self.offload_params, ("none", "cpu"))
         _check_number("zero.bucket_mb", self.bucket_mb)
-        if self.bucket_mb <= 0:
-            raise ConfigError(f"config key 'zero.bucket_mb' is {self.bucket_mb}; it must be > 0")
+        if not (math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
+            raise ConfigError(
+                f"config key 'zero.bucket_mb' is {self.bucket_mb}; it must be a finite number "
+                "of MiB > 0 (e.g. 25; one bucket per stage is a value above the stage's size)"
+            )
         _check_bool("zero.reshard_after_forward", self.reshard_after_forward)
         if self.offload_params == "cpu" and self.stage != 3:
             raise ConfigError(
@@ -557,11 +560,15 @@ class Config:
     def _check_grad_reduce_dtype(self) -> None:
         _fail_choice("grad_reduce_dtype", self.grad_reduce_dtype, ("fp32", "bf16", "fp16"))
         if self.grad_reduce_dtype not in ("fp32", self.precision):
+            fix = (
+                f"'fp32', or set '{self.grad_reduce_dtype}': true"
+                if self.precision == "fp32"
+                else f"'fp32' or {self.precision!r}"
+            )
             raise ConfigError(
                 f"config key 'grad_reduce_dtype' is {self.grad_reduce_dtype!r} but the "
                 f"precision is {self.precision!r}: gradients reduce in fp32 or in the compute "
-                f"dtype; set 'grad_reduce_dtype' to 'fp32' or {self.precision!r}"
-                + (f", or set '{self.grad_reduce_dtype}': true" if self.precision == "fp32" else "")
+                f"dtype; set 'grad_reduce_dtype' to {fix}"
             )
 
     @property

@@ -245,10 +245,18 @@ def test_grad_reduce_dtype_is_fp32_or_the_compute_dtype():
     assert config_from_dict({"fp16": True, "grad_reduce_dtype": "fp16"}).low_precision_grads
     with pytest.raises(ConfigError, match="precision is 'bf16'.*'fp32' or 'bf16'"):
         config_from_dict({"bf16": True, "grad_reduce_dtype": "fp16"})
-    with pytest.raises(ConfigError, match="precision is 'fp32'.*set 'bf16': true"):
+    with pytest.raises(ConfigError, match="precision is 'fp32'.*set 'bf16': true") as fp32:
         config_from_dict({"grad_reduce_dtype": "bf16"})
+    assert "to 'fp32', or set 'bf16': true" in str(fp32.value)  # (not "'fp32' or 'fp32'")
     with pytest.raises(ConfigError, match="allowed: 'fp32', 'bf16', 'fp16'"):
         config_from_dict({"bf16": True, "grad_reduce_dtype": "float32"})
+
+
+@pytest.mark.parametrize("size", [float("nan"), float("inf"), -1.0, 0])
+def test_bucket_size_must_be_a_finite_positive_size(size):
+    # NaN and inf once passed here and failed on every rank at sharding (int(nan * 2**20))
+    with pytest.raises(ConfigError, match=r"'zero.bucket_mb' is .*finite number of MiB > 0"):
+        config_from_dict({"zero": {"stage": 2, "bucket_mb": size}})
 
 
 def test_auto_values_need_device_memory_and_hold_placeholders():
