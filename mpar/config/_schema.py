@@ -19,6 +19,7 @@ from mpar._size import parse_bytes
 from mpar.errors import ConfigError, ConfigTypeError
 from mpar.schedule._csv import is_csv_path
 from mpar.schedule._generators import least_active_microbatches
+from mpar.schedule._ir import Schedule
 from mpar.schedule._registry import PIPELINES, check_csv_schedule
 from mpar.topology import GridShape, placement_axes
 
@@ -405,6 +406,26 @@ class Config:
             )
         except ScheduleError as exc:
             raise ConfigError(f"config key 'pipeline': {exc}") from None
+        self._check_file_within_cap(schedule)
+
+    def _check_file_within_cap(self, schedule: Schedule) -> None:
+        """A file runs in its own order: ``active_microbatches`` is not applied to it, so
+        a file holding more pairs in flight than the cap is refused, not run past it."""
+        from mpar.schedule._simulate import peak_in_flight
+
+        k = self.active_microbatches
+        if k is None:
+            return
+        peaks = peak_in_flight(schedule)
+        rank = max(range(len(peaks)), key=peaks.__getitem__)
+        if peaks[rank] > k:
+            raise ConfigError(
+                f"config key 'active_microbatches' is {k}, but the schedule in "
+                f"{self.pipeline!r} holds {peaks[rank]} (stage, microbatch) pairs in flight "
+                f"on rank {rank}; mpar runs a file's order as written: set "
+                f"active_microbatches to {peaks[rank]} or more (or drop it), or write a "
+                "schedule that holds fewer"
+            )
 
     def _check_fields(self) -> None:
         _check_int("pipeline_parallel_degree", self.pipeline_parallel_degree, minimum=1)
