@@ -254,7 +254,7 @@ def test_grad_reduce_dtype_is_fp32_or_the_compute_dtype():
 
 @pytest.mark.parametrize("size", [float("nan"), float("inf"), -1.0, 0])
 def test_bucket_size_must_be_a_finite_positive_size(size):
-    # NaN and inf once passed here and failed on every rank at sharding (int(nan * 2**20))
+    # once passed here: NaN then failed the cross-rank check (nan != nan), inf the sharding
     with pytest.raises(ConfigError, match=r"'zero.bucket_mb' is .*finite number of MiB > 0"):
         config_from_dict({"zero": {"stage": 2, "bucket_mb": size}})
 
