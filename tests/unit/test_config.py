@@ -200,6 +200,46 @@ def test_smp_and_deepspeed_translations():
         config_from_dict({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})
 
 
+def test_a_deepspeed_zero3_section_as_hugging_face_writes_it_pastes_unchanged():
+    # the ZeRO-3 section of Hugging Face's DeepSpeed integration docs, "auto" values included
+    ds = {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True, "buffer_count": 5},
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+        "zero_quantized_weights": False,
+    }
+    zero = config_from_dict({"zero_optimization": ds}).zero
+    assert zero == ZeroConfig(stage=3, offload_optimizer="cpu", offload_params="cpu")
+    legacy = config_from_dict({"zero_optimization": {"stage": 2, "cpu_offload": True}}).zero
+    assert legacy == ZeroConfig(stage=2, offload_optimizer="cpu")
+
+
+@pytest.mark.parametrize(
+    ("section", "match"),
+    [
+        ({"zero_quantized_gradients": True}, "'zero_optimization.zero_quantized_gradients'"),
+        ({"zero_hpz_partition_size": 8}, "no such feature"),
+        ({"mics_shard_size": 8}, "set it to -1"),
+        ({"offload_optimizer": {"device": "cpu", "ratio": 0.3}}, "offloads all of it"),
+        ({"offload_optimizer": {"device": "cpu", "pin_memroy": True}}, "did you mean 'pin_memory'"),
+        ({"reduce_bucket_size": "big"}, 'or "auto"'),
+        ({"cpu_offload": "yes"}, "'zero_optimization.cpu_offload' must be true or false"),
+    ],
+)
+def test_deepspeed_features_mpar_lacks_are_refused_by_name(section, match):
+    with pytest.raises((ConfigError, ConfigTypeError), match=match):
+        config_from_dict({"zero_optimization": {"stage": 3, **section}})
+
+
 def test_files_and_environment(tmp_path, monkeypatch):
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps({"partitions": 2, "microbatches": 8}))
