@@ -20,7 +20,7 @@ from mpar.errors import ConfigError, ConfigTypeError
 from mpar.schedule._csv import is_csv_path
 from mpar.schedule._generators import least_active_microbatches
 from mpar.schedule._ir import Schedule
-from mpar.schedule._registry import PIPELINES, check_csv_schedule
+from mpar.schedule._registry import PIPELINES, SCHEDULE_HELP, check_csv_schedule
 from mpar.topology import GridShape, placement_axes
 
 __all__ = ["BlockCheckpointing", "Config", "PrecisionKind", "ZeroConfig"]
@@ -61,6 +61,40 @@ def _fail_choice(key: str, value: object, allowed: tuple[object, ...]) -> None:
     if value not in allowed:
         options = ", ".join(repr(a) for a in allowed)
         raise ConfigError(f"config key {key!r} has value {value!r}; allowed: {options}")
+
+
+_PIPELINE_SYNONYMS = {
+    "gpipe": "simple",
+    "schedulegpipe": "simple",
+    "1f1b": "interleaved",
+    "schedule1f1b": "interleaved",
+    "interleaved1f1b": "interleaved",
+    "scheduleinterleaved1f1b": "interleaved",
+    "zb": "zero_bubble",
+    "zbh1": "zero_bubble",
+    "zerobubble": "zero_bubble",
+    "scheduleinterleavedzerobubble": "zero_bubble",
+    "schedulezbvzerobubble": "zbv",
+}
+"""Other spellings of mpar's schedules (DeepSpeed's, torch's class names), for the hint."""
+
+
+def _fail_pipeline(value: object) -> None:
+    """``pipeline`` is neither a schedule name nor a CSV path: say which name was meant."""
+    if value in PIPELINES:
+        return
+    options = ", ".join(repr(a) for a in PIPELINES)
+    hint = ""
+    if isinstance(value, str):
+        key = value.strip().lower().replace("-", "").replace("_", "").replace(" ", "")
+        named = {p.replace("_", ""): p for p in PIPELINES}
+        meant = named.get(key) or _PIPELINE_SYNONYMS.get(key)
+        if meant is not None:
+            hint = f" (did you mean {meant!r}: {SCHEDULE_HELP[meant]}?)"
+    raise ConfigError(
+        f"config key 'pipeline' has value {value!r}{hint}; allowed: {options}, or the path "
+        "of a schedule CSV file (ending in .csv)"
+    )
 
 
 def _check_int(key: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
@@ -440,7 +474,7 @@ class Config:
         _check_ep_plan(self.ep_plan)
         _check_cp_with_ep(self.context_parallel_degree, self.expert_parallel_degree)
         if not is_csv_path(self.pipeline):
-            _fail_choice("pipeline", self.pipeline, PIPELINES)
+            _fail_pipeline(self.pipeline)
         _check_int("virtual_stages", self.virtual_stages, minimum=1)
         if self.active_microbatches is not None:
             _check_int("active_microbatches", self.active_microbatches, minimum=1)

@@ -81,7 +81,7 @@ def test_unknown_nested_key():
         ({"microbatches": "4"}, ConfigTypeError, "'microbatches' must be an integer"),
         ({"microbatches": True}, ConfigTypeError, "'microbatches' must be an integer"),
         ({"microbatches": 0}, ConfigError, "'microbatches' has value 0"),
-        ({"pipeline": "gpipe"}, ConfigError, "'pipeline' has value 'gpipe'; allowed"),
+        ({"pipeline": "gpipe"}, ConfigError, "'pipeline' has value 'gpipe' [(]did you mean 'simple'"),
         ({"memory_weight": 1.5}, ConfigError, "in \\[0, 1\\]"),
         ({"ddp": "yes"}, ConfigTypeError, "'ddp' must be true or false"),
         ({"zero": {"stage": 4}}, ConfigError, "'zero.stage' has value 4"),
@@ -366,3 +366,18 @@ def test_context_and_expert_parallel_together_are_refused() -> None:
         config_from_dict({"cp": 2, "ep": 2})
     with pytest.raises(ConfigError, match="not supported yet"):
         config_from_dict({"context_parallel_degree": 4, "expert_parallel_degree": 2})
+
+
+@pytest.mark.parametrize(
+    ("given", "meant"),
+    [
+        ("Interleaved", "interleaved"),
+        ("gpipe", "simple"),
+        ("1F1B", "interleaved"),
+        ("ScheduleInterleavedZeroBubble", "zero_bubble"),
+        ("ZBV", "zbv"),
+    ],
+)
+def test_a_schedule_spelled_as_elsewhere_names_mpars_spelling(given, meant):
+    with pytest.raises(ConfigError, match=f"did you mean '{meant}'.*schedule CSV file"):
+        config_from_dict({"pipeline": given})
