@@ -81,7 +81,11 @@ def test_unknown_nested_key():
         ({"microbatches": "4"}, ConfigTypeError, "'microbatches' must be an integer"),
         ({"microbatches": True}, ConfigTypeError, "'microbatches' must be an integer"),
         ({"microbatches": 0}, ConfigError, "'microbatches' has value 0"),
-        ({"pipeline": "gpipe"}, ConfigError, "'pipeline' has value 'gpipe' [(]did you mean 'simple'"),
+        (
+            {"pipeline": "gpipe"},
+            ConfigError,
+            "'pipeline' has value 'gpipe' [(]did you mean 'simple'",
+        ),
         ({"memory_weight": 1.5}, ConfigError, "in \\[0, 1\\]"),
         ({"ddp": "yes"}, ConfigTypeError, "'ddp' must be true or false"),
         ({"zero": {"stage": 4}}, ConfigError, "'zero.stage' has value 4"),
