@@ -23,6 +23,7 @@ from mpar.comm._shared import remove_created
 __all__ = [
     "FAILED",
     "exit_now",
+    "failure_published",
     "is_stopped",
     "publish_failure",
     "silence",
@@ -39,6 +40,8 @@ failure ``mpar launch``'s child entry recorded): ``shutdown`` then skips its fin
 barrier, since the peers will not come."""
 _client: dist.TCPStore | None = None
 _thread: threading.Thread | None = None
+_published: str | None = None
+"""The exception (last line of its traceback) this rank published first, if any."""
 _POLL_S = 0.25
 
 
@@ -102,11 +105,21 @@ def start_watcher(host: str, port: int, rank: int, timeout_s: float) -> None:
 
 def publish_failure(rank: int, traceback_text: str) -> None:
     """Tell every rank that this one failed (best effort; never raises)."""
+    global _published
     FAILED.set()
+    if _published is None:
+        lines = traceback_text.strip().splitlines()
+        _published = lines[-1] if lines else "an exception"
     if _client is None or _quiet.is_set():
         return
     with contextlib.suppress(Exception):
         _client.set(_KEY, f"rank {rank}\n{traceback_text}")
+
+
+def failure_published() -> str | None:
+    """The exception this rank published as its failure (the last line of its
+    traceback), or None: its peers are stopping, so it must not transfer again."""
+    return _published
 
 
 def silence() -> None:
@@ -118,13 +131,13 @@ def silence() -> None:
 def stop_watcher() -> None:
     """Stop the watcher thread; once it has ended, forget this run (its events too).
     A thread still running is ending the process (another rank failed)."""
-    global _client, _thread
+    global _client, _thread, _published
     _stop.set()
     if _thread is not None:
         _thread.join(timeout=2 * _POLL_S + 1)
         if _thread.is_alive():
             return
-    _client, _thread = None, None
+    _client, _thread, _published = None, None, None
     for event in (_stop, _quiet, FAILED):
         event.clear()
 
@@ -132,4 +145,9 @@ def stop_watcher() -> None:
 def is_stopped() -> bool:
     """Whether no watcher runs and nothing of a run is left (as at import)."""
     events = (_stop, _quiet, FAILED)
-    return _thread is None and _client is None and not any(e.is_set() for e in events)
+    return (
+        _thread is None
+        and _client is None
+        and _published is None
+        and not any(e.is_set() for e in events)
+    )

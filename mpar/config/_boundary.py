@@ -7,7 +7,8 @@ Everything a user may write is translated here into the canonical keys of
 * ``shard_optimizer_state: true`` -> ``zero.stage = 1`` (smp);
 * a DeepSpeed-style ``zero_optimization`` section (``stage``,
   ``offload_optimizer.device``, ``offload_param.device``,
-  ``reduce_bucket_size``) -> ``zero``.
+  ``reduce_bucket_size``, the older ``cpu_offload`` booleans; tuning knobs mpar decides
+  itself are accepted and ignored, features it lacks only at their off value) -> ``zero``.
 
 Unknown keys are rejected by name with the closest valid key suggested.
 
@@ -74,8 +75,11 @@ _TRANSLATED = ("shard_optimizer_state", "zero_optimization")
 ACCEPTED_KEYS = frozenset(_CANONICAL + tuple(_ALIASES) + _TRANSLATED)
 
 _ZERO_KEYS = tuple(f.name for f in ZeroConfig.__dataclass_fields__.values())
-# DeepSpeed knobs that mpar always applies (overlap, contiguous buffers) and so
-# accepts and ignores, letting users paste their DeepSpeed section unchanged.
+# DeepSpeed tuning knobs that mpar decides itself (it always overlaps communication,
+# keeps contiguous flat buckets, sizes prefetch and persistence by partition unit, and
+# writes full weights from ``save_pretrained`` without gathering them on one rank): any
+# value, "auto" included, is accepted and ignored, so a DeepSpeed section (as Hugging
+# Face's examples write it) pastes unchanged.
 _DEEPSPEED_IGNORED = frozenset(
     {
         "overlap_comm",
@@ -84,10 +88,57 @@ _DEEPSPEED_IGNORED = frozenset(
         "reduce_scatter",
         "round_robin_gradients",
         "allgather_bucket_size",
+        "sub_group_size",
+        "stage3_prefetch_bucket_size",
+        "stage3_param_persistence_threshold",
+        "stage3_model_persistence_threshold",
+        "stage3_max_live_parameters",
+        "stage3_max_reuse_distance",
+        "stage3_gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save",
+        "stage3_module_granularity_threshold",
+        "memory_efficient_linear",
+        "ignore_unused_parameters",
+        "load_from_fp32_weights",
+        "elastic_checkpoint",
+        "use_multi_rank_bucket_allreduce",
+        "log_trace_cache_warnings",
+        "cpu_offload_use_pin_memory",
     }
 )
-_DEEPSPEED_ZERO_KEYS = frozenset(
-    {"stage", "offload_optimizer", "offload_param", "reduce_bucket_size"} | _DEEPSPEED_IGNORED
+# DeepSpeed features mpar does not have (quantized ZeRO++ collectives, hierarchical and
+# MiCS partitioning): accepted only at the value that turns them off.
+_DEEPSPEED_OFF: dict[str, object] = {
+    "zero_quantized_weights": False,
+    "zero_quantized_nontrainable_weights": False,
+    "zero_quantized_gradients": False,
+    "zero_hpz_partition_size": 1,
+    "mics_shard_size": -1,
+    "mics_hierarchical_params_gather": False,
+}
+# DeepSpeed's older spellings of the offload sections (booleans).
+_DEEPSPEED_LEGACY = {"cpu_offload": "offload_optimizer", "cpu_offload_params": "offload_params"}
+_DEEPSPEED_ZERO_KEYS = (
+    frozenset({"stage", "offload_optimizer", "offload_param", "reduce_bucket_size"})
+    | _DEEPSPEED_IGNORED
+    | frozenset(_DEEPSPEED_OFF)
+    | frozenset(_DEEPSPEED_LEGACY)
+)
+# Keys of DeepSpeed's offload sections: only ``device`` matters to mpar (host copies are
+# always pinned on CUDA; the others tune DeepSpeed's NVMe swapper); ``ratio`` (a partial
+# optimizer offload) must be 1.
+_OFFLOAD_KEYS = (
+    "device",
+    "pin_memory",
+    "buffer_count",
+    "buffer_size",
+    "max_in_cpu",
+    "fast_init",
+    "pipeline",
+    "pipeline_read",
+    "pipeline_write",
+    "nvme_path",
+    "ratio",
 )
 
 
@@ -111,13 +162,19 @@ def _offload_device(section: object, key: str) -> str:
         return "none"
     section = _require_mapping(section, key)
     for name in section:
-        if name not in ("device", "pin_memory"):
-            raise _unknown_key(name, f" in {key!r}", ("device", "pin_memory"))
+        if name not in _OFFLOAD_KEYS:
+            raise _unknown_key(name, f" in {key!r}", _OFFLOAD_KEYS)
     device = section.get("device", "none")
     if device not in ("none", "cpu"):
         raise ConfigError(
             f"config key '{key}.device' has value {device!r}; allowed: 'none', 'cpu' "
             "(NVMe offload is not supported)"
+        )
+    ratio = section.get("ratio", 1)
+    if device == "cpu" and (isinstance(ratio, bool) or ratio not in (1, 1.0)):
+        raise ConfigError(
+            f"config key '{key}.ratio' is {ratio!r}; mpar offloads all of it or none: "
+            "leave 'ratio' out (or 1)"
         )
     return str(device)
 
@@ -127,6 +184,7 @@ def _translate_deepspeed_zero(section: object) -> dict[str, object]:
     for key in section:
         if key not in _DEEPSPEED_ZERO_KEYS:
             raise _unknown_key(key, " in 'zero_optimization'", _DEEPSPEED_ZERO_KEYS)
+    _check_deepspeed_off(section)
     zero: dict[str, object] = {"stage": section.get("stage", 0)}
     zero["offload_optimizer"] = _offload_device(
         section.get("offload_optimizer"), "zero_optimization.offload_optimizer"
@@ -134,15 +192,36 @@ def _translate_deepspeed_zero(section: object) -> dict[str, object]:
     zero["offload_params"] = _offload_device(
         section.get("offload_param"), "zero_optimization.offload_param"
     )
-    if "reduce_bucket_size" in section:
-        size = section["reduce_bucket_size"]
-        if isinstance(size, bool) or not isinstance(size, int | float) or size <= 0:
+    for legacy, key in _DEEPSPEED_LEGACY.items():
+        if legacy not in section:
+            continue
+        flag = section[legacy]
+        if not isinstance(flag, bool):
+            raise ConfigTypeError(
+                f"config key 'zero_optimization.{legacy}' must be true or false, got {flag!r}"
+            )
+        if flag and zero[key] == "none":
+            zero[key] = "cpu"
+    size = section.get("reduce_bucket_size", "auto")
+    if size != "auto":
+        if isinstance(size, bool) or not isinstance(size, int | float) or not 0 < size < 2**63:
             raise ConfigError(
                 "config key 'zero_optimization.reduce_bucket_size' must be a positive number of "
-                f"elements, got {size!r}"
+                f'elements (or "auto": mpar\'s default), got {size!r}'
             )
         zero["bucket_mb"] = float(size) * 4 / 2**20  # DeepSpeed counts fp32 elements
     return zero
+
+
+def _check_deepspeed_off(section: Mapping[str, object]) -> None:
+    """DeepSpeed features mpar lacks are refused unless given at their off value."""
+    for key, off in _DEEPSPEED_OFF.items():
+        value = section.get(key, off)
+        if value != off or isinstance(value, bool) is not isinstance(off, bool):
+            raise ConfigError(
+                f"config key 'zero_optimization.{key}' is {value!r}: mpar has no such "
+                f"feature (DeepSpeed's ZeRO++ / MiCS); leave it out or set it to {off!r}"
+            )
 
 
 def _zero_from(raw: Mapping[str, object]) -> ZeroConfig:

@@ -19,7 +19,8 @@ from mpar._size import parse_bytes
 from mpar.errors import ConfigError, ConfigTypeError
 from mpar.schedule._csv import is_csv_path
 from mpar.schedule._generators import least_active_microbatches
-from mpar.schedule._registry import PIPELINES, check_csv_schedule
+from mpar.schedule._ir import Schedule
+from mpar.schedule._registry import PIPELINES, SCHEDULE_HELP, check_csv_schedule
 from mpar.topology import GridShape, placement_axes
 
 __all__ = ["BlockCheckpointing", "Config", "PrecisionKind", "ZeroConfig"]
@@ -60,6 +61,40 @@ def _fail_choice(key: str, value: object, allowed: tuple[object, ...]) -> None:
     if value not in allowed:
         options = ", ".join(repr(a) for a in allowed)
         raise ConfigError(f"config key {key!r} has value {value!r}; allowed: {options}")
+
+
+_PIPELINE_SYNONYMS = {
+    "gpipe": "simple",
+    "schedulegpipe": "simple",
+    "1f1b": "interleaved",
+    "schedule1f1b": "interleaved",
+    "interleaved1f1b": "interleaved",
+    "scheduleinterleaved1f1b": "interleaved",
+    "zb": "zero_bubble",
+    "zbh1": "zero_bubble",
+    "zerobubble": "zero_bubble",
+    "scheduleinterleavedzerobubble": "zero_bubble",
+    "schedulezbvzerobubble": "zbv",
+}
+"""Other spellings of mpar's schedules (DeepSpeed's, torch's class names), for the hint."""
+
+
+def _fail_pipeline(value: object) -> None:
+    """``pipeline`` is neither a schedule name nor a CSV path: say which name was meant."""
+    if value in PIPELINES:
+        return
+    options = ", ".join(repr(a) for a in PIPELINES)
+    hint = ""
+    if isinstance(value, str):
+        key = value.strip().lower().replace("-", "").replace("_", "").replace(" ", "")
+        named = {p.replace("_", ""): p for p in PIPELINES}
+        meant = named.get(key) or _PIPELINE_SYNONYMS.get(key)
+        if meant is not None:
+            hint = f" (did you mean {meant!r}: {SCHEDULE_HELP[meant]}?)"
+    raise ConfigError(
+        f"config key 'pipeline' has value {value!r}{hint}; allowed: {options}, or the path "
+        "of a schedule CSV file (ending in .csv)"
+    )
 
 
 def _check_int(key: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
@@ -218,8 +253,11 @@ class ZeroConfig:
         _fail_choice("zero.offload_optimizer", self.offload_optimizer, ("none", "cpu"))
         _fail_choice("zero.offload_params", self.offload_params, ("none", "cpu"))
         _check_number("zero.bucket_mb", self.bucket_mb)
-        if self.bucket_mb <= 0:
-            raise ConfigError(f"config key 'zero.bucket_mb' is {self.bucket_mb}; it must be > 0")
+        if not (math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
+            raise ConfigError(
+                f"config key 'zero.bucket_mb' is {self.bucket_mb}; it must be a finite number "
+                "of MiB > 0 (e.g. 25; one bucket per stage is a value above the stage's size)"
+            )
         _check_bool("zero.reshard_after_forward", self.reshard_after_forward)
         if self.offload_params == "cpu" and self.stage != 3:
             raise ConfigError(
@@ -402,6 +440,26 @@ class Config:
             )
         except ScheduleError as exc:
             raise ConfigError(f"config key 'pipeline': {exc}") from None
+        self._check_file_within_cap(schedule)
+
+    def _check_file_within_cap(self, schedule: Schedule) -> None:
+        """A file runs in its own order: ``active_microbatches`` is not applied to it, so
+        a file holding more pairs in flight than the cap is refused, not run past it."""
+        from mpar.schedule._simulate import peak_in_flight
+
+        k = self.active_microbatches
+        if k is None:
+            return
+        peaks = peak_in_flight(schedule)
+        rank = max(range(len(peaks)), key=peaks.__getitem__)
+        if peaks[rank] > k:
+            raise ConfigError(
+                f"config key 'active_microbatches' is {k}, but the schedule in "
+                f"{self.pipeline!r} holds {peaks[rank]} (stage, microbatch) pairs in flight "
+                f"on rank {rank}; mpar runs a file's order as written: set "
+                f"active_microbatches to {peaks[rank]} or more (or drop it), or write a "
+                "schedule that holds fewer"
+            )
 
     def _check_fields(self) -> None:
         _check_int("pipeline_parallel_degree", self.pipeline_parallel_degree, minimum=1)
@@ -416,7 +474,7 @@ class Config:
         _check_ep_plan(self.ep_plan)
         _check_cp_with_ep(self.context_parallel_degree, self.expert_parallel_degree)
         if not is_csv_path(self.pipeline):
-            _fail_choice("pipeline", self.pipeline, PIPELINES)
+            _fail_pipeline(self.pipeline)
         _check_int("virtual_stages", self.virtual_stages, minimum=1)
         if self.active_microbatches is not None:
             _check_int("active_microbatches", self.active_microbatches, minimum=1)
@@ -557,11 +615,15 @@ class Config:
     def _check_grad_reduce_dtype(self) -> None:
         _fail_choice("grad_reduce_dtype", self.grad_reduce_dtype, ("fp32", "bf16", "fp16"))
         if self.grad_reduce_dtype not in ("fp32", self.precision):
+            fix = (
+                f"'fp32', or set '{self.grad_reduce_dtype}': true"
+                if self.precision == "fp32"
+                else f"'fp32' or {self.precision!r}"
+            )
             raise ConfigError(
                 f"config key 'grad_reduce_dtype' is {self.grad_reduce_dtype!r} but the "
                 f"precision is {self.precision!r}: gradients reduce in fp32 or in the compute "
-                f"dtype; set 'grad_reduce_dtype' to 'fp32' or {self.precision!r}"
-                + (f", or set '{self.grad_reduce_dtype}': true" if self.precision == "fp32" else "")
+                f"dtype; set 'grad_reduce_dtype' to {fix}"
             )
 
     @property

@@ -123,20 +123,19 @@ class StepOutput:
 
     def reduce_mean(self) -> Any:
         """Mean over microbatches, weighted by microbatch size: the whole-batch mean
-        of a mean-reduced loss (equal to the plain mean when microbatches are even)."""
+        of a mean-reduced loss (equal to the plain mean when microbatches are even).
+        Integer and bool tensors give a float64 mean, weighted alike (as numbers do)."""
         total = float(sum(self.sizes))
         weights = [size / total for size in self.sizes]
-        return _zip_apply(
-            self.outputs,
-            lambda ts: (
-                sum(
-                    (w * t.to(torch.float64) for w, t in zip(weights, ts)),
-                    torch.zeros((), dtype=torch.float64),
-                ).to(ts[0].dtype)
-                if ts[0].is_floating_point()
-                else torch.stack(ts).double().mean()
-            ),
-        )
+
+        def mean(ts: list[torch.Tensor]) -> torch.Tensor:
+            weighted = sum(
+                (w * t.to(torch.float64) for w, t in zip(weights, ts)),
+                torch.zeros((), dtype=torch.float64),
+            )
+            return weighted.to(ts[0].dtype) if ts[0].is_floating_point() else weighted
+
+        return _zip_apply(self.outputs, mean)
 
     def reduce_sum(self) -> Any:
         """Sum over microbatches."""

@@ -11,8 +11,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar, overload
 
 from mpar import _device
-from mpar.comm import State
-from mpar.comm._abort import publish_failure
+from mpar.comm import State, is_initialized, state
+from mpar.comm._abort import failure_published, publish_failure
 from mpar.comm._progress import PROGRESS
 from mpar.comm._snapshot import write_trace
 from mpar.comm._watchdog import exit_if_reported
@@ -109,6 +109,21 @@ def _execute(fn: StepFunction, model: DistributedModel, batches: Microbatches) -
     return run.outputs
 
 
+def _refuse_after_a_failure() -> None:
+    """A rank whose step failed has told its peers, which are stopping: a step it ran
+    now would send them transfers of another step (gloo aborts the receiver with
+    "Received data size doesn't match expected size", hiding the first error) or let
+    the job go on with its watchers gone. One rank alone has no peers to upset."""
+    failure = failure_published()
+    if failure is not None and is_initialized() and state().layout.world_size > 1:
+        raise StepError(
+            f"a step failed on this rank ({failure}), and every rank of the job was told "
+            "to stop: no further step can run. Let that exception end the process, or fix "
+            "its cause; catching an exception from a step and continuing works only in a "
+            "job of one rank"
+        )
+
+
 def _trace_layout(st: State, schedule: Schedule) -> TraceLayout:
     """What ``mpar schedule --trace`` needs to rebuild and simulate the schedule."""
     cfg = st.config
@@ -171,6 +186,7 @@ def step(
 
     @functools.wraps(fn)
     def wrapper(model: DistributedModel, *args: object, **kwargs: object) -> StepOutput:
+        _refuse_after_a_failure()
         batches = _prepare(fn, model, args, kwargs, non_split_inputs, input_split_axes)
         prints = due_fingerprint(model.grid, model.due_batch_check, batches.args, batches.kwargs)
         batches = _shard_sequences(fn, model, batches)  # after the check: CP ranks agree

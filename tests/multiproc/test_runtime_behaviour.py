@@ -173,6 +173,48 @@ def test_exception_on_one_rank_stops_every_rank_quickly():
     assert elapsed < 30, f"took {elapsed:.1f} s: ranks waited for the collective timeout"
 
 
+def _catch_and_step_again(path):
+    """Rank 0's first stage fails in step 1 (a float64 batch); it catches the exception
+    and tries step 2 at once, writing what happened to ``path``."""
+    import mpar
+    from mpar.errors import StepError
+
+    mpar.init({"pipeline_parallel_degree": 2, "microbatches": 2, "timeout_s": 60})
+    model = mpar.DistributedModel(mlp())
+
+    @mpar.step
+    def train(m, x, y):
+        loss = loss_fn(m(x), y)
+        m.backward(loss)
+        return loss
+
+    x, y = batch("mlp", 0)
+    train(model, x, y)
+    try:
+        train(model, x.double() if mpar.rank() == 0 else x, y)
+    except RuntimeError:
+        try:
+            train(model, x, y)
+            outcome = "ran"
+        except StepError as exc:
+            outcome = str(exc)
+        with open(path, "w") as f:
+            f.write(outcome)
+        raise  # (a rank 0 that ended quietly would take the store, and the news, with it)
+
+
+def test_a_rank_that_catches_its_failed_step_cannot_run_another(tmp_path):
+    """Before, rank 0 ran step 2 while rank 1 still waited in step 1: rank 1 took step 2's
+    messages for step 1's (gloo aborts it under NCCL's rules: "Received data size doesn't
+    match expected size"), or both ranks went on training with their watchers gone."""
+    path = tmp_path / "outcome"
+    with pytest.raises(DistributedTestError, match="mat1 and mat2"):
+        run_distributed(_catch_and_step_again, 2, args=(str(path),), timeout=60)
+    outcome = path.read_text()
+    assert outcome.startswith("a step failed on this rank (RuntimeError: mat1 and mat2"), outcome
+    assert "no further step can run" in outcome
+
+
 def _saved_bytes(checkpointing):
     import mpar
     from tests.multiproc._pipeline_cases import tiny_gpt

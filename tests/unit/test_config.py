@@ -81,7 +81,11 @@ def test_unknown_nested_key():
         ({"microbatches": "4"}, ConfigTypeError, "'microbatches' must be an integer"),
         ({"microbatches": True}, ConfigTypeError, "'microbatches' must be an integer"),
         ({"microbatches": 0}, ConfigError, "'microbatches' has value 0"),
-        ({"pipeline": "gpipe"}, ConfigError, "'pipeline' has value 'gpipe'; allowed"),
+        (
+            {"pipeline": "gpipe"},
+            ConfigError,
+            "'pipeline' has value 'gpipe' [(]did you mean 'simple'",
+        ),
         ({"memory_weight": 1.5}, ConfigError, "in \\[0, 1\\]"),
         ({"ddp": "yes"}, ConfigTypeError, "'ddp' must be true or false"),
         ({"zero": {"stage": 4}}, ConfigError, "'zero.stage' has value 4"),
@@ -200,6 +204,46 @@ def test_smp_and_deepspeed_translations():
         config_from_dict({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})
 
 
+def test_a_deepspeed_zero3_section_as_hugging_face_writes_it_pastes_unchanged():
+    # the ZeRO-3 section of Hugging Face's DeepSpeed integration docs, "auto" values included
+    ds = {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True, "buffer_count": 5},
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+        "zero_quantized_weights": False,
+    }
+    zero = config_from_dict({"zero_optimization": ds}).zero
+    assert zero == ZeroConfig(stage=3, offload_optimizer="cpu", offload_params="cpu")
+    legacy = config_from_dict({"zero_optimization": {"stage": 2, "cpu_offload": True}}).zero
+    assert legacy == ZeroConfig(stage=2, offload_optimizer="cpu")
+
+
+@pytest.mark.parametrize(
+    ("section", "match"),
+    [
+        ({"zero_quantized_gradients": True}, "'zero_optimization.zero_quantized_gradients'"),
+        ({"zero_hpz_partition_size": 8}, "no such feature"),
+        ({"mics_shard_size": 8}, "set it to -1"),
+        ({"offload_optimizer": {"device": "cpu", "ratio": 0.3}}, "offloads all of it"),
+        ({"offload_optimizer": {"device": "cpu", "pin_memroy": True}}, "did you mean 'pin_memory'"),
+        ({"reduce_bucket_size": "big"}, 'or "auto"'),
+        ({"cpu_offload": "yes"}, "'zero_optimization.cpu_offload' must be true or false"),
+    ],
+)
+def test_deepspeed_features_mpar_lacks_are_refused_by_name(section, match):
+    with pytest.raises((ConfigError, ConfigTypeError), match=match):
+        config_from_dict({"zero_optimization": {"stage": 3, **section}})
+
+
 def test_files_and_environment(tmp_path, monkeypatch):
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps({"partitions": 2, "microbatches": 8}))
@@ -245,10 +289,18 @@ def test_grad_reduce_dtype_is_fp32_or_the_compute_dtype():
     assert config_from_dict({"fp16": True, "grad_reduce_dtype": "fp16"}).low_precision_grads
     with pytest.raises(ConfigError, match="precision is 'bf16'.*'fp32' or 'bf16'"):
         config_from_dict({"bf16": True, "grad_reduce_dtype": "fp16"})
-    with pytest.raises(ConfigError, match="precision is 'fp32'.*set 'bf16': true"):
+    with pytest.raises(ConfigError, match="precision is 'fp32'.*set 'bf16': true") as fp32:
         config_from_dict({"grad_reduce_dtype": "bf16"})
+    assert "to 'fp32', or set 'bf16': true" in str(fp32.value)  # (not "'fp32' or 'fp32'")
     with pytest.raises(ConfigError, match="allowed: 'fp32', 'bf16', 'fp16'"):
         config_from_dict({"bf16": True, "grad_reduce_dtype": "float32"})
+
+
+@pytest.mark.parametrize("size", [float("nan"), float("inf"), -1.0, 0])
+def test_bucket_size_must_be_a_finite_positive_size(size):
+    # once passed here: NaN then failed the cross-rank check (nan != nan), inf the sharding
+    with pytest.raises(ConfigError, match=r"'zero.bucket_mb' is .*finite number of MiB > 0"):
+        config_from_dict({"zero": {"stage": 2, "bucket_mb": size}})
 
 
 def test_auto_values_need_device_memory_and_hold_placeholders():
@@ -318,3 +370,18 @@ def test_context_and_expert_parallel_together_are_refused() -> None:
         config_from_dict({"cp": 2, "ep": 2})
     with pytest.raises(ConfigError, match="not supported yet"):
         config_from_dict({"context_parallel_degree": 4, "expert_parallel_degree": 2})
+
+
+@pytest.mark.parametrize(
+    ("given", "meant"),
+    [
+        ("Interleaved", "interleaved"),
+        ("gpipe", "simple"),
+        ("1F1B", "interleaved"),
+        ("ScheduleInterleavedZeroBubble", "zero_bubble"),
+        ("ZBV", "zbv"),
+    ],
+)
+def test_a_schedule_spelled_as_elsewhere_names_mpars_spelling(given, meant):
+    with pytest.raises(ConfigError, match=f"did you mean '{meant}'.*schedule CSV file"):
+        config_from_dict({"pipeline": given})

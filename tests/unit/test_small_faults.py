@@ -20,6 +20,16 @@ def test_a_schedule_csv_whose_receives_come_out_of_send_order_is_refused_at_init
     assert load_config(config).pipeline == str(path)
 
 
+def test_a_schedule_csv_holding_more_than_active_microbatches_is_refused(tmp_path):
+    # before: accepted, and the file ran as written past the cap (2 in flight on rank 0)
+    path = tmp_path / "gpipe.csv"
+    path.write_text("0F0,0F1,0B0,0B1\n1F0,1F1,1B0,1B1\n")
+    config = {"pipeline": str(path), "pipeline_parallel_degree": 2, "microbatches": 2}
+    with pytest.raises(ConfigError, match="holds 2 .* in flight on rank 0.* to 2 or more"):
+        load_config({**config, "active_microbatches": 1})
+    assert load_config({**config, "active_microbatches": 2}).active_microbatches == 2
+
+
 def test_fp16_warns_when_it_keeps_skipping_steps():
     import warnings
 

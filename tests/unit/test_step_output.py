@@ -17,6 +17,15 @@ def test_reductions_weighted_by_microbatch_size():
     assert out.stack().shape == (2,)
 
 
+def test_integer_and_bool_means_are_weighted_as_numbers_are():
+    # before: torch.stack(...).double().mean(), unweighted (2.5 here) where ints gave 1.75
+    for values in ([torch.tensor(1), torch.tensor(4)], [1, 4]):
+        mean = StepOutput(values, sizes=[3, 1]).reduce_mean()
+        assert float(mean) == pytest.approx(1.75)
+    flags = StepOutput([torch.tensor(True), torch.tensor(False)], sizes=[1, 3]).reduce_mean()
+    assert flags.dtype == torch.float64 and flags.item() == pytest.approx(0.25)
+
+
 def test_dict_fields_and_concat_of_batches():
     outputs = [
         {"loss": torch.tensor(2.0), "logits": torch.ones(3, 2)},
