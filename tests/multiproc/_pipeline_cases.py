@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+import mpar
+
 BATCH = 12  # global batch per step (split over data-parallel replicas, then microbatches)
 
 
@@ -69,6 +71,15 @@ def batch(model: str, step: int, size: int = BATCH) -> tuple[torch.Tensor, torch
 def loss_fn(out: Any, y: torch.Tensor) -> torch.Tensor:
     logits = out if isinstance(out, torch.Tensor) else out[0]
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+@mpar.step
+def train_loss(m: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A training step on :func:`loss_fn` returning the loss: what most runtime and
+    fault tests run (the rank bodies call it on their ``DistributedModel``)."""
+    loss = loss_fn(m(x), y)
+    m.backward(loss)
+    return loss
 
 
 def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:

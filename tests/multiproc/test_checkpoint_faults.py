@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mpar.testing import DistributedTestError, run_distributed
-from tests.multiproc._pipeline_cases import batch, loss_fn, make_optimizer, mlp
+from tests.multiproc._pipeline_cases import batch, make_optimizer, mlp, train_loss
 
 ZERO1_DP2 = {"zero": {"stage": 1}, "microbatches": 1}
 
@@ -29,16 +29,10 @@ def _model_and_opt(config, net=None):
     model = mpar.DistributedModel(net if net is not None else mlp())
     opt = mpar.DistributedOptimizer(make_optimizer("adamw", model.parameters()))
 
-    @mpar.step
-    def train(m, x, y):
-        loss = loss_fn(m(x), y)
-        m.backward(loss)
-        return loss
-
     x, y = batch("mlp", 0)
     half = x.shape[0] // mpar.dp_size()
     shard = slice(mpar.dp_rank() * half, (mpar.dp_rank() + 1) * half)
-    train(model, x[shard], y[shard])
+    train_loss(model, x[shard], y[shard])
     opt.step()
     opt.zero_grad()
     return model, opt

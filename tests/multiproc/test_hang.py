@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mpar.testing import DistributedTestError, run_distributed
-from tests.multiproc._pipeline_cases import batch, loss_fn, mlp
+from tests.multiproc._pipeline_cases import batch, loss_fn, mlp, train_loss
 
 
 def _mismatched_transfer():
@@ -131,17 +131,11 @@ def _sleep_before_the_gradient_reduction(trace):
     mpar.init({"microbatches": 2, "timeout_s": 6, "trace": trace, "zero": {"stage": 2}})
     model = mpar.DistributedModel(mlp())
 
-    @mpar.step
-    def train(m, x, y):
-        loss = loss_fn(m(x), y)
-        m.backward(loss)
-        return loss
-
     x, y = batch("mlp", 0)
-    train(model, x, y)
+    train_loss(model, x, y)
     if mpar.rank() == 1:
         time.sleep(120)
-    train(model, x, y)
+    train_loss(model, x, y)
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mpar.testing import DistributedTestError, run_distributed
-from tests.multiproc._pipeline_cases import batch, loss_fn, make_optimizer, mlp
+from tests.multiproc._pipeline_cases import batch, loss_fn, make_optimizer, mlp, train_loss
 
 
 def _errors_single_rank():
@@ -32,18 +32,12 @@ def _errors_single_rank():
         except StepError as exc:
             found[name] = str(exc)
 
-    @mpar.step
-    def train(m, x, y):
-        loss = loss_fn(m(x), y)
-        m.backward(loss)
-        return loss
-
     try:
-        train(model, x[:3], y[:3])
+        train_loss(model, x[:3], y[:3])
     except StepError as exc:
         found["small_batch"] = str(exc)
     try:
-        train(model, x, y[:5])
+        train_loss(model, x, y[:5])
     except StepError as exc:
         found["mismatched"] = str(exc)
 
@@ -66,7 +60,7 @@ def _errors_single_rank():
     except StepError as exc:
         found["never_calls"] = str(exc)
     try:
-        train(mlp(), x, y)
+        train_loss(mlp(), x, y)
     except TypeError as exc:
         found["not_distributed"] = str(exc)
     return found
@@ -97,18 +91,12 @@ def _eval_and_state(config):
     opt = mpar.DistributedOptimizer(make_optimizer("adamw", model.parameters()))
 
     @mpar.step
-    def train(m, x, y):
-        loss = loss_fn(m(x), y)
-        m.backward(loss)
-        return loss
-
-    @mpar.step
     def evaluate(m, x, y):
         out = m(x)
         return {"loss": loss_fn(out, y), "out": out}
 
     x, y = batch("mlp", 0)
-    train(model, x, y)
+    train_loss(model, x, y)
     opt.step()
     opt.zero_grad()
     model.eval()
@@ -182,19 +170,13 @@ def _catch_and_step_again(path):
     mpar.init({"pipeline_parallel_degree": 2, "microbatches": 2, "timeout_s": 60})
     model = mpar.DistributedModel(mlp())
 
-    @mpar.step
-    def train(m, x, y):
-        loss = loss_fn(m(x), y)
-        m.backward(loss)
-        return loss
-
     x, y = batch("mlp", 0)
-    train(model, x, y)
+    train_loss(model, x, y)
     try:
-        train(model, x.double() if mpar.rank() == 0 else x, y)
+        train_loss(model, x.double() if mpar.rank() == 0 else x, y)
     except RuntimeError:
         try:
-            train(model, x, y)
+            train_loss(model, x, y)
             outcome = "ran"
         except StepError as exc:
             outcome = str(exc)
@@ -222,14 +204,8 @@ def _saved_bytes(checkpointing):
     mpar.init({"microbatches": 2, "activation_checkpointing": checkpointing})
     model = mpar.DistributedModel(tiny_gpt())
 
-    @mpar.step
-    def train(m, x, y):
-        loss = loss_fn(m(x), y)
-        m.backward(loss)
-        return loss
-
     x, y = batch("gpt", 0)
-    train(model, x, y)  # partition first
+    train_loss(model, x, y)  # partition first
     packed = []
 
     def pack(t):
@@ -237,7 +213,7 @@ def _saved_bytes(checkpointing):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        train(model, x, y)
+        train_loss(model, x, y)
     return sum(packed), mpar.memory_report()["cpu"]["activations"]
 
 
@@ -259,12 +235,6 @@ def _activations_over_steps():
     mpar.init({"microbatches": 2})
     model = mpar.DistributedModel(tiny_gpt())
 
-    @mpar.step
-    def train(m, x, y):
-        loss = loss_fn(m(x), y)
-        m.backward(loss)
-        return loss
-
     x, y = batch("gpt", 0)
     counted = []
     original = _activations._SavedBytes
@@ -278,7 +248,7 @@ def _activations_over_steps():
     try:
         reports = []
         for xs, ys in ((x, y), (x, y), (x[:-2], y[:-2])):  # the last: smaller microbatches
-            train(model, xs, ys)
+            train_loss(model, xs, ys)
             reports.append((mpar.memory_report()["cpu"]["activations"], len(counted)))
     finally:
         _activations._SavedBytes = original
@@ -316,18 +286,12 @@ def _two_models(config):
     )
     found["tied"] = (opt_a.model is models[0], opt_b.model is models[1])
 
-    @mpar.step
-    def train(m, x, y):
-        loss = loss_fn(m(x), y)
-        m.backward(loss)
-        return loss
-
     x, y = batch("mlp", 0)
     rows = slice(
         mpar.dp_rank() * BATCH // mpar.dp_size(), (mpar.dp_rank() + 1) * BATCH // mpar.dp_size()
     )
     for model, opt in ((models[0], opt_a), (models[1], opt_b)):
-        train(model, x[rows], y[rows])
+        train_loss(model, x[rows], y[rows])
         opt.step()
         opt.zero_grad()
     for ref, lr in zip(refs, (0.1, 0.05)):  # one process, whole batch
