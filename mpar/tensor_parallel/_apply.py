@@ -208,8 +208,13 @@ def plan_layout(
             f"{[n for n, _ in module.named_modules()][1:6]}"
         )
     split_vocabulary = tuple(n for n in vocabulary if styles.get(n) == STYLES[vocabulary[n]])
-    layout = TPLayout(tp, styles, source=source, vocabulary=split_vocabulary)
-    layout.summed = match_summed(module, plan)
+    layout = TPLayout(
+        tp,
+        styles,
+        source=source,
+        summed=match_summed(module, plan),
+        vocabulary=split_vocabulary,
+    )
     owner: dict[int, tuple[str, TPShard | None]] = {}
     for mod_name, mod in module.named_modules(remove_duplicate=False):
         style = styles.get(mod_name)

@@ -14,7 +14,7 @@ else mpar's plan for its family (:data:`FAMILY_PLANS`: GPT-2, BERT, ViT, OPT, T5
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from torch import nn
 
@@ -134,19 +134,27 @@ def name_matches(pattern: str, name: str) -> bool:
     return len(have) >= len(want) and _component_match(want, have[len(have) - len(want) :])
 
 
+def _first_styles(
+    module: nn.Module, plan: Mapping[str, Style]
+) -> Iterator[tuple[str, nn.Module, Style]]:
+    """``(name, submodule, style)`` for every submodule of ``module`` some pattern of
+    ``plan`` matches, with the style of the first pattern that does."""
+    for name, mod in module.named_modules():
+        if not name:
+            continue
+        style = next((s for p, s in plan.items() if name_matches(p, name)), None)
+        if style is not None:
+            yield name, mod, style
+
+
 def match_plan(module: nn.Module, plan: Mapping[str, Style]) -> dict[str, Style]:
     """Module name -> style, for every module of ``module`` some pattern matches
     (``"replicate"`` and ``"sequence_parallel"`` entries left out: neither splits)."""
-    found: dict[str, Style] = {}
-    for name, _ in module.named_modules():
-        if not name:
-            continue
-        for pattern, style in plan.items():
-            if name_matches(pattern, name):
-                if style.kind not in ("replicate", "sequence_parallel"):
-                    found[name] = style
-                break
-    return found
+    return {
+        name: style
+        for name, _, style in _first_styles(module, plan)
+        if style.kind not in ("replicate", "sequence_parallel")
+    }
 
 
 def match_summed(module: nn.Module, plan: Mapping[str, Style]) -> dict[str, tuple[str, ...]]:
@@ -154,10 +162,9 @@ def match_summed(module: nn.Module, plan: Mapping[str, Style]) -> dict[str, tupl
     first matching pattern of ``plan`` is ``"replicated_with_grad_allreduce"`` (kept whole,
     gradients summed over TP)."""
     found: dict[str, tuple[str, ...]] = {}
-    for name, mod in module.named_modules():
-        style = next((s for p, s in plan.items() if name and name_matches(p, name)), None)
+    for name, mod, style in _first_styles(module, plan):
         own = tuple(n for n, _ in mod.named_parameters(recurse=False))
-        if style is not None and style.sum_grads and own:
+        if style.sum_grads and own:
             found[name] = own
     return found
 
