@@ -12,7 +12,10 @@ cuts through. The rules, in order:
   expanded into its children;
 * a child ``nn.Sequential`` of two or more modules of one type (ResNet's
   ``layer1``) → expanded into its children;
-* any other module is a unit.
+* any other module is a unit;
+* a model whose rules leave one unit that has children (a wrapper:
+  ``self.net = nn.Sequential(...)`` beside modules that never run) → that unit
+  expanded by the same rules, as if it were the root, when that gives two or more.
 
 So Hugging Face ``GPT2LMHeadModel`` gives ``transformer.wte``,
 ``transformer.wpe``, ``transformer.drop``, ``transformer.h.0`` …
@@ -107,8 +110,25 @@ def find_units(
         Qualified names such as ``["transformer.wte", ..., "lm_head"]``; a model
         without children is a single unit named ``""``.
     """
+    names = _units_below(module, "", example_args, example_kwargs)
+    while len(names) == 1 and any(True for _ in module.get_submodule(names[0]).children()):
+        inner = _units_below(module, names[0], example_args, example_kwargs)
+        if len(inner) < 2:
+            break
+        names = inner
+    return names
+
+
+def _units_below(
+    module: nn.Module,
+    prefix: str,
+    example_args: Sequence[object] | None,
+    example_kwargs: Mapping[str, object] | None,
+) -> list[str]:
+    """The units of ``module.get_submodule(prefix)`` expanded as a root, in execution order
+    when example inputs are given (a forward pass of the whole ``module``)."""
     names: list[str] = []
-    _collect(module, "", True, names)
+    _collect(module.get_submodule(prefix), prefix, True, names)
     if example_args is None and example_kwargs is None:
         return names
     return _execution_order(module, names, tuple(example_args or ()), example_kwargs)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -51,20 +51,27 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps ``optimizer`` for a model trained with :class:`mpar.DistributedModel`.
 
     ``model``: the model whose parameters ``optimizer`` updates; by default the
     one whose module holds them.
+
+    It is a ``torch.optim.Optimizer`` (its ``param_groups`` are the wrapped
+    optimizer's), so learning-rate schedulers step it as they step a plain one;
+    torch's own ``Optimizer.__init__`` is not run: the wrapped optimizer holds the
+    groups and the state.
     """
 
     def __init__(
         self, optimizer: torch.optim.Optimizer, *, model: DistributedModel | None = None
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
+        if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(
+            optimizer, DistributedOptimizer
+        ):
             raise TypeError(
-                "mpar.DistributedOptimizer wraps a torch.optim.Optimizer, got "
-                f"{type(optimizer).__name__}"
+                "mpar.DistributedOptimizer wraps a torch.optim.Optimizer built on "
+                f"model.parameters(), got {type(optimizer).__name__}"
             )
         if model is not None and not isinstance(model, DistributedModel):
             raise TypeError(
@@ -129,15 +136,23 @@ class DistributedOptimizer:
         return found[0] if found else None
 
     def sharded_optimizer(self) -> ShardedOptimizer | None:
-        """The ZeRO optimizer over this rank's shards, once a sharded model is partitioned."""
+        """The ZeRO optimizer over this rank's shards, once a sharded model is partitioned,
+        with the options of the wrapped optimizer's groups (a learning rate that a
+        scheduler or the user set since the last step)."""
         model = self.model
         if self._sharded is None and model is not None and model.sharded is not None:
             self._sharded = model.sharded.wrap_optimizer(self.optimizer)
+        if self._sharded is not None:
+            self._sharded.pull_options()
         return self._sharded
 
-    @property
+    @property  # the wrapped optimizer's groups, read and written
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = groups
 
     def _all_params(self) -> list[torch.nn.Parameter]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -148,6 +163,12 @@ class DistributedOptimizer:
         if model is None or not model.partitioned:
             return None
         return {id(p) for p in model.local_parameters()}
+
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Update this rank's parameters (those of other stages have no gradient here)."""

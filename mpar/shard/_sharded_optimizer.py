@@ -105,7 +105,10 @@ class ShardedOptimizer:
 
     ``param_groups`` are the rebuilt optimizer's groups, one for each of the
     original optimizer's groups in the same order, so learning-rate
-    schedulers work on this object as on the original.
+    schedulers work on this object as on the original. :meth:`pull_options`
+    copies the original groups' options (a scheduler stepping the original, or
+    ``mpar.DistributedOptimizer``) into them; a loaded state's options are written
+    back to the original groups, so both agree after a load.
     """
 
     def __init__(self, sharded: ShardedStages, optimizer: torch.optim.Optimizer) -> None:
@@ -137,6 +140,9 @@ class ShardedOptimizer:
         dicts show the user's own ``fused`` option."""
         self.user_fused = optimizer.defaults.get("fused")
         self.inner = _rebuild(optimizer, groups, self.fused_on_host)
+        self.original = optimizer
+        """The optimizer built over the model, whose groups' options :meth:`pull_options`
+        reads."""
         self.by_bucket = type(optimizer) in _HOST_FUSED and sharded.offloads
         """Offloaded: step one bucket at a time, each published as soon as it is updated,
         so that its copy to the device runs while the host updates the next
@@ -157,6 +163,22 @@ class ShardedOptimizer:
     def param_groups(self) -> list[dict[str, Any]]:
         return self.inner.param_groups
 
+    def _options(self, group: Mapping[str, Any]) -> dict[str, Any]:
+        """``group``'s options, less its parameters and the ``fused`` that mpar chose."""
+        skip = {"params", "fused"} if self.fused_on_host else {"params"}
+        return {k: v for k, v in group.items() if k not in skip}
+
+    def pull_options(self) -> None:
+        """Copy the original optimizer's group options (learning rate, weight decay, ...)
+        into the rebuilt groups: what a scheduler or the user set on the original."""
+        for original, inner in zip(self.original.param_groups, self.inner.param_groups):
+            inner.update(self._options(original))
+
+    def _push_options(self) -> None:
+        """After a load: the loaded options onto the original groups too."""
+        for original, inner in zip(self.original.param_groups, self.inner.param_groups):
+            original.update(self._options(inner))
+
     @property
     def state(self) -> Mapping[torch.Tensor, dict[str, object]]:
         """The rebuilt optimizer's state, per flat parameter (``SegmentParam.param``)."""
@@ -176,6 +198,7 @@ class ShardedOptimizer:
             groups.append({**opts, "params": list(range(start, start + size))})
             start += size
         self.inner.load_state_dict({"state": state, "param_groups": groups})
+        self._push_options()
 
     # ------------------------------------------------------------------ step
     def step(self, closure: Callable[[], object] | None = None) -> None:
@@ -265,8 +288,9 @@ class ShardedOptimizer:
                     "state_dict() instead when the data-parallel size or buckets change"
                 )
             self.inner.load_state_dict(state_dict["optimizer"])
-            return
-        self.inner.load_state_dict(split_full_state(self, state_dict))
+        else:
+            self.inner.load_state_dict(split_full_state(self, state_dict))
+        self._push_options()
 
     def layout(self) -> dict[str, Any]:
         """What a sharded state dict depends on (compared when loading one)."""

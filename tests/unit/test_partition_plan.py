@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 from torch import nn
 
 import mpar.partition
@@ -156,6 +157,38 @@ def test_find_units_patterns():
         "head",
     ]
     assert find_units(nn.Linear(2, 2)) == [""]
+
+
+class _Wrapped(nn.Module):
+    """A model that keeps its layers in one ``nn.Sequential`` beside a module that never
+    runs: one unit at the root, so the wrapper is expanded (two stages can hold it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(4, 1)
+
+    def forward(self, x):
+        return self.attn(x, x, x)[0]
+
+
+def test_find_units_expands_a_lone_wrapper():
+    x = torch.randn(3, 4)
+    assert find_units(_Wrapped(), (x,)) == ["net.0", "net.1", "net.2"]
+    assert find_units(_Wrapped()) == ["net", "unused"]  # without inputs both children count
+    single = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    assert find_units(single) == ["0.0", "0.1"]
+    # MultiheadAttention calls no child module: its expansion would leave nothing to cut
+    assert find_units(_Attention(), (x,)) == ["attn"]
 
 
 class _Manual(nn.Module):
