@@ -39,6 +39,7 @@ from mpar.expert_parallel import EPLayout
 from mpar.partition import Plan
 from mpar.runtime._adapt import disable_caches
 from mpar.runtime._batch_check import batch_check_due
+from mpar.runtime._buffer_sync import ReplicaBuffers
 from mpar.runtime._executor import Args, Captured, Kwargs, StepCalls, StepRun
 from mpar.runtime._local_stages import LocalStages, build_local_stages
 from mpar.runtime._microbatch import Microbatches
@@ -186,6 +187,8 @@ class DistributedModel:
         with an ``overwrites`` attribute (state-dict keys) overwrites those tensors whole:
         a meta model leaves them uninitialised."""
         self.stages: LocalStages | None = None
+        self._buffers: tuple[LocalStages, ReplicaBuffers] | None = None
+        """This partition's buffers that steps average over the replicas."""
         self.sharded: ShardedStages | None = None
         self.activation_peak_bytes = 0
         """Peak bytes of stage inputs/outputs kept for backward during the last step."""
@@ -387,6 +390,7 @@ class DistributedModel:
             run.run()
         finally:
             self.active_run = None
+        self._replica_buffers().average(self.grid)  # batch-norm statistics
         self.activation_peak_bytes = run.peak_activation_bytes
         if self._cp is not None and self._cp.unchecked:  # the model's own code ran: attention?
             self._cp.unchecked = False
@@ -395,6 +399,14 @@ class DistributedModel:
         if placed is not None:  # every rank, at the same step: measured W placement
             self._steps.schedules[False] = self._lowered(placed)
         return run
+
+    def _replica_buffers(self) -> ReplicaBuffers:
+        """The batch-norm statistics of this rank's stages (found once per partition)."""
+        assert self.stages is not None
+        if self._buffers is None or self._buffers[0] is not self.stages:
+            found = ReplicaBuffers(self.module, self.stages.modules, self.stages.qualnames)
+            self._buffers = (self.stages, found)
+        return self._buffers[1]
 
     # -- calls inside a step ---------------------------------------------------------
 
