@@ -22,6 +22,7 @@ inputs are moved.
 from __future__ import annotations
 
 import operator
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 __all__ = ["StageGraph", "cut_graph", "is_symbolic"]
 
 _SIZE = torch.ops.aten.sym_size.int
+_LATER_CALL = re.compile(r"@\d+$")
 
 
 def is_symbolic(node: fx.Node) -> bool:
@@ -78,6 +80,16 @@ def _node_unit_stage(node: fx.Node, unit_stage: Mapping[str, int]) -> int | None
         if fqn in unit_stage:
             return unit_stage[fqn]
     return None
+
+
+def _in_later_call(node: fx.Node, unit_stage: Mapping[str, int]) -> bool:
+    """Whether ``node`` belongs to a later call of its unit (export's stack key ``...@1``:
+    a module the forward calls again further on, its weights shared)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    for key, (fqn, _type) in stack.items():
+        if fqn in unit_stage:
+            return _LATER_CALL.search(key) is not None
+    return False
 
 
 def _where(node: fx.Node) -> str:
@@ -126,6 +138,10 @@ class _Assignment:
         self.stage: dict[fx.Node, int] = {}
         nodes = _compute_nodes(graph)
         fixed = {n: _node_unit_stage(n, unit_stage) for n in nodes}
+        # A unit called again later (a block applied twice, weights shared) runs that
+        # call where its inputs are: on its own stage or a later one, which then holds
+        # its parameters too (tied by reference, gradients summed across ranks).
+        later = {n for n in nodes if _in_later_call(n, unit_stage)}
         for n in graph.nodes:
             if n.op == "placeholder":
                 self.stage[n] = 0
@@ -137,7 +153,8 @@ class _Assignment:
             self.stage[n] = min(consumers) if consumers else -1
         for n in nodes:  # never before its inputs; side effects right after them
             need = max((self.stage[i] for i in self.needs(n)), default=0)
-            if fixed[n] is None and (self.stage[n] < need or not n.users):
+            floats = fixed[n] is None or n in later
+            if floats and (self.stage[n] < need or (fixed[n] is None and not n.users)):
                 self.stage[n] = need
             if n.op == "call_function" and n.target is operator.getitem:
                 self.stage[n] = need  # unpack multi-output ops where they ran

@@ -179,3 +179,64 @@ def test_batch_norm_statistics_are_averaged_over_replicas(pp):
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **TOL)
         for name, tensor in ref["state"].items():
             torch.testing.assert_close(got["state"][name], tensor, **TOL, msg=name)
+
+
+class Reused(nn.Module):
+    """A block applied twice with two blocks between the calls: the two calls land on
+    different pipeline ranks, which both hold the block's weights (tied)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = nn.Linear(8, 8)
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.shared(x))
+        h = torch.tanh(self.b(torch.tanh(self.a(h))))
+        return self.head(torch.tanh(self.shared(h)))
+
+
+def _reused_reference(steps: int) -> dict[str, Any]:
+    net = Reused()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for s in range(steps):
+        x, y = batch("mlp", s)
+        loss = loss_fn(net(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "state": {k: v.clone() for k, v in net.state_dict().items()}}
+
+
+def _train_reused(config: dict[str, Any], steps: int) -> dict[str, Any]:
+    import mpar
+
+    mpar.init(config)
+    model = mpar.DistributedModel(Reused())
+    opt = mpar.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    losses = []
+    for s in range(steps):
+        x, y = batch("mlp", s)
+        losses.append(float(train_loss(model, x, y).reduce_mean()))
+        opt.step()
+        opt.zero_grad()
+    held = [name for name, _ in model.named_parameters()]
+    return {"losses": losses, "state": model.state_dict(), "held": held}
+
+
+def test_a_block_called_twice_trains_across_pipeline_ranks():
+    """Before: PartitionError ("module 'shared' on stage 0 uses a value computed by
+    module 'b' on stage 1"); now the second call runs on rank 1 with the weights tied."""
+    config = {"pipeline_parallel_degree": 2, "microbatches": 2, "memory_weight": 0.0}
+    results = run_distributed(_train_reused, 2, args=(config, 2), timeout=120)
+    ref = _reused_reference(2)
+    for got in results:
+        assert "shared.weight" in got["held"]  # on both ranks: each runs one call
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **TOL)
+        for name, tensor in ref["state"].items():
+            torch.testing.assert_close(got["state"][name], tensor, **TOL, msg=name)

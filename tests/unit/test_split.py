@@ -129,6 +129,33 @@ def test_out_of_order_units_are_rejected():
         split_module(_Skip(), (torch.randn(2, 4),), None, [0, 1], units=["b", "a", "c"])
 
 
+class _Reused(nn.Module):
+    """A block applied twice, with two other blocks between the calls (weights shared)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(4, 4)
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.c = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.shared(x))
+        h = torch.tanh(self.b(torch.tanh(self.a(h))))
+        return self.c(torch.tanh(self.shared(h)))
+
+
+def test_a_module_called_again_on_a_later_stage_shares_its_weights():
+    """The second call of ``shared`` needs ``b``'s output, on stage 1: it runs there,
+    and the stages hold ``shared``'s parameters as tied ones (before: "uses a value
+    computed by module 'b' on stage 1, so the stages would not run in order")."""
+    torch.manual_seed(0)
+    split = _check_transparent(_Reused(), (torch.randn(3, 4),), {}, [0, 2])
+    assert split.units == [["shared", "a"], ["b", "c"]]
+    tied = sorted(split.qualnames[k][name] for group in split.tied for k, name in group)
+    assert tied == ["shared.bias", "shared.bias", "shared.weight", "shared.weight"]
+
+
 def test_bad_boundaries():
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     with pytest.raises(PartitionError, match="boundaries"):
