@@ -18,8 +18,12 @@ tensor of the same shape — would fail an internal ``Guard failed: idx._base``.
 
 from __future__ import annotations
 
+import dataclasses
+import re
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import NoReturn
 
 import torch
 from torch import nn
@@ -84,22 +88,53 @@ def capture(
     Raises:
         PartitionError: the model cannot be captured as one graph.
     """
-    try:
-        ex_args, ex_kwargs, dynamic = _dynamic_inputs(module, args, kwargs, dynamic_axes)
-        with _mode(module, training):
-            return export(module, ex_args, ex_kwargs, dynamic_shapes=dynamic, strict=False)
-    except MparError:
-        raise  # mpar's own (a sequence not divisible by tp, say) names its cause already
-    except Exception as exc:  # torch.export raises many types; report them all the same way
-        text = str(exc).strip()
-        first = text.splitlines()[0] if text else type(exc).__name__
-        hint = ""
-        config = getattr(module, "config", None)
-        if getattr(config, "use_cache", False):
-            hint = " For Hugging Face models set config.use_cache = False."
-        mode = "train" if training else "eval"
-        raise PartitionError(
-            f"cannot split {type(module).__name__}: torch.export could not capture it as "
-            f"one graph in {mode} mode ({type(exc).__name__}: {first[:300]}). Remove "
-            f"data-dependent control flow or graph breaks, or give an nn.Sequential.{hint}"
-        ) from exc
+    for attempt in range(2):
+        try:
+            ex_args, ex_kwargs, dynamic = _dynamic_inputs(module, args, kwargs, dynamic_axes)
+            with _mode(module, training):
+                return export(module, ex_args, ex_kwargs, dynamic_shapes=dynamic, strict=False)
+        except MparError:
+            raise  # mpar's own (a sequence not divisible by tp, say) names its cause already
+        except Exception as exc:  # torch.export raises many types; report them all alike
+            if attempt == 0 and _registered_dataclass(exc):
+                continue
+            _refuse(module, training, exc)
+    raise AssertionError("unreachable: the second attempt returns or raises")
+
+
+_UNKNOWN_TYPE = re.compile(r"Found <class '([\w.]+)'> in (?:output|input)")
+
+
+def _registered_dataclass(exc: Exception) -> bool:
+    """When export failed on a dataclass it does not know (a model returning
+    ``Output(logits=..., aux=...)``), register it as a pytree node
+    (``torch.export.register_dataclass``) and say so: the capture is tried again."""
+    found = _UNKNOWN_TYPE.search(str(exc))
+    if found is None:
+        return False
+    module_name, _, name = found.group(1).rpartition(".")
+    cls = getattr(sys.modules.get(module_name), name, None)
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        return False
+    torch.export.register_dataclass(cls)
+    return True
+
+
+def _refuse(module: nn.Module, training: bool, exc: Exception) -> NoReturn:
+    """Raise the :class:`PartitionError` for an export that failed with ``exc``."""
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    hint = " Remove data-dependent control flow or graph breaks, or give an nn.Sequential."
+    if _UNKNOWN_TYPE.search(text):
+        hint = (
+            " Return (and take) tensors in tuples, lists, dicts or dataclasses, or register"
+            " the type as a pytree node (torch.utils._pytree.register_pytree_node)."
+        )
+    config = getattr(module, "config", None)
+    if getattr(config, "use_cache", False):
+        hint += " For Hugging Face models set config.use_cache = False."
+    mode = "train" if training else "eval"
+    raise PartitionError(
+        f"cannot split {type(module).__name__}: torch.export could not capture it as "
+        f"one graph in {mode} mode ({type(exc).__name__}: {first[:300]}).{hint}"
+    ) from exc

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -154,6 +155,34 @@ def test_a_module_called_again_on_a_later_stage_shares_its_weights():
     assert split.units == [["shared", "a"], ["b", "c"]]
     tied = sorted(split.qualnames[k][name] for group in split.tied for k, name in group)
     assert tied == ["shared.bias", "shared.bias", "shared.weight", "shared.weight"]
+
+
+@dataclasses.dataclass
+class _Output:
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+class _ReturnsDataclass(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return _Output(logits=self.b(h), hidden=h)
+
+
+def test_a_model_returning_a_dataclass_splits():
+    """Before: PartitionError ("Found <class '..._Output'> in output, which is not a
+    known type ... Remove data-dependent control flow"); the dataclass is now registered
+    with torch.export and the last stage returns it."""
+    torch.manual_seed(0)
+    split = _check_transparent(
+        _ReturnsDataclass(), (torch.randn(3, 4),), {}, [0, 1], pick=lambda o: o.logits
+    )
+    assert isinstance(split(torch.randn(2, 4)), _Output)
 
 
 def test_bad_boundaries():
