@@ -30,6 +30,7 @@ import torch
 from mpar import _device
 from mpar.comm._collectives import (
     all_gather_object_pp,
+    all_gather_object_tp,
     all_reduce_pp,
     all_reduce_tp,
     group_size,
@@ -39,6 +40,7 @@ from mpar.comm._lifecycle import session
 from mpar.errors import StepError
 from mpar.runtime._model import DistributedModel
 from mpar.shard import ShardedOptimizer
+from mpar.tensor_parallel import TPShard
 
 __all__ = ["DistributedOptimizer"]
 
@@ -49,6 +51,11 @@ def _to_cpu(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _to_cpu(v) for k, v in value.items()}
     return value
+
+
+def _elementwise(value: object, shape: torch.Size) -> bool:
+    """Whether ``value`` is per-element state of a parameter of ``shape``."""
+    return isinstance(value, torch.Tensor) and value.shape == shape
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -317,11 +324,64 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             local = self.optimizer.state_dict()
         merged: dict[int, Any] = {}
-        for part in all_gather_object_pp(_to_cpu(local["state"]), self._session.state.grid):
+        own = self._tp_assembled(_to_cpu(local["state"]))
+        for part in all_gather_object_pp(own, self._session.state.grid):
             merged.update(part)
         out = {"state": dict(sorted(merged.items())), "param_groups": local["param_groups"]}
         if sharded is not None and sharded.sharded.scaler is not None:
             out["loss_scaler"] = sharded.sharded.scaler.state_dict()
+        return out
+
+    def _tp_split(self) -> dict[int, tuple[TPShard, torch.Size]]:
+        """Optimizer index -> (how tensor parallelism splits that parameter, its whole
+        shape), for this rank's split parameters."""
+        model = self.model
+        if model is None or model.tp_layout is None or not model.partitioned:
+            return {}
+        names = model.param_names()
+        out = {}
+        for i, p in enumerate(self._all_params()):
+            name = names.get(id(p))
+            shard = None if name is None else model.tp_shard_of(name)
+            if name is not None and shard is not None:
+                out[i] = (shard, model.state_keys.shapes[name])
+        return out
+
+    def _tp_assembled(self, state: dict[int, Any]) -> dict[int, Any]:
+        """``state`` with the element-wise state of every TP-split parameter (Adam's
+        moments, a momentum buffer) assembled from the TP group's pieces: the shapes of
+        the unwrapped model's parameters."""
+        split = self._tp_split()
+        mine = {i: values for i, values in state.items() if i in split}
+        if not split:
+            return state
+        parts = all_gather_object_tp(mine, self._session.state.grid)
+        out = dict(state)
+        for i, values in mine.items():
+            shard, whole = split[i]
+            out[i] = {
+                k: shard.assemble([part[i][k] for part in parts])
+                if _elementwise(v, shard.local_shape(whole))
+                else v
+                for k, v in values.items()
+            }
+        return out
+
+    def _tp_pieces(self, state: dict[Any, Any]) -> dict[Any, Any]:
+        """``state`` (indices as keys) with whole element-wise tensors of TP-split
+        parameters cut to this rank's pieces."""
+        split = self._tp_split()
+        if not split:
+            return state
+        rank = self._session.state.grid.tp_rank
+        out = dict(state)
+        for key, values in state.items():
+            if int(key) in split:
+                shard, whole = split[int(key)]
+                out[key] = {
+                    k: shard.local(v, rank) if _elementwise(v, whole) else v
+                    for k, v in values.items()
+                }
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -340,6 +400,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         index_of = {id(p): i for i, p in enumerate(self._all_params())}
         keep = None if local is None else {index_of[i] for i in local if i in index_of}
         states = {k: v for k, v in state_dict["state"].items() if keep is None or int(k) in keep}
+        states = self._tp_pieces(states)
         trimmed = {"state": states, "param_groups": state_dict["param_groups"]}
         scaler = None if sharded is None else sharded.sharded.scaler
         if scaler is not None and "loss_scaler" in state_dict:

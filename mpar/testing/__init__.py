@@ -20,6 +20,7 @@ shows them — a hang becomes a failure that says where.
 
 from __future__ import annotations
 
+import copy
 import multiprocessing as mp
 import os
 import pickle
@@ -82,7 +83,9 @@ def _child(
     faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
     os.environ.update(env)
     try:
-        value = fn(*args)
+        # Tensors in ``args`` arrive in shared memory (torch's pickler), one storage for
+        # every rank and the test process: each rank works on its own copy.
+        value = fn(*copy.deepcopy(args))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
         return
@@ -179,7 +182,9 @@ def run_distributed(
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` local ranks; return each rank's result.
 
-    ``fn`` and ``args`` must be picklable (a module-level function). Raises
+    ``fn`` and ``args`` must be picklable (a module-level function); each rank gets
+    its own copy of ``args`` (a rank that changes a tensor it was given changes no
+    other rank's, nor the caller's). Raises
     :class:`DistributedTestError` with the failing rank's traceback, or with
     every unfinished rank's stack dump on timeout.
     """

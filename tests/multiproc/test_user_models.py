@@ -8,6 +8,7 @@ trained in one process on the whole batch (fp32).
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -238,5 +239,78 @@ def test_a_block_called_twice_trains_across_pipeline_ranks():
     for got in results:
         assert "shared.weight" in got["held"]  # on both ranks: each runs one call
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **TOL)
+        for name, tensor in ref["state"].items():
+            torch.testing.assert_close(got["state"][name], tensor, **TOL, msg=name)
+
+
+class Feedforward(nn.Module):
+    """Blocks of up (colwise) and down (rowwise) projections, split by a user's plan."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, 16)
+        self.up = nn.ModuleList(nn.Linear(16, 32) for _ in range(2))
+        self.down = nn.ModuleList(nn.Linear(32, 16) for _ in range(2))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for up, down in zip(self.up, self.down):
+            h = h + down(torch.relu(up(h)))
+        return self.head(h)
+
+
+FEEDFORWARD_PLAN = {"up.*": "colwise", "down.*": "rowwise"}
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=0.01, eps=1e-4, weight_decay=0.01)
+
+
+def _feedforward_reference(steps: int) -> dict[str, Any]:
+    net = Feedforward()
+    opt = _adamw(net.parameters())
+    saved = None
+    for s in range(steps):
+        x, y = batch("mlp", s)
+        loss_fn(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if s == 0:
+            saved = copy.deepcopy(opt.state_dict())  # torch's holds the live tensors
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    return {"saved": saved, "state": state}
+
+
+def _train_feedforward(config: dict[str, Any], reload: dict[str, Any]) -> dict[str, Any]:
+    import mpar
+
+    mpar.init(config)
+    model = mpar.DistributedModel(Feedforward())
+    opt = mpar.DistributedOptimizer(_adamw(model.parameters()))
+    saved = None
+    for s in range(2):
+        x, y = batch("mlp", s)
+        train_loss(model, x, y)
+        opt.step()
+        opt.zero_grad()
+        if s == 0:
+            saved = opt.state_dict()
+            opt.load_state_dict(reload)  # the one-process optimizer's own state
+    return {"saved": saved, "state": model.state_dict()}
+
+
+def test_optimizer_state_dict_is_the_unwrapped_optimizers_under_tensor_parallelism():
+    """Before: ``DistributedOptimizer.state_dict()`` held each TP rank's pieces of the
+    moments (shape [16, 16] for a [32, 16] weight), not the unwrapped optimizer's
+    format it promises; now the pieces are assembled, and a whole state loads (cut)."""
+    config = {"tensor_parallel_degree": 2, "tp_plan": FEEDFORWARD_PLAN, "microbatches": 2}
+    ref = _feedforward_reference(2)
+    results = run_distributed(_train_feedforward, 2, args=(config, ref["saved"]), timeout=120)
+    for got in results:
+        for i, want in ref["saved"]["state"].items():
+            for key, value in want.items():
+                torch.testing.assert_close(got["saved"]["state"][i][key], value, **TOL)
         for name, tensor in ref["state"].items():
             torch.testing.assert_close(got["state"][name], tensor, **TOL, msg=name)
