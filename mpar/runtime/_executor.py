@@ -362,6 +362,12 @@ class StepRun:
                 "pass per microbatch: call model(...) once in the step function"
             )
         call.model_called = True
+        if kwargs.get("num_items_in_batch") is not None:
+            raise StepError(
+                "the model was called with num_items_in_batch: mpar weighs each microbatch's "
+                "loss by its share of the batch's kept targets itself (labels other than "
+                "-100, docs/runtime.md); drop num_items_in_batch from the model call"
+            )
         if kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None:
             self.per_microbatch.labelled.add(call.j)  # its loss: the model's own
         entered = time.perf_counter()

@@ -74,3 +74,35 @@ def test_grid(world, config, family):
     body = functools.partial(cases.train, kind="padded")
     results = run_distributed(body, world, args=(config, family, STEPS), timeout=600)
     cases.check(results, cases.reference(family, STEPS, kind="padded"))
+
+
+def _with_num_items():
+    import torch
+
+    import mpar
+    from mpar.errors import StepError
+
+    mpar.init({"microbatches": 2})
+    model = mpar.DistributedModel(cases.build("llama"))
+    inputs = cases.batch("llama", 0, kind="padded")
+
+    @mpar.step
+    def train_step(m, batch):
+        out = m(**batch, num_items_in_batch=torch.tensor(10))
+        m.backward(out.loss)
+        return out.loss
+
+    try:
+        train_step(model, inputs)
+    except StepError as exc:
+        return str(exc)
+    finally:
+        mpar.shutdown()
+    return "no error"
+
+
+def test_num_items_in_batch_from_the_user_is_refused():
+    """Hugging Face Trainer's habit: the loss would be a sum over a count of the user's
+    while mpar weighs by kept targets too (counted twice)."""
+    (message,) = run_distributed(_with_num_items, 1, timeout=120)
+    assert "drop num_items_in_batch from the model call" in message
