@@ -42,6 +42,7 @@ within each group, after which the replicas receive identical updates.
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -205,6 +206,37 @@ def _orphans(
         _set_attr(stage, name, param)
 
 
+def _check_hooks(module: nn.Module) -> None:
+    """Module hooks in a model that is captured as a graph: backward hooks are refused
+    (export records the forward only, so they would never run, and a hook that changes
+    gradients would train another model silently); forward hooks get a warning."""
+    backward = [
+        name or type(module).__name__
+        for name, m in module.named_modules()
+        if m._backward_hooks or m._backward_pre_hooks
+    ]
+    if backward:
+        raise PartitionError(
+            f"modules {backward[:5]} have backward hooks (register_full_backward_hook / "
+            "register_full_backward_pre_hook), which a model cut into stages by torch.export "
+            "never calls; remove them (change gradients in the loss, or in the parameters' "
+            "`.grad` after the step and before the optimizer's step)"
+        )
+    forward = [
+        name or type(module).__name__
+        for name, m in module.named_modules()
+        if m._forward_hooks or m._forward_pre_hooks
+    ]
+    if forward:
+        warnings.warn(
+            f"modules {forward[:5]} have forward hooks: the stages are captured with them, "
+            "so what they return is applied at every step, but their other effects "
+            "(logging, counters) happen only while the model is captured; hooks added "
+            "after the first step are not called",
+            stacklevel=3,
+        )
+
+
 def _split_graph(
     module: nn.Module,
     args: tuple[object, ...],
@@ -213,6 +245,7 @@ def _split_graph(
     starts: list[int],
     dynamic_axes: Sequence[int],
 ) -> SplitModel:
+    _check_hooks(module)
     stage_of = _stage_of_units(starts, len(units))
     params_of = {name: any(True for _ in module.get_submodule(name).parameters()) for name in units}
     unit_stage = {name: stage_of[i] for i, name in enumerate(units) if params_of[name]}

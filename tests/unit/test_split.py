@@ -185,6 +185,20 @@ def test_a_model_returning_a_dataclass_splits():
     assert isinstance(split(torch.randn(2, 4)), _Output)
 
 
+def test_module_hooks_in_a_captured_model():
+    """Before: a backward hook was dropped by the capture without a word (never called,
+    and one that changes gradients trained another model); forward hooks ran only while
+    the model was captured. Now backward hooks are refused and forward hooks warned of."""
+    model = _Skip()
+    model.b.register_full_backward_hook(lambda m, gi, go: None)
+    with pytest.raises(PartitionError, match=r"\['b'\] have backward hooks"):
+        split_module(model, (torch.randn(2, 4),), None, [0, 1])
+    model = _Skip()
+    model.b.register_forward_hook(lambda m, i, o: o * 2)
+    with pytest.warns(UserWarning, match=r"\['b'\] have forward hooks"):
+        _check_transparent(model, (torch.randn(2, 4),), {}, [0, 1])
+
+
 def test_bad_boundaries():
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     with pytest.raises(PartitionError, match="boundaries"):
