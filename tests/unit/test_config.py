@@ -181,6 +181,15 @@ def test_world_size_checks():
     cfg.check_world_size(6)
     with pytest.raises(ConfigError, match="'ddp' is false"):
         config_from_dict({"ddp": False, "partitions": 2}).check_world_size(4)
+    # a pipeline degree that does not divide the world is named first, whatever tp and cp
+    # are (it was a TP hint listing no degree at all: "try a tensor_parallel_degree in []")
+    for inner in ({"tp": 2}, {"cp": 2}, {"tp": 2, "cp": 3}):
+        with pytest.raises(ConfigError, match=r"is 4 but the world size is 6.*\[1, 2, 3, 6\]"):
+            config_from_dict({"partitions": 4, **inner}).check_world_size(6)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_degree in \[1, 3\]"):
+        config_from_dict({"partitions": 2, "tp": 2, "cp": 3}).check_world_size(6)
+    with pytest.raises(ConfigError, match=r"context_parallel_degree in \[1, 3\]"):
+        config_from_dict({"partitions": 2, "cp": 2}).check_world_size(6)
 
 
 def test_smp_and_deepspeed_translations():
