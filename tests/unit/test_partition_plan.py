@@ -182,6 +182,11 @@ def test_manual_partition_context():
     assert mpar.partition.assigned_stage(model.b[0]) == 1
     with pytest.raises(PartitionError, match="not contiguous"):
         manual_boundaries(_Manual(swap=True), units)
+    # default_partition k > 0 (smp's): unplaced units go to stage k (act: 2, with c);
+    # the first unit of a model with nothing placed on stage 0 must still be placed
+    assert manual_boundaries(model, units, default=2) == [0, 1, 2]
+    with pytest.raises(PartitionError, match="starts on stage 1"):
+        manual_boundaries(nn.Sequential(nn.Linear(2, 2)), [""], default=1)
     with pytest.raises(PartitionError):
         mpar.partition(-1).__enter__()
 
