@@ -3,12 +3,14 @@
 :func:`detect_layout` returns a :class:`Layout` (rank, world size, local rank,
 local size, rendezvous address and port, and which launcher it came from).
 Precedence: torchrun's variables, then MPI (mpi4py), then SLURM's ``srun``
-variables, then a single process.
+variables, then a single process. Under ``srun --mpi=pmix`` (or ``pmi2``) every task
+carries MPI's markers as well: without mpi4py its SLURM variables are read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import re
 import socket
@@ -80,6 +82,10 @@ def _from_torchrun(env: Mapping[str, str]) -> Layout:
         master_port=_int_env(env, "MASTER_PORT") if "MASTER_PORT" in env else 29500,
         source="torchrun",
     )
+
+
+def _has_mpi4py() -> bool:
+    return importlib.util.find_spec("mpi4py") is not None
 
 
 def _from_mpi(env: Mapping[str, str]) -> Layout:
@@ -230,11 +236,12 @@ def _checked(layout: Layout) -> Layout:
 def detect_layout(env: Mapping[str, str] | None = None) -> Layout:
     """Read this process's layout from the environment of its launcher."""
     env = os.environ if env is None else env
+    slurm = "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_STEP_ID" in env
     if "RANK" in env and "WORLD_SIZE" in env:
         layout = _from_torchrun(env)
-    elif any(marker in env for marker in _MPI_MARKERS):
+    elif any(marker in env for marker in _MPI_MARKERS) and (not slurm or _has_mpi4py()):
         layout = _from_mpi(env)
-    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_STEP_ID" in env:
+    elif slurm:  # srun's PMIx / PMI-2 plugins set MPI's markers for any program, too
         layout = _from_slurm(env)
     else:
         layout = Layout(0, 1, 0, 1, "127.0.0.1", 0, "single")

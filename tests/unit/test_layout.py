@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from mpar.comm import detect_layout, expand_slurm_nodelist
@@ -94,3 +96,19 @@ def test_slurm_tasks_per_node_counts_this_node():
     assert detect_layout({**wide, "SLURM_PROCID": "4", "SLURM_NODEID": "2"}).local_size == 1
     with pytest.raises(CommError, match="impossible: SLURM_LOCALID=3 with"):
         detect_layout({**second, "SLURM_LOCALID": "3"})
+
+
+def test_srun_with_pmix_reads_slurm_without_mpi4py(monkeypatch):
+    """``srun --mpi=pmix`` sets PMIX_RANK for every task, MPI program or not: without
+    mpi4py the SLURM variables give the layout (it was an error asking for mpi4py)."""
+    from mpar.comm import _process_layout
+
+    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
+           "SLURM_STEP_NODELIST": "n1", "SLURM_STEP_TASKS_PER_NODE": "2", "PMIX_RANK": "1"}  # fmt: skip
+    monkeypatch.setattr(_process_layout, "_has_mpi4py", lambda: False, raising=False)
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # `import mpi4py` fails
+    layout = detect_layout(env)
+    assert (layout.source, layout.rank, layout.world_size, layout.local_size) == ("slurm", 1, 2, 2)
+    without_slurm = {k: v for k, v in env.items() if not k.startswith("SLURM")}
+    with pytest.raises(CommError, match="mpi4py is not installed"):
+        detect_layout(without_slurm)
