@@ -265,6 +265,15 @@ def test_cli_plan_through_main_with_typed_config(tmp_path, monkeypatch, capsys):
     typo.write_text(json.dumps({"microbatchs": 4}))
     assert main([*model, "--config", str(typo), "--world-size", "1"]) == 2
     assert "microbatches" in capsys.readouterr().err
+    # a DeepSpeed JSON: every key it must drop, one a line (only the first line was shown)
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 8, "gradient_clipping": 1.0, "bf16": True}))
+    assert main([*model, "--config", str(ds), "--world-size", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "'train_batch_size' (DeepSpeed)" in err and "clip_grad_norm_" in err
+    # no config: one stage per rank, more than the model's units: say where that came from
+    assert main([*model, "--world-size", "16"]) == 2
+    assert "without --config the plan puts one pipeline stage on each" in capsys.readouterr().err
     monkeypatch.delitem(sys.modules, "plan_factory_mod", raising=False)
 
 
