@@ -167,7 +167,7 @@ def _rendezvous_store(layout: Layout, timeout: datetime.timedelta) -> dist.Store
     global _STORE
     key = (layout.source, layout.master_addr, layout.master_port, layout.world_size)
     if _STORE is None or _STORE[0] != key:
-        if layout.source == "single":
+        if layout.world_size == 1:  # alone (RANK=0 WORLD_SIZE=1 too): nobody to meet
             store: dist.Store = dist.HashStore()
         elif layout.agent_store:  # torchrun's agent hosts it: env:// connects to it
             store, _, _ = next(

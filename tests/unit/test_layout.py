@@ -112,3 +112,19 @@ def test_srun_with_pmix_reads_slurm_without_mpi4py(monkeypatch):
     without_slurm = {k: v for k, v in env.items() if not k.startswith("SLURM")}
     with pytest.raises(CommError, match="mpi4py is not installed"):
         detect_layout(without_slurm)
+
+
+def test_a_torchrun_layout_of_one_process_needs_no_rendezvous_address(monkeypatch):
+    """RANK=0 WORLD_SIZE=1 (as some notebooks and schedulers set them) starts alone:
+    torch's env:// rendezvous asked for MASTER_ADDR, for nobody to meet."""
+    import mpar
+
+    for name in ("MASTER_ADDR", "MASTER_PORT", "MPAR_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    try:
+        mpar.init()
+        assert (mpar.rank(), mpar.size(), mpar.comm.state().layout.source) == (0, 1, "torchrun")
+    finally:
+        mpar.shutdown()
