@@ -92,6 +92,12 @@ FOREIGN_KEYS: dict[str, tuple[str, str]] = {
         _DS,
         "use 'context_parallel_degree' with 'context_parallel_method': 'all_to_all' (Ulysses)",
     ),
+    # the SageMaker estimator's distribution wrappers around smp's "parameters"
+    "smdistributed": (_SMP, "pass the dict at smdistributed.modelparallel.parameters"),
+    "modelparallel": (_SMP, "pass the dict at modelparallel.parameters"),
+    "parameters": (_SMP, "pass the 'parameters' dict itself (its keys are the config)"),
+    "enabled": (_SMP, "leave it out: calling mpar.init enables mpar"),
+    "mpi": (_SMP, "start the processes with `mpar launch --mpi` (or mpirun) instead"),
     # smp v1 (model parallelism's "parameters")
     "horovod": (_SMP, "mpar has no Horovod mode: data parallelism is 'ddp' (true by default)"),
     "ddp_port": (_SMP, "the rendezvous port is MASTER_PORT (`mpar launch --master-port`)"),

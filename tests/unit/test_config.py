@@ -280,6 +280,9 @@ def test_a_sagemaker_model_parallel_dict_names_its_keys_mpar_does_not_take():
     assert "'sharded_data_parallel_degree' (SageMaker model parallelism): " in message
     assert "'zero': {'stage': 3}" in message and "meta device" in message
     assert "'fp16_params' (SageMaker model parallelism): use 'fp16': true" in message
+    with pytest.raises(ConfigError, match="'parameters' dict itself") as info:
+        config_from_dict({"enabled": True, "parameters": smp})  # the estimator's wrapper
+    assert "'enabled' (SageMaker model parallelism): leave it out" in str(info.value)
     rest = {k: v for k, v in smp.items() if k in ACCEPTED_KEYS}
     cfg = config_from_dict(rest)
     assert (cfg.pipeline_parallel_degree, cfg.microbatches, cfg.active_microbatches) == (2, 4, 2)
