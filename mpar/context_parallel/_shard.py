@@ -37,26 +37,11 @@ import torch
 from torch import nn
 
 from mpar._cp_context import CPContext, balanced_layout, document_ids
+from mpar._targets import IGNORE_INDEX, Leaf, find_named, is_causal_lm, named_leaves
 from mpar.comm._cp_ops import CP_GROUP, cp_shift_labels
 from mpar.errors import ContextParallelError
 
 __all__ = ["CallPlan", "prepare_call", "shard_microbatch"]
-
-IGNORE_INDEX = -100
-"""The label of a token without a target (Hugging Face's and ``F.cross_entropy``'s)."""
-
-Leaf = tuple[str, torch.Tensor]
-
-
-def _leaves(value: object, name: str, out: list[Leaf]) -> None:
-    if isinstance(value, torch.Tensor):
-        out.append((name, value))
-    elif isinstance(value, tuple | list):
-        for item in value:
-            _leaves(item, name, out)
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _leaves(item, str(key), out)
 
 
 def _map(value: Any, fn: Callable[[str, torch.Tensor], torch.Tensor], name: str) -> Any:
@@ -69,15 +54,6 @@ def _map(value: Any, fn: Callable[[str, torch.Tensor], torch.Tensor], name: str)
     if isinstance(value, dict):
         return type(value)((k, _map(v, fn, str(k))) for k, v in value.items())
     return value
-
-
-def _named(args: tuple[object, ...], kwargs: dict[str, object], names: list[str]) -> list[Leaf]:
-    found: list[Leaf] = []
-    for i, value in enumerate(args):
-        _leaves(value, names[i] if i < len(names) else f"argument {i}", found)
-    for key, value in kwargs.items():
-        _leaves(value, key, found)
-    return found
 
 
 def _length(leaves: list[Leaf], cp: int) -> int:
@@ -100,13 +76,9 @@ def _length(leaves: list[Leaf], cp: int) -> int:
     return length
 
 
-def _find(leaves: list[Leaf], name: str) -> torch.Tensor | None:
-    return next((t for n, t in leaves if n == name), None)
-
-
 def _masks(leaves: list[Leaf], length: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(valid [B, L], given [B or 1, 1, L, L]) from the ``attention_mask``, if any."""
-    mask = _find(leaves, "attention_mask")
+    mask = find_named(leaves, "attention_mask")
     if mask is None:
         return None, None
     if mask.dim() == 2 and mask.shape[1] == length:
@@ -123,7 +95,7 @@ def _masks(leaves: list[Leaf], length: int) -> tuple[torch.Tensor | None, torch.
 
 
 def _positions(leaves: list[Leaf], length: int, device: torch.device) -> torch.Tensor:
-    given = _find(leaves, "position_ids")
+    given = find_named(leaves, "position_ids")
     if given is not None and given.dim() == 2 and given.shape[1] == length:
         return given
     return torch.arange(length, device=device).unsqueeze(0)
@@ -149,16 +121,16 @@ def shard_microbatch(
 ) -> tuple[tuple[object, ...], dict[str, object], CPContext]:
     """This CP rank's share of one microbatch (``names``: the positional arguments'
     names) and its context; see the module docstring."""
-    leaves = _named(args, kwargs, names)
+    leaves = named_leaves(args, kwargs, names)
     length = _length(leaves, cp)
     device = next(t for _, t in leaves if t.dim() >= 2).device
     positions = _positions(leaves, length, device)
-    given_positions = _find(leaves, "position_ids") is not None
+    given_positions = find_named(leaves, "position_ids") is not None
     documents = document_ids(positions) if given_positions else None
     valid, given = _masks(leaves, length)
     layout = balanced_layout(length, cp, None if documents is None else documents.cpu())
     context = CPContext(layout, rank, positions, documents, valid, given)
-    context.loss_weight = _loss_weight(context, _find(leaves, "labels"))
+    context.loss_weight = _loss_weight(context, find_named(leaves, "labels"))
 
     def cut(name: str, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.dim() < 2 or tensor.shape[1] != length or tensor.dim() == 4:
@@ -182,10 +154,7 @@ class CallPlan:
             params = {}  # type: ignore[assignment]
         self.takes_positions = "position_ids" in params
         """The model's forward takes ``position_ids`` (Hugging Face's convention)."""
-        name = type(module).__name__
-        self.causal_lm = getattr(module, "loss_type", None) == "ForCausalLM" or (
-            hasattr(module, "loss_function") and name.endswith(("ForCausalLM", "LMHeadModel"))
-        )
+        self.causal_lm = is_causal_lm(module)
         """A Hugging Face causal LM: its loss shifts ``labels`` along the sequence."""
         if self.causal_lm:
             wrapped = ShiftedOverCP(getattr(module, "loss_function"))  # noqa: B009
@@ -229,8 +198,7 @@ class ShiftedOverCP:
 
 
 def _batch_size(kwargs: dict[str, object], args: tuple[object, ...]) -> int:
-    leaves: list[Leaf] = []
-    _leaves((args, kwargs), "", leaves)
+    leaves = named_leaves(args, kwargs, [])
     return next((int(t.shape[0]) for _, t in leaves if t.dim() >= 2), 1)
 
 

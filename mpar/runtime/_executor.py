@@ -231,6 +231,9 @@ class PerMicrobatch:
     """The loss ``model.backward(loss)`` recorded, until the last stage's backward."""
     results: dict[int, object] = field(default_factory=dict)
     """What the step function returned (detached, on the device until the last one)."""
+    labelled: set[int] = field(default_factory=set)
+    """Microbatches whose model call got ``labels``: their loss is the model's own,
+    over the targets it keeps (``Microbatches.targets``' column 1)."""
 
 
 @dataclass
@@ -359,6 +362,14 @@ class StepRun:
                 "pass per microbatch: call model(...) once in the step function"
             )
         call.model_called = True
+        if kwargs.get("num_items_in_batch") is not None:
+            raise StepError(
+                "the model was called with num_items_in_batch: mpar weighs each microbatch's "
+                "loss by its share of the batch's kept targets itself (labels other than "
+                "-100, docs/runtime.md); drop num_items_in_batch from the model call"
+            )
+        if kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None:
+            self.per_microbatch.labelled.add(call.j)  # its loss: the model's own
         entered = time.perf_counter()
         try:
             return self._model_forward(call.j, args, kwargs)
@@ -466,11 +477,21 @@ class StepRun:
         results[j] = detach(result)  # stays on the device until the step's last
         if len(results) == self.num_microbatches:
             mine = [results[j] for j in range(self.num_microbatches)]
+            targets = self._output_targets()
             if self.st.grid.world_size > 1:  # gathered now; one rank's wait to be read
-                mine = detach_to_cpu(mine)
+                mine, targets = detach_to_cpu((mine, targets))
             if self.batches.contexts is not None:  # the CP group's pieces, put together
                 mine = combine_over_cp(mine, self.batches.contexts, self.st.grid)
-            self.transfers.send_outputs((mine, list(self.batches.sizes)))
+            self.transfers.send_outputs((mine, list(self.batches.sizes), targets))
+
+    def _output_targets(self) -> torch.Tensor | None:
+        """Each microbatch's kept targets, for ``StepOutput.reduce_mean`` (those of the
+        model's own loss where it was called with ``labels``); None where not counted."""
+        targets = self.batches.targets
+        if targets is None:
+            return None
+        labelled = self.per_microbatch.labelled
+        return torch.stack([targets[j, int(j in labelled)] for j in range(len(targets))])
 
     def _prepare_backward(self, s: int, *, arm: bool) -> None:
         sharding = self.sharding
@@ -522,7 +543,9 @@ class StepRun:
                 return [], None
             context = self.batches.context(j)  # a CP rank's share of the sequence's loss
             share = 1.0 if context is None else context.loss_weight
-            scaled = loss * (self.batches.weights[j] * share / self.st.grid.dp_size)
+            own = j in self.per_microbatch.labelled
+            weight = self.batches.loss_weight(j, self.st.grid.dp_size, own=own)
+            scaled = loss * (weight * share)
             loss_scale = self.sharding.loss_scale
             if loss_scale != 1.0:  # fp16: dynamic loss scaling
                 scaled = scaled * loss_scale

@@ -6,7 +6,9 @@ into ``num_microbatches`` pieces with ``torch.tensor_split``, so an uneven
 batch gives pieces whose sizes differ by at most one. Arguments named in
 ``non_split_inputs`` are passed whole to every microbatch. Each microbatch gets
 a weight ``size / batch`` so that weighted sums over microbatches equal
-whole-batch means.
+whole-batch means; where the step's arguments hold integer ``labels``, the loss is a
+mean over the targets kept (labels other than -100) and microbatches weigh by their
+kept targets instead (:attr:`Microbatches.targets`, ``mpar._targets``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,13 @@ class Microbatches:
     contexts: list[CPContext] | None = None
     """Under context parallelism: each microbatch's sequence split (``args``/``kwargs``
     hold this rank's tokens); None otherwise."""
+    targets: torch.Tensor | None = None
+    """Each microbatch's kept targets (labels other than -100), ``[microbatches, 2]``:
+    for a loss the step function computes, and for the model's own loss
+    (``mpar._targets.count_targets``); None without integer ``labels``."""
+    total_targets: torch.Tensor | None = None
+    """In a training step with :attr:`targets`: both columns summed over every
+    microbatch of every data-parallel replica (each at least 1)."""
 
     def context(self, j: int) -> CPContext | None:
         """Microbatch ``j``'s context-parallel context, or None."""
@@ -43,6 +52,17 @@ class Microbatches:
     def weights(self) -> list[float]:
         total = sum(self.sizes)
         return [size / total for size in self.sizes]
+
+    def loss_weight(self, j: int, dp_size: int, *, own: bool) -> float | torch.Tensor:
+        """What microbatch ``j``'s mean loss is multiplied by before its backward, so
+        that the replicas' summed gradients are the global batch's: its share of every
+        replica's kept targets where they are counted (``own``: the loss is the model's
+        own, called with ``labels``; a tensor where the targets are, no host
+        synchronization), else its share of the batch's samples over ``dp_size``."""
+        if self.targets is not None and self.total_targets is not None:
+            column = 1 if own else 0
+            return self.targets[j, column] / self.total_targets[column]
+        return self.weights[j] / dp_size
 
     def __len__(self) -> int:
         return len(self.sizes)

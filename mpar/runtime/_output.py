@@ -84,7 +84,9 @@ class StepOutput:
     """Per-microbatch results of a step, identical on every rank.
 
     ``outputs[i]`` is the value the step function returned for global
-    microbatch ``i``; ``sizes[i]`` is its number of samples.
+    microbatch ``i``; ``sizes[i]`` is its number of samples; ``targets[i]``, where
+    every microbatch's loss was the model's own token mean (a Hugging Face model called
+    with ``labels``), its number of kept targets (else None).
 
     ``on_device``: the outputs are still where the step computed them (a job of one
     rank, where nothing has to be gathered): they are copied to the host, in one
@@ -92,17 +94,35 @@ class StepOutput:
     a step whose outputs nobody reads never waits for the device.
     """
 
-    def __init__(self, outputs: list[Any], sizes: list[int], *, on_device: bool = False) -> None:
+    def __init__(
+        self,
+        outputs: list[Any],
+        sizes: list[int],
+        *,
+        on_device: bool = False,
+        targets: torch.Tensor | list[int] | None = None,
+    ) -> None:
         self._values = outputs
         self._on_device = on_device
         self.sizes = sizes
+        self._targets = targets
 
     @property
     def outputs(self) -> list[Any]:
         """Every microbatch's output, on the host."""
         if self._on_device:
-            self._values, self._on_device = detach_to_cpu(self._values), False
+            self._values, self._targets = detach_to_cpu((self._values, self._targets))
+            self._on_device = False
         return self._values
+
+    @property
+    def targets(self) -> list[int] | None:
+        """Each microbatch's number of kept targets (labels other than -100) where every
+        microbatch's loss was the model's own token mean; None otherwise."""
+        self.outputs  # noqa: B018 - on the host first, in the outputs' one wait
+        if isinstance(self._targets, torch.Tensor):
+            self._targets = [int(n) for n in self._targets.tolist()]
+        return self._targets
 
     def __len__(self) -> int:
         return len(self._values)
@@ -115,7 +135,7 @@ class StepOutput:
         field of dict outputs (``out["loss"].reduce_mean()``)."""
         if isinstance(index, str):
             picked = [o[index] for o in self._values]
-            return StepOutput(picked, self.sizes, on_device=self._on_device)
+            return StepOutput(picked, self.sizes, on_device=self._on_device, targets=self._targets)
         return self.outputs[index]
 
     def __repr__(self) -> str:
@@ -124,13 +144,18 @@ class StepOutput:
     def reduce_mean(self) -> Any:
         """Mean over microbatches, weighted by microbatch size: the whole-batch mean
         of a mean-reduced loss (equal to the plain mean when microbatches are even).
+        Where every microbatch's loss was the model's own token mean (:attr:`targets`),
+        weighted by kept targets instead: the mean over every kept target of the batch
+        (a microbatch without any, whose own mean is NaN, weighs nothing).
         Integer and bool tensors give a float64 mean, weighted alike (as numbers do)."""
-        total = float(sum(self.sizes))
-        weights = [size / total for size in self.sizes]
+        counts = self.targets
+        shares = self.sizes if counts is None or not sum(counts) else counts
+        total = float(sum(shares))
+        weights = [share / total for share in shares]
 
         def mean(ts: list[torch.Tensor]) -> torch.Tensor:
             weighted = sum(
-                (w * t.to(torch.float64) for w, t in zip(weights, ts)),
+                (w * t.to(torch.float64) for w, t in zip(weights, ts) if w),
                 torch.zeros((), dtype=torch.float64),
             )
             return weighted.to(ts[0].dtype) if ts[0].is_floating_point() else weighted

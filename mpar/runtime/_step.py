@@ -10,9 +10,13 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar, overload
 
+import torch
+
 from mpar import _device
+from mpar._targets import count_targets, is_causal_lm
 from mpar.comm import State, is_initialized, state
 from mpar.comm._abort import failure_published, publish_failure
+from mpar.comm._collectives import all_reduce_group
 from mpar.comm._progress import PROGRESS
 from mpar.comm._snapshot import write_trace
 from mpar.comm._watchdog import exit_if_reported
@@ -67,6 +71,25 @@ def _prepare(
         _device.to_device(batches.kwargs, st.device),
         batches.sizes,
     )
+
+
+def _count_targets(
+    fn: StepFunction, model: DistributedModel, batches: Microbatches
+) -> Microbatches:
+    """Where the batch holds integer ``labels``: each microbatch's kept targets and, in
+    a training step, every replica's (one all-reduce over the data-parallel group, on
+    the device); see ``mpar._targets``."""
+    names = list(inspect.signature(fn).parameters)[1:]
+    counts = count_targets(is_causal_lm(model.module), batches.args, batches.kwargs, names)
+    if counts is None:
+        return batches
+    total = None
+    if torch.is_grad_enabled():
+        total = counts.sum(0)
+        if model.grid.dp_size > 1:
+            all_reduce_group(total, model.grid.dp_group)
+        total = total.clamp(min=1)  # no target anywhere: every loss is weighed 0
+    return dataclasses.replace(batches, targets=counts, total_targets=total)
 
 
 def _shard_sequences(
@@ -189,6 +212,7 @@ def step(
         _refuse_after_a_failure()
         batches = _prepare(fn, model, args, kwargs, non_split_inputs, input_split_axes)
         prints = due_fingerprint(model.grid, model.due_batch_check, batches.args, batches.kwargs)
+        batches = _count_targets(fn, model, batches)  # before CP cuts the labels
         batches = _shard_sequences(fn, model, batches)  # after the check: CP ranks agree
         outputs = _execute(fn, model, batches)
         check_same_batch(model.grid, prints)

@@ -47,8 +47,9 @@ from mpar.schedule import Action, Kind, Schedule, receive_posts
 
 __all__ = ["Transfers", "step_signature"]
 
-ReplicaOutputs = tuple[list[object], list[int]]
-"""One replica's step outputs: each microbatch's result, and each microbatch's size."""
+ReplicaOutputs = tuple[list[object], list[int], torch.Tensor | None]
+"""One replica's step outputs: each microbatch's result, size and (where its loss is a
+token mean) number of kept targets."""
 _PLANS: dict[int, tuple[Schedule, dict[int, list[tuple[TransferLabel, ...]]]]] = {}
 """id(schedule) -> (the schedule, its receive posts as labels per rank): schedules are
 built once per model and kept, so this stays small."""
@@ -239,10 +240,16 @@ class Transfers:
         replicas = gather_step_outputs(self.own_outputs, last, self.st.grid)
         outputs: list[object] = []
         sizes: list[int] = []
+        targets: list[torch.Tensor] | None = []
         for replica in replicas:
             if not isinstance(replica, tuple):  # what send_outputs kept
                 raise StepError(f"internal: a replica's step outputs are {type(replica).__name__}")
-            outs, replica_sizes = replica
+            outs, replica_sizes, replica_targets = replica
             outputs.extend(outs)
             sizes.extend(replica_sizes)
-        return StepOutput(outputs, sizes, on_device=self.st.grid.world_size == 1)
+            if targets is not None and replica_targets is not None:
+                targets.append(replica_targets)
+            else:
+                targets = None  # weighed by samples unless every replica counted targets
+        counted = None if not targets else torch.cat(targets)
+        return StepOutput(outputs, sizes, on_device=self.st.grid.world_size == 1, targets=counted)

@@ -158,7 +158,7 @@ def test_cp2_ring_under_nccl_rules():
                 "pipeline": "simple",
             },
             "mistral",
-            "plain",  # padded rows: microbatch means weigh by samples, not tokens
+            "plain",  # padded rows: test_loss_targets.py
             marks=SLOW,
             id="cp2-pp2-gpipe-virtual",
         ),

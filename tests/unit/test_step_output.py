@@ -43,3 +43,24 @@ def test_ungatherable_values_are_named():
     check_gatherable({"a": [torch.zeros(1), 1, "s", None]})
     with pytest.raises(StepError, match=r"\['a'\]\[1\] is a set"):
         check_gatherable({"a": [1, {2}]})
+
+
+def test_a_token_mean_loss_is_weighed_by_kept_targets():
+    # microbatch means 1.0 over 30 targets and 4.0 over 10: the batch's mean is 1.75,
+    # whatever the microbatches' numbers of samples (sizes alone would give 2.5)
+    losses = [torch.tensor(1.0), torch.tensor(4.0)]
+    out = StepOutput(losses, sizes=[2, 2], targets=torch.tensor([30, 10]))
+    assert out.targets == [30, 10]
+    assert out.reduce_mean().item() == pytest.approx(1.75)
+    assert out[0].item() == 1.0
+    fields = StepOutput([{"loss": t} for t in losses], sizes=[2, 2], targets=[30, 10])
+    assert fields["loss"].reduce_mean().item() == pytest.approx(1.75)
+
+
+def test_a_microbatch_without_targets_weighs_nothing():
+    # its own mean is 0/0 (NaN in Hugging Face's loss); the batch's mean is finite
+    out = StepOutput([torch.tensor(2.0), torch.tensor(float("nan"))], [2, 2], targets=[5, 0])
+    assert out.reduce_mean().item() == 2.0
+    # no target anywhere: weighed by samples again (NaN, as one process's loss is)
+    none = StepOutput([torch.tensor(float("nan"))] * 2, [2, 2], targets=[0, 0])
+    assert none.reduce_mean().isnan()
