@@ -192,22 +192,36 @@ def _agree_world_size(store: dist.Store, layout: Layout, timeout: datetime.timed
     by hand), instead of waiting for processes that do not exist until the timeout.
 
     Each rank posts its world size; rank 0 compares those of the ranks it expects, the
-    others compare rank 0's. Every rank that disagrees with rank 0 fails, and so does
-    rank 0, at the first rank that disagrees.
+    others compare rank 0's (and say they have read it). Every rank that disagrees with
+    rank 0 fails, and so does rank 0, at the first rank that disagrees, once that rank
+    has read its value: rank 0 hosts the store, which ends with its process.
     """
     store.set(f"world_size/{layout.rank}", str(layout.world_size))
-    peers = range(1, layout.world_size) if layout.rank == 0 else (0,)
-    for peer in peers:
-        key = f"world_size/{peer}"
-        store.wait([key], timeout)
-        theirs = int(store.get(key))
+    if layout.rank != 0:
+        theirs = int(store.get("world_size/0"))  # waits for the key
+        store.set(f"world_size_read/{layout.rank}", "1")
         if theirs != layout.world_size:
-            raise ConfigError(
-                f"rank {layout.rank} was started with WORLD_SIZE={layout.world_size} but rank "
-                f"{peer} with WORLD_SIZE={theirs}: every process of a job must be given the "
-                "same world size (and ranks 0 to WORLD_SIZE - 1 once each); start them with "
-                "one launcher (`mpar launch`, torchrun) or fix the variables"
-            )
+            raise _world_size_error(layout, 0, theirs)
+        return
+    for peer in range(1, layout.world_size):
+        theirs = int(store.get(f"world_size/{peer}"))
+        if theirs != layout.world_size:
+            with contextlib.suppress(RuntimeError):  # DistError: the peer is gone
+                store.wait([f"world_size_read/{peer}"], min(timeout, _READ_GRACE))
+            raise _world_size_error(layout, peer, theirs)
+
+
+_READ_GRACE = datetime.timedelta(seconds=30)
+"""How long rank 0 lets a rank that disagrees read its world size before ending."""
+
+
+def _world_size_error(layout: Layout, peer: int, theirs: int) -> ConfigError:
+    return ConfigError(
+        f"rank {layout.rank} was started with WORLD_SIZE={layout.world_size} but rank "
+        f"{peer} with WORLD_SIZE={theirs}: every process of a job must be given the "
+        "same world size (and ranks 0 to WORLD_SIZE - 1 once each); start them with "
+        "one launcher (`mpar launch`, torchrun) or fix the variables"
+    )
 
 
 def _checked_same_config(config: Config, world_size: int, owns: bool) -> None:
