@@ -75,6 +75,7 @@ import sys
 from typing import TYPE_CHECKING, TypeVar
 
 from mpar._size import parse_bandwidth, parse_bytes
+from mpar.errors import ConfigError, PartitionError
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -547,9 +548,18 @@ def _run_plan(args: argparse.Namespace) -> str:
     if inputs.grid.cp > 1:
         inputs = dataclasses.replace(inputs, cp_attention=attention_of(profile, module, example))
     size = size if args.global_batch is not None else batch
-    plan = make_plan(
-        profile, inputs, cost=cost, microbatch_scale=size / batch, microbatch_size=size
-    )
+    try:
+        plan = make_plan(
+            profile, inputs, cost=cost, microbatch_scale=size / batch, microbatch_size=size
+        )
+    except PartitionError as exc:
+        if args.config is None and "units; lower pipeline_parallel_degree" in str(exc):
+            raise PartitionError(
+                f"{exc} (without --config the plan puts one pipeline stage on each of the "
+                f"--world-size {args.world_size} ranks: give a --config with a smaller "
+                "pipeline_parallel_degree, or let --auto pick the layout)"
+            ) from None
+        raise
     return json.dumps(plan.to_dict(), indent=2) if args.json else str(plan)
 
 
@@ -574,7 +584,9 @@ def run(args: argparse.Namespace) -> int:
         else:
             text = _run_plan(args)
     except (ValueError, TypeError, ImportError, OSError) as exc:
-        print(f"mpar plan: error: {exc}".splitlines()[0], file=sys.stderr)
+        # mpar's own config errors may list one key a line; others: their first line
+        text = str(exc) if isinstance(exc, ConfigError) else str(exc).splitlines()[0]
+        print(f"mpar plan: error: {text}", file=sys.stderr)
         return 2
     print(text)
     return 0

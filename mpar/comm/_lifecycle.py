@@ -142,10 +142,12 @@ def _init_process_group(
                 f"but the launcher reports {layout.world_size} processes"
             )
         return False
-    store = _rendezvous_store(layout, timeout)
+    store = dist.PrefixStore(f"mpar/{generation}", _rendezvous_store(layout, timeout))
+    if layout.source == "torchrun" and not layout.agent_store:
+        _agree_world_size(store, layout, timeout)
     dist.init_process_group(
         backend,
-        store=dist.PrefixStore(f"mpar/{generation}", store),
+        store=store,
         rank=layout.rank,
         world_size=layout.world_size,
         timeout=timeout,
@@ -165,13 +167,13 @@ def _rendezvous_store(layout: Layout, timeout: datetime.timedelta) -> dist.Store
     global _STORE
     key = (layout.source, layout.master_addr, layout.master_port, layout.world_size)
     if _STORE is None or _STORE[0] != key:
-        if layout.source == "single":
+        if layout.world_size == 1:  # alone (RANK=0 WORLD_SIZE=1 too): nobody to meet
             store: dist.Store = dist.HashStore()
-        elif layout.source == "torchrun":  # env:// also finds torchrun's agent-hosted store
+        elif layout.agent_store:  # torchrun's agent hosts it: env:// connects to it
             store, _, _ = next(
                 dist.rendezvous("env://", layout.rank, layout.world_size, timeout=timeout)
             )
-        else:
+        else:  # rank 0 hosts it, and waits for nobody here (see _agree_world_size)
             store = dist.TCPStore(
                 layout.master_addr,
                 layout.master_port,
@@ -179,9 +181,47 @@ def _rendezvous_store(layout: Layout, timeout: datetime.timedelta) -> dist.Store
                 is_master=layout.rank == 0,
                 timeout=timeout,
                 wait_for_workers=False,
+                multi_tenant=layout.source == "torchrun",  # as env:// makes it
             )
         _STORE = (key, store)
     return _STORE[1]
+
+
+def _agree_world_size(store: dist.Store, layout: Layout, timeout: datetime.timedelta) -> None:
+    """Fail at once where the ranks were given different world sizes (``WORLD_SIZE`` set
+    by hand), instead of waiting for processes that do not exist until the timeout.
+
+    Each rank posts its world size; rank 0 compares those of the ranks it expects, the
+    others compare rank 0's (and say they have read it). Every rank that disagrees with
+    rank 0 fails, and so does rank 0, at the first rank that disagrees, once that rank
+    has read its value: rank 0 hosts the store, which ends with its process.
+    """
+    store.set(f"world_size/{layout.rank}", str(layout.world_size))
+    if layout.rank != 0:
+        theirs = int(store.get("world_size/0"))  # waits for the key
+        store.set(f"world_size_read/{layout.rank}", "1")
+        if theirs != layout.world_size:
+            raise _world_size_error(layout, 0, theirs)
+        return
+    for peer in range(1, layout.world_size):
+        theirs = int(store.get(f"world_size/{peer}"))
+        if theirs != layout.world_size:
+            with contextlib.suppress(RuntimeError):  # DistError: the peer is gone
+                store.wait([f"world_size_read/{peer}"], min(timeout, _READ_GRACE))
+            raise _world_size_error(layout, peer, theirs)
+
+
+_READ_GRACE = datetime.timedelta(seconds=30)
+"""How long rank 0 lets a rank that disagrees read its world size before ending."""
+
+
+def _world_size_error(layout: Layout, peer: int, theirs: int) -> ConfigError:
+    return ConfigError(
+        f"rank {layout.rank} was started with WORLD_SIZE={layout.world_size} but rank "
+        f"{peer} with WORLD_SIZE={theirs}: every process of a job must be given the "
+        "same world size (and ranks 0 to WORLD_SIZE - 1 once each); start them with "
+        "one launcher (`mpar launch`, torchrun) or fix the variables"
+    )
 
 
 def _checked_same_config(config: Config, world_size: int, owns: bool) -> None:

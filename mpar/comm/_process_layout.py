@@ -3,12 +3,14 @@
 :func:`detect_layout` returns a :class:`Layout` (rank, world size, local rank,
 local size, rendezvous address and port, and which launcher it came from).
 Precedence: torchrun's variables, then MPI (mpi4py), then SLURM's ``srun``
-variables, then a single process.
+variables, then a single process. Under ``srun --mpi=pmix`` (or ``pmi2``) every task
+carries MPI's markers as well: without mpi4py its SLURM variables are read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import re
 import socket
@@ -63,6 +65,14 @@ def _int_env(env: Mapping[str, str], name: str) -> int:
 
 def _from_torchrun(env: Mapping[str, str]) -> Layout:
     world = _int_env(env, "WORLD_SIZE")
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in env]
+    if world > 1 and missing:
+        raise CommError(
+            f"RANK and WORLD_SIZE are set (a torchrun-style launch) but {' and '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not: every rank needs rank 0's address and a free port there to meet at "
+            "(torchrun and `mpar launch` set them; by hand: MASTER_ADDR=<rank 0's host> "
+            "MASTER_PORT=29500)"
+        )
     return Layout(
         rank=_int_env(env, "RANK"),
         world_size=world,
@@ -72,6 +82,10 @@ def _from_torchrun(env: Mapping[str, str]) -> Layout:
         master_port=_int_env(env, "MASTER_PORT") if "MASTER_PORT" in env else 29500,
         source="torchrun",
     )
+
+
+def _has_mpi4py() -> bool:
+    return importlib.util.find_spec("mpi4py") is not None
 
 
 def _from_mpi(env: Mapping[str, str]) -> Layout:
@@ -132,6 +146,27 @@ def expand_slurm_nodelist(nodelist: str) -> list[str]:
     return hosts
 
 
+def _slurm_tasks_per_node(text: str) -> list[int]:
+    """SLURM's compact tasks-per-node list, one count per node: ``"2(x3),1"`` is
+    ``[2, 2, 2, 1]``."""
+    counts: list[int] = []
+    for part in text.split(","):
+        match = re.fullmatch(r"\s*(\d+)\s*(?:\(x(\d+)\))?\s*", part)
+        if match is None:
+            raise CommError(f"SLURM_STEP_TASKS_PER_NODE={text!r} is not a list of task counts")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
+
+
+def _slurm_node_index(env: Mapping[str, str], nodes: list[str]) -> int:
+    """This task's node among the step's nodes (its name in the step's node list; else
+    ``SLURM_NODEID``, the node's index in the job, the same where the step spans it)."""
+    name = env.get("SLURMD_NODENAME")
+    if name in nodes:
+        return nodes.index(name)
+    return _int_env(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0
+
+
 def _from_slurm(env: Mapping[str, str]) -> Layout:
     world = _int_env(env, "SLURM_NTASKS")
     nodes = expand_slurm_nodelist(
@@ -144,7 +179,8 @@ def _from_slurm(env: Mapping[str, str]) -> Layout:
         port = 20000 + zlib.crc32(env.get("SLURM_JOB_ID", "0").encode()) % 20000
     local_size = world
     if "SLURM_STEP_TASKS_PER_NODE" in env:
-        local_size = int(re.split(r"[(,]", env["SLURM_STEP_TASKS_PER_NODE"])[0])
+        per_node = _slurm_tasks_per_node(env["SLURM_STEP_TASKS_PER_NODE"])
+        local_size = per_node[min(_slurm_node_index(env, nodes), len(per_node) - 1)]
     return Layout(
         rank=_int_env(env, "SLURM_PROCID"),
         world_size=world,
@@ -156,20 +192,62 @@ def _from_slurm(env: Mapping[str, str]) -> Layout:
     )
 
 
+_VARIABLES = {
+    "torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    "slurm": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_STEP_TASKS_PER_NODE"),
+    "mpi": ("the MPI rank", "the MPI world size", "the node rank", "the node size"),
+}
+"""Where each launcher's rank, world size, local rank and local size come from."""
+
+
+def _checked(layout: Layout) -> Layout:
+    """``layout``, if its numbers can describe one process of a job (a launcher's
+    variables set by hand can disagree: RANK=2 with WORLD_SIZE=2, say)."""
+    if layout.source not in _VARIABLES:
+        return layout
+    rank, world, local_rank, local = _VARIABLES[layout.source]
+    problem = None
+    if layout.world_size < 1:
+        problem = f"{world}={layout.world_size}: a job has at least one process"
+    elif not 0 <= layout.rank < layout.world_size:
+        problem = (
+            f"{rank}={layout.rank} with {world}={layout.world_size}: ranks run from 0 to "
+            f"{layout.world_size - 1}"
+        )
+    elif not 1 <= layout.local_size <= layout.world_size:
+        problem = (
+            f"{local}={layout.local_size} with {world}={layout.world_size}: a host runs "
+            "between 1 and all of the job's processes"
+        )
+    elif not 0 <= layout.local_rank < layout.local_size:
+        problem = (
+            f"{local_rank}={layout.local_rank} with {local}={layout.local_size}: local ranks "
+            f"run from 0 to {layout.local_size - 1}"
+        )
+    if problem is None:
+        return layout
+    raise CommError(
+        f"the {layout.source} layout of this process is impossible: {problem}. The launcher's "
+        "variables disagree (set by hand, or left over from another launcher?); start the job "
+        "with one launcher (`mpar launch`, torchrun, mpirun, srun) or fix the variables"
+    )
+
+
 def detect_layout(env: Mapping[str, str] | None = None) -> Layout:
     """Read this process's layout from the environment of its launcher."""
     env = os.environ if env is None else env
+    slurm = "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_STEP_ID" in env
     if "RANK" in env and "WORLD_SIZE" in env:
         layout = _from_torchrun(env)
-    elif any(marker in env for marker in _MPI_MARKERS):
+    elif any(marker in env for marker in _MPI_MARKERS) and (not slurm or _has_mpi4py()):
         layout = _from_mpi(env)
-    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_STEP_ID" in env:
+    elif slurm:  # srun's PMIx / PMI-2 plugins set MPI's markers for any program, too
         layout = _from_slurm(env)
     else:
         layout = Layout(0, 1, 0, 1, "127.0.0.1", 0, "single")
     restart = env.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dataclasses.replace(
-        layout,
+        _checked(layout),
         error_file=env.get("TORCHELASTIC_ERROR_FILE") or None,
         run_dir=env.get(RUNDIR_ENV) or None,
         restart=int(restart) if restart.isdigit() else 0,

@@ -36,6 +36,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from mpar.config._foreign import (
+    FOREIGN_KEYS,
+    deepspeed_section_error,
+    foreign_keys_error,
+    precision_flag,
+)
 from mpar.config._schema import BlockCheckpointing, Config, ZeroConfig
 from mpar.errors import ConfigError, ConfigTypeError
 
@@ -293,17 +299,40 @@ def _auto_requests(raw: Mapping[str, object], values: dict[str, object]) -> tupl
     return tuple(found)
 
 
+def _check_keys(raw: Mapping[str, object]) -> None:
+    """Every key a string mpar takes; keys of smp or DeepSpeed that it does not take are
+    named all at once, each with its mpar equivalent."""
+    unknown = []
+    for key in raw:
+        if not isinstance(key, str):
+            raise ConfigTypeError(f"config keys must be strings, got {key!r}")
+        if key not in ACCEPTED_KEYS:
+            unknown.append(key)
+    if not unknown:
+        return
+    error = foreign_keys_error(unknown, [k for k in unknown if k not in FOREIGN_KEYS])
+    raise _unknown_key(unknown[0], "", ACCEPTED_KEYS) if error is None else error
+
+
+def _deepspeed_value(key: str, value: object) -> object:
+    """A DeepSpeed section given for an mpar key: ``fp16`` / ``bf16``'s ``{"enabled":
+    ...}`` as the flag, the sections whose key means something else in mpar refused."""
+    if key in ("fp16", "bf16") and isinstance(value, Mapping):
+        return precision_flag(key, value)
+    error = deepspeed_section_error(key, value)
+    if error is not None:
+        raise error
+    return value
+
+
 def config_from_dict(raw: Mapping[str, object] | None) -> Config:
     """Build a :class:`Config` from user keys (canonical, aliases, smp, DeepSpeed)."""
     if raw is None:
         return Config()
     raw = _require_mapping(raw, "config")
+    _check_keys(raw)
     values: dict[str, Any] = {}  # user values: Config checks each field's type
     for key, value in raw.items():
-        if not isinstance(key, str):
-            raise ConfigTypeError(f"config keys must be strings, got {key!r}")
-        if key not in ACCEPTED_KEYS:
-            raise _unknown_key(key, "", ACCEPTED_KEYS)
         if key in _TRANSLATED or key == "zero":
             continue
         canonical = _ALIASES.get(key, key)
@@ -312,7 +341,7 @@ def config_from_dict(raw: Mapping[str, object] | None) -> Config:
             raise ConfigError(
                 f"config keys {canonical!r} and its alias {aliases[0]!r} are both given; keep one"
             )
-        values[canonical] = value
+        values[canonical] = _deepspeed_value(canonical, value)
     auto = _auto_requests(raw, values)
     values["zero"] = _zero_from(raw)
     if isinstance(values.get("activation_checkpointing"), Mapping):

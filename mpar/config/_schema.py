@@ -694,26 +694,26 @@ class Config:
             )
         pp, tp = self.pipeline_parallel_degree, self.tensor_parallel_degree
         cp = self.context_parallel_degree
-        if cp > 1 and world_size % (pp * cp * tp) != 0:
-            raise ConfigError(
-                f"config keys 'pipeline_parallel_degree' {pp} x 'context_parallel_degree' {cp} "
-                f"x 'tensor_parallel_degree' {tp} = {pp * cp * tp} do not divide the world size "
-                f"{world_size}; every pipeline stage needs whole CP and TP groups (try a "
-                f"context_parallel_degree in "
-                f"{[d for d in _divisors(world_size // (pp * tp)) if world_size % (pp * tp) == 0]})"
-            )
-        if tp > 1 and world_size % (pp * tp) != 0:
-            raise ConfigError(
-                f"config keys 'pipeline_parallel_degree' {pp} x 'tensor_parallel_degree' {tp} "
-                f"= {pp * tp} do not divide the world size {world_size}; every pipeline stage "
-                f"needs a whole TP group (try a tensor_parallel_degree in "
-                f"{[d for d in _divisors(world_size // pp) if world_size % pp == 0]})"
-            )
+        # the outer axis first: each hint below lists the degrees that fit inside it
         if world_size % pp != 0:
             raise ConfigError(
                 f"config key 'pipeline_parallel_degree' is {pp} but the world size is {world_size}; "
                 f"the pipeline degree must divide the world size (try one of "
                 f"{_divisors(world_size)})"
+            )
+        if world_size % (pp * tp) != 0:
+            raise ConfigError(
+                f"config keys 'pipeline_parallel_degree' {pp} x 'tensor_parallel_degree' {tp} "
+                f"= {pp * tp} do not divide the world size {world_size}; every pipeline stage "
+                f"needs a whole TP group (try a tensor_parallel_degree in "
+                f"{_divisors(world_size // pp)})"
+            )
+        if world_size % (pp * cp * tp) != 0:
+            raise ConfigError(
+                f"config keys 'pipeline_parallel_degree' {pp} x 'context_parallel_degree' {cp} "
+                f"x 'tensor_parallel_degree' {tp} = {pp * cp * tp} do not divide the world size "
+                f"{world_size}; every pipeline stage needs whole CP and TP groups (try a "
+                f"context_parallel_degree in {_divisors(world_size // (pp * tp))})"
             )
         dp = world_size // (pp * cp * tp)
         if dp > 1 and not self.ddp:

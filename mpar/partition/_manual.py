@@ -112,15 +112,17 @@ def _unit_stage(root: nn.Module, name: str) -> int | None:
 def manual_boundaries(module: nn.Module, units: Sequence[str], *, default: int = 0) -> list[int]:
     """Stage start indices from ``partition(i)`` placements of ``units`` (in execution order).
 
-    A unit without a placement (nor a placed ancestor) joins the stage of the unit
-    before it (the first unit: ``default``). Raises PartitionError when the stages
-    do not appear in order 0, 1, 2, ... along the execution order.
+    A unit without a placement (nor a placed ancestor) goes to stage ``default`` when
+    that is above 0 (smp's ``default_partition``: where modules created outside any
+    ``partition(i)`` go); with 0, the default, it joins the stage of the unit before
+    it (the first unit: stage 0). Raises PartitionError when the stages do not appear
+    in order 0, 1, 2, ... along the execution order.
     """
     stages: list[int] = []
     for name in units:
         stage = _unit_stage(module, name)
         if stage is None:
-            stage = stages[-1] if stages else default
+            stage = default if default > 0 else stages[-1] if stages else 0
         stages.append(stage)
     starts = [0]
     for i in range(1, len(stages)):

@@ -413,3 +413,20 @@ def test_a_script_that_never_calls_shutdown_exits_cleanly() -> None:
         assert result.returncode == 0, result.output
         assert "terminate called" not in result.output, result.output
         assert sorted(support.rank_lines(result.stdout)) == [0, 1, 2, 3], result.output
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--nproc-per-node", "abc", "must be a whole number, got 'abc'"),
+        ("--nproc-per-node", "0", "must be at least 1, got 0"),
+        ("--max-restarts", "two", "must be a whole number, got 'two'"),
+    ],
+)
+def test_a_bad_count_is_named(
+    capsys: pytest.CaptureFixture[str], flag: str, value: str, message: str
+) -> None:
+    """(A word was 'invalid _positive_int value: 'abc'', the parser's function name.)"""
+    code, err = _launch_in_process(capsys, flag, value, str(SCRIPTS / "allreduce.py"))
+    assert code == 2 and f"argument {flag}" in err and message in err

@@ -136,6 +136,34 @@ def test_pipeline_degree_must_divide_world_size():
         run_distributed(_bad_world_for_config, 2, timeout=60)
 
 
+def _init_with_world_size(odd_rank, world):
+    import os
+
+    import mpar
+
+    if os.environ["RANK"] == str(odd_rank):  # as if set by hand, differently from the other's
+        os.environ["WORLD_SIZE"] = str(world)
+    try:
+        mpar.init({"timeout_s": 60})
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("odd_rank", [0, 1])
+def test_ranks_given_different_world_sizes_fail_at_once(odd_rank):
+    """Two processes, one of them told the job has three: both say so within seconds,
+    where they waited until the timeout (rank 0, in its store, for a third process that
+    never came; rank 1, in gloo, for a peer rank 0 did not know of) and failed in gloo."""
+    got = run_distributed(_init_with_world_size, 2, args=(odd_rank, 3), timeout=30)
+    world = [3 if rank == odd_rank else 2 for rank in range(2)]
+    for rank, peer in ((0, 1), (1, 0)):
+        assert (
+            f"rank {rank} was started with WORLD_SIZE={world[rank]} but rank {peer} with "
+            f"WORLD_SIZE={world[peer]}: every process of a job must be given the same world size"
+        ) in got[rank]
+
+
 def _mesh_and_fallback_groups(config):
     import torch.distributed as dist
 

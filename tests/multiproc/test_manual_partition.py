@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -10,7 +12,9 @@ from mpar.testing import DistributedTestError, run_distributed
 from tests.multiproc._pipeline_cases import batch, loss_fn
 
 
-def _build() -> nn.Module:
+def _build(by_default: bool = False) -> nn.Module:
+    """Two stages placed by ``mpar.partition``; ``by_default``: stage 1's modules are
+    created outside any, for ``default_partition: 1`` to place (as smp users do)."""
     import mpar
 
     torch.manual_seed(0)
@@ -18,18 +22,19 @@ def _build() -> nn.Module:
     with mpar.partition(0):
         model.append(nn.Linear(8, 16))
         model.append(nn.Tanh())
-    with mpar.partition(1):
+    with contextlib.nullcontext() if by_default else mpar.partition(1):
         model.append(nn.Linear(16, 16))
         model.append(nn.ReLU())
         model.append(nn.Linear(16, 4))
     return model
 
 
-def _manual_ranks():
+def _manual_ranks(by_default: bool = False):
     import mpar
 
-    mpar.init({"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False})
-    model = mpar.DistributedModel(_build())
+    config = {"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False}
+    mpar.init({**config, "default_partition": 1} if by_default else config)
+    model = mpar.DistributedModel(_build(by_default))
     opt = mpar.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
 
     @mpar.step
@@ -45,8 +50,11 @@ def _manual_ranks():
     return str(model.plan), [n for n, _ in model.named_parameters()], model.state_dict()
 
 
-def test_manual_placement_is_used_and_transparent():
-    results = run_distributed(_manual_ranks, 2, timeout=120)
+@pytest.mark.parametrize("by_default", [False, True])
+def test_manual_placement_is_used_and_transparent(by_default):
+    """``by_default``: default_partition 1 places what no ``partition(i)`` did (it only
+    named the first unit's stage, so these joined stage 0, one stage for two ranks)."""
+    results = run_distributed(_manual_ranks, 2, args=(by_default,), timeout=120)
     plan, names0, state = results[0]
     assert "manual partition" in plan
     assert names0 == ["0.weight", "0.bias"]

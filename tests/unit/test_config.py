@@ -181,6 +181,15 @@ def test_world_size_checks():
     cfg.check_world_size(6)
     with pytest.raises(ConfigError, match="'ddp' is false"):
         config_from_dict({"ddp": False, "partitions": 2}).check_world_size(4)
+    # a pipeline degree that does not divide the world is named first, whatever tp and cp
+    # are (it was a TP hint listing no degree at all: "try a tensor_parallel_degree in []")
+    for inner in ({"tp": 2}, {"cp": 2}, {"tp": 2, "cp": 3}):
+        with pytest.raises(ConfigError, match=r"is 4 but the world size is 6.*\[1, 2, 3, 6\]"):
+            config_from_dict({"partitions": 4, **inner}).check_world_size(6)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_degree in \[1, 3\]"):
+        config_from_dict({"partitions": 2, "tp": 2, "cp": 3}).check_world_size(6)
+    with pytest.raises(ConfigError, match=r"context_parallel_degree in \[1, 3\]"):
+        config_from_dict({"partitions": 2, "cp": 2}).check_world_size(6)
 
 
 def test_smp_and_deepspeed_translations():
@@ -202,6 +211,121 @@ def test_smp_and_deepspeed_translations():
         config_from_dict({"zero": {"stage": 2}, "shard_optimizer_state": True})
     with pytest.raises(ConfigError, match="NVMe offload is not supported"):
         config_from_dict({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})
+
+
+def test_a_whole_deepspeed_json_names_every_key_mpar_does_not_take_with_its_equivalent():
+    """Hugging Face's ZeRO-2 example file: one error lists each top-level key mpar does
+    not take and what to write instead (it named 'train_batch_size' alone, unknown)."""
+    ds = {
+        "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}},
+        "zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": "auto"},
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "steps_per_print": 2000,
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "wall_clock_breakdown": False,
+        "horovod": False,
+        "nonsense": 1,
+    }
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(ds)
+    lines = str(info.value).splitlines()
+    assert "10 key(s) mpar does not take" in lines[0]
+    want = {
+        "optimizer": "(DeepSpeed): build the torch optimizer yourself",
+        "scheduler": "torch.optim.lr_scheduler on the DistributedOptimizer",
+        "gradient_accumulation_steps": "use 'microbatches'",
+        "gradient_clipping": "call optimizer.clip_grad_norm_(max_norm)",
+        "steps_per_print": "mpar prints nothing on its own",
+        "train_batch_size": "mpar takes no batch sizes",
+        "train_micro_batch_size_per_gpu": "mpar takes no batch sizes",
+        "wall_clock_breakdown": "set 'trace'",
+        "horovod": "(SageMaker model parallelism): mpar has no Horovod mode",
+        "nonsense": "not an mpar key",
+    }
+    assert len(lines) == 1 + len(want)
+    for key, advice in want.items():
+        assert any(line.startswith(f"  {key!r}") and advice in line for line in lines), key
+    # what is left once they are removed is mpar configuration: fp16 and ZeRO-2
+    kept = config_from_dict({k: v for k, v in ds.items() if k in ("fp16", "zero_optimization")})
+    assert kept.fp16 and not kept.bf16 and kept.zero == ZeroConfig(stage=2)
+    # a lone typo still gets its suggestion
+    with pytest.raises(ConfigError, match="unknown config key 'microbatchez'; did you mean"):
+        config_from_dict({"microbatchez": 4})
+
+
+def test_a_sagemaker_model_parallel_dict_names_its_keys_mpar_does_not_take():
+    smp = {
+        "partitions": 2,
+        "microbatches": 4,
+        "pipeline": "interleaved",
+        "placement_strategy": "spread",
+        "optimize": "speed",
+        "ddp": True,
+        "auto_partition": True,
+        "default_partition": 0,
+        "active_microbatches": 2,
+        "tensor_parallel_degree": 1,
+        "sharded_data_parallel_degree": 2,
+        "delayed_parameter_initialization": True,
+        "fp16_params": True,
+    }
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(smp)
+    message = str(info.value)
+    assert "3 key(s) mpar does not take" in message
+    assert "'sharded_data_parallel_degree' (SageMaker model parallelism): " in message
+    assert "'zero': {'stage': 3}" in message and "meta device" in message
+    assert "'fp16_params' (SageMaker model parallelism): use 'fp16': true" in message
+    with pytest.raises(ConfigError, match="'parameters' dict itself") as info:
+        config_from_dict({"enabled": True, "parameters": smp})  # the estimator's wrapper
+    assert "'enabled' (SageMaker model parallelism): leave it out" in str(info.value)
+    rest = {k: v for k, v in smp.items() if k in ACCEPTED_KEYS}
+    cfg = config_from_dict(rest)
+    assert (cfg.pipeline_parallel_degree, cfg.microbatches, cfg.active_microbatches) == (2, 4, 2)
+
+
+def test_deepspeed_precision_sections_translate_only_what_mpar_does():
+    """{"enabled": ...} is the flag, with the fp16 settings that are mpar's own (dynamic
+    scaling from 2^16, doubled after 2000 finite steps); a static loss scale, DeepSpeed's
+    hysteresis or floor, or HF's "auto" would not be honoured, so they are refused."""
+    assert config_from_dict({"bf16": {"enabled": True}}).bf16 is True
+    assert config_from_dict({"bf16": {"enabled": False}}).bf16 is False
+    same = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "hysteresis": 1}
+    cfg = config_from_dict({"fp16": {**same, "loss_scale_window": 2000}})
+    assert cfg.fp16 is True and str(cfg.precision) == str(
+        config_from_dict({"fp16": True}).precision
+    )
+    with pytest.raises(ConfigError, match=r"'fp16.loss_scale' = 128 \(a static loss scale\)"):
+        config_from_dict({"fp16": {"enabled": True, "loss_scale": 128}})
+    hf = {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "hysteresis": 2}
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"fp16": {**hf, "min_loss_scale": 1}})
+    message = str(info.value)
+    assert "'fp16.enabled' is 'auto'" in message and "write true or false" in message
+    assert (
+        "'fp16.loss_scale_window' = 1000, 'fp16.hysteresis' = 2, 'fp16.min_loss_scale' = 1"
+        in message
+    )
+    assert "'fp16.loss_scale' =" not in message  # 0 is mpar's dynamic scaling
+    with pytest.raises(ConfigError, match="'bf16.enabled' is 'auto'"):
+        config_from_dict({"bf16": {"enabled": "auto"}})
+    with pytest.raises(ConfigError, match="'bf16.immediate_grad_update' = True cannot be"):
+        config_from_dict({"bf16": {"enabled": True, "immediate_grad_update": True}})
+
+
+def test_deepspeed_pipeline_and_checkpointing_sections_say_what_mpar_calls_them():
+    section = {"stages": 2, "partition_method": "parameters", "activation_checkpoint_interval": 1}
+    with pytest.raises(ConfigError, match="'stages' as 'pipeline_parallel_degree'"):
+        config_from_dict({"pipeline": section})
+    ds = {"partition_activations": False, "cpu_checkpointing": True, "number_checkpoints": None}
+    with pytest.raises(ConfigError, match="'cpu_checkpointing' is 'offload_activations'"):
+        config_from_dict({"activation_checkpointing": ds})
+    with pytest.raises(ConfigError, match="'evry' in 'activation_checkpointing'"):
+        config_from_dict({"activation_checkpointing": {"mode": "block", "evry": 2}})
 
 
 def test_a_deepspeed_zero3_section_as_hugging_face_writes_it_pastes_unchanged():

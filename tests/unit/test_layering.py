@@ -50,6 +50,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "mpar._tp_styles",
             "mpar._attention_blocks",
             "mpar._cp_context",
+            "mpar._targets",
         ),
     ),
     ("schedule", ("mpar.schedule",)),

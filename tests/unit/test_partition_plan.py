@@ -215,6 +215,11 @@ def test_manual_partition_context():
     assert mpar.partition.assigned_stage(model.b[0]) == 1
     with pytest.raises(PartitionError, match="not contiguous"):
         manual_boundaries(_Manual(swap=True), units)
+    # default_partition k > 0 (smp's): unplaced units go to stage k (act: 2, with c);
+    # the first unit of a model with nothing placed on stage 0 must still be placed
+    assert manual_boundaries(model, units, default=2) == [0, 1, 2]
+    with pytest.raises(PartitionError, match="starts on stage 1"):
+        manual_boundaries(nn.Sequential(nn.Linear(2, 2)), [""], default=1)
     with pytest.raises(PartitionError):
         mpar.partition(-1).__enter__()
 
@@ -293,6 +298,15 @@ def test_cli_plan_through_main_with_typed_config(tmp_path, monkeypatch, capsys):
     typo.write_text(json.dumps({"microbatchs": 4}))
     assert main([*model, "--config", str(typo), "--world-size", "1"]) == 2
     assert "microbatches" in capsys.readouterr().err
+    # a DeepSpeed JSON: every key it must drop, one a line (only the first line was shown)
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 8, "gradient_clipping": 1.0, "bf16": True}))
+    assert main([*model, "--config", str(ds), "--world-size", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "'train_batch_size' (DeepSpeed)" in err and "clip_grad_norm_" in err
+    # no config: one stage per rank, more than the model's units: say where that came from
+    assert main([*model, "--world-size", "16"]) == 2
+    assert "without --config the plan puts one pipeline stage on each" in capsys.readouterr().err
     monkeypatch.delitem(sys.modules, "plan_factory_mod", raising=False)
 
 
