@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, overload
+from typing import Any, TypeGuard, cast, overload
 
 import torch
 
@@ -44,6 +44,13 @@ from mpar.tensor_parallel import TPShard
 
 __all__ = ["DistributedOptimizer"]
 
+StateDict = dict[str, Any]
+"""An optimizer's ``state_dict()`` (``"state"``, ``"param_groups"``), as torch types it."""
+Group = dict[str, Any]
+"""One of an optimizer's ``param_groups``, as torch types it."""
+ParamStates = dict[int | str, dict[str, object]]
+"""A state dict's ``"state"``: each parameter's (by index) named tensors and numbers."""
+
 
 def _to_cpu(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
@@ -53,7 +60,7 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-def _elementwise(value: object, shape: torch.Size) -> bool:
+def _elementwise(value: object, shape: torch.Size) -> TypeGuard[torch.Tensor]:
     """Whether ``value`` is per-element state of a parameter of ``shape``."""
     return isinstance(value, torch.Tensor) and value.shape == shape
 
@@ -89,7 +96,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self._model = model if model is not None else self._find_model()
         self._sharded: ShardedOptimizer | None = None
-        self._pending: dict[str, Any] | Callable[[], None] | None = None
+        self._pending: StateDict | Callable[[], None] | None = None
         """A state loaded before the model was partitioned, applied right after."""
         self._finite: bool | None = None
         """fp16: whether this step's gradients are finite everywhere (None: not checked yet)."""
@@ -114,7 +121,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return callable(self._pending)
 
     @property
-    def pending_state(self) -> dict[str, Any] | None:
+    def pending_state(self) -> StateDict | None:
         """A full (torch-format) state loaded before the model was partitioned, kept to
         be applied right after (None when there is none)."""
         return self._pending if isinstance(self._pending, dict) else None
@@ -154,11 +161,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._sharded
 
     @property  # the wrapped optimizer's groups, read and written
-    def param_groups(self) -> list[dict[str, Any]]:
+    def param_groups(self) -> list[Group]:
         return self.optimizer.param_groups
 
     @param_groups.setter
-    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+    def param_groups(self, groups: list[Group]) -> None:
         self.optimizer.param_groups = groups
 
     def _all_params(self) -> list[torch.nn.Parameter]:
@@ -302,11 +309,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             sharded.scale_grads(coef)
         return norm
 
-    def local_state_dict(self) -> dict[str, Any]:
+    def local_state_dict(self) -> StateDict:
         """This rank's optimizer state (only its parameters have any)."""
         return self.optimizer.state_dict()
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """The full optimizer state gathered from every stage, in the unwrapped
         optimizer's format (parameter indices over all of the model's parameters)."""
         if self._pending is not None:
@@ -323,7 +330,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             local = sharded.state_dict()  # gathered over the data-parallel group
         else:
             local = self.optimizer.state_dict()
-        merged: dict[int, Any] = {}
+        merged: ParamStates = {}
         own = self._tp_assembled(_to_cpu(local["state"]))
         for part in all_gather_object_pp(own, self._session.state.grid):
             merged.update(part)
@@ -347,7 +354,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 out[i] = (shard, model.state_keys.shapes[name])
         return out
 
-    def _tp_assembled(self, state: dict[int, Any]) -> dict[int, Any]:
+    def _tp_assembled(self, state: ParamStates) -> ParamStates:
         """``state`` with the element-wise state of every TP-split parameter (Adam's
         moments, a momentum buffer) assembled from the TP group's pieces: the shapes of
         the unwrapped model's parameters."""
@@ -360,14 +367,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for i, values in mine.items():
             shard, whole = split[i]
             out[i] = {
-                k: shard.assemble([part[i][k] for part in parts])
+                k: shard.assemble([cast(torch.Tensor, part[i][k]) for part in parts])
                 if _elementwise(v, shard.local_shape(whole))
                 else v
                 for k, v in values.items()
             }
         return out
 
-    def _tp_pieces(self, state: dict[Any, Any]) -> dict[Any, Any]:
+    def _tp_pieces(self, state: ParamStates) -> ParamStates:
         """``state`` (indices as keys) with whole element-wise tensors of TP-split
         parameters cut to this rank's pieces."""
         split = self._tp_split()
@@ -384,7 +391,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 }
         return out
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: StateDict) -> None:
         """Load a full (or this rank's) optimizer state; each rank keeps its parameters' part.
 
         Before the model's first step (not partitioned yet) the state is kept
@@ -394,7 +401,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return
         self._load_now(state_dict)
 
-    def _load_now(self, state_dict: dict[str, Any]) -> None:
+    def _load_now(self, state_dict: StateDict) -> None:
         sharded = self.sharded_optimizer()
         local = self._local_ids()
         index_of = {id(p): i for i, p in enumerate(self._all_params())}
@@ -410,7 +417,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             self.optimizer.load_state_dict(trimmed)
 
-    def add_param_group(self, group: dict[str, Any]) -> None:
+    def add_param_group(self, group: Group) -> None:
         self.optimizer.add_param_group(group)
 
     def __getattr__(self, name: str) -> Any:

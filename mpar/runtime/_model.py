@@ -124,13 +124,15 @@ class _CPModel:
 
 class _Steps:
     """What the model keeps from step to step: its lowered schedules (training and
-    forward-only), the measured placement of zero-bubble W actions, and how many steps
-    were due for the same-batch check."""
+    forward-only), the measured placement of zero-bubble W actions, how many steps
+    were due for the same-batch check, and the partition's buffers that steps average
+    over the replicas (batch-norm statistics)."""
 
     def __init__(self) -> None:
         self.schedules: dict[bool, Schedule] = {}
         self.placement = MeasuredPlacement()
         self.batch_checks = 0
+        self.buffers: tuple[LocalStages, ReplicaBuffers] | None = None
 
 
 @dataclass(frozen=True)
@@ -187,8 +189,6 @@ class DistributedModel:
         with an ``overwrites`` attribute (state-dict keys) overwrites those tensors whole:
         a meta model leaves them uninitialised."""
         self.stages: LocalStages | None = None
-        self._buffers: tuple[LocalStages, ReplicaBuffers] | None = None
-        """This partition's buffers that steps average over the replicas."""
         self.sharded: ShardedStages | None = None
         self.activation_peak_bytes = 0
         """Peak bytes of stage inputs/outputs kept for backward during the last step."""
@@ -403,10 +403,11 @@ class DistributedModel:
     def _replica_buffers(self) -> ReplicaBuffers:
         """The batch-norm statistics of this rank's stages (found once per partition)."""
         assert self.stages is not None
-        if self._buffers is None or self._buffers[0] is not self.stages:
+        steps = self._steps
+        if steps.buffers is None or steps.buffers[0] is not self.stages:
             found = ReplicaBuffers(self.module, self.stages.modules, self.stages.qualnames)
-            self._buffers = (self.stages, found)
-        return self._buffers[1]
+            steps.buffers = (self.stages, found)
+        return steps.buffers[1]
 
     # -- calls inside a step ---------------------------------------------------------
 
