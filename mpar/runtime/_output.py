@@ -84,9 +84,10 @@ class StepOutput:
     """Per-microbatch results of a step, identical on every rank.
 
     ``outputs[i]`` is the value the step function returned for global
-    microbatch ``i``; ``sizes[i]`` is its number of samples; ``targets[i]``, where
-    every microbatch's loss was the model's own token mean (a Hugging Face model called
-    with ``labels``), its number of kept targets (else None).
+    microbatch ``i``; ``sizes[i]`` is its number of samples; ``targets[i]``, where the
+    step's arguments held integer ``labels``, its number of kept targets (labels other
+    than -100; those of the model's own loss where it was called with ``labels``), else
+    None.
 
     ``on_device``: the outputs are still where the step computed them (a job of one
     rank, where nothing has to be gathered): they are copied to the host, in one
@@ -117,8 +118,8 @@ class StepOutput:
 
     @property
     def targets(self) -> list[int] | None:
-        """Each microbatch's number of kept targets (labels other than -100) where every
-        microbatch's loss was the model's own token mean; None otherwise."""
+        """Each microbatch's number of kept targets (labels other than -100) where the
+        step's arguments held integer ``labels``; None otherwise."""
         self.outputs  # noqa: B018 - on the host first, in the outputs' one wait
         if isinstance(self._targets, torch.Tensor):
             self._targets = [int(n) for n in self._targets.tolist()]
@@ -144,9 +145,9 @@ class StepOutput:
     def reduce_mean(self) -> Any:
         """Mean over microbatches, weighted by microbatch size: the whole-batch mean
         of a mean-reduced loss (equal to the plain mean when microbatches are even).
-        Where every microbatch's loss was the model's own token mean (:attr:`targets`),
-        weighted by kept targets instead: the mean over every kept target of the batch
-        (a microbatch without any, whose own mean is NaN, weighs nothing).
+        Where the targets were counted (:attr:`targets`), weighted by kept targets
+        instead: the mean over every kept target of the batch (a microbatch without
+        any, whose own mean is NaN, weighs nothing).
         Integer and bool tensors give a float64 mean, weighted alike (as numbers do)."""
         counts = self.targets
         shares = self.sizes if counts is None or not sum(counts) else counts

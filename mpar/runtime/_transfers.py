@@ -48,8 +48,8 @@ from mpar.schedule import Action, Kind, Schedule, receive_posts
 __all__ = ["Transfers", "step_signature"]
 
 ReplicaOutputs = tuple[list[object], list[int], torch.Tensor | None]
-"""One replica's step outputs: each microbatch's result, size and (where its loss is a
-token mean) number of kept targets."""
+"""One replica's step outputs: each microbatch's result, size and (where the step's
+arguments held integer ``labels``) number of kept targets."""
 _PLANS: dict[int, tuple[Schedule, dict[int, list[tuple[TransferLabel, ...]]]]] = {}
 """id(schedule) -> (the schedule, its receive posts as labels per rank): schedules are
 built once per model and kept, so this stays small."""
