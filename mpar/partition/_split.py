@@ -206,15 +206,20 @@ def _orphans(
         _set_attr(stage, name, param)
 
 
+def _hooked(module: nn.Module, *kinds: str) -> list[str]:
+    """The modules of ``module`` (by name) with any hook of the ``kinds`` attributes."""
+    return [
+        name or type(module).__name__
+        for name, m in module.named_modules()
+        if any(getattr(m, kind) for kind in kinds)
+    ]
+
+
 def _check_hooks(module: nn.Module) -> None:
     """Module hooks in a model that is captured as a graph: backward hooks are refused
     (export records the forward only, so they would never run, and a hook that changes
     gradients would train another model silently); forward hooks get a warning."""
-    backward = [
-        name or type(module).__name__
-        for name, m in module.named_modules()
-        if m._backward_hooks or m._backward_pre_hooks
-    ]
+    backward = _hooked(module, "_backward_hooks", "_backward_pre_hooks")
     if backward:
         raise PartitionError(
             f"modules {backward[:5]} have backward hooks (register_full_backward_hook / "
@@ -222,11 +227,7 @@ def _check_hooks(module: nn.Module) -> None:
             "never calls; remove them (change gradients in the loss, or in the parameters' "
             "`.grad` after the step and before the optimizer's step)"
         )
-    forward = [
-        name or type(module).__name__
-        for name, m in module.named_modules()
-        if m._forward_hooks or m._forward_pre_hooks
-    ]
+    forward = _hooked(module, "_forward_hooks", "_forward_pre_hooks")
     if forward:
         warnings.warn(
             f"modules {forward[:5]} have forward hooks: the stages are captured with them, "

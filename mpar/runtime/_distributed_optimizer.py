@@ -359,9 +359,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         moments, a momentum buffer) assembled from the TP group's pieces: the shapes of
         the unwrapped model's parameters."""
         split = self._tp_split()
-        mine = {i: values for i, values in state.items() if i in split}
         if not split:
             return state
+        mine = {i: values for i, values in state.items() if i in split}
         parts = all_gather_object_tp(mine, self._session.state.grid)
         out = dict(state)
         for i, values in mine.items():
