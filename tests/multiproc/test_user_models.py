@@ -34,14 +34,21 @@ class Wrapped(nn.Module):
         return self.net(x)
 
 
+def _sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
 def _scheduled(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
 
 
-def _reference(steps: int) -> dict[str, Any]:
-    net = Wrapped()
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    scheduler = _scheduled(opt)
+def _one_process(
+    net: nn.Module,
+    opt: torch.optim.Optimizer,
+    steps: int,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+) -> dict[str, Any]:
+    """``net`` trained in one process on the whole batch: its losses and final state."""
     losses = []
     for s in range(steps):
         x, y = batch("mlp", s)
@@ -49,19 +56,21 @@ def _reference(steps: int) -> dict[str, Any]:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        scheduler.step()
+        if scheduler is not None:
+            scheduler.step()
         losses.append(loss.item())
-    state = {k: v.clone() for k, v in net.state_dict().items()}
-    return {"losses": losses, "state": state, "lr": opt.param_groups[0]["lr"]}
+    return {"losses": losses, "state": {k: v.clone() for k, v in net.state_dict().items()}}
 
 
-def _train(config: dict[str, Any], steps: int) -> dict[str, Any]:
+def _replica_losses(
+    model: Any,
+    opt: Any,
+    steps: int,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+) -> list[float]:
+    """Rank body's loop: ``model`` trained on this replica's shard of each batch."""
     import mpar
 
-    mpar.init(config)
-    model = mpar.DistributedModel(Wrapped())
-    opt = mpar.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-    scheduler = _scheduled(opt)
     dp, dp_rank = mpar.dp_size(), mpar.dp_rank()
     losses = []
     for s in range(steps):
@@ -70,7 +79,31 @@ def _train(config: dict[str, Any], steps: int) -> dict[str, Any]:
         losses.append(float(train_loss(model, x[shard], y[shard]).reduce_mean()))
         opt.step()
         opt.zero_grad()
-        scheduler.step()
+        if scheduler is not None:
+            scheduler.step()
+    return losses
+
+
+def _check_trained(got: dict[str, Any], ref: dict[str, Any]) -> None:
+    """One rank's losses and final parameters are the one-process run's."""
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **TOL)
+    for name, tensor in ref["state"].items():
+        torch.testing.assert_close(got["state"][name], tensor, **TOL, msg=name)
+
+
+def _reference(steps: int) -> dict[str, Any]:
+    net = Wrapped()
+    opt = _sgd(net.parameters())
+    return {**_one_process(net, opt, steps, _scheduled(opt)), "lr": opt.param_groups[0]["lr"]}
+
+
+def _train(config: dict[str, Any], steps: int) -> dict[str, Any]:
+    import mpar
+
+    mpar.init(config)
+    model = mpar.DistributedModel(Wrapped())
+    opt = mpar.DistributedOptimizer(_sgd(model.parameters()))
+    losses = _replica_losses(model, opt, steps, _scheduled(opt))
     saved = opt.state_dict()
     return {
         "losses": losses,
@@ -82,9 +115,7 @@ def _train(config: dict[str, Any], steps: int) -> dict[str, Any]:
 
 def _check(results: list[dict[str, Any]], ref: dict[str, Any]) -> None:
     for got in results:
-        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **TOL)
-        for name, tensor in ref["state"].items():
-            torch.testing.assert_close(got["state"][name], tensor, **TOL, msg=name)
+        _check_trained(got, ref)
         assert got["lr"] == ref["lr"]
         assert [u for units in got["units"] for u in units] == [f"net.{i}" for i in range(8)]
         assert all(got["units"])  # two stages, each with some of net's layers
@@ -154,15 +185,7 @@ def _train_batch_norm(config: dict[str, Any], steps: int) -> dict[str, Any]:
     mpar.init(config)
     model = mpar.DistributedModel(BatchNormNet())
     opt = mpar.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    dp, dp_rank = mpar.dp_size(), mpar.dp_rank()
-    losses = []
-    for s in range(steps):
-        x, y = batch("mlp", s)
-        shard = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
-        losses.append(float(train_loss(model, x[shard], y[shard]).reduce_mean()))
-        opt.step()
-        opt.zero_grad()
-    return {"losses": losses, "state": model.state_dict()}
+    return {"losses": _replica_losses(model, opt, steps), "state": model.state_dict()}
 
 
 @pytest.mark.parametrize(
@@ -177,9 +200,7 @@ def test_batch_norm_statistics_are_averaged_over_replicas(pp):
     results = run_distributed(_train_batch_norm, 2 * pp, args=(config, 3), timeout=120)
     ref = _batch_norm_reference(3, dp=2, m=2)
     for got in results:
-        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **TOL)
-        for name, tensor in ref["state"].items():
-            torch.testing.assert_close(got["state"][name], tensor, **TOL, msg=name)
+        _check_trained(got, ref)
 
 
 class Reused(nn.Module):
@@ -202,16 +223,7 @@ class Reused(nn.Module):
 
 def _reused_reference(steps: int) -> dict[str, Any]:
     net = Reused()
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for s in range(steps):
-        x, y = batch("mlp", s)
-        loss = loss_fn(net(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "state": {k: v.clone() for k, v in net.state_dict().items()}}
+    return _one_process(net, _sgd(net.parameters()), steps)
 
 
 def _train_reused(config: dict[str, Any], steps: int) -> dict[str, Any]:
@@ -219,13 +231,8 @@ def _train_reused(config: dict[str, Any], steps: int) -> dict[str, Any]:
 
     mpar.init(config)
     model = mpar.DistributedModel(Reused())
-    opt = mpar.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-    losses = []
-    for s in range(steps):
-        x, y = batch("mlp", s)
-        losses.append(float(train_loss(model, x, y).reduce_mean()))
-        opt.step()
-        opt.zero_grad()
+    opt = mpar.DistributedOptimizer(_sgd(model.parameters()))
+    losses = _replica_losses(model, opt, steps)
     held = [name for name, _ in model.named_parameters()]
     return {"losses": losses, "state": model.state_dict(), "held": held}
 
@@ -238,9 +245,7 @@ def test_a_block_called_twice_trains_across_pipeline_ranks():
     ref = _reused_reference(2)
     for got in results:
         assert "shared.weight" in got["held"]  # on both ranks: each runs one call
-        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **TOL)
-        for name, tensor in ref["state"].items():
-            torch.testing.assert_close(got["state"][name], tensor, **TOL, msg=name)
+        _check_trained(got, ref)
 
 
 class Feedforward(nn.Module):
