@@ -85,6 +85,7 @@ __all__ = [
     "takes_objects",
     "to_device",
     "wait_copies",
+    "wait_event",
     "wire_device",
     "xla_runtime",
 ]
@@ -419,6 +420,13 @@ def wait_copies(device: torch.device, reason: str = "wait for host copies") -> N
     if device.type == "cuda":
         with _counted():
             torch.cuda.current_stream(device).synchronize()
+
+
+def wait_event(event: torch.cuda.Event) -> None:
+    """Block the host until ``event`` has completed: a wait its caller has counted in
+    :data:`SYNCS` (so exempt from :func:`sync_debug`)."""
+    with _counted():
+        event.synchronize()
 
 
 class _XlaRandom:

@@ -43,7 +43,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from mpar._device import wire_device
+from mpar._device import wait_event, wire_device
 
 __all__ = [
     "COMPUTE",
@@ -128,6 +128,19 @@ class Streams:
         if work is not None:
             work.wait()
 
+    def marker(self, stream: StreamName, label: str) -> Ticket:
+        """A ticket for the work queued on ``stream`` so far (issued nothing itself): what
+        :meth:`wait_host` waits for after a copy queued there."""
+        return Ticket(self, stream, label, None)
+
+    def wait_host(self, ticket: Ticket) -> None:
+        """Block the host until ``ticket``'s work has run (a copy to host memory that the
+        host reads next). On the host's one stream the work already ran, or its handle
+        is waited for here. The caller counts the wait in the sync ledger."""
+        work, ticket.work = ticket.work, None
+        if work is not None:
+            work.wait()
+
     def fence(self, stream: StreamName, label: str) -> None:
         """Order ``stream``'s next work after everything queued on the compute stream so
         far (parameters just updated, gradients just computed)."""
@@ -172,6 +185,15 @@ class CudaStreams(Streams):
     def wait(self, ticket: Ticket, stream: StreamName) -> None:
         if isinstance(ticket.event, torch.cuda.Event):
             self._stream(stream).wait_event(ticket.event)
+
+    def marker(self, stream: StreamName, label: str) -> Ticket:
+        event = torch.cuda.Event()
+        event.record(self._stream(stream))
+        return Ticket(self, stream, label, None, event)
+
+    def wait_host(self, ticket: Ticket) -> None:
+        if isinstance(ticket.event, torch.cuda.Event):
+            wait_event(ticket.event)
 
     def fence(self, stream: StreamName, label: str) -> None:
         self._stream(stream).wait_stream(torch.cuda.current_stream(self.device))

@@ -200,6 +200,7 @@ def part_train(size: str, device: str, steps: int, zero: str, out: Path | None) 
     _sync(device)
     result.update(_steady(result, steps * x.numel(), time.perf_counter() - t0))
     result.update(losses=losses, memory=mpar.memory_report(), config=mpar.config().to_dict())
+    result.update(host_threads=torch.get_num_threads(), host_cpus=os.cpu_count())
     if device == "cuda":
         result["max_memory_allocated"] = int(torch.cuda.max_memory_allocated())
 

@@ -121,6 +121,11 @@ class FlatBucket(LayoutView):
         self.fenced = False
         """ZeRO-3: the gather stream is ordered after the last write of the parameters on
         the compute stream (see :meth:`_gather`)."""
+        self.landing: list[_streams.Ticket] | None = None
+        """Offloaded: what the host optimizer waits for before it steps this bucket, set
+        at the end of the step's schedule (:meth:`ShardedStages.finish_grads`): the
+        gradient's copy to the host and the gathers dropped unused that read the
+        shard. None when not set since the last wait."""
         whole = layout.comm.size == 1 and not layout.offload_params  # the shard is all of it
         sharded = layout.zero_stage == 3 and not whole
         self.residence = Residence.SHARDED if sharded else Residence.REPLICATED
@@ -322,11 +327,21 @@ class FlatBucket(LayoutView):
             self.streams.wait(ticket, "gather")
             self.dropped.append(ticket)
 
-    def settle(self) -> None:
+    def settle(self) -> list[_streams.Ticket]:
         """End of the step's schedule: the compute stream waits for the gathers dropped
-        unused, which read ``shard`` that the optimizer is about to update."""
-        while self.dropped:
-            self.dropped.pop().wait()
+        unused, which read ``shard`` that the optimizer is about to update; returns
+        their tickets."""
+        dropped, self.dropped = self.dropped, []
+        for ticket in dropped:
+            ticket.wait()
+        return dropped
+
+    def wait_landed(self) -> None:
+        """Block the host until what it waits for before stepping this bucket has run
+        (:attr:`landing`); the caller counts the wait in the sync ledger."""
+        landing, self.landing = self.landing or [], None
+        for ticket in landing:
+            self.streams.wait_host(ticket)
 
     def release(self, stage: object) -> None:
         """Drop ``stage``'s use (a stage index, or any key a caller acquired with);

@@ -367,38 +367,49 @@ class BucketGrads(LayoutView):
             return flat
         return torch.empty(self.spec.padded, dtype=self.grad_dtype, device=self.device)
 
-    def finish_reduce(self, *, to_host: bool = True) -> None:
+    def finish_reduce(self, *, to_host: bool = True) -> _streams.Ticket | None:
         """Wait for the reduction and store its result (and its CPU copy if offloaded).
 
         ``to_host=False`` (a unit bucket between two backwards of a step) keeps
         the sum on the device, in the gradients' dtype as the reductions of a
         whole step would; the copy to the offloaded optimizer happens once, at
         the end of the step.
+
+        Returns what the host waits for before it reads ``cpu_grad`` (the copy on
+        the ``copy_out`` stream, or a marker behind a copy on the compute stream),
+        or None when nothing is on its way to the host.
         """
         if not to_host:
             self.retire()
-            return
+            return None
+        landing = None
         while self.unwaited:
-            self.unwaited.pop(0).wait()
+            ticket = self.unwaited.pop(0)
+            ticket.wait()
+            if ticket.stream == "copy_out":
+                landing = ticket
         if self.phase is GradPhase.ARMED:  # a unit bucket whose last backward reduced nothing
             self.phase = GradPhase.IDLE
         if self.held is Held.COPYING:  # copied from the backward (_copy_out)
             if self.pending is not None:
                 self._land(self.pending)
             self.held, self.grad_shard = Held.HOST, None
-            return
+            return landing
         if self.pending is None:
             if to_host and self.offload_optimizer and self.grad_shard is not None:
-                self._to_cpu_grad(self.grad_shard)  # what earlier units' reductions left
+                landing = self._to_cpu_grad(self.grad_shard)  # what earlier units' reductions left
                 if self.held is Held.DEVICE:
                     self.held = Held.HOST
-            return
+                return landing
+            return None
         reduced = self._land(self.pending)
         if self.offload_optimizer and to_host:
-            self._to_cpu_grad(reduced)
+            landing = self._to_cpu_grad(reduced)
             self.held = Held.HOST
-        elif self.held is Held.NONE:
+            return landing
+        if self.held is Held.NONE:
             self.held = Held.DEVICE
+        return None
 
     def retire(self) -> None:
         """Land the reduction in flight on the ``reduce`` stream, without the compute
@@ -444,18 +455,22 @@ class BucketGrads(LayoutView):
         self.grad_shard = out
         return out
 
-    def _to_cpu_grad(self, reduced: torch.Tensor) -> None:
+    def _to_cpu_grad(self, reduced: torch.Tensor) -> _streams.Ticket | None:
         """Copy ``reduced`` to ``cpu_grad`` (added to it when it already holds this step's
-        sum at stages >= 1); the device shard is then dropped."""
+        sum at stages >= 1); the device shard is then dropped. Returns the marker the
+        host waits for before reading ``cpu_grad`` (None: a blocking copy, landed)."""
         if self.cpu_grad is None:
             self.cpu_grad = _device.host_buffer(reduced.numel(), self.master_dtype, self.device)
+        landing = None
         if self.held is Held.HOST and self.zero_stage >= 1:
             with _device.counted_wait("offloaded gradient sum"):  # a blocking copy
                 self.cpu_grad.add_(reduced.to("cpu"))
         else:
             _device.copy_(self.cpu_grad, reduced)
+            landing = self.streams.marker(_streams.COMPUTE, self._label)
         if self.zero_stage >= 1:
             self.grad_shard = None  # the device copy is no longer needed
+        return landing
 
     def reduced_grad(self) -> torch.Tensor | None:
         """The reduced gradient of the optimizer's range, as stored (None before any

@@ -205,14 +205,21 @@ class ShardedOptimizer:
         """Update this rank's shard, then publish it to the parameters."""
         if closure is not None:
             raise ValueError("ShardedOptimizer.step() does not take a closure")
-        self.sharded.synchronize()
         if self.by_bucket:
+            # the backward's order: the last buckets' gradients reach the host first, so
+            # each bucket steps once its own copy has landed while later ones still copy
+            # (every rank steps, and publishes, in the same order)
+            by_bucket = self.sharded.landing_by_bucket()
             works = []
-            for b, bucket in enumerate(self.sharded.buckets):
+            for b in reversed(range(len(self.sharded.buckets))):
+                bucket = self.sharded.buckets[b]
+                if by_bucket:
+                    bucket.wait_landed()
                 self._step_buckets([b])
                 works.append(bucket.start_publish())  # copied while the next one steps
             self.sharded.finish_publish(works)
             return
+        self.sharded.synchronize()
         self._step_buckets(range(len(self.sharded.buckets)))
         self.sharded.publish_masters()
 

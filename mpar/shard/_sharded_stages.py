@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from mpar import _device
+from mpar import _device, _streams
 from mpar.comm._collectives import group_size
 from mpar.comm._types import ProcessGroup, Work
 from mpar.config import ZeroConfig
@@ -546,13 +546,14 @@ class ShardedStages:
         parameters' gradients are then summed over their groups, in ``tied`` order."""
         tied = {id(b) for b in self.tied_buckets}
         for bucket in self.buckets:
-            bucket.settle()
+            bucket.landing = bucket.settle()
             if id(bucket) not in tied:
-                bucket.grads.finish_reduce()
+                bucket.landing += _some(bucket.grads.finish_reduce())
         for bucket in self.tied_buckets:
-            bucket.grads.finish_reduce()
+            bucket.landing = (bucket.landing or []) + _some(bucket.grads.finish_reduce())
         # offloaded gradients are on their way to the host: the host optimizer (or the
-        # clipping norm) waits for them when it reads them (:meth:`synchronize`)
+        # clipping norm) waits for them when it reads them (:meth:`synchronize`, or
+        # bucket by bucket: :meth:`landing_by_bucket`)
         self._copies_pending = self.offloads
 
     # ------------------------------------------------------------ full values
@@ -607,10 +608,12 @@ class ShardedStages:
 
     def finish_publish(self, works: Sequence[Work | None]) -> None:
         """Wait for the publishing collectives ``works`` (of every bucket's
-        :meth:`FlatBucket.start_publish`, in bucket order)."""
+        :meth:`FlatBucket.start_publish`, in the order started)."""
         for work in works:
             if work is not None:
                 work.wait()
+        for bucket in self.buckets:  # the copies just queued are not in any landing
+            bucket.landing = None
         if self.offloads:  # copies from the host masters may still be reading them:
             self._copies_pending = True  # whatever writes them next waits (synchronize)
 
@@ -646,6 +649,24 @@ class ShardedStages:
         if self._copies_pending:
             self._copies_pending = False
             _device.wait_copies(self.device, "offload copies")
+        for bucket in self.buckets:
+            bucket.landing = None
+
+    def landing_by_bucket(self) -> bool:
+        """Before the host optimizer's step: True when it may wait for each bucket's own
+        copies (:meth:`FlatBucket.wait_landed`, in the order it steps them) instead of
+        the whole device, so the first buckets step while the last ones' gradients are
+        still on their way. That is when every bucket's landing was set at the end of
+        this step's schedule and nothing was queued since (counted as one wait in the
+        ledger), on side streams (whose tickets carry events; the host's one stream has
+        none to wait for). Otherwise waits as :meth:`synchronize` does and returns False."""
+        ready = all(b.landing is not None and b.streams.overlaps for b in self.buckets)
+        if self._copies_pending and ready:
+            self._copies_pending = False
+            _device.SYNCS.count("offload copies")
+            return True
+        self.synchronize()
+        return False
 
     # ------------------------------------------------------------ optimizer, report
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
@@ -666,6 +687,10 @@ class ShardedStages:
         if self.optimizer is not None:
             groups["optimizer"] += self.optimizer.state_tensors()
         return count_bytes(groups)
+
+
+def _some(ticket: _streams.Ticket | None) -> list[_streams.Ticket]:
+    return [] if ticket is None else [ticket]
 
 
 def _bucket_grad_bytes(bucket: FlatBucket) -> int:

@@ -13,6 +13,8 @@ Each :class:`StreamRecord` is one of
 * ``fence``: ``stream`` is ordered after the compute stream's work so far;
 * ``issue``: work (``label``) started on ``stream``;
 * ``wait``: ``stream`` waits for the work of ``ticket`` (``"gather:stage 1 bucket@3"``);
+* ``host``: the host waits for the work of ``ticket`` (an offloaded gradient's copy,
+  before the host optimizer reads it);
 * ``keep``: a tensor used by ``stream`` keeps its memory for it (``record_stream``);
 * ``mark``: a note a test adds itself (:func:`mark`), to place the others.
 """
@@ -33,7 +35,7 @@ __all__ = ["RecordingStreams", "StreamRecord", "mark", "record_streams"]
 
 class StreamRecord(NamedTuple):
     op: str
-    """``fence``, ``issue``, ``wait``, ``keep`` or ``mark``."""
+    """``fence``, ``issue``, ``wait``, ``host``, ``keep`` or ``mark``."""
     stream: str
     label: str
     """What was issued or fenced (``"stage 1 bucket@3"``), or for a wait the ticket
@@ -56,6 +58,10 @@ class RecordingStreams(_streams.HostStreams):
     def wait(self, ticket: Ticket, stream: StreamName) -> None:
         self.log.append(StreamRecord("wait", stream, f"{ticket.stream}:{ticket.label}"))
         super().wait(ticket, stream)
+
+    def wait_host(self, ticket: Ticket) -> None:
+        self.log.append(StreamRecord("host", "host", f"{ticket.stream}:{ticket.label}"))
+        super().wait_host(ticket)
 
     def fence(self, stream: StreamName, label: str) -> None:
         self.log.append(StreamRecord("fence", stream, label))

@@ -26,11 +26,17 @@ def _group_label(units: Any, g: int) -> str:
     return "run " + "|".join(b.label for b in units.groups[g].buckets)
 
 
-def recorded_training(config: dict[str, Any], steps: int) -> dict[str, Any]:
-    """Train the mlp (AdamW, clipping) recording the seam; marks around each unit group's
-    pre-forward / pre-backward hook (``run <its buckets>``), the stage-wide gathers'
-    wait, the end-of-step reduction wait, the optimizer's publication and the user's
-    read of the parameters (``read``)."""
+def recorded_training(
+    config: dict[str, Any], steps: int, clip: float | None = 0.5
+) -> dict[str, Any]:
+    """Train the mlp (AdamW, clipping at ``clip``) recording the seam; marks around each
+    unit group's pre-forward / pre-backward hook (``run <its buckets>``), the
+    stage-wide gathers' wait, the end-of-step reduction wait, the optimizer's
+    publication, its step of each bucket (``step <bucket>``) and the user's read of
+    the parameters (``read``). Also returns the sync ledger's counts over the training
+    (``syncs``)."""
+    from mpar import _device
+    from mpar.shard._sharded_optimizer import ShardedOptimizer
     from mpar.shard._sharded_stages import ShardedStages
     from mpar.shard._unit_gather import UnitGather
     from mpar.testing.streams import record_streams
@@ -46,11 +52,21 @@ def recorded_training(config: dict[str, Any], steps: int) -> dict[str, Any]:
     ShardedStages.publish_masters = _marked(  # type: ignore[method-assign]
         ShardedStages.publish_masters, lambda self: "publish"
     )
+    ShardedOptimizer._step_buckets = _marked(  # type: ignore[method-assign]
+        ShardedOptimizer._step_buckets,
+        lambda self, indices: "step " + "|".join(self.sharded.buckets[b].label for b in indices),
+    )
     import mpar
 
     mpar.DistributedModel.state_dict = _marked(  # type: ignore[method-assign]
         mpar.DistributedModel.state_dict, lambda *a, **k: "read"
     )
+    _device.SYNCS.take()
     with record_streams() as log:
-        result = train_ranks(config, "mlp", "adamw", steps, 0.5)
-    return {"losses": result["losses"], "state": result["state"], "log": [tuple(r) for r in log]}
+        result = train_ranks(config, "mlp", "adamw", steps, clip)
+    return {
+        "losses": result["losses"],
+        "state": result["state"],
+        "log": [tuple(r) for r in log],
+        "syncs": _device.SYNCS.take(),
+    }

@@ -15,7 +15,10 @@ records what a CUDA run would do with it. From that record, at ZeRO-3 with offlo
   optimizer reads it; ``zero.reduce: "step"`` reduces each bucket once a step,
   ``"microbatch"`` once per microbatch;
 * an offloaded gradient is copied to the host per bucket on the ``copy_out`` stream
-  from the backward, right behind the bucket's last reduction of the step.
+  from the backward, right behind the bucket's last reduction of the step;
+* without clipping (which reads every gradient first), the host optimizer steps the
+  buckets in the backward's order, each once the host has waited for its own copy:
+  the first ones step while the last ones still copy, one wait in the ledger a step.
 
 Every recorded run also trains as one process does (fp32, against the whole batch),
 and ``zero.reduce: "step"`` is checked at pp 2 x dp 2 under the NCCL-rules transport.
@@ -38,8 +41,8 @@ OFFLOAD = {"offload_optimizer": "cpu", "offload_params": "cpu"}
 Record = tuple[str, str, str]
 
 
-def _assert_transparent(results: list[dict], steps: int) -> None:
-    ref = reference("mlp", "adamw", steps, clip=0.5)
+def _assert_transparent(results: list[dict], steps: int, clip: float | None = 0.5) -> None:
+    ref = reference("mlp", "adamw", steps, clip=clip)
     for r in results:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), **TOL)
         for name, tensor in ref["state"].items():
@@ -142,3 +145,37 @@ def test_reduce_once_per_step_is_transparent_under_nccl_rules_at_pp2_dp2():
     config = {"pipeline_parallel_degree": 2, "microbatches": 4, "zero": zero, "nccl_rules": True}
     results = run_distributed(train_ranks, 4, args=(config, "mlp", "adamw", 3, 0.5), timeout=180)
     _assert_transparent(results, 3)
+
+
+def _check_host_steps(log: list[Record], steps: int) -> None:
+    """Each bucket steps right after the host waited for its own gradient (its copy
+    on ``copy_out``, or a marker behind a copy on the compute stream), and for no
+    other bucket's; the buckets step in reverse order (the backward's), once a step."""
+    waited: list[str] = []
+    stepped: list[str] = []
+    for op, _, label in log:
+        if op == "host":
+            waited.append(label.partition(":")[2])
+        elif op == "mark" and label.startswith("step "):
+            bucket = label[len("step ") :]
+            assert waited == [bucket], (bucket, waited)
+            stepped.append(bucket)
+            waited = []
+    per_step = len(stepped) // steps
+    assert per_step > 1 and len(stepped) == per_step * steps, stepped
+    order = stepped[:per_step]
+    assert order == sorted(order, key=lambda b: -int(b.rpartition("@")[2])), order
+    assert stepped == order * steps, stepped
+
+
+@pytest.mark.parametrize(
+    "zero", [{"stage": 3, **OFFLOAD}, {"stage": 2, "offload_optimizer": "cpu"}]
+)
+def test_the_host_optimizer_steps_each_bucket_once_its_own_gradient_landed(zero):
+    steps = 2
+    config = {"microbatches": 2, "zero": zero}
+    results = run_distributed(recorded_training, 2, args=(config, steps, None), timeout=180)
+    _assert_transparent(results, steps, clip=None)
+    for r in results:
+        _check_host_steps([tuple(record) for record in r["log"]], steps)
+        assert r["syncs"]["offload copies"] == steps, r["syncs"]
