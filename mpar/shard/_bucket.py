@@ -23,7 +23,9 @@ name           what                                     stages
 ``staging``    the flat buffer ``.grad`` views point    all, from a stage's
                into during the backward (or, fp32       first backward to
                under mixed precision, folded into)      its reduction
-``grad_shard`` this rank's ``S`` reduced gradients      1, 2, 3
+``grad_shard`` this rank's ``S`` reduced gradients      1, 2, 3; 0 while a
+               (stage 0: the earlier steps' sum, set    step accumulates
+               aside, ``_set_aside_reduced``)           before ``zero_grad``
 ``master``     the fp32 elements the optimizer          all (a view unless
                updates (``P`` at stage 0, else ``S``)   offloaded to CPU or
                                                         mixed precision)

@@ -174,7 +174,7 @@ class BucketGrads(LayoutView):
         if self.staging is not None or self.pending is not None:
             return  # already bound or in flight
         if self.zero_stage == 0 and self.has_grad:
-            return  # start_reduce raises the error that explains this
+            self._set_aside_reduced()
         if self.folds_grads or self._released():
             self._bind_folding()
             return
@@ -183,6 +183,16 @@ class BucketGrads(LayoutView):
         self.staging = self._fill_flat(self._flat_grad())
         for slot, p, shape in zip(self.spec.slots, self.params, self.shapes):
             p.grad = self.staging[slot.offset : slot.offset + slot.numel].view(shape)
+
+    def _set_aside_reduced(self) -> None:
+        """ZeRO-0, a training step before ``zero_grad`` (gradients accumulated over several
+        step calls, as ``loss.backward()`` twice in one process): the reduced sum of the
+        earlier steps waits in ``grad_shard`` while this step's gradients accumulate from
+        zero, and :meth:`_land` adds it to their all-reduced sum. Accumulating into the
+        reduced buffer instead would all-reduce the earlier steps' sum again (dp times it)."""
+        self.grad_shard, self.grad_full = self.grad_full, None
+        for p in self.params:
+            p.grad = None
 
     def _released(self) -> bool:
         """ZeRO-3 parameters released (shapeless) now: ``.grad`` cannot be bound to them
@@ -247,11 +257,12 @@ class BucketGrads(LayoutView):
             raise RuntimeError(
                 f"reduce_grads for stage {self.spec.stage} was called twice before finish_grads"
             )
-        if self.zero_stage == 0 and self.has_grad:
+        if self.zero_stage == 0 and self.grad_full is not None and self.has_grad:
             raise RuntimeError(
-                f"stage {self.spec.stage} already holds reduced gradients: at ZeRO stage 0 "
-                "call zero_grad() after each optimizer step (gradient accumulation across "
-                "reductions needs ZeRO stage 1, 2 or 3)"
+                f"stage {self.spec.stage} already holds reduced gradients and no "
+                f"bind_grads({self.spec.stage}) set them aside before this backward: call "
+                "bind_grads before a stage's first backward of a step (the runtime does), "
+                "or zero_grad() after each optimizer step"
             )
 
     def start_reduce(self, *, last: bool = False) -> None:
@@ -444,6 +455,9 @@ class BucketGrads(LayoutView):
         if tied is not None:  # every copy gets the sum of the copies' gradients
             all_reduce_flat(out, group=tied, size=self.options.tied_size)
         if self.zero_stage == 0:
+            if self.grad_shard is not None:  # the earlier steps' sum (_set_aside_reduced)
+                out.add_(self.grad_shard)
+                self.spare_grad, self.grad_shard = self.grad_shard, None
             self.grad_full = out
             if self.folds_grads:
                 return out  # .grad cannot view fp32: it stays None, as at ZeRO >= 1

@@ -468,3 +468,71 @@ def test_a_cap_on_microbatches_in_flight_holds_and_plans_fewer(pipeline, cap):
         # extra_bytes with the pipeline messages (beside the loss), unless its first unit
         # saves it
         assert run[1]["measured"] <= run[1]["planned"] + run[1]["extra"], run[1]
+
+
+def _accumulate_over_steps(config):
+    """Two step calls per optimizer step, no ``zero_grad`` between them (gradient
+    accumulation over step calls); this replica's shard of each batch."""
+    import mpar
+
+    mpar.init(config)
+    model = mpar.DistributedModel(mlp())
+    opt = mpar.DistributedOptimizer(make_optimizer("sgd", model.parameters()))
+    dp, rank = mpar.dp_size(), mpar.dp_rank()
+    size = len(batch("mlp", 0)[0])
+    shard = slice(rank * size // dp, (rank + 1) * size // dp)
+    losses, grads = [], []
+    for s in range(4):
+        x, y = batch("mlp", s)
+        losses.append(float(train_loss(model, x[shard], y[shard]).reduce_mean()))
+        if s % 2:
+            # ZeRO >= 1 keeps reduced gradients in shards, not in .grad
+            grads.append(
+                {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            )
+            opt.step()
+            opt.zero_grad()
+    return {"losses": losses, "grads": grads, "state": model.state_dict()}
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"microbatches": 2},  # ZeRO-0 over dp 2: the earlier step's all-reduced sum kept apart
+        pytest.param(
+            {"pipeline_parallel_degree": 2, "microbatches": 2, "zero": {"stage": 1}},
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            {"pipeline_parallel_degree": 2, "microbatches": 2, "zero": {"stage": 3}},
+            marks=pytest.mark.slow,
+        ),
+    ],
+    ids=["dp2-zero0", "pp2-dp2-zero1", "pp2-dp2-zero3"],
+)
+def test_gradients_accumulate_over_step_calls_before_one_optimizer_step(config):
+    """As ``loss.backward()`` twice in one process: the second step's gradients add to the
+    first's. At ZeRO-0 with data parallelism the second step used to raise a RuntimeError
+    (its backward accumulated into the already all-reduced buffer)."""
+    world = 2 * config.get("pipeline_parallel_degree", 1)
+    results = run_distributed(_accumulate_over_steps, world, args=(config,), timeout=120)
+    net = mlp()
+    opt = make_optimizer("sgd", net.parameters())
+    losses, grads = [], []
+    for s in range(4):
+        x, y = batch("mlp", s)
+        loss = loss_fn(net(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        if s % 2:
+            grads.append({n: p.grad.clone() for n, p in net.named_parameters()})
+            opt.step()
+            opt.zero_grad()
+    tol = {"rtol": 1e-5, "atol": 1e-6}
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(losses), **tol)
+        for got, want in zip(r["grads"], grads, strict=True):
+            for name, grad in got.items():  # this rank's parameters
+                torch.testing.assert_close(grad, want[name], **tol, msg=name)
+        for name, value in net.state_dict().items():
+            torch.testing.assert_close(r["state"][name], value, **tol, msg=name)

@@ -64,7 +64,7 @@ def test_misuse_gets_clear_errors():
         ShardedStages(
             {0: model}, ZeroConfig(), group=None, group_ranks=[0], rank_in_group=1, device="cpu"
         )
-    sharded = _sharded(0, model)  # stage 0 keeps full gradients: no accumulation across steps
+    sharded = _sharded(0, model)  # stage 0: accumulating across steps needs bind_grads
     opt = sharded.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(
         ValueError, match=r"stage 3 is not held by this rank \(local stages: \[0\]\)"
@@ -76,7 +76,7 @@ def test_misuse_gets_clear_errors():
         sharded.reduce_grads(0)
     sharded.finish_grads()
     model(torch.randn(2, 4)).sum().backward()
-    with pytest.raises(RuntimeError, match="call zero_grad"):
+    with pytest.raises(RuntimeError, match=r"no bind_grads\(0\) set them aside"):
         sharded.reduce_grads(0)
     with pytest.raises(ValueError, match="closure"):
         opt.step(lambda: 0.0)
