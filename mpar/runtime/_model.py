@@ -9,6 +9,7 @@ its own stages and frees the parameters of the others.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -292,6 +293,7 @@ class DistributedModel:
         hooks, self.after_partition = self.after_partition, []
         for hook in hooks:
             hook(self)
+        _refuse_released_calls(self)
 
     def _checkpoint_blocks(self, stages: LocalStages, example: tuple[Args, Kwargs]) -> None:
         """Per-block activation checkpointing: every local stage's chosen units recompute
@@ -653,6 +655,37 @@ class DistributedModel:
                 if isinstance(tensor, nn.Parameter):
                     names.setdefault(id(tensor), key)
         return names
+
+
+def _refuse_released_calls(model: DistributedModel) -> None:
+    """After partitioning, a call of ``model.module`` itself outside a step (Hugging Face's
+    ``generate``, a plain forward to evaluate) raises a :class:`StepError` that says what
+    to do where this rank released some of the module's parameters (other ranks' pipeline
+    stages, ZeRO-3 shards): torch's own error ("'weight' must be 2-D") names none of it."""
+    owner = weakref.ref(model)
+    shapes = model.state_keys.named_shapes
+
+    def check(module: nn.Module, args: object) -> None:
+        wrapper = owner()
+        if wrapper is None or wrapper.active_run is not None:
+            return  # a step runs the module (pp 1): its units are gathered as needed
+        released = [
+            name
+            for name, p in module.named_parameters()
+            if p.numel() == 0 and shapes.get(name, p.shape).numel() > 0
+        ]
+        if released:
+            raise StepError(
+                f"{type(module).__name__} was called outside a step, but this rank released "
+                f"{len(released)} of its parameters (e.g. {released[0]!r}: other pipeline "
+                "ranks' stages, or ZeRO-3 shards) when mpar partitioned it. Run inference "
+                "through the DistributedModel in a @mpar.step function without "
+                "model.backward (under torch.no_grad(); a generation loop calls it once per "
+                "token, see docs/runtime.md, 'Inference and generation'), or load "
+                "model.state_dict() into a fresh copy of the module"
+            )
+
+    model.module.register_forward_pre_hook(check)
 
 
 def _tp_layout(module: nn.Module, grid: ProcessGrid, config: Config) -> TPLayout | None:

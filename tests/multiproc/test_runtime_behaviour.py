@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from mpar.testing import DistributedTestError, run_distributed
-from tests.multiproc._pipeline_cases import batch, loss_fn, make_optimizer, mlp, train_loss
+from tests.multiproc._pipeline_cases import (
+    batch,
+    loss_fn,
+    make_optimizer,
+    mlp,
+    tiny_gpt,
+    train_loss,
+)
 
 
 def _errors_single_rank():
@@ -536,3 +543,63 @@ def test_gradients_accumulate_over_step_calls_before_one_optimizer_step(config):
                 torch.testing.assert_close(grad, want[name], **tol, msg=name)
         for name, value in net.state_dict().items():
             torch.testing.assert_close(r["state"][name], value, **tol, msg=name)
+
+
+def _call_the_module_itself():
+    """A training step at pp 2, then the partitioned module called outside a step."""
+    import mpar
+    from mpar.errors import StepError
+
+    mpar.init({"pipeline_parallel_degree": 2, "microbatches": 2})
+    model = mpar.DistributedModel(mlp())
+    x, y = batch("mlp", 0)
+    train_loss(model, x, y)
+    try:
+        with torch.no_grad():
+            model.module(x)
+    except StepError as exc:
+        return str(exc)
+    return "ran"
+
+
+def test_calling_the_partitioned_module_itself_says_what_to_do():
+    """Hugging Face's ``generate`` (or a plain evaluation forward) on ``model.module``
+    after partitioning used to fail inside torch ("mat2 must be a matrix, got 1-D
+    tensor"): this rank released the other stage's parameters."""
+    for message in run_distributed(_call_the_module_itself, 2, timeout=60):
+        assert "called outside a step, but this rank released" in message, message
+        assert "Inference and generation" in message
+
+
+def _greedy(config, prompt, new_tokens):
+    """Greedy generation through the DistributedModel: a forward-only step per token,
+    the sequence axis dynamic."""
+    import mpar
+
+    mpar.init(config)
+    model = mpar.DistributedModel(tiny_gpt(), dynamic_axes=(0, 1))
+
+    @mpar.step
+    def next_token(m, ids):
+        return m(ids)[:, -1].argmax(-1)
+
+    model.eval()
+    ids = prompt
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            ids = torch.cat([ids, next_token(model, ids).concat()[:, None]], dim=1)
+    return ids
+
+
+def test_greedy_generation_through_a_step_equals_the_unwrapped_model():
+    """The inference recipe of docs/runtime.md gives the unwrapped model's greedy tokens
+    at pp 2."""
+    prompt = torch.randint(0, 32, (4, 5), generator=torch.Generator().manual_seed(3))
+    net = tiny_gpt().eval()
+    ids = prompt
+    with torch.no_grad():
+        for _ in range(3):
+            ids = torch.cat([ids, net(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    config = {"pipeline_parallel_degree": 2, "microbatches": 2}
+    for got in run_distributed(_greedy, 2, args=(config, prompt, 3), timeout=120):
+        assert torch.equal(got, ids)
