@@ -202,6 +202,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 finite = self._unscale(sharded)
                 self._finite = None
                 scaler.update(found_inf=not finite)
+                scaler.kept_past_step = True  # until zero_grad
                 if not finite:
                     return None  # skipped on every rank; the loss scale was lowered
             sharded.step()
@@ -235,6 +236,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sharded = self.sharded_optimizer()
         if sharded is not None:
             sharded.zero_grad(set_to_none=set_to_none)
+            if sharded.sharded.scaler is not None:
+                sharded.sharded.scaler.kept_past_step = False
         else:
             self.optimizer.zero_grad(set_to_none=set_to_none)
 

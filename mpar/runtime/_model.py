@@ -373,6 +373,8 @@ class DistributedModel:
         self.ensure_partitioned(fn, batches)
         assert self.stages is not None
         training = torch.is_grad_enabled()
+        if training:
+            _check_gradients_cleared(self.sharded)
         run = StepRun(
             self.stages,
             self.sharded,
@@ -655,6 +657,20 @@ class DistributedModel:
                 if isinstance(tensor, nn.Parameter):
                     names.setdefault(id(tensor), key)
         return names
+
+
+def _check_gradients_cleared(sharded: ShardedStages | None) -> None:
+    """fp16: a training step after ``optimizer.step()`` without ``zero_grad()`` would add
+    loss-scaled gradients to the unscaled ones the step left (``LossScaler.kept_past_step``)."""
+    scaler = None if sharded is None else sharded.scaler
+    if scaler is not None and scaler.kept_past_step:
+        raise StepError(
+            "fp16: a training step after optimizer.step() without optimizer.zero_grad(): "
+            "the gradients that step read are unscaled, this step's are multiplied by the "
+            "loss scale, and their sum would be neither. Call optimizer.zero_grad() after "
+            "each optimizer.step() (to accumulate gradients, run several steps before one "
+            "optimizer.step())"
+        )
 
 
 def _refuse_released_calls(model: DistributedModel) -> None:

@@ -33,6 +33,10 @@ class LossScaler:
     skipped_steps: int = 0
     """Steps skipped so far because of inf or NaN gradients."""
     skipped_in_a_row: int = 0
+    kept_past_step: bool = False
+    """An optimizer step read the gradients and no ``zero_grad`` has cleared them yet:
+    they are unscaled (or, skipped, not finite), so a training step must not add
+    loss-scaled gradients to them (``DistributedModel.run_step`` refuses it)."""
 
     def update(self, found_inf: bool) -> None:
         """Adjust the scale after a step (``found_inf``: the step was skipped)."""

@@ -603,3 +603,33 @@ def test_greedy_generation_through_a_step_equals_the_unwrapped_model():
     config = {"pipeline_parallel_degree": 2, "microbatches": 2}
     for got in run_distributed(_greedy, 2, args=(config, prompt, 3), timeout=120):
         assert torch.equal(got, ids)
+
+
+def _fp16_step_after_step_without_zero_grad():
+    import mpar
+    from mpar.errors import StepError
+
+    mpar.init({"microbatches": 2, "fp16": True})
+    model = mpar.DistributedModel(mlp())
+    opt = mpar.DistributedOptimizer(make_optimizer("sgd", model.parameters()))
+    x, y = batch("mlp", 0)
+    train_loss(model, x, y)
+    train_loss(model, x, y)  # accumulating over step calls before optimizer.step() is fine
+    opt.step()
+    try:
+        train_loss(model, x, y)
+    except StepError as exc:
+        found = str(exc)
+    else:
+        found = "ran"
+    opt.zero_grad()
+    train_loss(model, x, y)  # cleared: trains again
+    return found
+
+
+def test_fp16_refuses_a_step_on_gradients_an_optimizer_step_already_read():
+    """fp16 without zero_grad after optimizer.step(): the kept gradients are unscaled, the
+    next step's loss-scaled, and their sum used to reach the next update (by torch's
+    GradScaler arithmetic with fp32 gradients, as a plain sum with fp16 ones)."""
+    (found,) = run_distributed(_fp16_step_after_step_without_zero_grad, 1, timeout=60)
+    assert "without optimizer.zero_grad()" in found, found
