@@ -199,6 +199,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 )
             scaler = sharded.sharded.scaler
             if scaler is not None:
+                if scaler.kept_past_step:
+                    raise StepError(
+                        "fp16: optimizer.step() again without optimizer.zero_grad(): the "
+                        "first step unscaled the gradients (and updated the loss scale), so "
+                        "a second one would apply them divided by the loss scale once more "
+                        "(with fp32 gradients) or as they are (with fp16 ones). Call "
+                        "optimizer.zero_grad() and run a training step first"
+                    )
                 finite = self._unscale(sharded)
                 self._finite = None
                 scaler.update(found_inf=not finite)
