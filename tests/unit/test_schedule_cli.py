@@ -84,6 +84,17 @@ def test_csv_with_communication_round_trips(
     assert "rank 1: 1RECV_F0 1F0 " in capsys.readouterr().out
 
 
+def test_zbv_header_names_zbv_not_a_csv(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--pipeline", "zbv", "--stages", "2", "--microbatches", "4", "--virtual-stages", "2"]
+    assert _schedule.main(argv) == 0
+    assert capsys.readouterr().out.startswith("zbv (ZBV): 2 ranks x 2 virtual stages")
+
+
+def test_csv_communication_without_csv_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _schedule.main(["--stages", "2", "--microbatches", "4", "--csv-communication"]) == 1
+    assert "--csv-communication only applies with --csv" in capsys.readouterr().err
+
+
 def test_active_microbatches_and_forward_only(capsys: pytest.CaptureFixture[str]) -> None:
     base = ["--stages", "4", "--microbatches", "8"]
     assert _schedule.main([*base, "--active-microbatches", "2", "--json"]) == 0
