@@ -124,6 +124,21 @@ def test_impossible_combination_is_one_line(capsys: pytest.CaptureFixture[str]) 
     )
 
 
+def test_zero_bubble_errors_name_zero_bubble(capsys: pytest.CaptureFixture[str]) -> None:
+    # before: "interleaved with 2 virtual stages needs ..." for --pipeline zero_bubble
+    argv = ["--pipeline", "zero_bubble", "--stages", "2", "--microbatches", "3"]
+    assert _schedule.main([*argv, "--virtual-stages", "2"]) == 1
+    assert capsys.readouterr().err.startswith(
+        "mpar schedule: error: zero_bubble with 2 virtual stages needs microbatches to be "
+        "a multiple of the pipeline degree 2 (got 3); use 2 or 4"
+    )
+    argv = ["--pipeline", "zero_bubble", "--stages", "2", "--microbatches", "4"]
+    assert _schedule.main([*argv, "--virtual-stages", "2", "--active-microbatches", "2"]) == 1
+    assert "zero_bubble with 2 virtual stages needs active_microbatches >= 3" in (
+        capsys.readouterr().err
+    )
+
+
 def test_bad_argument_exits_non_zero(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         _schedule.main(["--stages", "0", "--microbatches", "2"])
