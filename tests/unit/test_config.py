@@ -471,7 +471,8 @@ def test_init_dict_and_launch_config_are_merged(tmp_path, monkeypatch):
         match=r"'microbatches' is 8 in the dict given to mpar.init but 4 in MPAR_CONFIG",
     ):
         load_config({"microbatches": 8})
-    with pytest.raises(ConfigError, match=r"'stage' is 3 in the dict .* but 2 in MPAR_CONFIG"):
+    # the section is named: 'zero.stage' (before: 'stage', which is no top-level key)
+    with pytest.raises(ConfigError, match=r"'zero.stage' is 3 in the dict .* but 2 in MPAR_"):
         load_config({"zero": {"stage": 3}})
     own = tmp_path / "own.yaml"
     own.write_text("pipeline_parallel_degree: 2\nmicrobatches: 2\n")
