@@ -243,6 +243,26 @@ def _check_device_memory(config: Config, device: torch.device) -> None:
         )
 
 
+def _check_world_size(config: Config, world_size: int) -> None:
+    """``config.check_world_size``; a script started as one process (``python train.py``
+    with a pipeline in its config) is told how to start it on several."""
+    try:
+        config.check_world_size(world_size)
+    except ConfigError as error:
+        if world_size != 1 or "pipeline_parallel_degree" in config.auto_keys:
+            raise
+        needed = (
+            config.pipeline_parallel_degree
+            * config.context_parallel_degree
+            * config.tensor_parallel_degree
+        )
+        raise ConfigError(
+            f"{error}. This process runs alone: start the script on {needed} processes or a "
+            f"multiple, e.g. `mpar launch --nproc-per-node {needed} script.py` (or torchrun, "
+            "mpirun, srun)"
+        ) from None
+
+
 def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None) -> Config:
     """Start mpar in this process; returns the resolved configuration.
 
@@ -259,7 +279,7 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
         )
     resolved = load_config(config)
     layout = detect_layout()
-    resolved.check_world_size(layout.world_size)
+    _check_world_size(resolved, layout.world_size)
     topology = Grid(
         layout.world_size,
         resolved.pipeline_parallel_degree,

@@ -396,6 +396,27 @@ def test_to_dict_round_trip():
     assert config_from_dict(cfg.to_dict()) == cfg
 
 
+def test_a_pipeline_started_as_one_process_is_told_how_to_launch(monkeypatch):
+    """`python train.py` with {"pipeline_parallel_degree": 2}: before, only "the pipeline
+    degree must divide the world size (try one of [1])"; now also how to start it."""
+    for name in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "SLURM_PROCID",
+        "OMPI_COMM_WORLD_SIZE",
+        "PMI_SIZE",
+        "PMIX_RANK",
+        "MV2_COMM_WORLD_SIZE",
+    ):
+        monkeypatch.delenv(name, raising=False)  # fmt: skip
+    monkeypatch.delenv("MPAR_CONFIG", raising=False)
+    with pytest.raises(ConfigError, match=r"world size is 1.*mpar launch --nproc-per-node 4 "):
+        mpar.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2})
+    assert not mpar.is_initialized()
+
+
 @pytest.mark.parametrize("key", ["bf16", "fp16"])
 def test_mixed_precision_keys_start_mpar(key):
     assert getattr(config_from_dict({key: True}), key)
