@@ -250,7 +250,12 @@ def _build_and_simulate(args: argparse.Namespace) -> tuple[Schedule, SimulationR
         args.stages = args.stages or schedule.num_ranks
         args.microbatches = args.microbatches or schedule.num_microbatches
         check_csv_schedule(
-            schedule, args.pipeline, args.stages, args.microbatches, schedule.virtual_stages
+            schedule,
+            args.pipeline,
+            args.stages,
+            args.microbatches,
+            schedule.virtual_stages,
+            cli=True,
         )
     elif args.stages is None or args.microbatches is None:
         if args.trace is not None:  # a folder of measured timelines, misspelt or not made yet

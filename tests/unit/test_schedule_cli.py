@@ -95,6 +95,18 @@ def test_csv_communication_without_csv_is_refused(capsys: pytest.CaptureFixture[
     assert "--csv-communication only applies with --csv" in capsys.readouterr().err
 
 
+def test_csv_of_another_shape_names_the_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "s.csv"
+    assert _schedule.main(["--stages", "2", "--microbatches", "2", "--csv", str(path)]) == 0
+    capsys.readouterr()
+    assert _schedule.main(["--pipeline", str(path), "--stages", "4"]) == 1
+    err = capsys.readouterr().err  # before: "the config asks for 4 x 1 ... set
+    assert "but --stages and --microbatches ask for 4 x 1 and 2; leave them out" in err
+    assert "pipeline_parallel_degree" not in err  # pipeline_parallel_degree ..."
+
+
 def test_active_microbatches_and_forward_only(capsys: pytest.CaptureFixture[str]) -> None:
     base = ["--stages", "4", "--microbatches", "8"]
     assert _schedule.main([*base, "--active-microbatches", "2", "--json"]) == 0
