@@ -125,10 +125,24 @@ def is_initialized() -> bool:
     return _SESSION is not None
 
 
+_BUILT_WITH = {"gloo": dist.is_gloo_available, "nccl": dist.is_nccl_available,
+               "mpi": dist.is_mpi_available}  # fmt: skip
+"""Backends a torch build may lack; torch itself says so only inside init_process_group."""
+
+
 def _pick_backend(config: Config, device: torch.device) -> str:
     if config.backend == "auto":
         return _device.default_backend(device, config.pipeline_parallel_degree)
     _device.check_backend(device, config.backend)
+    built = _BUILT_WITH.get(config.backend)
+    if built is not None and not built():
+        mpi = " (ranks started by mpirun or `mpar launch --mpi` need no MPI backend)"
+        raise ConfigError(
+            f"config key 'backend' is {config.backend!r} but this torch build has no "
+            f"{config.backend.upper()} support (torch.distributed.is_{config.backend}_available() "
+            "is False); use backend 'auto' (gloo on the CPU, nccl on CUDA)"
+            + (mpi if config.backend == "mpi" else "")
+        )
     return config.backend
 
 

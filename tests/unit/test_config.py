@@ -417,6 +417,24 @@ def test_a_pipeline_started_as_one_process_is_told_how_to_launch(monkeypatch):
     assert not mpar.is_initialized()
 
 
+def test_a_backend_this_torch_lacks_is_a_config_error(monkeypatch):
+    """Before: torch's RuntimeError "Distributed package doesn't have MPI built in" (or
+    NCCL, with device 'auto' on a CPU-only host) from inside init_process_group."""
+    import torch
+    import torch.distributed as dist
+
+    for name in ("RANK", "WORLD_SIZE", "MPAR_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    if not dist.is_mpi_available():
+        with pytest.raises(ConfigError, match=r"'backend' is 'mpi' but this torch build has no"):
+            mpar.init({"backend": "mpi"})
+    if not torch.cuda.is_available():
+        # a CPU build has no NCCL at all; a CUDA build without a GPU has no CUDA device
+        with pytest.raises(ConfigError, match=r"'backend' is 'nccl' but (this torch|the dev)"):
+            mpar.init({"backend": "nccl"})
+    assert not mpar.is_initialized()
+
+
 @pytest.mark.parametrize("key", ["bf16", "fp16"])
 def test_mixed_precision_keys_start_mpar(key):
     assert getattr(config_from_dict({key: True}), key)
