@@ -79,3 +79,68 @@ def test_every_documented_flag_exists(page: str) -> None:
                 if flag not in _script_flags(script.group(0)) | {"--help"}:
                     unknown.append(f"{script.group(0)} {flag}: {line}")
     assert not unknown, "\n".join(unknown)
+
+
+def _python_snippets() -> list[tuple[str, str]]:
+    """(page, code) of every ```python block, comments removed."""
+    found = []
+    for page in PAGES:
+        for block in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S):
+            code = "\n".join(line.split("#", 1)[0] for line in block.splitlines())
+            found.append((page.name, code))
+    return found
+
+
+_RESOLVE = """
+import importlib, json, sys
+import mpar
+missing = []
+snippets = json.loads(sys.stdin.read())
+for page, dotted_names, imported in snippets:  # `import mpar` alone: a fresh interpreter
+    for dotted in dotted_names:
+        if any(dotted == m or dotted.startswith(m + ".") for m in imported):
+            continue  # the snippet imports that module itself
+        value = mpar
+        for name in dotted.split(".")[1:]:
+            if not hasattr(value, name):
+                missing.append(f"{page}: {dotted} (no {name!r} after import mpar)")
+                break
+            value = getattr(value, name)
+for page, _, imported in snippets:
+    for module in imported:
+        importlib.import_module(module)
+print(json.dumps(missing))
+"""
+
+
+def test_mpar_names_in_python_snippets_resolve() -> None:
+    """A snippet's ``mpar.a.b`` works after ``import mpar`` (and the imports the snippet
+    makes), and its ``from mpar.x import y`` imports; checked in a fresh interpreter, where
+    no other test has imported anything (before: docs/tensor_parallel.md used
+    mpar.testing.models, which ``import mpar`` does not load: AttributeError)."""
+    import importlib
+    import json
+    import subprocess
+    import sys
+
+    snippets = []
+    for page, code in _python_snippets():
+        imports = re.findall(r"^\s*import (mpar\.[\w.]+)", code, re.M)
+        froms = re.findall(r"^\s*from (mpar[\w.]*) import ([\w, ]+)", code, re.M)
+        body = re.sub(r"^\s*(from|import) .*$", "", code, flags=re.M)
+        dotted = re.findall(r"(?<![\w.])mpar(?:\.\w+)+", body)
+        snippets.append((page, dotted, imports + [m for m, _ in froms]))
+        for module, names in froms:
+            for name in (n.strip() for n in names.split(",")):
+                assert hasattr(importlib.import_module(module), name), f"{page}: {module}.{name}"
+    done = subprocess.run(
+        [sys.executable, "-c", _RESOLVE],
+        input=json.dumps(snippets),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    missing = json.loads(done.stdout.splitlines()[-1])
+    assert not missing, "\n".join(missing)
