@@ -3,8 +3,10 @@
 A reader copies ``mpar launch ... examples/train_cnn.py --steps 20`` or
 ``mpar plan --hf-config ... --seq-len 4096``; a flag the parser does not know
 fails at once on the reader's machine, so each documented flag is checked
-against the parser (``mpar launch | plan | schedule``) or the example script's
-own ``add_argument`` calls. Pure text and argparse, no processes.
+against the parser (``mpar launch | plan | schedule``) or the example's or
+benchmark's own ``add_argument`` calls (pure text and argparse). The names the
+``python`` snippets use (``mpar.a.b``, ``from mpar.x import y``) are resolved too,
+in one fresh interpreter.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ def _command_lines() -> list[tuple[str, str]]:
         for line in text.splitlines():
             for piece in re.split(r"`", line):
                 piece = piece.split(" #", 1)[0]
-                if re.search(r"\bmpar (launch|plan|schedule)\b|examples/\w+\.py", piece):
+                if re.search(
+                    r"\bmpar (launch|plan|schedule)\b|(examples|benchmarks)/\w+\.py", piece
+                ):
                     found.append((page.name, piece.strip()))
     return found
 
@@ -66,7 +70,7 @@ def test_every_documented_flag_exists(page: str) -> None:
     for where, line in _command_lines():
         if where != page:
             continue
-        script = re.search(r"examples/\w+\.py", line)
+        script = re.search(r"(examples|benchmarks)/\w+\.py", line)
         before = line[: script.start()] if script else line
         after = line[script.end() :] if script else ""
         command = re.search(r"\bmpar (launch|plan|schedule)\b", before)
