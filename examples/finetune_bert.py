@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from _flags import positive_int
 from _progress import progress
 
 import mpar
@@ -50,8 +51,10 @@ def build_model():
 
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--batch", type=int, default=16, help="samples per step per replica")
+    parser.add_argument("--steps", type=positive_int, default=60)
+    parser.add_argument(
+        "--batch", type=positive_int, default=16, help="samples per step per replica"
+    )
     parser.add_argument("--lr", type=float, default=2e-3)
     args = parser.parse_args(argv)
 

@@ -23,20 +23,24 @@ from __future__ import annotations
 import argparse
 
 import torch
+from _flags import at_least, positive_int
 from _progress import progress
 
 import mpar
 
 
 def packed_batches(vocab: int, seq: int, batch: int, seed: int):
-    """Endless batches of rows of ``seq`` tokens, documents of 32 to ``seq // 2`` tokens."""
+    """Endless batches of rows of ``seq`` tokens, documents of 32 to ``seq // 2`` tokens
+    (of ``seq // 4`` to ``seq // 2`` in rows shorter than 128)."""
     g = torch.Generator().manual_seed(seed)
     while True:
         ids, positions, labels = [], [], []
         for _ in range(batch):
             row, pos = [], []
             while len(row) < seq:
-                n = min(int(torch.randint(32, seq // 2, (1,), generator=g)), seq - len(row))
+                shortest = min(32, seq // 4)
+                n = int(torch.randint(shortest, seq // 2, (1,), generator=g))
+                n = min(n, seq - len(row))
                 start = int(torch.randint(0, vocab, (1,), generator=g))
                 row += [(start + i) % vocab for i in range(n)]
                 pos += list(range(n))
@@ -71,9 +75,11 @@ def build_model():
 
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--seq", type=int, default=1024, help="tokens per row (divisible by 2 cp)")
-    parser.add_argument("--batch", type=int, default=2, help="rows per step per replica")
+    parser.add_argument("--steps", type=positive_int, default=30)
+    parser.add_argument(
+        "--seq", type=at_least(8), default=1024, help="tokens per row (divisible by 2 cp)"
+    )
+    parser.add_argument("--batch", type=positive_int, default=2, help="rows per step per replica")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--pretrained", default=None, help="a Hugging Face checkpoint dir")
     args = parser.parse_args(argv)

@@ -21,6 +21,7 @@ import argparse
 from pathlib import Path
 
 import torch
+from _flags import positive_int
 from _progress import progress
 from train_llama import batches  # counting sequences
 
@@ -58,8 +59,10 @@ def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", type=Path, default=Path("/tmp/mpar-mixtral-small"))
     parser.add_argument("--out", type=Path, default=Path("/tmp/mpar-mixtral-tuned"))
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch", type=int, default=8, help="samples per step per replica")
+    parser.add_argument("--steps", type=positive_int, default=20)
+    parser.add_argument(
+        "--batch", type=positive_int, default=8, help="samples per step per replica"
+    )
     parser.add_argument("--lr", type=float, default=3e-3)
     args = parser.parse_args(argv)
 

@@ -25,6 +25,7 @@ import argparse
 from pathlib import Path
 
 import torch
+from _flags import at_least, positive_int
 from _progress import progress
 from train_llama import batches  # counting sequences
 
@@ -61,9 +62,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--make-checkpoint", type=Path, metavar="DIR",
                         help="write a small Llama checkpoint to DIR and exit (no hub needed)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("/tmp/mpar-llama-tuned"))
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--batch", type=int, default=8, help="samples per step per replica")
-    parser.add_argument("--seq", type=int, default=24, help="tokens per sample")
+    parser.add_argument("--steps", type=positive_int, default=30)
+    parser.add_argument(
+        "--batch", type=positive_int, default=8, help="samples per step per replica"
+    )
+    parser.add_argument("--seq", type=at_least(2), default=24, help="tokens per sample")
     parser.add_argument("--lr", type=float, default=3e-3)
     args = parser.parse_args(argv)
     if args.make_checkpoint is None:

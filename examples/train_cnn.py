@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from _flags import positive_int
 from _progress import progress
 from torch import nn
 
@@ -57,8 +58,10 @@ def make_batch(batch: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tens
 
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--batch", type=int, default=32, help="samples per step per replica")
+    parser.add_argument("--steps", type=positive_int, default=40)
+    parser.add_argument(
+        "--batch", type=positive_int, default=32, help="samples per step per replica"
+    )
     parser.add_argument("--lr", type=float, default=0.05)
     args = parser.parse_args(argv)
 

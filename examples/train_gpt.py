@@ -15,6 +15,7 @@ import argparse
 import time
 
 import torch
+from _flags import positive_int
 from _progress import progress
 
 import mpar
@@ -32,8 +33,10 @@ def batches(vocab: int, seq: int, batch: int, seed: int):
 
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--batch", type=int, default=16, help="samples per step per replica")
+    parser.add_argument("--steps", type=positive_int, default=40)
+    parser.add_argument(
+        "--batch", type=positive_int, default=16, help="samples per step per replica"
+    )
     parser.add_argument("--lr", type=float, default=3e-3)
     args = parser.parse_args(argv)
 

@@ -302,6 +302,11 @@ def default_backend(device: torch.device, pipeline_degree: int) -> str:
 
 def check_backend(device: torch.device, backend: str) -> None:
     """Refuse a backend that would not carry this device's collectives correctly."""
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError(
+            f"config key 'backend' is 'nccl' but the device is {device.type!r} (device 'auto' "
+            "finds no GPU here); NCCL needs CUDA: use backend 'gloo' or 'auto' on the CPU"
+        )
     if backend == "xla" and xla_runtime() not in _XLA_COLLECTIVES:
         raise ConfigError(
             f"config key 'backend' is 'xla' but PJRT's device is {xla_runtime()}: torch_xla's "

@@ -222,6 +222,8 @@ def _measured(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     """Execute ``mpar schedule`` for parsed ``args``; returns the exit status."""
     try:
+        if args.csv_communication and args.csv is None:
+            raise ValueError("--csv-communication only applies with --csv PATH: add --csv out.csv")
         if args.trace is not None and args.trace.is_dir():
             return _measured(args)
         schedule, result = _build_and_simulate(args)
@@ -248,7 +250,12 @@ def _build_and_simulate(args: argparse.Namespace) -> tuple[Schedule, SimulationR
         args.stages = args.stages or schedule.num_ranks
         args.microbatches = args.microbatches or schedule.num_microbatches
         check_csv_schedule(
-            schedule, args.pipeline, args.stages, args.microbatches, schedule.virtual_stages
+            schedule,
+            args.pipeline,
+            args.stages,
+            args.microbatches,
+            schedule.virtual_stages,
+            cli=True,
         )
     elif args.stages is None or args.microbatches is None:
         if args.trace is not None:  # a folder of measured timelines, misspelt or not made yet
@@ -286,7 +293,7 @@ def _generate(args: argparse.Namespace) -> Schedule:
 
 def _text_report(args: argparse.Namespace, schedule: Schedule, result: SimulationResult) -> str:
     p, v, m = schedule.num_ranks, schedule.virtual_stages, schedule.num_microbatches
-    kind = {"simple": "GPipe", "interleaved": "1F1B", "zero_bubble": "ZB-H1"}.get(
+    kind = {"simple": "GPipe", "interleaved": "1F1B", "zero_bubble": "ZB-H1", "zbv": "ZBV"}.get(
         args.pipeline, "from CSV"
     )
     mode = ", forward only" if schedule.is_forward_only else ""

@@ -125,10 +125,24 @@ def is_initialized() -> bool:
     return _SESSION is not None
 
 
+_BUILT_WITH = {"gloo": dist.is_gloo_available, "nccl": dist.is_nccl_available,
+               "mpi": dist.is_mpi_available}  # fmt: skip
+"""Backends a torch build may lack; torch itself says so only inside init_process_group."""
+
+
 def _pick_backend(config: Config, device: torch.device) -> str:
     if config.backend == "auto":
         return _device.default_backend(device, config.pipeline_parallel_degree)
     _device.check_backend(device, config.backend)
+    built = _BUILT_WITH.get(config.backend)
+    if built is not None and not built():
+        mpi = " (ranks started by mpirun or `mpar launch --mpi` need no MPI backend)"
+        raise ConfigError(
+            f"config key 'backend' is {config.backend!r} but this torch build has no "
+            f"{config.backend.upper()} support (torch.distributed.is_{config.backend}_available() "
+            "is False); use backend 'auto' (gloo on the CPU, nccl on CUDA)"
+            + (mpi if config.backend == "mpi" else "")
+        )
     return config.backend
 
 
@@ -243,6 +257,26 @@ def _check_device_memory(config: Config, device: torch.device) -> None:
         )
 
 
+def _check_world_size(config: Config, world_size: int) -> None:
+    """``config.check_world_size``; a script started as one process (``python train.py``
+    with a pipeline in its config) is told how to start it on several."""
+    try:
+        config.check_world_size(world_size)
+    except ConfigError as error:
+        if world_size != 1 or "pipeline_parallel_degree" in config.auto_keys:
+            raise
+        needed = (
+            config.pipeline_parallel_degree
+            * config.context_parallel_degree
+            * config.tensor_parallel_degree
+        )
+        raise ConfigError(
+            f"{error}. This process runs alone: start the script on {needed} processes or a "
+            f"multiple, e.g. `mpar launch --nproc-per-node {needed} script.py` (or torchrun, "
+            "mpirun, srun)"
+        ) from None
+
+
 def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None) -> Config:
     """Start mpar in this process; returns the resolved configuration.
 
@@ -259,7 +293,7 @@ def init(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = No
         )
     resolved = load_config(config)
     layout = detect_layout()
-    resolved.check_world_size(layout.world_size)
+    _check_world_size(resolved, layout.world_size)
     topology = Grid(
         layout.world_size,
         resolved.pipeline_parallel_degree,

@@ -393,11 +393,16 @@ _SECTIONS = ("zero", "zero_optimization")
 
 
 def merge_configs(
-    first: Mapping[str, object], second: Mapping[str, object], sources: tuple[str, str]
+    first: Mapping[str, object],
+    second: Mapping[str, object],
+    sources: tuple[str, str],
+    *,
+    section: str = "",
 ) -> dict[str, object]:
     """``first`` and ``second`` as one config: each key from whichever gives it, a
     key both give only when their values agree (sections key by key, an alias as
-    its canonical key); ``sources`` name the two in the error."""
+    its canonical key); ``sources`` name the two in the error, ``section`` (``"zero."``)
+    prefixes the keys it names."""
     merged: dict[str, object] = dict(first)
     canonical = {_ALIASES.get(k, k): k for k in first if isinstance(k, str)}
     for key, value in second.items():
@@ -407,11 +412,11 @@ def merge_configs(
             continue
         have = merged[mine]
         if key in _SECTIONS and isinstance(have, Mapping) and isinstance(value, Mapping):
-            merged[mine] = merge_configs(have, value, sources)
+            merged[mine] = merge_configs(have, value, sources, section=f"{section}{key}.")
             continue
         if have != value or type(have) is not type(value):
             raise ConfigError(
-                f"config key {key!r} is {have!r} in {sources[0]} but {value!r} in "
+                f"config key '{section}{key}' is {have!r} in {sources[0]} but {value!r} in "
                 f"{sources[1]}: the two configs are merged and may not disagree; give the "
                 "key in one of them (or the same value in both)"
             )

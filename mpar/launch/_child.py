@@ -104,12 +104,28 @@ def _record_exit(code: object) -> None:
         _failure.write_json_atomically(os.path.join(rundir, f"rank{rank}.exit.json"), record)
 
 
+def _argparse_message(exc: SystemExit) -> str | None:
+    """The message argparse printed before raising ``exc`` (its ``exit`` frame's), if any:
+    a script's bad command line then reads as such in the launcher's summary."""
+    tb: TracebackType | None = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "exit" and frame.f_code.co_filename.endswith("argparse.py"):
+            message = frame.f_locals.get("message")
+            return message.strip() if isinstance(message, str) and message.strip() else None
+        tb = tb.tb_next
+    return None
+
+
 def _report_failure(exc: BaseException, script: str) -> None:
+    message = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, SystemExit):
-        text = f"SystemExit: {exc.code}\n"
+        usage = _argparse_message(exc)
+        message += f" ({usage})" if usage else ""
+        text = f"{message}\n"
     else:
         text = _user_traceback(exc, script)
-    record_failure(f"{type(exc).__name__}: {exc}", text)
+    record_failure(message, text)
 
 
 def record_failure(message: str, text: str) -> None:

@@ -206,12 +206,22 @@ def _orphans(
         _set_attr(stage, name, param)
 
 
+# Hugging Face's output-capturing hooks (transformers 5: router logits, attentions,
+# hidden states) hand a module's output to the same forward's return value, dataflow
+# the capture records like any other: nothing to refuse or warn of.
+_HF_OUTPUT_CAPTURE = "transformers.utils.output_capturing"
+
+
 def _hooked(module: nn.Module, *kinds: str) -> list[str]:
     """The modules of ``module`` (by name) with any hook of the ``kinds`` attributes."""
     return [
         name or type(module).__name__
         for name, m in module.named_modules()
-        if any(getattr(m, kind) for kind in kinds)
+        if any(
+            getattr(hook, "__module__", None) != _HF_OUTPUT_CAPTURE
+            for kind in kinds
+            for hook in getattr(m, kind).values()
+        )
     ]
 
 

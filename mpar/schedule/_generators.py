@@ -115,12 +115,7 @@ def interleaved(
     ``forward_only=True`` keeps only the F actions, in the same order.
     """
     p, v, m = _check_shape(num_stages, num_ranks, num_microbatches)
-    if v > 1 and m % p:
-        raise ScheduleError(_multiple_message(p, v, m))
-    cap = v * m
-    if active_microbatches is not None and not forward_only:
-        least = least_active_microbatches("interleaved", p, v)
-        cap = _check_cap(active_microbatches, minimum=least, pipeline="interleaved", v=v)
+    cap = check_interleaved(p, v, m, active_microbatches, forward_only, "interleaved")
     actions = {r: _interleaved_rank(r, p, v, m, cap, forward_only) for r in range(p)}
     return Schedule(num_stages, num_ranks, num_microbatches, actions, name="interleaved")
 
@@ -195,10 +190,23 @@ def _check_cap(value: object, *, minimum: int, pipeline: str, v: int) -> int:
     return value
 
 
-def _multiple_message(p: int, v: int, m: int) -> str:
+def check_interleaved(
+    p: int, v: int, m: int, active_microbatches: int | None, forward_only: bool, pipeline: str
+) -> int:
+    """The requirements of 1F1B's order (``interleaved`` and ``zero_bubble``, named by
+    ``pipeline`` in the errors); returns the cap on pairs in flight per rank."""
+    if v > 1 and m % p:
+        raise ScheduleError(_multiple_message(p, v, m, pipeline))
+    if active_microbatches is None or forward_only:
+        return v * m
+    least = least_active_microbatches("interleaved", p, v)
+    return _check_cap(active_microbatches, minimum=least, pipeline=pipeline, v=v)
+
+
+def _multiple_message(p: int, v: int, m: int, pipeline: str) -> str:
     below, above = (m // p) * p, (m // p + 1) * p
     fix = f"use {below} or {above}" if below else f"use {above}"
     return (
-        f"interleaved with {v} virtual stages needs microbatches to be a multiple of "
+        f"{pipeline} with {v} virtual stages needs microbatches to be a multiple of "
         f"the pipeline degree {p} (got {m}); {fix}"
     )

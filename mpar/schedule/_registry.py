@@ -140,12 +140,19 @@ def _from_file(
 
 
 def check_csv_schedule(
-    schedule: Schedule, path: str, num_ranks: int, num_microbatches: int, virtual_stages: int
+    schedule: Schedule,
+    path: str,
+    num_ranks: int,
+    num_microbatches: int,
+    virtual_stages: int,
+    *,
+    cli: bool = False,
 ) -> None:
-    """What ``mpar schedule`` and ``mpar.init`` check of a schedule read from ``path``:
-    its shape against the config, then the schedule as the ranks run it (lowered
-    with its transfers: orders, counts, receives in the order of the sends)."""
-    check_csv_shape(schedule, path, num_ranks, num_microbatches, virtual_stages)
+    """What ``mpar schedule`` (``cli``) and ``mpar.init`` check of a schedule read from
+    ``path``: its shape against the config (or the command line's flags), then the
+    schedule as the ranks run it (lowered with its transfers: orders, counts, receives
+    in the order of the sends)."""
+    check_csv_shape(schedule, path, num_ranks, num_microbatches, virtual_stages, cli=cli)
     try:
         validate(lower(schedule))
     except ScheduleError as exc:
@@ -153,16 +160,31 @@ def check_csv_schedule(
 
 
 def check_csv_shape(
-    schedule: Schedule, path: str, num_ranks: int, num_microbatches: int, virtual_stages: int
+    schedule: Schedule,
+    path: str,
+    num_ranks: int,
+    num_microbatches: int,
+    virtual_stages: int,
+    *,
+    cli: bool = False,
 ) -> None:
-    """A schedule read from ``path`` must match the config's pipeline shape."""
+    """A schedule read from ``path`` must match the config's pipeline shape (``cli``:
+    ``mpar schedule``'s --stages and --microbatches)."""
     wanted = (num_ranks, virtual_stages, num_microbatches)
     found = (schedule.num_ranks, schedule.virtual_stages, schedule.num_microbatches)
     if wanted != found:
+        asker, fix = (
+            ("--stages and --microbatches ask", "leave them out (the file gives its shape)")
+            if cli
+            else (
+                "the config asks",
+                "set pipeline_parallel_degree, virtual_stages and microbatches",
+            )
+        )
         raise ScheduleError(
             f"the schedule in {path!r} has {found[0]} ranks x {found[1]} virtual stages and "
-            f"{found[2]} microbatches, but the config asks for {wanted[0]} x {wanted[1]} and "
-            f"{wanted[2]}; set pipeline_parallel_degree, virtual_stages and microbatches to match"
+            f"{found[2]} microbatches, but {asker} for {wanted[0]} x {wanted[1]} and "
+            f"{wanted[2]}; {fix} to match"
         )
 
 

@@ -29,7 +29,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from mpar.errors import ScheduleError
-from mpar.schedule._generators import _check_positive, interleaved
+from mpar.schedule._generators import (
+    _check_positive,
+    _check_shape,
+    check_interleaved,
+    interleaved,
+)
 from mpar.schedule._ir import Action, Kind, Schedule
 from mpar.schedule._simulate import StageCosts, peak_in_flight, simulate
 
@@ -65,6 +70,8 @@ def zero_bubble(
     (issue 29's benchmark, its traced times), ``k=3`` gives rank 1 a third microbatch.
     That order ran 1.07x the unit-cost one (``benchmarks/README.md``).
     """
+    p, v, m = _check_shape(num_stages, num_ranks, num_microbatches)
+    check_interleaved(p, v, m, active_microbatches, forward_only, "zero_bubble")
     base = interleaved(
         num_stages,
         num_ranks,

@@ -170,3 +170,37 @@ def test_long_context_example_splits_each_sequence_and_learns():
     )  # fmt: skip
     assert "cp=2 (ring), 256 tokens per sequence, 128 per rank" in out
     assert _final_loss(out) < 4.6, out[-2000:]  # below ln(128): it learns to count
+
+
+def _example(name: str):
+    """An example script as a module (its folder on sys.path, as ``python script`` has it)."""
+    import importlib
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+
+
+@pytest.mark.parametrize(
+    "script", ["train_gpt", "train_cnn", "train_llama", "finetune_bert", "finetune_long_context",
+               "finetune_mixtral", "finetune_pretrained"],
+)  # fmt: skip
+@pytest.mark.parametrize("flag", ["--steps", "--batch"])
+def test_example_refuses_a_count_below_one_before_starting(script, flag, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _example(script).main([flag, "0"])  # --steps 0 used to print "final loss nan", exit 0
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_long_context_rows_shorter_than_64_tokens_pack_documents():
+    import torch
+
+    # --seq 48 raised in torch.randint (documents of 32 to seq // 2 tokens)
+    batch = next(_example("finetune_long_context").packed_batches(128, 48, 2, seed=0))
+    assert batch["input_ids"].shape == (2, 48)
+    starts = batch["position_ids"] == 0
+    assert starts.sum(1).min() >= 2  # at least two documents in each row
+    assert torch.equal(batch["labels"][starts], torch.full_like(batch["labels"][starts], -100))

@@ -430,3 +430,28 @@ def test_a_bad_count_is_named(
     """(A word was 'invalid _positive_int value: 'abc'', the parser's function name.)"""
     code, err = _launch_in_process(capsys, flag, value, str(SCRIPTS / "allreduce.py"))
     assert code == 2 and f"argument {flag}" in err and message in err
+
+
+@pytest.mark.timeout(10)
+def test_a_scripts_bad_command_line_reads_as_such_in_the_failure_report(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before: the launcher's summary said only 'raised SystemExit: 2' for a script
+    given a bad flag (train_gpt.py --steps abc), the reason buried above among every
+    rank's output; now argparse's message follows."""
+    from mpar.launch import _child
+
+    recorded: list[tuple[str, str]] = []
+    monkeypatch.setattr(_child, "record_failure", lambda m, t: recorded.append((m, t)))
+    parser = argparse.ArgumentParser(prog="train.py")
+    parser.add_argument("--steps", type=int)
+    with pytest.raises(SystemExit) as bad:
+        parser.parse_args(["--steps", "abc"])
+    _child._report_failure(bad.value, "train.py")
+    message, text = recorded[0]
+    assert message == (
+        "SystemExit: 2 (train.py: error: argument --steps: invalid int value: 'abc')"
+    )
+    assert text == message + "\n"
+    _child._report_failure(SystemExit(3), "train.py")  # sys.exit(3): the code alone
+    assert recorded[1] == ("SystemExit: 3", "SystemExit: 3\n")

@@ -168,13 +168,22 @@ def _check_host_steps(log: list[Record], steps: int) -> None:
     assert stepped == order * steps, stepped
 
 
+PP2_DP2 = {"pipeline_parallel_degree": 2, "virtual_stages": 2, "nccl_rules": True}
+
+
 @pytest.mark.parametrize(
-    "zero", [{"stage": 3, **OFFLOAD}, {"stage": 2, "offload_optimizer": "cpu"}]
+    ("zero", "layout", "world"),
+    [
+        ({"stage": 3, **OFFLOAD}, {}, 2),
+        ({"stage": 2, "offload_optimizer": "cpu"}, {}, 2),
+        ({"stage": 3, **OFFLOAD}, PP2_DP2, 4),
+    ],
+    ids=["zero3-dp2", "zero2-dp2", "zero3-pp2-virtual-dp2-nccl-rules"],
 )
-def test_the_host_optimizer_steps_each_bucket_once_its_own_gradient_landed(zero):
+def test_the_host_optimizer_steps_each_bucket_once_its_own_gradient_landed(zero, layout, world):
     steps = 2
-    config = {"microbatches": 2, "zero": zero}
-    results = run_distributed(recorded_training, 2, args=(config, steps, None), timeout=180)
+    config = {"microbatches": 4, "zero": zero, **layout}
+    results = run_distributed(recorded_training, world, args=(config, steps, None), timeout=180)
     _assert_transparent(results, steps, clip=None)
     for r in results:
         _check_host_steps([tuple(record) for record in r["log"]], steps)

@@ -396,6 +396,45 @@ def test_to_dict_round_trip():
     assert config_from_dict(cfg.to_dict()) == cfg
 
 
+def test_a_pipeline_started_as_one_process_is_told_how_to_launch(monkeypatch):
+    """`python train.py` with {"pipeline_parallel_degree": 2}: before, only "the pipeline
+    degree must divide the world size (try one of [1])"; now also how to start it."""
+    for name in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "SLURM_PROCID",
+        "OMPI_COMM_WORLD_SIZE",
+        "PMI_SIZE",
+        "PMIX_RANK",
+        "MV2_COMM_WORLD_SIZE",
+    ):
+        monkeypatch.delenv(name, raising=False)  # fmt: skip
+    monkeypatch.delenv("MPAR_CONFIG", raising=False)
+    with pytest.raises(ConfigError, match=r"world size is 1.*mpar launch --nproc-per-node 4 "):
+        mpar.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2})
+    assert not mpar.is_initialized()
+
+
+def test_a_backend_this_torch_lacks_is_a_config_error(monkeypatch):
+    """Before: torch's RuntimeError "Distributed package doesn't have MPI built in" (or
+    NCCL, with device 'auto' on a CPU-only host) from inside init_process_group."""
+    import torch
+    import torch.distributed as dist
+
+    for name in ("RANK", "WORLD_SIZE", "MPAR_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    if not dist.is_mpi_available():
+        with pytest.raises(ConfigError, match=r"'backend' is 'mpi' but this torch build has no"):
+            mpar.init({"backend": "mpi"})
+    if not torch.cuda.is_available():
+        # a CPU build has no NCCL at all; a CUDA build without a GPU has no CUDA device
+        with pytest.raises(ConfigError, match=r"'backend' is 'nccl' but (this torch|the dev)"):
+            mpar.init({"backend": "nccl"})
+    assert not mpar.is_initialized()
+
+
 @pytest.mark.parametrize("key", ["bf16", "fp16"])
 def test_mixed_precision_keys_start_mpar(key):
     assert getattr(config_from_dict({key: True}), key)
@@ -471,7 +510,8 @@ def test_init_dict_and_launch_config_are_merged(tmp_path, monkeypatch):
         match=r"'microbatches' is 8 in the dict given to mpar.init but 4 in MPAR_CONFIG",
     ):
         load_config({"microbatches": 8})
-    with pytest.raises(ConfigError, match=r"'stage' is 3 in the dict .* but 2 in MPAR_CONFIG"):
+    # the section is named: 'zero.stage' (before: 'stage', which is no top-level key)
+    with pytest.raises(ConfigError, match=r"'zero.stage' is 3 in the dict .* but 2 in MPAR_"):
         load_config({"zero": {"stage": 3}})
     own = tmp_path / "own.yaml"
     own.write_text("pipeline_parallel_degree: 2\nmicrobatches: 2\n")

@@ -84,6 +84,29 @@ def test_csv_with_communication_round_trips(
     assert "rank 1: 1RECV_F0 1F0 " in capsys.readouterr().out
 
 
+def test_zbv_header_names_zbv_not_a_csv(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--pipeline", "zbv", "--stages", "2", "--microbatches", "4", "--virtual-stages", "2"]
+    assert _schedule.main(argv) == 0
+    assert capsys.readouterr().out.startswith("zbv (ZBV): 2 ranks x 2 virtual stages")
+
+
+def test_csv_communication_without_csv_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _schedule.main(["--stages", "2", "--microbatches", "4", "--csv-communication"]) == 1
+    assert "--csv-communication only applies with --csv" in capsys.readouterr().err
+
+
+def test_csv_of_another_shape_names_the_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "s.csv"
+    assert _schedule.main(["--stages", "2", "--microbatches", "2", "--csv", str(path)]) == 0
+    capsys.readouterr()
+    assert _schedule.main(["--pipeline", str(path), "--stages", "4"]) == 1
+    err = capsys.readouterr().err  # before: "the config asks for 4 x 1 ... set
+    assert "but --stages and --microbatches ask for 4 x 1 and 2; leave them out" in err
+    assert "pipeline_parallel_degree" not in err  # pipeline_parallel_degree ..."
+
+
 def test_active_microbatches_and_forward_only(capsys: pytest.CaptureFixture[str]) -> None:
     base = ["--stages", "4", "--microbatches", "8"]
     assert _schedule.main([*base, "--active-microbatches", "2", "--json"]) == 0
@@ -110,6 +133,21 @@ def test_impossible_combination_is_one_line(capsys: pytest.CaptureFixture[str]) 
     assert captured.err == (
         "mpar schedule: error: interleaved with 2 virtual stages needs microbatches to be "
         "a multiple of the pipeline degree 4 (got 6); use 4 or 8\n"
+    )
+
+
+def test_zero_bubble_errors_name_zero_bubble(capsys: pytest.CaptureFixture[str]) -> None:
+    # before: "interleaved with 2 virtual stages needs ..." for --pipeline zero_bubble
+    argv = ["--pipeline", "zero_bubble", "--stages", "2", "--microbatches", "3"]
+    assert _schedule.main([*argv, "--virtual-stages", "2"]) == 1
+    assert capsys.readouterr().err.startswith(
+        "mpar schedule: error: zero_bubble with 2 virtual stages needs microbatches to be "
+        "a multiple of the pipeline degree 2 (got 3); use 2 or 4"
+    )
+    argv = ["--pipeline", "zero_bubble", "--stages", "2", "--microbatches", "4"]
+    assert _schedule.main([*argv, "--virtual-stages", "2", "--active-microbatches", "2"]) == 1
+    assert "zero_bubble with 2 virtual stages needs active_microbatches >= 3" in (
+        capsys.readouterr().err
     )
 
 

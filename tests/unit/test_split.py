@@ -199,6 +199,22 @@ def test_module_hooks_in_a_captured_model():
         _check_transparent(model, (torch.randn(2, 4),), {}, [0, 1])
 
 
+def test_hugging_face_output_capturing_hooks_are_not_warned_of(recwarn):
+    """Before: every Mixtral run (the finetune_mixtral example included) warned that
+    model.layers.0, its self_attn and mlp.gate "have forward hooks": transformers 5's
+    hooks that hand router logits to the model's own output, which the capture records."""
+    capture = pytest.importorskip("transformers.utils.output_capturing")
+    model = _Skip()
+    capture.install_output_capuring_hook(model.b, "router_logits", 0)
+    _check_transparent(model, (torch.randn(2, 4),), {}, [0, 1])
+    assert not [w for w in recwarn if "forward hooks" in str(w.message)]
+    model = _Skip()
+    capture.install_output_capuring_hook(model.b, "router_logits", 0)
+    model.a.register_forward_hook(lambda m, i, o: None)  # a user's hook still is
+    with pytest.warns(UserWarning, match=r"\['a'\] have forward hooks"):
+        _check_transparent(model, (torch.randn(2, 4),), {}, [0, 1])
+
+
 def test_bad_boundaries():
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     with pytest.raises(PartitionError, match="boundaries"):
