@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -44,7 +45,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _launch.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args.run(args))
+    try:
+        status = int(args.run(args))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return _reader_gone()
+    return status
+
+
+def _reader_gone() -> int:
+    """The reader of our output left (``mpar schedule ... | head``): stop quietly, with
+    the non-zero status a Unix tool stopped by SIGPIPE has, instead of a traceback.
+    Standard output goes to the null device so that the interpreter's final flush does
+    not fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 1
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -178,3 +180,17 @@ def test_trace_of_a_missing_folder_says_so(tmp_path: Path, capsys: pytest.Captur
     err = capsys.readouterr().err
     assert f"--trace {str(missing)!r} is not an existing folder" in err
     assert "--stages and --microbatches" in err and "config key 'trace'" in err
+
+
+def test_a_reader_that_stops_early_ends_it_without_a_traceback() -> None:
+    """``mpar schedule ... | head``: the output (140 kB, more than a pipe holds) meets a
+    closed pipe; the command stops with status 1 and nothing on stderr."""
+    command = [sys.executable, "-m", "mpar", "schedule", "--pipeline", "interleaved"]
+    command += ["--stages", "8", "--microbatches", "256", "--actions"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.read(100)
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 1
+    assert stderr == "", stderr
